@@ -1,0 +1,1 @@
+"""deja: the command line (the composition root)."""

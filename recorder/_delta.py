@@ -1,0 +1,78 @@
+"""Store each model request as the previous request of its conversation plus what it adds.
+
+A Messages API request repeats the whole conversation so far. Stored whole, a cassette
+grows with the square of the number of turns. Stored as a delta it grows linearly::
+
+    {"body": {...}}                                     the first request of a conversation
+    {"base": 7, "keep": 12, "messages": [...],           request of seq 7, its first 12
+     "set": {"max_tokens": 2048}, "unset": ["tools"]}     messages, then these; fields changed
+
+Decoding needs the requests of earlier lines, so a reader expands requests in file order.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections import deque
+from typing import Any
+
+from ._canonical import canonical
+
+_WINDOW = 16  # recent requests considered as the base of a new one
+
+
+def _message_digests(messages: list[Any]) -> list[bytes]:
+    return [hashlib.blake2b(canonical(m), digest_size=16).digest() for m in messages]
+
+
+class DeltaEncoder:
+    """Remembers recent requests and encodes a new one against the best of them."""
+
+    def __init__(self) -> None:
+        self._recent: deque[tuple[int, dict[str, Any], list[bytes]]] = deque(maxlen=_WINDOW)
+
+    def encode(self, seq: int, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            return {"body": body}
+        messages = body["messages"]
+        digests = _message_digests(messages)
+        best: tuple[int, int, dict[str, Any]] | None = None
+        for base_seq, base_body, base_digests in self._recent:
+            keep = _common_prefix(base_digests, digests)
+            if keep and (best is None or keep > best[1]
+                         or (keep == best[1] and base_seq > best[0])):
+                best = (base_seq, keep, base_body)
+        self._recent.append((seq, body, digests))
+        if best is None:
+            return {"body": body}
+        base_seq, keep, base_body = best
+        rest = {k: v for k, v in body.items() if k != "messages"}
+        changed = {k: v for k, v in rest.items()
+                   if k not in base_body or canonical(base_body[k]) != canonical(v)}
+        delta: dict[str, Any] = {"base": base_seq, "keep": keep, "messages": messages[keep:]}
+        if changed:
+            delta["set"] = changed
+        unset = sorted(k for k in base_body if k != "messages" and k not in body)
+        if unset:
+            delta["unset"] = unset
+        return delta
+
+
+def _common_prefix(a: list[bytes], b: list[bytes]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def decode(stored: dict[str, Any], bodies: dict[int, Any]) -> Any:
+    """Rebuild a request from its stored form; ``bodies`` maps seq to decoded requests."""
+    if "body" in stored:
+        return stored["body"]
+    base = bodies[stored["base"]]
+    body = {k: v for k, v in base.items() if k != "messages" and k not in stored.get("unset", ())}
+    body.update(copy.deepcopy(stored.get("set", {})))
+    body["messages"] = base["messages"][: stored["keep"]] + stored["messages"]
+    return body

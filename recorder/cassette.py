@@ -1,0 +1,304 @@
+"""The cassette: one run's observation log, JSON Lines, signed, append-only.
+
+Line 1 is the header; its first field is the format version. Every further line is one
+observation with a dense ``seq``; the last line of a finished run is ``kind: "end"``.
+Each line ends with ``sig`` = HMAC-SHA256(key, previous sig + canonical JSON of the line
+without ``sig``), the header's previous sig being empty. Editing, inserting, deleting or
+reordering a line breaks the chain at that line, and the reader names it.
+
+The writer makes one ``write`` per line. The fsync policy decides when a line is also
+forced to disk: ``sync`` every line, ``turn`` model turns, side effects, control and end
+lines (the default), ``exit`` only when the run ends. A process killed between two lines
+loses nothing it wrote; one killed in the middle of a write leaves a torn last line,
+which the reader reports and never accepts silently.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+import os
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import _delta
+from ._canonical import canonical
+from .errors import (
+    ConfigError,
+    CorruptCassette,
+    KeyMissing,
+    SignatureError,
+    TornCassette,
+    UnsupportedFormat,
+)
+from .keys import Keyring, key_id
+
+FORMAT = "deja/1"
+READABLE_FORMATS = (FORMAT,)
+KINDS = ("model", "http", "tool", "intent", "outcome", "effect", "control", "end")
+
+
+class Fsync(str, enum.Enum):
+    """When the writer forces a line to disk."""
+
+    SYNC = "sync"
+    TURN = "turn"
+    EXIT = "exit"
+
+    @classmethod
+    def parse(cls, value: str | Fsync) -> Fsync:
+        try:
+            return cls(value)
+        except ValueError:
+            valid = ", ".join(m.value for m in cls)
+            raise ConfigError(f"unknown fsync policy {value!r}; valid: {valid}") from None
+
+
+_TURN_SYNC_KINDS = frozenset({"model", "intent", "outcome", "control", "end"})
+
+
+def sign(key: bytes, prev_sig: str, line: dict[str, Any]) -> str:
+    return hmac.new(key, prev_sig.encode("ascii") + canonical(line), hashlib.sha256).hexdigest()
+
+
+class CassetteWriter:
+    """Appends signed lines to a cassette file. Thread-safe."""
+
+    def __init__(self, path: str | Path, header: dict[str, Any], key: bytes,
+                 fsync: Fsync | str = Fsync.TURN, *, overwrite: bool = False) -> None:
+        self.path = Path(path)
+        self.fsync = Fsync.parse(fsync)
+        self._key = key
+        self._lock = threading.Lock()
+        self._delta = _delta.DeltaEncoder()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+        flags |= os.O_TRUNC if overwrite else os.O_EXCL
+        try:
+            self._fd = os.open(self.path, flags, 0o644)
+        except FileExistsError:
+            raise ConfigError(f"cassette {self.path} already exists; choose another path "
+                              "or pass overwrite=True (--force)") from None
+        self._prev = ""
+        self._seq = 0
+        self.closed = False
+        header = {"format": FORMAT, **{k: v for k, v in header.items() if k != "format"}}
+        header["key_id"] = key_id(key)
+        self.header = header
+        self._write(header, sync=True, header=True)
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    def append(self, obs: dict[str, Any], *, request_body: Any = None, has_request: bool = False,
+               sync: bool = False) -> dict[str, Any]:
+        """Assign ``seq``, sign and write ``obs``; returns the line as written.
+
+        With ``has_request`` the model request ``request_body`` is stored as a delta
+        against an earlier request of the same conversation.
+        """
+        with self._lock:
+            if self.closed:
+                raise ConfigError(f"cassette {self.path} is closed; nothing more can be appended")
+            line = {"seq": self._seq, **obs}
+            if has_request:
+                line["request"] = self._delta.encode(self._seq, request_body)
+            kind = line.get("kind")
+            force = (sync or self.fsync is Fsync.SYNC
+                     or (self.fsync is Fsync.TURN and kind in _TURN_SYNC_KINDS))
+            self._write(line, sync=force)
+            self._seq += 1
+            return line
+
+    def close(self, end: dict[str, Any]) -> dict[str, Any]:
+        """Write the ``end`` line, force everything to disk and close the file."""
+        with self._lock:
+            if self.closed:
+                raise ConfigError(f"cassette {self.path} is already closed")
+            line = {"seq": self._seq, "kind": "end", **end}
+            self._write(line, sync=True)
+            self._seq += 1
+            self.closed = True
+            os.close(self._fd)
+            return line
+
+    def abandon(self) -> None:
+        """Close the file without an end line (the run is to be resumed later)."""
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                os.fsync(self._fd)
+                os.close(self._fd)
+
+    def _write(self, line: dict[str, Any], *, sync: bool, header: bool = False) -> None:
+        body = canonical(line)
+        sig = hmac.new(self._key, self._prev.encode("ascii") + body, hashlib.sha256).hexdigest()
+        if header:  # the header keeps its field order so that "format" comes first
+            body = json.dumps(line, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        data = memoryview(body[:-1] + b',"sig":"' + sig.encode("ascii") + b'"}\n')
+        while data:
+            data = data[os.write(self._fd, data):]
+        if sync:
+            os.fsync(self._fd)
+        self._prev = sig
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class Cassette:
+    """A loaded cassette: header, observations (``end`` excluded) and what loading found."""
+
+    path: Path
+    header: dict[str, Any]
+    observations: tuple[dict[str, Any], ...]
+    end: dict[str, Any] | None
+    verified: bool
+    verify_note: str
+    torn_offset: int | None = None
+    requests: dict[int, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def run(self) -> str:
+        return str(self.header.get("run"))
+
+    def request_of(self, seq: int) -> Any:
+        """The full request body of the model observation ``seq``."""
+        return self.requests[seq]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.observations)
+
+    def __len__(self) -> int:
+        return len(self.observations)
+
+
+def _lines(path: Path) -> tuple[list[tuple[int, bytes]], int | None]:
+    """Split the file into (offset, line) pairs; the offset of a torn last line, if any."""
+    data = path.read_bytes()
+    out: list[tuple[int, bytes]] = []
+    pos = 0
+    torn: int | None = None
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        if nl < 0:
+            torn = pos
+            break
+        out.append((pos, data[pos:nl]))
+        pos = nl + 1
+    return out, torn
+
+
+def load(path: str | Path, *, keyring: Keyring | None = None, require_signature: bool = False,
+         allow_torn: bool = False, allow_incomplete: bool = True) -> Cassette:
+    """Read and check a cassette.
+
+    The signature chain is verified when ``keyring`` holds the key the header names;
+    otherwise the cassette loads unverified (``verified`` is False and ``verify_note`` says
+    why) unless ``require_signature``. The structure (JSON, dense seq, kinds, one end line
+    at the end) is always checked.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CorruptCassette(f"no cassette at {path}", path=path)
+    lines, torn = _lines(path)
+    if not lines:
+        if torn is not None:
+            raise TornCassette(f"{path}: the header line is torn (the recording crashed while "
+                               "starting); nothing can be replayed", path=path, offset=0)
+        raise CorruptCassette(f"{path} is empty; it is not a deja cassette", path=path)
+    try:
+        header = json.loads(lines[0][1])
+    except ValueError as exc:
+        raise CorruptCassette(f"{path}: line 1 is not JSON ({exc}); not a deja cassette",
+                              path=path) from None
+    if not isinstance(header, dict) or "format" not in header:
+        raise CorruptCassette(f"{path}: line 1 has no 'format' field; not a deja cassette",
+                              path=path)
+    if header["format"] not in READABLE_FORMATS:
+        raise UnsupportedFormat(
+            f"{path}: cassette format {header['format']!r} is not supported by this deja "
+            f"(it reads {', '.join(READABLE_FORMATS)}); upgrade deja to read it", path=path)
+    if torn is not None and not allow_torn:
+        seq = len(lines) - 1
+        raise TornCassette(
+            f"{path}: the last line (seq {seq}, byte {torn}) is torn: the recording process "
+            "died while writing it. Everything before it is intact; resume the run to cut "
+            "it, or pass allow_torn (--allow-torn) to use the intact part",
+            path=path, seq=seq, offset=torn)
+
+    key = None
+    note = ""
+    kid = header.get("key_id")
+    if keyring is not None and kid:
+        key = keyring.get(kid)
+    if key is None:
+        note = (f"not verified: key {kid} is not available (set DEJA_KEY or DEJA_OLD_KEYS)"
+                if kid else "not verified: the header names no key")
+        if require_signature:
+            raise KeyMissing(f"{path}: signature required but {note[len('not verified: '):]}")
+    else:
+        note = f"verified with key {kid}"
+
+    prev = ""
+    observations: list[dict[str, Any]] = []
+    end: dict[str, Any] | None = None
+    requests: dict[int, Any] = {}
+    for index, (_offset, raw) in enumerate(lines):
+        if index == 0:
+            line = header
+        else:
+            try:
+                line = json.loads(raw)
+            except ValueError as exc:
+                raise CorruptCassette(f"{path}: line {index + 1} (seq {index - 1}) is not "
+                                      f"valid JSON: {exc}", path=path, seq=index - 1) from None
+        sig = line.pop("sig", None) if isinstance(line, dict) else None
+        seq = index - 1
+        if key is not None:
+            if not isinstance(sig, str) or not hmac.compare_digest(sig, sign(key, prev, line)):
+                what = "the header" if index == 0 else f"seq {seq}"
+                raise SignatureError(
+                    f"{path}: signature check failed at {what} (line {index + 1}): the line "
+                    "was edited, inserted, deleted or moved after it was written. Do not "
+                    "trust this cassette; restore it from where it was committed",
+                    path=path, seq=None if index == 0 else seq)
+            prev = sig
+        if index == 0:
+            continue
+        if not isinstance(line, dict) or line.get("seq") != seq:
+            got = line.get("seq") if isinstance(line, dict) else None
+            raise CorruptCassette(f"{path}: line {index + 1} has seq {got}, expected {seq}: "
+                                  "lines were deleted, inserted or reordered", path=path, seq=seq)
+        if line.get("kind") not in KINDS:
+            raise CorruptCassette(f"{path}: seq {seq} has unknown kind {line.get('kind')!r}",
+                                  path=path, seq=seq)
+        if end is not None:
+            raise CorruptCassette(f"{path}: seq {seq} follows the end line (seq {end['seq']})",
+                                  path=path, seq=seq)
+        if line["kind"] == "end":
+            end = line
+            continue
+        if "request" in line and line["kind"] == "model":
+            try:
+                requests[seq] = _delta.decode(line["request"], requests)
+            except (KeyError, IndexError, TypeError) as exc:
+                raise CorruptCassette(f"{path}: seq {seq}: its request refers to a missing "
+                                      f"base ({exc})", path=path, seq=seq) from None
+        observations.append(line)
+    if end is None and not allow_incomplete:
+        last = len(observations) - 1
+        raise CorruptCassette(
+            f"{path}: no end line after seq {last}: the file was truncated or the run "
+            "crashed. Resume the run, or allow an incomplete cassette (--allow-incomplete)",
+            path=path, seq=last + 1)
+    return Cassette(path=path, header=header, observations=tuple(observations), end=end,
+                    verified=key is not None, verify_note=note, torn_offset=torn,
+                    requests=requests)

@@ -1,0 +1,151 @@
+"""Every error deja raises, under one root.
+
+::
+
+    DejaError
+    ├── ConfigError              bad arguments or settings, found before anything runs
+    ├── KeyMissing               no signing key where one is required
+    ├── CassetteError            a cassette file that cannot be trusted as it is
+    │   ├── CorruptCassette      a line that is not valid JSON or breaks the format
+    │   │   └── TornCassette     the last line was cut short (a crash mid-write)
+    │   ├── SignatureError       the HMAC chain does not verify: edited, inserted,
+    │   │                        deleted or reordered lines
+    │   └── UnsupportedFormat    a format version this deja does not read
+    ├── UnserializableValue      a tool result or effect value that cannot be stored
+    ├── SessionError             record/replay used wrongly (nested, not active, closed)
+    ├── Divergence               replay: the agent asked for something the cassette
+    │                            does not hold at that point
+    └── ToolReplayError          replay: a recorded tool raised; the original exception
+                                 class could not be rebuilt, so this stands in for it
+
+Messages say what happened, where (file, run, seq) and what to do next.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class DejaError(Exception):
+    """Root of every error deja raises."""
+
+
+class ConfigError(DejaError):
+    """Invalid configuration or arguments."""
+
+
+class KeyMissing(DejaError):
+    """A signing key is required and none is available."""
+
+
+class CassetteError(DejaError):
+    """A cassette cannot be used as it is."""
+
+    def __init__(self, message: str, *, path: str | Path | None = None, seq: int | None = None):
+        self.path = str(path) if path is not None else None
+        self.seq = seq
+        super().__init__(message)
+
+
+class CorruptCassette(CassetteError):
+    """A line is not valid JSON or breaks the cassette format."""
+
+
+class TornCassette(CorruptCassette):
+    """The last line was cut short, as a crash in the middle of a write leaves it."""
+
+    def __init__(self, message: str, *, path: str | Path | None = None, seq: int | None = None,
+                 offset: int = 0):
+        self.offset = offset
+        super().__init__(message, path=path, seq=seq)
+
+
+class SignatureError(CassetteError):
+    """The signature chain does not verify."""
+
+
+class UnsupportedFormat(CassetteError):
+    """The cassette was written in a format version this deja cannot read."""
+
+
+class UnserializableValue(DejaError):
+    """A value that a cassette cannot hold faithfully."""
+
+
+class SessionError(DejaError):
+    """Recording or replay was used in a way that cannot work."""
+
+
+@dataclass(frozen=True)
+class DivergenceInfo:
+    """The facts of a divergence, kept on the exception and in a ReplayResult."""
+
+    step: int | None
+    kind: str
+    reason: str
+    expected: object
+    actual: object
+    diff: str
+
+
+class Divergence(DejaError):
+    """The agent asked for something the cassette does not hold at this point of the run."""
+
+    def __init__(self, info: DivergenceInfo, *, path: str | Path | None = None):
+        self.info = info
+        self.path = str(path) if path is not None else None
+        super().__init__(self._message())
+
+    @property
+    def step(self) -> int | None:
+        return self.info.step
+
+    @property
+    def diff(self) -> str:
+        return self.info.diff
+
+    def _message(self) -> str:
+        where = f"step {self.info.step}" if self.info.step is not None else "after the last step"
+        head = f"replay diverged at {where} ({self.info.kind}): {self.info.reason}"
+        if self.path:
+            head += f"\n  cassette: {self.path}"
+        body = f"\n{self.info.diff}" if self.info.diff else ""
+        hint = ("\n  The agent's code or inputs changed since this run was recorded. "
+                "Re-record it, or fork the run at this step to test the change.")
+        return head + body + hint
+
+
+class ToolReplayError(DejaError):
+    """A recorded tool raised an exception whose class could not be rebuilt on replay."""
+
+    def __init__(self, tool: str, error_type: str, message: str):
+        self.tool = tool
+        self.error_type = error_type
+        super().__init__(f"{error_type}: {message} (recorded error of tool {tool!r})")
+
+
+def sdk_passthrough(exc: DejaError) -> DejaError:
+    """Return ``exc`` as an instance the anthropic SDK re-raises untouched.
+
+    The SDK wraps any exception raised by its HTTP transport in ``APIConnectionError`` and
+    retries it, except its own ``AnthropicError`` family. A divergence or a guard decision
+    must reach the agent at once and as itself, so it is re-classed into a subclass of both
+    its own type and ``AnthropicError``; ``except Divergence`` still catches it.
+    """
+    try:
+        import anthropic
+    except ImportError:  # pragma: no cover - anthropic is a dependency
+        return exc
+    cls = type(exc)
+    if isinstance(exc, anthropic.AnthropicError):
+        return exc
+    sub = _PASSTHROUGH.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (cls, anthropic.AnthropicError), {"__module__": cls.__module__})
+        _PASSTHROUGH[cls] = sub
+    exc.__class__ = sub
+    return exc
+
+
+_PASSTHROUGH: dict[type, type] = {}

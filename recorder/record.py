@@ -1,0 +1,323 @@
+"""Recording a run: ``record(...)`` and the session that writes the observation log.
+
+::
+
+    import recorder
+
+    with recorder.record("cassettes/") as run:      # a directory: <run id>.jsonl inside
+        agent()                                      # model, HTTP, tool and effect calls logged
+    print(run.path, run.totals)
+
+``record`` works as a decorator too, on sync and async functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.metadata
+import inspect
+import logging
+import os
+import platform
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from . import _values, capture, session
+from ._canonical import digest
+from ._summary import summarize
+from .cassette import CassetteWriter, Fsync
+from .errors import SessionError
+from .exchange import (
+    HttpRequest,
+    HttpResponse,
+    Redaction,
+    fingerprint,
+    model_provider,
+    response_record,
+    semantic_headers,
+    stored_body,
+)
+from .keys import Keyring, load_keyring, require_signing_key
+from .pricing import PriceTable
+
+log = logging.getLogger("deja.recorder")
+
+_PACKAGES = ("deja", "anthropic", "httpx2", "vcrpy")
+
+
+def new_run_id() -> str:
+    """Sortable by start time: ``r_`` + 12 hex digits of milliseconds + 8 random."""
+    return f"r_{int(time.time() * 1000):012x}{secrets.token_hex(4)}"
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            out[name] = importlib.metadata.version(name)
+    return out
+
+
+def error_record(exc: BaseException) -> dict[str, str]:
+    cls = type(exc)
+    return {"type": cls.__qualname__, "module": cls.__module__, "message": str(exc)}
+
+
+class RecordSession(session.Session):
+    """Writes every observation of one run to its cassette as it happens."""
+
+    mode = "record"
+
+    def __init__(self, path: str | Path, *, labels: dict[str, Any] | None = None,
+                 fsync: Fsync | str = Fsync.TURN, redact_headers: tuple[str, ...] = (),
+                 redact_body: tuple[str, ...] = (), prices: dict[str, Any] | None = None,
+                 argv: list[str] | None = None, entry: str | None = None,
+                 overwrite: bool = False, keyring: Keyring | None = None,
+                 run_id: str | None = None) -> None:
+        self.run_id = run_id or new_run_id()
+        path = Path(path)
+        if path.is_dir() or str(path).endswith(os.sep) or path.suffix == "":
+            path = path / f"{self.run_id}.jsonl"
+        self.path = path
+        self.fsync = Fsync.parse(fsync)
+        self.labels = dict(labels or {})
+        self.redaction = Redaction.of(redact_headers, redact_body)
+        self.prices = PriceTable(prices)
+        self._argv = list(argv if argv is not None else [sys.executable, *sys.argv])
+        self._entry = entry
+        self._overwrite = overwrite
+        self._keyring = keyring
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+        self.totals: dict[str, Any] = {"model_calls": 0, "http_calls": 0, "tool_calls": 0,
+                                       "effects": 0, "input_tokens": 0, "output_tokens": 0,
+                                       "cost_usd": 0.0, "errors": 0}
+        self.writer: CassetteWriter | None = None
+        self.end: dict[str, Any] | None = None
+        self._patches: contextlib.ExitStack | None = None
+
+    # -- lifecycle
+
+    def start(self) -> RecordSession:
+        ring = self._keyring or load_keyring()
+        header = {
+            "run": self.run_id, "parent": None,
+            "created": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "argv": self._argv, "cwd": os.getcwd(), "entry": self._entry,
+            "versions": _versions(), "labels": self.labels, "budgets": None,
+            "fsync": self.fsync.value, "redact": self.redaction.to_header(),
+        }
+        self.writer = CassetteWriter(self.path, header, require_signing_key(ring), self.fsync,
+                                     overwrite=self._overwrite)
+        session.activate(self)
+        try:
+            stack = contextlib.ExitStack()
+            stack.enter_context(capture.install(self))
+            self._patches = stack
+        except BaseException:
+            session.deactivate(self)
+            raise
+        log.info("recording run %s to %s", self.run_id, self.path)
+        return self
+
+    def close(self, status: str = "completed", error: BaseException | None = None) -> dict:
+        """Write the end line with status and totals; remove the patches."""
+        if self.end is not None:
+            return self.end
+        try:
+            if self._patches is not None:
+                self._patches.close()
+        finally:
+            session.deactivate(self)
+        assert self.writer is not None
+        with self._lock:
+            totals = dict(self.totals, cost_usd=round(self.totals["cost_usd"], 8),
+                          duration_s=round(time.perf_counter() - self._t0, 3),
+                          observations=self.writer.next_seq)
+        end: dict[str, Any] = {"status": status, "totals": totals}
+        if error is not None:
+            end["error"] = error_record(error)
+        self.end = self.writer.close(end)
+        return self.end
+
+    # -- the capture seam
+
+    def begin_http(self, request: HttpRequest) -> HttpResponse | None:
+        return None
+
+    def end_http(self, request: HttpRequest, response: HttpResponse | None, timing: session.Timing,
+                 error: BaseException | None = None) -> None:
+        assert self.writer is not None
+        provider = model_provider(request.method, request.url)
+        body, body_extra = stored_body(request.body)
+        if provider and not body_extra:
+            body = self.redaction.body(body)
+            obs: dict[str, Any] = {
+                "kind": "model", "provider": provider, "url": request.url,
+                "fp": fingerprint("model", request.method, request.url, body),
+                "model": body.get("model") if isinstance(body, dict) else None,
+                "stream": bool(isinstance(body, dict) and body.get("stream")),
+                "request_headers": semantic_headers(request.headers, self.redaction),
+            }
+            request_body, has_request = body, True
+        else:
+            fp_body = {"text": body, **body_extra} if body_extra else self.redaction.body(body)
+            obs = {"kind": "http", "method": request.method.upper(), "url": request.url,
+                   "fp": fingerprint("http", request.method, request.url, fp_body),
+                   "request": {"headers": semantic_headers(request.headers, self.redaction),
+                               "body": fp_body}}
+            request_body, has_request = None, False
+        obs["t"] = round(timing.start, 6)
+        obs["ms"] = round(timing.ms, 3)
+        if timing.ttfb_ms is not None:
+            obs["ttft_ms"] = round(timing.ttfb_ms, 3)
+        cost = None
+        summary: dict[str, Any] = {}
+        if response is not None:
+            obs["response"] = response_record(response, self.redaction)
+            if provider:
+                ctype = next((v for k, v in response.headers if k.lower() == "content-type"), "")
+                summary = summarize(provider, response.status, ctype, response.body)
+                usage = summary.get("usage") or {}
+                cost = self.prices.cost(summary.get("model") or obs.get("model"), usage)
+                obs.update({"usage": usage or None, "stop_reason": summary.get("stop_reason"),
+                            "message_id": summary.get("message_id"), "cost_usd": cost})
+                if summary.get("error"):
+                    obs["api_error"] = summary["error"]
+        if error is not None:
+            obs["error"] = {**error_record(error), "has_response": response is not None}
+        self.writer.append(obs, request_body=request_body, has_request=has_request)
+        with self._lock:
+            t = self.totals
+            t["model_calls" if provider else "http_calls"] += 1
+            if error is not None or (response is not None and response.status >= 400):
+                t["errors"] += 1
+            usage = summary.get("usage") or {}
+            t["input_tokens"] += usage.get("input_tokens", 0)
+            t["output_tokens"] += usage.get("output_tokens", 0)
+            t["cost_usd"] += cost or 0.0
+
+    def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],
+                  run: Callable[[], Any]) -> Any:
+        start, t0 = time.time(), time.perf_counter()
+        try:
+            result = run()
+        except Exception as exc:
+            self._log_tool(tool, args, start, t0, error=exc)
+            raise
+        self._log_tool(tool, args, start, t0, result=result)
+        return result
+
+    async def call_tool_async(self, tool: session.ToolSpec, args: dict[str, Any],
+                              run: Callable[[], Any]) -> Any:
+        start, t0 = time.time(), time.perf_counter()
+        try:
+            result = await run()
+        except Exception as exc:
+            self._log_tool(tool, args, start, t0, error=exc)
+            raise
+        self._log_tool(tool, args, start, t0, result=result)
+        return result
+
+    def _log_tool(self, tool: session.ToolSpec, args: dict[str, Any], start: float, t0: float,
+                  *, result: Any = None, error: BaseException | None = None) -> None:
+        assert self.writer is not None
+        key = _values.args_key(args)
+        obs: dict[str, Any] = {"kind": "tool", "name": tool.name, "args": key,
+                               "fp": digest(["tool", tool.name, key]), "t": round(start, 6),
+                               "ms": round((time.perf_counter() - t0) * 1000, 3)}
+        if error is not None:
+            obs["error"] = error_record(error)
+        else:
+            value = tool.encode(result) if tool.encode else result
+            obs["result"] = _values.encode(value, where=f"result of tool {tool.name!r}")
+        self.writer.append(obs, sync=tool.side_effect)
+        with self._lock:
+            self.totals["tool_calls"] += 1
+            if error is not None:
+                self.totals["errors"] += 1
+
+    def effect(self, name: str, produce: Callable[[], Any]) -> Any:
+        assert self.writer is not None
+        value = produce()
+        self.writer.append({"kind": "effect", "name": name,
+                            "value": _values.encode(value, where=f"effect {name!r}")})
+        with self._lock:
+            self.totals["effects"] += 1
+        return value
+
+
+class _Record(contextlib.ContextDecorator):
+    """What ``record()`` returns: a context manager and a decorator (sync and async)."""
+
+    def __init__(self, path: str | Path, kwargs: dict[str, Any]) -> None:
+        self._path, self._kwargs = path, kwargs
+        self._stack: list[RecordSession | None] = []
+
+    def __enter__(self) -> session.Session:
+        current = session.active()
+        if current is not None:
+            # Already recorded or replayed from outside (``deja record``/``deja replay``):
+            # the outer session keeps serving; this block adds nothing of its own.
+            log.info("record(%s): a %s session is already active; using it", self._path,
+                     current.mode)
+            self._stack.append(None)
+            return current
+        rec = RecordSession(self._path, **self._kwargs).start()
+        self._stack.append(rec)
+        return rec
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        rec = self._stack.pop()
+        if rec is None:
+            return
+        if exc is None:
+            rec.close("completed")
+        elif isinstance(exc, KeyboardInterrupt):
+            rec.close("interrupted", exc)
+        else:
+            rec.close("error", exc)
+
+    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(func):
+            @functools.wraps(func)
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                with self._recreate_cm():
+                    return await func(*args, **kwargs)
+            return wrapper
+        return super().__call__(func)
+
+    def _recreate_cm(self) -> _Record:
+        return _Record(self._path, self._kwargs)
+
+
+def record(path: str | Path = "cassettes", *, labels: dict[str, Any] | None = None,
+           fsync: Fsync | str = Fsync.TURN, redact_headers: tuple[str, ...] = (),
+           redact_body: tuple[str, ...] = (), prices: dict[str, Any] | None = None,
+           overwrite: bool = False, keyring: Keyring | None = None) -> _Record:
+    """Record a run into a cassette at ``path`` (a file, or a directory for ``<run>.jsonl``).
+
+    ``fsync``: ``"sync"`` forces every line to disk, ``"turn"`` (default) model turns,
+    side effects, control and end lines, ``"exit"`` only the end. ``redact_headers`` and
+    ``redact_body`` (JSON pointers) add to the secrets that never reach disk
+    (authorization, x-api-key, cookies). ``prices`` overrides the dollar price table.
+    """
+    Fsync.parse(fsync)
+    kwargs = {"labels": labels, "fsync": fsync, "redact_headers": tuple(redact_headers),
+              "redact_body": tuple(redact_body), "prices": prices, "overwrite": overwrite,
+              "keyring": keyring}
+    return _Record(path, kwargs)
+
+
+def start(path: str | Path, **kwargs: Any) -> RecordSession:
+    """Start recording without a ``with`` block (used by the ``deja record`` bootstrap)."""
+    if session.active() is not None:
+        raise SessionError("a session is already active in this process")
+    return RecordSession(path, **kwargs).start()

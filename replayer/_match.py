@@ -1,0 +1,86 @@
+"""The replay index: which recorded observation answers which call, in O(1).
+
+Observations are grouped by a key (the request fingerprint for model and HTTP calls,
+``tool`` + name + arguments for tools, the name for effects). Each group is a queue in
+recorded order, so identical calls are served in the order they were recorded and
+concurrent calls can arrive in any order. When a call finds no entry, the first unused
+observation of the same family is what the run expected there.
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+from collections import deque
+from typing import Any
+
+from recorder._canonical import digest
+from recorder.cassette import Cassette
+from recorder.exchange import pretty
+
+FAMILY = {"model": "net", "http": "net", "tool": "tool", "effect": "effect"}
+
+
+def key_of(obs: dict[str, Any]) -> tuple[str, str] | None:
+    kind = obs.get("kind")
+    family = FAMILY.get(kind or "")
+    if family is None:
+        return None
+    if family == "effect":
+        return family, obs["name"]
+    return family, obs["fp"]
+
+
+def tool_key(name: str, args_key: Any) -> tuple[str, str]:
+    return "tool", digest(["tool", name, args_key])
+
+
+class Index:
+    """Unused observations by key, plus the first unused one of each family."""
+
+    def __init__(self, cassette: Cassette) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[tuple[str, str], deque[dict[str, Any]]] = {}
+        self._order: dict[str, list[dict[str, Any]]] = {"net": [], "tool": [], "effect": []}
+        self._cursor = {family: 0 for family in self._order}
+        self.used: set[int] = set()
+        self.total = 0
+        for obs in cassette.observations:
+            key = key_of(obs)
+            if key is None:
+                continue
+            self._queues.setdefault(key, deque()).append(obs)
+            self._order[key[0]].append(obs)
+            self.total += 1
+
+    def take(self, key: tuple[str, str]) -> dict[str, Any] | None:
+        with self._lock:
+            queue = self._queues.get(key)
+            if not queue:
+                return None
+            obs = queue.popleft()
+            self.used.add(obs["seq"])
+            return obs
+
+    def expected(self, family: str) -> dict[str, Any] | None:
+        """The first recorded observation of ``family`` not served yet."""
+        with self._lock:
+            order, i = self._order[family], self._cursor[family]
+            while i < len(order) and order[i]["seq"] in self.used:
+                i += 1
+            self._cursor[family] = i
+            return order[i] if i < len(order) else None
+
+    def unused(self) -> list[int]:
+        with self._lock:
+            return sorted(o["seq"] for fam in self._order.values() for o in fam
+                          if o["seq"] not in self.used)
+
+
+def unified(expected: Any, actual: Any, *, expected_name: str = "recorded",
+            actual_name: str = "replayed", context: int = 3) -> str:
+    """A readable unified diff of two JSON-like values."""
+    a = pretty(expected).splitlines()
+    b = pretty(actual).splitlines()
+    return "\n".join(difflib.unified_diff(a, b, expected_name, actual_name, lineterm="",
+                                          n=context))

@@ -1,0 +1,368 @@
+"""Replay a recorded run: the agent's code runs again, every observation comes from the log.
+
+::
+
+    import replayer
+
+    with replayer.replay("cassettes/r_0193....jsonl") as run:
+        agent()                        # no network: model, HTTP, tools, effects all served
+    print(run.result.report())
+
+A call the cassette cannot answer raises :class:`recorder.Divergence` at once, with the
+recorded and the replayed request and their diff; it reaches the agent as that error (the
+anthropic SDK does not wrap or retry it). When the block ends, a divergence the agent
+swallowed, or recorded steps the agent never asked for, raise ``Divergence`` too unless
+``raise_on_divergence=False``. Retries recorded with their backoff replay without waiting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import logging
+import threading
+import time
+import types
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from recorder import _values, capture, session
+from recorder.cassette import Cassette, load
+from recorder.errors import Divergence, DivergenceInfo, SessionError, ToolReplayError
+from recorder.exchange import (
+    HttpRequest,
+    HttpResponse,
+    Redaction,
+    body_for_fingerprint,
+    fingerprint,
+    model_provider,
+    response_from_record,
+)
+from recorder.keys import Keyring, load_keyring
+
+from ._match import Index, key_of, tool_key, unified
+
+log = logging.getLogger("deja.replayer")
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What a replay found."""
+
+    path: str
+    run: str
+    steps_served: int
+    steps_recorded: int
+    divergence: DivergenceInfo | None
+    unused: tuple[int, ...]
+    verified: bool
+    verify_note: str
+    recorded_status: str | None
+    seconds: float
+
+    @property
+    def complete(self) -> bool:
+        """Every recorded observation was asked for."""
+        return not self.unused
+
+    @property
+    def identical(self) -> bool:
+        return self.divergence is None and self.complete
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["unused"] = list(self.unused)
+        out["identical"] = self.identical
+        out["complete"] = self.complete
+        return out
+
+    def report(self) -> str:
+        verdict = "identical" if self.identical else "DIVERGED"
+        lines = [f"replay of {self.run} ({self.path}): {verdict}",
+                 f"  steps served: {self.steps_served}/{self.steps_recorded}"
+                 f" in {self.seconds:.3f}s",
+                 f"  signature: {self.verify_note}",
+                 f"  recorded end status: {self.recorded_status or 'none (no end line)'}"]
+        if self.divergence is not None:
+            d = self.divergence
+            step = d.step if d.step is not None else "end"
+            lines.append(f"  first divergence at step {step} ({d.kind}): {d.reason}")
+            if d.diff:
+                lines.extend("    " + line for line in d.diff.splitlines())
+        elif self.unused:
+            lines.append(f"  recorded steps never requested: {list(self.unused)[:20]}")
+        return "\n".join(lines)
+
+
+class _NoSleepTime(types.ModuleType):
+    """``time`` with ``sleep`` doing nothing: the SDK's retry backoff during a replay."""
+
+    def __init__(self) -> None:
+        super().__init__("time")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds: float) -> None:
+        return None
+
+
+class _NoSleepAnyio(types.ModuleType):
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__("anyio")
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    async def sleep(self, seconds: float) -> None:
+        await self._real.sleep(0)
+
+
+@contextlib.contextmanager
+def _no_retry_sleep():  # noqa: ANN202
+    """Replace the SDKs' retry sleeps with no-ops for the duration of the replay."""
+    with contextlib.ExitStack() as stack:
+        for name in ("anthropic._base_client", "openai._base_client"):
+            try:
+                mod = importlib.import_module(name)
+            except ImportError:
+                continue
+            if getattr(mod, "time", None) is time:
+                stack.enter_context(_setattr(mod, "time", _NoSleepTime()))
+            real_anyio = getattr(mod, "anyio", None)
+            if isinstance(real_anyio, types.ModuleType) and real_anyio.__name__ == "anyio":
+                stack.enter_context(_setattr(mod, "anyio", _NoSleepAnyio(real_anyio)))
+        yield
+
+
+@contextlib.contextmanager
+def _setattr(obj: Any, name: str, value: Any):  # noqa: ANN202
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+class ReplaySession(session.Session):
+    """Serves a loaded cassette to the agent's calls."""
+
+    mode = "replay"
+
+    def __init__(self, cassette: Cassette) -> None:
+        self.cassette = cassette
+        self.path = cassette.path
+        self.index = Index(cassette)
+        redact = cassette.header.get("redact") or {}
+        self.redaction = Redaction.of(redact.get("headers", ()), redact.get("body_paths", ()))
+        self._lock = threading.Lock()
+        self.divergence: DivergenceInfo | None = None
+        self.result: ReplayResult | None = None
+        self._t0 = time.perf_counter()
+        self._patches: contextlib.ExitStack | None = None
+
+    def start(self) -> ReplaySession:
+        session.activate(self)
+        try:
+            stack = contextlib.ExitStack()
+            stack.enter_context(capture.install(self))
+            stack.enter_context(_no_retry_sleep())
+            self._patches = stack
+        except BaseException:
+            session.deactivate(self)
+            raise
+        return self
+
+    def finish(self) -> ReplayResult:
+        if self.result is not None:
+            return self.result
+        try:
+            if self._patches is not None:
+                self._patches.close()
+        finally:
+            session.deactivate(self)
+        unused = tuple(self.index.unused())
+        if self.divergence is None and unused:
+            first = next(o for o in self.cassette.observations if o["seq"] == unused[0])
+            self.divergence = DivergenceInfo(
+                step=first["seq"], kind=first["kind"],
+                reason=f"the run ended before step {first['seq']}: {len(unused)} recorded "
+                       "step(s) were never requested",
+                expected=_describe(self.cassette, first), actual=None, diff="")
+        end = self.cassette.end or {}
+        self.result = ReplayResult(
+            path=str(self.path), run=self.cassette.run,
+            steps_served=len(self.index.used), steps_recorded=self.index.total,
+            divergence=self.divergence, unused=unused, verified=self.cassette.verified,
+            verify_note=self.cassette.verify_note, recorded_status=end.get("status"),
+            seconds=round(time.perf_counter() - self._t0, 6))
+        return self.result
+
+    # -- divergence
+
+    def _diverge(self, family: str, kind: str, actual: Any, what: str) -> Divergence:
+        expected = self.index.expected(family)
+        if expected is None:
+            info = DivergenceInfo(step=None, kind=kind, reason=f"{what}, but the recording "
+                                  f"has no more {family if family != 'net' else 'model/HTTP'} "
+                                  "calls", expected=None, actual=actual,
+                                  diff=unified(None, actual))
+        else:
+            exp = _describe(self.cassette, expected)
+            info = DivergenceInfo(step=expected["seq"], kind=expected["kind"],
+                                  reason=f"{what} that does not match the recording",
+                                  expected=exp, actual=actual, diff=unified(exp, actual))
+        with self._lock:
+            if self.divergence is None:
+                self.divergence = info
+        return Divergence(info, path=self.path)
+
+    # -- the capture seam
+
+    def begin_http(self, request: HttpRequest) -> HttpResponse | None:
+        provider = model_provider(request.method, request.url)
+        body = body_for_fingerprint(request.body, self.redaction)
+        kind = "model" if provider and not (isinstance(body, dict) and "body_encoding" in body) \
+            else "http"
+        fp = fingerprint(kind, request.method, request.url, body)
+        obs = self.index.take(("net", fp))
+        if obs is None:
+            actual: Any = body if kind == "model" else {
+                "method": request.method.upper(), "url": request.url, "body": body}
+            what = f"the agent sent a {kind} request ({request.method} {request.url})"
+            raise self._diverge("net", kind, actual, what)
+        error = obs.get("error")
+        if "response" in obs:
+            served = response_from_record(obs["response"])
+        else:
+            served = HttpResponse(status=0, headers=[], body=b"")
+        if error:
+            served.extra["error"] = error
+            served.extra["has_response"] = bool(error.get("has_response"))
+        return served
+
+    def end_http(self, request: HttpRequest, response: HttpResponse | None,
+                 timing: session.Timing, error: BaseException | None = None) -> None:
+        raise SessionError("a replay never sends requests")  # pragma: no cover
+
+    def _take_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> dict[str, Any]:
+        key = _values.args_key(args)
+        obs = self.index.take(tool_key(tool.name, key))
+        if obs is None:
+            raise self._diverge("tool", "tool", {"name": tool.name, "args": key},
+                                f"the agent called tool {tool.name!r}")
+        return obs
+
+    def _tool_result(self, tool: session.ToolSpec, obs: dict[str, Any]) -> Any:
+        if "error" in obs:
+            raise _rebuild_error(tool.name, obs["error"])
+        value = _values.decode(obs.get("result"))
+        return tool.decode(value) if tool.decode else value
+
+    def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],
+                  run: Callable[[], Any]) -> Any:
+        return self._tool_result(tool, self._take_tool(tool, args))
+
+    async def call_tool_async(self, tool: session.ToolSpec, args: dict[str, Any],
+                              run: Callable[[], Any]) -> Any:
+        return self._tool_result(tool, self._take_tool(tool, args))
+
+    def effect(self, name: str, produce: Callable[[], Any]) -> Any:
+        obs = self.index.take(("effect", name))
+        if obs is None:
+            raise self._diverge("effect", "effect", {"effect": name},
+                                f"the agent asked for effect {name!r}")
+        return _values.decode(obs.get("value"))
+
+
+def _describe(cassette: Cassette, obs: dict[str, Any]) -> Any:
+    """The recorded request of ``obs``, in the form a divergence diff compares."""
+    kind = obs["kind"]
+    if kind == "model":
+        return cassette.request_of(obs["seq"])
+    if kind == "http":
+        return {"method": obs["method"], "url": obs["url"], "body": obs["request"]["body"]}
+    if kind == "tool":
+        return {"name": obs["name"], "args": obs["args"]}
+    if kind == "effect":
+        return {"effect": obs["name"]}
+    return {k: v for k, v in obs.items() if k not in ("sig",)}
+
+
+def _rebuild_error(tool: str, error: dict[str, Any]) -> BaseException:
+    try:
+        cls: Any = importlib.import_module(error.get("module", "builtins"))
+        for part in str(error["type"]).split("."):
+            cls = getattr(cls, part)
+        if isinstance(cls, type) and issubclass(cls, Exception):
+            return cls(error.get("message", ""))
+    except Exception:  # noqa: BLE001 - any failure to rebuild falls back to ToolReplayError
+        log.debug("could not rebuild %s", error, exc_info=True)
+    return ToolReplayError(tool, str(error.get("type")), str(error.get("message", "")))
+
+
+class _Replay(contextlib.ContextDecorator):
+    def __init__(self, path: str | Path, kwargs: dict[str, Any]) -> None:
+        self._path, self._kwargs = path, kwargs
+        self._stack: list[ReplaySession] = []
+        self.result: ReplayResult | None = None
+
+    def __enter__(self) -> ReplaySession:
+        opts = dict(self._kwargs)
+        raise_on = opts.pop("raise_on_divergence")
+        keyring = opts.pop("keyring") or load_keyring(create=False)
+        cassette = load(self._path, keyring=keyring, **opts)
+        replay_session = ReplaySession(cassette).start()
+        replay_session.raise_on_divergence = raise_on  # type: ignore[attr-defined]
+        self._stack.append(replay_session)
+        return replay_session
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        replay_session = self._stack.pop()
+        result = replay_session.finish()
+        self.result = result
+        if result.divergence is None or not replay_session.raise_on_divergence:  # type: ignore[attr-defined]
+            return
+        if isinstance(exc, Divergence):
+            return
+        raise Divergence(result.divergence, path=replay_session.path) from exc
+
+    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.iscoroutinefunction(func):
+            @functools.wraps(func)
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                with _Replay(self._path, self._kwargs):
+                    return await func(*args, **kwargs)
+            return wrapper
+        return super().__call__(func)
+
+    def _recreate_cm(self) -> _Replay:
+        return _Replay(self._path, self._kwargs)
+
+
+def replay(path: str | Path, *, keyring: Keyring | None = None, require_signature: bool = False,
+           allow_torn: bool = False, allow_incomplete: bool = False,
+           raise_on_divergence: bool = True) -> _Replay:
+    """Replay the cassette at ``path`` around a block or a decorated function.
+
+    The signature chain is verified when the key is available (``keyring``, else the
+    environment's); ``require_signature`` makes a missing key an error. A torn last line
+    is refused unless ``allow_torn``; a cassette without an end line (truncated, or a
+    crashed run) unless ``allow_incomplete``.
+    """
+    return _Replay(path, {"keyring": keyring, "require_signature": require_signature,
+                          "allow_torn": allow_torn, "allow_incomplete": allow_incomplete,
+                          "raise_on_divergence": raise_on_divergence})
+
+
+def start(path: str | Path, **kwargs: Any) -> ReplaySession:
+    """Start a replay without a ``with`` block (used by the ``deja replay`` bootstrap)."""
+    keyring = kwargs.pop("keyring", None) or load_keyring(create=False)
+    return ReplaySession(load(path, keyring=keyring, **kwargs)).start()

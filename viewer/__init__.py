@@ -1,0 +1,1 @@
+"""deja viewer: the DuckDB index over cassettes and the Streamlit app."""
