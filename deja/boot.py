@@ -1,0 +1,141 @@
+"""The bootstrap that records or replays an unmodified Python program from outside.
+
+``deja record -- python agent.py`` runs the program with this package's ``_bootstrap``
+directory first on PYTHONPATH and the session described in ``DEJA_*`` variables, the way
+``opentelemetry-instrument`` and ``ddtrace-run`` work. At start-up Python imports
+``sitecustomize``, which calls :func:`start_from_env`. It fails loudly: if the session
+cannot start, the program does not run (exit status 3) and stderr says why.
+
+The variables are removed from the environment once read, so programs that the agent
+starts are not recorded into the same file.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+BOOT_DIR = Path(__file__).parent / "_bootstrap"
+BOOT_FAILED = 3
+_ENV = ("DEJA_MODE", "DEJA_CASSETTE", "DEJA_RUN_ID", "DEJA_ARGV", "DEJA_FSYNC", "DEJA_LABELS",
+        "DEJA_REDACT_HEADERS", "DEJA_REPORT", "DEJA_ALLOW_TORN", "DEJA_ALLOW_INCOMPLETE",
+        "DEJA_REQUIRE_SIGNATURE", "DEJA_OVERWRITE")
+
+
+def child_env(mode: str, **values: Any) -> dict[str, str]:
+    """The environment for a program to be recorded or replayed (used by the CLI)."""
+    env = {k: v for k, v in os.environ.items() if k not in _ENV}
+    env["DEJA_MODE"] = mode
+    for key, value in values.items():
+        if value is None:
+            continue
+        name = f"DEJA_{key.upper()}"
+        env[name] = value if isinstance(value, str) else json.dumps(value)
+    path = env.get("PYTHONPATH")
+    env["PYTHONPATH"] = str(BOOT_DIR) + (os.pathsep + path if path else "")
+    return env
+
+
+def _take_env() -> dict[str, str]:
+    values = {k: os.environ.pop(k) for k in _ENV if k in os.environ}
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+             if p and Path(p) != BOOT_DIR]
+    if parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+    else:
+        os.environ.pop("PYTHONPATH", None)
+    return values
+
+
+def _fail(message: str) -> None:
+    sys.stderr.write(f"deja: {message}\n")
+    sys.stderr.flush()
+    os._exit(BOOT_FAILED)
+
+
+def start_from_env() -> None:
+    env = _take_env()
+    mode = env.get("DEJA_MODE")
+    if mode is None:
+        _chain_sitecustomize()
+        return
+    try:
+        if mode == "record":
+            _start_record(env)
+        elif mode == "replay":
+            _start_replay(env)
+        else:
+            _fail(f"unknown DEJA_MODE {mode!r} (expected record or replay)")
+    except Exception as exc:  # noqa: BLE001 - reported and fatal, never swallowed
+        _fail(f"could not start {mode}: {type(exc).__name__}: {exc}")
+    _chain_sitecustomize()
+
+
+class _ExitWatch:
+    """Remembers an uncaught exception so the end line can say the run failed."""
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self._previous = sys.excepthook
+        sys.excepthook = self._hook
+
+    def _hook(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        self.error = value
+        self._previous(kind, value, tb)
+
+
+def _start_record(env: dict[str, str]) -> None:
+    from recorder.record import RecordSession
+
+    argv = json.loads(env["DEJA_ARGV"]) if "DEJA_ARGV" in env else None
+    rec = RecordSession(
+        env.get("DEJA_CASSETTE", "cassettes"), run_id=env.get("DEJA_RUN_ID"), argv=argv,
+        fsync=env.get("DEJA_FSYNC", "turn"), labels=json.loads(env.get("DEJA_LABELS", "{}")),
+        redact_headers=tuple(json.loads(env.get("DEJA_REDACT_HEADERS", "[]"))),
+        overwrite=env.get("DEJA_OVERWRITE") == "1").start()
+    watch = _ExitWatch()
+
+    def close() -> None:
+        error = watch.error
+        if error is None:
+            rec.close("completed")
+        elif isinstance(error, KeyboardInterrupt):
+            rec.close("interrupted", error)
+        else:
+            rec.close("error", error)
+
+    atexit.register(close)
+
+
+def _start_replay(env: dict[str, str]) -> None:
+    from replayer.replay import start
+
+    session = start(env["DEJA_CASSETTE"], allow_torn=env.get("DEJA_ALLOW_TORN") == "1",
+                    allow_incomplete=env.get("DEJA_ALLOW_INCOMPLETE") == "1",
+                    require_signature=env.get("DEJA_REQUIRE_SIGNATURE") == "1")
+    report = env.get("DEJA_REPORT")
+
+    def finish() -> None:
+        result = session.finish()
+        if report:
+            Path(report).write_text(json.dumps(result.to_dict(), default=str))
+
+    atexit.register(finish)
+
+
+def _chain_sitecustomize() -> None:
+    """Run the sitecustomize this one shadows, if the environment has one."""
+    from importlib.machinery import PathFinder
+    from importlib.util import module_from_spec
+
+    path = [p for p in sys.path if Path(p or ".").resolve() != BOOT_DIR.resolve()]
+    spec = PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return
+    module = module_from_spec(spec)
+    sys.modules["_deja_chained_sitecustomize"] = module
+    spec.loader.exec_module(module)

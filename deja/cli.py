@@ -1,0 +1,301 @@
+"""The ``deja`` command line. Each command imports what it needs when it runs.
+
+Exit statuses: 0 success; 1 a replay diverged (or a recorded program failed: its own
+status is passed through); 2 a bad cassette, key or argument; 3 the bootstrap could not
+start inside the program.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+EXIT_DIVERGED = 1
+EXIT_BAD = 2
+
+
+class BadInput(click.ClickException):
+    exit_code = EXIT_BAD
+
+
+def _fail(exc: Exception) -> NoReturn:
+    raise BadInput(str(exc)) from exc
+
+
+def _python_argv(argv: list[str]) -> list[str]:
+    """Run a recorded ``python ...`` command with this interpreter (the one deja runs in)."""
+    if argv and Path(argv[0]).name.startswith("python"):
+        return [sys.executable, *argv[1:]]
+    return argv
+
+
+def _print_table(rows: list[dict[str, Any]], columns: list[str], title: str | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False, header_style="bold")
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*("" if row.get(c) is None else _fmt(row.get(c)) for c in columns))
+    Console(width=max(100, shutil.get_terminal_size((120, 20)).columns)).print(table)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6f}".rstrip("0").rstrip(".") if value < 1 else f"{value:.3f}"
+    return str(value)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="deja")
+def main() -> None:
+    """deja: record, replay and inspect LLM agent runs.
+
+    Record a run into a signed cassette, replay it offline bit for bit, and inspect it.
+    """
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path),
+              default=Path("cassettes"), show_default=True,
+              help="Cassette file, or a directory to create <run id>.jsonl in.")
+@click.option("--fsync", type=click.Choice(["sync", "turn", "exit"]), default="turn",
+              show_default=True, help="When lines are forced to disk.")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="Label the run (repeatable).")
+@click.option("--redact-header", "redact_headers", multiple=True, metavar="NAME",
+              help="Another header never to write (authorization, x-api-key and cookies "
+                   "always are).")
+@click.option("--force", is_flag=True, help="Overwrite the cassette file if it exists.")
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def record(output: Path, fsync: str, labels: tuple[str, ...], redact_headers: tuple[str, ...],
+           force: bool, command: tuple[str, ...]) -> None:
+    """Record an unmodified Python program: deja record [-o FILE] -- python agent.py ...
+
+    Every model call, HTTP exchange, @recorder.tool call and effect is logged to the
+    cassette. Exits with the program's own status.
+    """
+    from deja.boot import BOOT_FAILED, child_env
+    from recorder.record import new_run_id
+
+    label_map = {}
+    for item in labels:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--label")
+        label_map[key] = value
+    run_id = new_run_id()
+    path = output if output.suffix == ".jsonl" else output / f"{run_id}.jsonl"
+    if path.exists() and not force:
+        raise BadInput(f"{path} already exists; pass --force to overwrite it or choose "
+                       "another -o")
+    argv = list(command)
+    env = child_env("record", cassette=str(path.resolve()), run_id=run_id, argv=argv,
+                    fsync=fsync, labels=label_map, redact_headers=list(redact_headers),
+                    overwrite="1" if force else None)
+    try:
+        code = subprocess.call(_python_argv(argv), env=env)
+    except FileNotFoundError as exc:
+        raise BadInput(f"cannot run {argv[0]!r}: {exc.strerror}") from None
+    if code == BOOT_FAILED and not path.exists():
+        raise BadInput("the program did not start recording (see the message above)")
+    if path.exists():
+        click.echo(f"deja: recorded run {run_id} to {path}", err=True)
+    sys.exit(code)
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.option("--require-signature", is_flag=True,
+              help="Fail if the signing key is not available to verify the cassette.")
+@click.option("--allow-torn", is_flag=True, help="Replay the intact part of a torn cassette.")
+@click.option("--allow-incomplete", is_flag=True,
+              help="Replay a cassette without an end line (a crashed run).")
+@click.option("--json", "as_json", is_flag=True, help="Print the replay result as JSON.")
+def replay(cassette: Path, command: tuple[str, ...], require_signature: bool, allow_torn: bool,
+           allow_incomplete: bool, as_json: bool) -> None:
+    """Replay a recorded run offline: deja replay CASSETTE [-- CMD ...].
+
+    Runs the recorded command (or CMD) with every observation served from the cassette
+    and the network blocked. Exit 0 identical, 1 diverged, 2 bad cassette.
+    """
+    from deja.boot import child_env
+    from recorder.cassette import load
+    from recorder.errors import DejaError
+    from recorder.keys import load_keyring
+
+    try:
+        loaded = load(cassette, keyring=load_keyring(create=False),
+                      require_signature=require_signature, allow_torn=allow_torn,
+                      allow_incomplete=allow_incomplete)
+    except DejaError as exc:
+        _fail(exc)
+    argv = list(command) or list(loaded.header.get("argv") or [])
+    if not argv:
+        raise BadInput(f"{cassette} records no command; give one after --")
+    with tempfile.TemporaryDirectory(prefix="deja-replay-") as tmp:
+        report = Path(tmp) / "report.json"
+        env = child_env("replay", cassette=str(cassette.resolve()), report=str(report),
+                        allow_torn="1" if allow_torn else None,
+                        allow_incomplete="1" if allow_incomplete else None,
+                        require_signature="1" if require_signature else None)
+        try:
+            code = subprocess.call(_python_argv(argv), env=env)
+        except FileNotFoundError as exc:
+            raise BadInput(f"cannot run {argv[0]!r}: {exc.strerror}") from None
+        if not report.exists():
+            raise BadInput(f"the program exited with status {code} before the replay could "
+                           "report (see the message above)")
+        result = json.loads(report.read_text())
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        click.echo(_replay_report(result, code))
+    sys.exit(0 if result["identical"] else EXIT_DIVERGED)
+
+
+def _replay_report(result: dict[str, Any], code: int) -> str:
+    verdict = "identical" if result["identical"] else "DIVERGED"
+    lines = [f"replay of {result['run']}: {verdict}",
+             f"  cassette:   {result['path']}",
+             f"  steps:      {result['steps_served']}/{result['steps_recorded']} served "
+             f"in {result['seconds']:.3f}s",
+             f"  signature:  {result['verify_note']}",
+             f"  recorded:   {result['recorded_status'] or 'no end line'}; "
+             f"program exit status {code}"]
+    d = result.get("divergence")
+    if d:
+        step = d["step"] if d["step"] is not None else "end"
+        lines.append(f"  divergence: step {step} ({d['kind']}): {d['reason']}")
+        lines.extend("    " + line for line in (d.get("diff") or "").splitlines())
+    return "\n".join(lines)
+
+
+@main.command()
+@click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--allow-torn", is_flag=True, help="Check the intact part of a torn cassette.")
+def verify(cassette: Path, allow_torn: bool) -> None:
+    """Check a cassette's format and signature chain; name the first bad line.
+
+    Needs the key it was signed with (DEJA_KEY, the key file, or DEJA_OLD_KEYS).
+    """
+    from recorder.cassette import load
+    from recorder.errors import DejaError
+    from recorder.keys import load_keyring
+
+    try:
+        c = load(cassette, keyring=load_keyring(create=False), require_signature=True,
+                 allow_torn=allow_torn)
+    except DejaError as exc:
+        _fail(exc)
+    end = c.end["status"] if c.end else "no end line (incomplete run)"
+    click.echo(f"ok: {cassette}: run {c.run}, {len(c)} observations, {c.verify_note}, "
+               f"end: {end}")
+
+
+@main.command()
+@click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the run and its steps as JSON.")
+def show(cassette: Path, as_json: bool) -> None:
+    """One row per step: seq, kind, name, status, tokens, cost, latency."""
+    from recorder.cassette import load
+    from recorder.errors import DejaError
+    from recorder.keys import load_keyring
+    from replayer.steps import run_summary, step_rows
+
+    try:
+        c = load(cassette, keyring=load_keyring(create=False), allow_torn=True)
+    except DejaError as exc:
+        _fail(exc)
+    summary, rows = run_summary(c), step_rows(c)
+    if as_json:
+        click.echo(json.dumps({"run": summary, "steps": rows}, indent=2, default=str))
+        return
+    click.echo(f"run {summary['run']}  status {summary['status']}  created {summary['created']}")
+    click.echo(f"  {summary['model_calls']} model calls, {summary['tool_calls']} tool calls, "
+               f"{summary['input_tokens']} in / {summary['output_tokens']} out tokens, "
+               f"${summary['cost_usd']:.6f}; {summary['verify_note']}")
+    for row in rows:
+        row["tokens"] = (f"{row['input_tokens']}/{row['output_tokens']}"
+                         if row["input_tokens"] is not None else None)
+    _print_table(rows, ["seq", "kind", "name", "status", "tokens", "cost_usd", "ms", "error"])
+
+
+@main.command(name="ls")
+@click.argument("directory", type=click.Path(path_type=Path, file_okay=False),
+                default=Path("cassettes"))
+@click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON.")
+def ls_(directory: Path, as_json: bool) -> None:
+    """List the runs in a cassette directory (default: cassettes).
+
+    Reads the DuckDB index DIR/.index.duckdb, refreshed from the files first; delete it
+    at any time and it is rebuilt.
+    """
+    from viewer.index import RunIndex
+
+    if not directory.is_dir():
+        raise BadInput(f"no directory {directory}")
+    with RunIndex(directory) as index:
+        index.refresh()
+        runs = index.runs()
+    if as_json:
+        click.echo(json.dumps(runs, indent=2, default=str))
+        return
+    if not runs:
+        click.echo(f"no runs in {directory}")
+        return
+    for run in runs:
+        run["created"] = (run.get("created") or "")[:19].replace("T", " ")
+        run["run"] = run["run"] or Path(run["path"]).name
+    _print_table(runs, ["run", "status", "created", "steps", "tokens", "cost_usd", "duration_s",
+                        "parent_run", "error"], title=f"runs in {directory}")
+
+
+@main.command()
+@click.option("--script", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              required=True, help="JSON script of turns to answer with.")
+@click.option("--port", type=int, default=8765, show_default=True,
+              help="Port on 127.0.0.1 (0 picks a free one).")
+@click.option("--ready-file", type=click.Path(path_type=Path, dir_okay=False),
+              help="Write the base URL to this file once the server listens.")
+def stub(script: Path, port: int, ready_file: Path | None) -> None:
+    """Serve a stub Anthropic Messages API on 127.0.0.1, answering from a script.
+
+    Point an agent at it with ANTHROPIC_BASE_URL=http://127.0.0.1:PORT. Stop with Ctrl-C.
+    """
+    import signal
+    import threading
+
+    from recorder.stubserver import StubScriptError, StubServer
+
+    try:
+        server = StubServer(script, port=port).start()
+    except (StubScriptError, OSError) as exc:
+        _fail(exc)
+    click.echo(f"deja stub: serving {script} at {server.url}", err=True)
+    if ready_file is not None:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(server.url)
+        os.replace(tmp, ready_file)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,179 @@
+"""The DuckDB index over a directory of cassettes: a cache, never the truth.
+
+``DIR/.index.duckdb`` holds one row per run and one per step, refreshed incrementally:
+a file is re-read only when its size or modification time changed.
+Delete the index at any time; the next refresh rebuilds it from the files. A file that
+cannot be read (torn, tampered, unknown format) becomes a run row with ``status = 'error'``
+and the reason, and the rest of the directory is indexed as usual.
+
+DuckDB lets one process hold a database for writing. When another process (a viewer,
+say) holds it, :class:`RunIndex` builds the same index in memory instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from recorder.cassette import load
+from recorder.errors import DejaError
+from recorder.keys import Keyring, load_keyring
+from replayer.steps import run_summary, step_row
+
+log = logging.getLogger("deja.viewer")
+
+INDEX_NAME = ".index.duckdb"
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
+CREATE TABLE IF NOT EXISTS files (
+    path VARCHAR PRIMARY KEY, size BIGINT, mtime_ns BIGINT, run VARCHAR);
+CREATE TABLE IF NOT EXISTS runs (
+    run VARCHAR, path VARCHAR, status VARCHAR, created VARCHAR, steps INTEGER,
+    model_calls INTEGER, tool_calls INTEGER, input_tokens BIGINT, output_tokens BIGINT,
+    cost_usd DOUBLE, duration_s DOUBLE, errors INTEGER, parent_run VARCHAR,
+    parent_step INTEGER, models VARCHAR, labels VARCHAR, verified BOOLEAN,
+    verify_note VARCHAR, error VARCHAR);
+CREATE TABLE IF NOT EXISTS steps (
+    run VARCHAR, path VARCHAR, seq INTEGER, kind VARCHAR, name VARCHAR, status VARCHAR,
+    input_tokens BIGINT, output_tokens BIGINT, cost_usd DOUBLE, ms DOUBLE, error VARCHAR,
+    payload VARCHAR);
+"""
+
+_RUN_COLUMNS = ("run", "path", "status", "created", "steps", "model_calls", "tool_calls",
+                "input_tokens", "output_tokens", "cost_usd", "duration_s", "errors",
+                "parent_run", "parent_step", "models", "labels", "verified", "verify_note",
+                "error")
+_STEP_COLUMNS = ("run", "path", "seq", "kind", "name", "status", "input_tokens",
+                 "output_tokens", "cost_usd", "ms", "error", "payload")
+
+
+class RunIndex:
+    """Runs and steps of one cassette directory, in DuckDB."""
+
+    def __init__(self, directory: str | Path, *, db_path: str | Path | None = None,
+                 keyring: Keyring | None = None) -> None:
+        self.directory = Path(directory)
+        self.db_path = Path(db_path) if db_path else self.directory / INDEX_NAME
+        self._keyring = keyring if keyring is not None else load_keyring(create=False)
+        self.in_memory = False
+        try:
+            self.con = duckdb.connect(str(self.db_path))
+        except duckdb.IOException as exc:
+            log.info("index %s is held by another process (%s); indexing in memory",
+                     self.db_path, exc)
+            self.con = duckdb.connect(":memory:")
+            self.in_memory = True
+        self._ensure_schema()
+
+    def __enter__(self) -> RunIndex:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.con.close()
+
+    def _ensure_schema(self) -> None:
+        self.con.execute(_SCHEMA)
+        row = self.con.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+        if row is None or row[0] != str(SCHEMA_VERSION):
+            for table in ("files", "runs", "steps"):
+                self.con.execute(f"DELETE FROM {table}")
+            self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)",
+                             [str(SCHEMA_VERSION)])
+
+    # -- refresh
+
+    def refresh(self) -> dict[str, int]:
+        """Bring the index up to date with the files; returns what it did."""
+        known = {r[0]: (r[1], r[2]) for r in
+                 self.con.execute("SELECT path, size, mtime_ns FROM files").fetchall()}
+        seen: set[str] = set()
+        stats = {"indexed": 0, "unchanged": 0, "removed": 0, "errors": 0}
+        run_rows: list[dict[str, Any]] = []
+        step_rows: list[dict[str, Any]] = []
+        changed: list[tuple[str, int, int, str | None]] = []
+        for path in sorted(self.directory.glob("*.jsonl")):
+            key = str(path)
+            seen.add(key)
+            st = path.stat()
+            if known.get(key) == (st.st_size, st.st_mtime_ns):
+                stats["unchanged"] += 1
+                continue
+            run_row, steps = self._read(path)
+            stats["indexed"] += 1
+            stats["errors"] += run_row["error"] is not None
+            run_rows.append(run_row)
+            step_rows.extend(steps)
+            changed.append((key, st.st_size, st.st_mtime_ns, run_row["run"]))
+        gone = [p for p in known if p not in seen]
+        stats["removed"] = len(gone)
+        stale = [c[0] for c in changed] + gone
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            if stale:
+                for table in ("files", "runs", "steps"):
+                    self.con.execute(f"DELETE FROM {table} WHERE path IN "
+                                     f"(SELECT unnest(?::VARCHAR[]))", [stale])
+            if changed:
+                self.con.executemany("INSERT INTO files VALUES (?, ?, ?, ?)", changed)
+            self._append("runs", _RUN_COLUMNS, run_rows)
+            self._append("steps", _STEP_COLUMNS, step_rows)
+            self.con.execute("COMMIT")
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        return stats
+
+    def _append(self, table: str, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
+        if not rows:
+            return
+        import pyarrow as pa
+
+        arrow = pa.table({c: [r.get(c) for r in rows] for c in columns})  # noqa: F841
+        self.con.execute(f"INSERT INTO {table} SELECT {', '.join(columns)} FROM arrow")
+
+    def _read(self, path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        try:
+            cassette = load(path, keyring=self._keyring, allow_torn=True)
+        except DejaError as exc:
+            return {"run": None, "path": str(path), "status": "error",
+                    "error": f"{type(exc).__name__}: {exc}"}, []
+        summary = run_summary(cassette)
+        run_row = {c: summary.get(c) for c in _RUN_COLUMNS}
+        run_row.update(path=str(path), models=",".join(summary["models"]),
+                       labels=json.dumps(summary["labels"]), error=None)
+        if cassette.torn_offset is not None:
+            run_row["error"] = f"torn last line at byte {cassette.torn_offset}"
+        steps = []
+        for obs in cassette.observations:
+            row = step_row(obs)
+            row.update(run=summary["run"], path=str(path),
+                       payload=json.dumps(obs, ensure_ascii=False))
+            steps.append(row)
+        return run_row, steps
+
+    # -- queries
+
+    def runs(self) -> list[dict[str, Any]]:
+        cur = self.con.execute(
+            "SELECT *, CAST(input_tokens + output_tokens AS BIGINT) AS tokens FROM runs "
+            "ORDER BY created DESC NULLS LAST, path")
+        return _dicts(cur)
+
+    def steps(self, run: str) -> list[dict[str, Any]]:
+        cur = self.con.execute("SELECT * EXCLUDE (payload) FROM steps WHERE run = ? "
+                               "ORDER BY seq", [run])
+        return _dicts(cur)
+
+
+def _dicts(cur: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
