@@ -139,8 +139,10 @@ class CassetteWriter:
     def _write(self, line: dict[str, Any], *, sync: bool, header: bool = False) -> None:
         body = canonical(line)
         sig = hmac.new(self._key, self._prev.encode("ascii") + body, hashlib.sha256).hexdigest()
-        if header:  # the header keeps its field order so that "format" comes first
-            body = json.dumps(line, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        # Every line keeps its field order on disk ("format" first in the header; a tool
+        # result's or effect's dict keys as returned, so a replay gives back the same order);
+        # the signature covers the canonical (sorted) form, which the reader recomputes.
+        body = json.dumps(line, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
         data = memoryview(body[:-1] + b',"sig":"' + sig.encode("ascii") + b'"}\n')
         while data:
             data = data[os.write(self._fd, data):]

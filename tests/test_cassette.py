@@ -349,10 +349,20 @@ def test_a_cassette_signed_with_an_unknown_key_loads_unverified(tmp_path: Path) 
     assert key_id(b"a stranger's key") in cassette.verify_note
     with pytest.raises(KeyMissing):
         load(path, keyring=load_keyring(), require_signature=True)
-    # and a replay of it runs, reporting it unverified
-    with replayer.replay(path, raise_on_divergence=False) as run:
-        pass
-    assert run.result is not None and run.result.verified is False
+
+
+def test_a_recording_signed_with_an_unknown_key_replays_unverified(tmp_path: Path) -> None:
+    path = tmp_path / "run.jsonl"
+    with recorder.record(path, keyring=Keyring.of(b"a stranger's key")):
+        recorded = recorder.uuid4()
+    with replayer.replay(path) as run:
+        assert recorder.uuid4() == recorded
+    assert run.result is not None
+    assert run.result.identical and run.result.verified is False
+    assert run.result.verify_note.startswith("not verified")
+    with pytest.raises(KeyMissing):
+        with replayer.replay(path, require_signature=True):
+            pass
 
 
 # ---------------------------------------------------------------------------- writer options
@@ -538,6 +548,24 @@ def test_an_unrecordable_tool_result_fails_at_record_time(tmp_path: Path) -> Non
     cassette = load(path, keyring=ring(KEY))
     assert cassette.end is not None and cassette.end["status"] == "error"
     assert cassette.end["error"]["type"] == "UnserializableValue"
+
+
+def test_dict_key_order_survives_record_and_replay(tmp_path: Path) -> None:
+    """Agents serialise tool results into their next prompt (``json.dumps(result)``): a
+    replay must give back the keys in the recorded order, or that prompt diverges."""
+
+    @recorder.tool
+    def weather(city: str) -> dict[str, Any]:
+        return {"zeta": city, "alpha": {"y": 2, "b": 3}, "mid": [{"k": 1, "c": 2}]}
+
+    path = tmp_path / "run.jsonl"
+    with recorder.record(path):
+        recorded = json.dumps([weather("Paris"), recorder.value("cfg", {"b": 1, "a": 2})])
+    with replayer.replay(path) as run:
+        replayed = json.dumps([weather("Paris"), recorder.value("cfg", {"b": 1, "a": 2})])
+    assert run.result is not None and run.result.identical
+    assert replayed == recorded
+    assert load(path, keyring=ring(KEY), require_signature=True).verified
 
 
 # ---------------------------------------------------------------------------- golden cassettes

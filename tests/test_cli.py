@@ -1,0 +1,224 @@
+"""The deja command line, end to end: real subprocesses, real stub server, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from deja.cli import main
+from recorder.stubserver import StubServer
+
+ROOT = Path(__file__).resolve().parent.parent
+SPIRAL = ROOT / "examples" / "retry_spiral.py"
+SPIRAL_SCRIPT = json.loads((ROOT / "examples" / "retry_spiral.stub.json").read_text())
+COMMANDS = ["record", "replay", "verify", "show", "ls", "stub"]
+
+
+def deja(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """Run the installed CLI as a user would."""
+    return subprocess.run([sys.executable, "-m", "deja", *args], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, cwd=cwd, timeout=120)
+
+
+@pytest.fixture
+def spiral_cassette(tmp_path: Path) -> Path:
+    """The retry-spiral example recorded through `deja record`, unmodified."""
+    out = tmp_path / "spiral.jsonl"
+    with StubServer(SPIRAL_SCRIPT) as server:
+        proc = deja("record", "-o", str(out), "--label", "case=spiral", "--", "python",
+                    str(SPIRAL), env={"ANTHROPIC_BASE_URL": server.url})
+        assert len(server.requests) == 5
+    assert proc.returncode == 0, proc.stderr
+    assert "turn 5: end_turn" in proc.stdout
+    return out
+
+
+@pytest.mark.parametrize("command", [[], *[[c] for c in COMMANDS]])
+def test_every_command_has_help(command: list[str]) -> None:
+    result = CliRunner().invoke(main, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+    if not command:
+        for name in COMMANDS:
+            assert name in result.output
+
+
+def test_record_unmodified_script_then_replay_offline(spiral_cassette: Path) -> None:
+    lines = [json.loads(line) for line in spiral_cassette.read_text().splitlines()]
+    header = lines[0]
+    assert header["format"] == "deja/1"
+    assert header["argv"] == ["python", str(SPIRAL)]
+    assert header["labels"] == {"case": "spiral"}
+    kinds = [line["kind"] for line in lines[1:]]
+    assert kinds == ["model", "tool"] * 4 + ["model", "end"]
+    assert lines[-1]["status"] == "completed"
+
+    # The server is gone: the replay runs the recorded command with everything served.
+    proc = deja("replay", str(spiral_cassette))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "identical" in proc.stdout
+    assert "10/10" not in proc.stdout and "9/9 served" in proc.stdout
+    assert "verified with key" in proc.stdout
+    assert "turn 5: end_turn" in proc.stdout
+
+
+def test_replay_of_a_changed_agent_diverges_with_exit_1(spiral_cassette: Path,
+                                                        tmp_path: Path) -> None:
+    changed = tmp_path / "changed_agent.py"
+    changed.write_text(SPIRAL.read_text().replace("Find it first.", "Look in auth/ first."))
+    proc = deja("replay", str(spiral_cassette), "--", "python", str(changed))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "DIVERGED" in proc.stdout
+    assert "divergence: step 0 (model)" in proc.stdout
+    assert "-" in proc.stdout and "Find it first." in proc.stdout
+    assert "+" in proc.stdout and "Look in auth/ first." in proc.stdout
+
+    as_json = deja("replay", str(spiral_cassette), "--json", "--", "python", str(changed))
+    result = json.loads(as_json.stdout)
+    assert result["identical"] is False
+    assert result["divergence"]["step"] == 0
+
+
+def test_replay_of_a_tampered_cassette_exits_2_naming_the_seq(spiral_cassette: Path) -> None:
+    lines = spiral_cassette.read_text().splitlines()
+    lines[3] = lines[3].replace('"ok"', '"OK"') if '"ok"' in lines[3] else \
+        lines[3].replace('"search"', '"searcH"')
+    spiral_cassette.write_text("\n".join(lines) + "\n")
+    proc = deja("replay", str(spiral_cassette))
+    assert proc.returncode == 2
+    assert "seq 2" in proc.stderr
+    verify = deja("verify", str(spiral_cassette))
+    assert verify.returncode == 2
+    assert "signature check failed at seq 2" in verify.stderr
+
+
+def test_verify_needs_the_key(spiral_cassette: Path, tmp_path: Path) -> None:
+    ok = deja("verify", str(spiral_cassette))
+    assert ok.returncode == 0, ok.stderr
+    assert "verified with key" in ok.stdout
+    other = deja("verify", str(spiral_cassette),
+                 env={"DEJA_KEY": "another-key", "DEJA_HOME": str(tmp_path / "h")})
+    assert other.returncode == 2
+    assert "signature required" in other.stderr
+    rotated = deja("verify", str(spiral_cassette),
+                   env={"DEJA_KEY": "another-key", "DEJA_HOME": str(tmp_path / "h"),
+                        "DEJA_OLD_KEYS": os.environ["DEJA_KEY"]})
+    assert rotated.returncode == 0, rotated.stderr
+
+
+def test_replay_require_signature_without_key_exits_2(spiral_cassette: Path,
+                                                      tmp_path: Path) -> None:
+    env = {"DEJA_KEY": "", "DEJA_HOME": str(tmp_path / "empty-home")}
+    unverified = deja("replay", str(spiral_cassette), env=env)
+    assert unverified.returncode == 0, unverified.stdout + unverified.stderr
+    assert "not verified" in unverified.stdout
+    required = deja("replay", str(spiral_cassette), "--require-signature", env=env)
+    assert required.returncode == 2
+    assert "signature required" in required.stderr
+
+
+def test_show_lists_every_step(spiral_cassette: Path) -> None:
+    result = CliRunner().invoke(main, ["show", str(spiral_cassette), "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["run"]["status"] == "completed"
+    assert data["run"]["model_calls"] == 5
+    assert [s["kind"] for s in data["steps"]][:2] == ["model", "tool"]
+    model = data["steps"][0]
+    assert model["input_tokens"] == 412 and model["output_tokens"] == 38
+    assert model["cost_usd"] == pytest.approx((412 * 3 + 38 * 15) / 1e6)
+    assert data["steps"][1]["name"] == "search"
+    table = CliRunner().invoke(main, ["show", str(spiral_cassette)])
+    assert table.exit_code == 0, table.output
+    assert "claude-sonnet-4-6" in table.output and "412/38" in table.output
+
+
+def test_ls_indexes_and_rebuilds(spiral_cassette: Path) -> None:
+    directory = spiral_cassette.parent
+    (directory / "broken.jsonl").write_text('{"format":"deja/99"}\n')
+    runner = CliRunner()
+    first = runner.invoke(main, ["ls", str(directory), "--json"])
+    assert first.exit_code == 0, first.output
+    runs = {r["path"].rsplit("/", 1)[-1]: r for r in json.loads(first.output)}
+    assert runs["spiral.jsonl"]["status"] == "completed"
+    assert runs["spiral.jsonl"]["steps"] == 9
+    assert runs["broken.jsonl"]["status"] == "error"
+    assert "UnsupportedFormat" in runs["broken.jsonl"]["error"]
+    index = directory / ".index.duckdb"
+    assert index.exists()
+    index.unlink()
+    again = runner.invoke(main, ["ls", str(directory), "--json"])
+    assert again.exit_code == 0, again.output
+    assert sorted(r["run"] or "" for r in json.loads(again.output)) == \
+        sorted(r["run"] or "" for r in json.loads(first.output))
+
+
+def test_record_refuses_to_overwrite_and_bootstrap_fails_loudly(spiral_cassette: Path,
+                                                                tmp_path: Path) -> None:
+    again = deja("record", "-o", str(spiral_cassette), "--", "python", "-c", "pass")
+    assert again.returncode == 2
+    assert "already exists" in again.stderr
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    proc = deja("record", "-o", str(blocker / "run.jsonl"), "--", "python", "-c",
+                "print('agent ran')")
+    assert proc.returncode == 2
+    assert "could not start record" in proc.stderr
+    assert "agent ran" not in proc.stdout
+
+
+def test_recording_is_not_inherited_by_child_processes(tmp_path: Path) -> None:
+    out = tmp_path / "parent.jsonl"
+    code = ("import os, subprocess, sys; "
+            "print(sorted(k for k in os.environ if k.startswith('DEJA_MODE'))); "
+            "subprocess.run([sys.executable, '-c', 'print(\"child ok\")'], check=True)")
+    proc = deja("record", "-o", str(out), "--", "python", "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    assert "[]" in proc.stdout and "child ok" in proc.stdout
+    assert len(out.read_text().splitlines()) == 2  # header and end: the child added nothing
+
+
+def test_record_passes_the_program_exit_status_through(tmp_path: Path) -> None:
+    proc = deja("record", "-o", str(tmp_path / "r.jsonl"), "--", "python", "-c",
+                "raise SystemExit(7)")
+    assert proc.returncode == 7
+    bad = deja("record", "-o", str(tmp_path / "e.jsonl"), "--", "python", "-c",
+               "raise ValueError('boom')")
+    assert bad.returncode == 1
+    end = json.loads((tmp_path / "e.jsonl").read_text().splitlines()[-1])
+    assert end["status"] == "error"
+    assert end["error"]["type"] == "ValueError" and end["error"]["message"] == "boom"
+
+
+def test_stub_command_serves_a_script(tmp_path: Path) -> None:
+    script = tmp_path / "s.json"
+    script.write_text(json.dumps({"default": {"text": "hi"}}))
+    ready = tmp_path / "url"
+    proc = subprocess.Popen([sys.executable, "-m", "deja", "stub", "--script", str(script),
+                             "--port", "0", "--ready-file", str(ready)],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        import time
+
+        for _ in range(200):
+            if ready.exists():
+                break
+            time.sleep(0.02)
+        import anthropic
+
+        with anthropic.Anthropic(base_url=ready.read_text(), api_key="sk-x") as client:
+            reply = client.messages.create(model="claude-sonnet-4-6", max_tokens=10,
+                                           messages=[{"role": "user", "content": "x"}])
+        assert reply.content[0].text == "hi"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stderr.close()
+    bad = CliRunner().invoke(main, ["stub", "--script", str(tmp_path / "missing.json")])
+    assert bad.exit_code == 2
