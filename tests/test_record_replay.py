@@ -529,7 +529,8 @@ def test_tools_replay_recorded_results_without_running(tmp_path: Path) -> None:
     assert len(calls) == 5
     obs = [o for o in recorder.load(path).observations if o["kind"] == "tool"]
     assert [o["name"] for o in obs] == ["lookup", "lookup", "fetch_page", "explode", "config"]
-    assert obs[0]["args"] == {"city": "Paris", "units": "C"}
+    assert obs[0]["args"] == {"city": "Paris"}  # the arguments as passed
+    assert obs[1]["args"] == {"city": "Oslo", "units": "F"}
     assert obs[0]["result"] == recorded[0]
     assert obs[2]["result"] == recorded[2]
     assert obs[3]["error"]["type"] == "ValueError" and obs[3]["error"]["message"] == "bad n: 3"
@@ -759,14 +760,15 @@ def test_no_secret_reaches_the_cassette(stub, tmp_path: Path) -> None:
 
     # The secrets did go over the wire...
     sent = server.requests[0]["headers"]
-    assert sent["x-api-key"] == API_KEY
+    assert sent["authorization"] == f"Bearer {API_KEY}"  # anthropic 2.x: bearer auth
     assert sent["x-custom-token"] == token
     assert sent["cookie"] == cookie
     assert _CookieHandler.seen_cookies == ["", "sid=setcookie-SECRET-654"]
 
     # ...and none of them reached the cassette, in clear or base64.
     raw = path.read_bytes()
-    secrets = [API_KEY, token, cookie, "cookie-SECRET-321", "setcookie-SECRET-654"]
+    secrets = [API_KEY, f"Bearer {API_KEY}", token, cookie, "cookie-SECRET-321",
+               "setcookie-SECRET-654", "sid=setcookie-SECRET-654"]
     for secret in secrets:
         assert secret.encode() not in raw, secret
         for form in _b64_forms(secret):
@@ -776,7 +778,8 @@ def test_no_secret_reaches_the_cassette(stub, tmp_path: Path) -> None:
     assert [o["kind"] for o in cassette.observations] == ["model", "http", "http"]
     headers = {k.lower(): v for k, v in cassette.observations[0]["request_headers"]}
     assert headers["x-custom-token"] == "[redacted]"
-    assert headers["x-api-key"] == "[redacted]"
+    assert headers["authorization"] == "[redacted]"
+    assert headers["cookie"] == "[redacted]"
     set_cookie = [v for k, v in cassette.observations[1]["response"]["headers"]
                   if k.lower() == "set-cookie"]
     assert set_cookie == ["[redacted]"]
