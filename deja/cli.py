@@ -262,6 +262,35 @@ def ls_(directory: Path, as_json: bool) -> None:
 
 
 @main.command()
+@click.argument("cassette_a", type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("cassette_b", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
+def diff(cassette_a: Path, cassette_b: Path, as_json: bool) -> None:
+    """Compare two runs step by step. Exit 0 same, 1 different, 2 bad cassette.
+
+    Collapses the identical prefix, names the first divergent step and lists the changed
+    fields of every differing step (request, response, tool args and result, tokens, cost).
+    """
+    from recorder.cassette import load
+    from recorder.errors import DejaError
+    from recorder.keys import load_keyring
+    from replayer.diff import compare, render
+
+    ring = load_keyring(create=False)
+    try:
+        a = load(cassette_a, keyring=ring, allow_torn=True, allow_incomplete=True)
+        b = load(cassette_b, keyring=ring, allow_torn=True, allow_incomplete=True)
+    except DejaError as exc:
+        _fail(exc)
+    result = compare(a, b)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2, default=str))
+    else:
+        click.echo(render(result))
+    sys.exit(0 if result.same else EXIT_DIVERGED)
+
+
+@main.command()
 @click.option("--script", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               required=True, help="JSON script of turns to answer with.")
 @click.option("--port", type=int, default=8765, show_default=True,

@@ -53,7 +53,8 @@ def main() -> int:
     for turn in range(1, MAX_TURNS + 1):
         reply = client.messages.create(model=MODEL, max_tokens=1024, tools=TOOLS,
                                        messages=messages)
-        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+        content = [b.model_dump(exclude_none=True) for b in reply.content]
+        messages.append({"role": "assistant", "content": content})
         text = "".join(b.text for b in reply.content if b.type == "text")
         print(f"turn {turn}: {reply.stop_reason}: {text}")
         if reply.stop_reason != "tool_use":

@@ -39,7 +39,8 @@ def main() -> int:
                 sys.stdout.flush()
             reply = stream.get_final_message()
         print()
-        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
+        content = [b.model_dump(exclude_none=True) for b in reply.content]
+        messages.append({"role": "assistant", "content": content})
         if reply.stop_reason != "tool_use":
             return 0
         results = [{"type": "tool_result", "tool_use_id": b.id,

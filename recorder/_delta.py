@@ -61,6 +61,8 @@ class DeltaEncoder:
 
 def _common_prefix(a: list[bytes], b: list[bytes]) -> int:
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case (a conversation grows), compared in C
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1

@@ -56,13 +56,13 @@ def _replay_stream_class(httpx: ModuleType) -> type:
             def __init__(self, body: bytes, error: dict[str, Any] | None, request: Any) -> None:
                 self._body, self._error, self._request = body, error, request
 
-            def __iter__(self):  # noqa: ANN204
+            def __iter__(self):
                 if self._body:
                     yield self._body
                 if self._error:
                     raise _transport_error(httpx, self._error, self._request)
 
-            async def __aiter__(self):  # noqa: ANN204
+            async def __aiter__(self):
                 if self._body:
                     yield self._body
                 if self._error:
@@ -110,7 +110,7 @@ def _tee_class(httpx: ModuleType, kind: str) -> type:
             def __init__(self, inner: Any, rec: _Recording) -> None:
                 self._inner, self._rec = inner, rec
 
-            def __iter__(self):  # noqa: ANN204
+            def __iter__(self):
                 try:
                     for chunk in self._inner:
                         self._rec.chunk(chunk)
@@ -134,7 +134,7 @@ def _tee_class(httpx: ModuleType, kind: str) -> type:
             def __init__(self, inner: Any, rec: _Recording) -> None:
                 self._inner, self._rec = inner, rec
 
-            async def __aiter__(self):  # noqa: ANN204
+            async def __aiter__(self):
                 try:
                     async for chunk in self._inner:
                         self._rec.chunk(chunk)

@@ -131,7 +131,7 @@ def _httpx_patches(session: Session) -> list[tuple[Any, str, Any]]:
 
 
 @contextlib.contextmanager
-def install(session: Session):  # noqa: ANN201 - a context manager
+def install(session: Session):
     """Patch every supported HTTP client to go through ``session`` while the block runs."""
     from vcr.patch import CassettePatcherBuilder
 

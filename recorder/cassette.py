@@ -43,7 +43,7 @@ READABLE_FORMATS = (FORMAT,)
 KINDS = ("model", "http", "tool", "intent", "outcome", "effect", "control", "end")
 
 
-class Fsync(str, enum.Enum):
+class Fsync(enum.StrEnum):
     """When the writer forces a line to disk."""
 
     SYNC = "sync"

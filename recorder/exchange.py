@@ -42,7 +42,7 @@ class HttpRequest:
     body: bytes
 
     @property
-    def parts(self):  # noqa: ANN201 - urllib's SplitResult
+    def parts(self):
         return urlsplit(self.url)
 
     def json(self) -> Any:
@@ -85,7 +85,8 @@ class Redaction:
         return cls(SECRET_HEADERS | {h.lower() for h in headers}, tuple(body_paths))
 
     def to_header(self) -> dict[str, Any]:
-        return {"headers": sorted(self.headers - SECRET_HEADERS), "body_paths": list(self.body_paths)}
+        return {"headers": sorted(self.headers - SECRET_HEADERS),
+                "body_paths": list(self.body_paths)}
 
     def header_pairs(self, headers: list[tuple[str, str]]) -> list[list[str]]:
         return [[k, REDACTED if k.lower() in self.headers else v] for k, v in headers]
@@ -118,8 +119,8 @@ def _redact_pointer(doc: Any, pointer: str) -> None:
 
 def semantic_headers(headers: list[tuple[str, str]], redaction: Redaction) -> list[list[str]]:
     """Request headers worth keeping: secrets redacted, volatile ones dropped."""
-    kept = [(k, v) for k, v in headers
-            if k.lower() not in VOLATILE_HEADERS and not k.lower().startswith(VOLATILE_HEADER_PREFIXES)]
+    kept = [(k, v) for k, v in headers if k.lower() not in VOLATILE_HEADERS
+            and not k.lower().startswith(VOLATILE_HEADER_PREFIXES)]
     return redaction.header_pairs(kept)
 
 

@@ -44,7 +44,7 @@ from recorder.exchange import (
 )
 from recorder.keys import Keyring, load_keyring
 
-from ._match import Index, key_of, tool_key, unified
+from ._match import Index, tool_key, unified
 
 log = logging.getLogger("deja.replayer")
 
@@ -125,7 +125,7 @@ class _NoSleepAnyio(types.ModuleType):
 
 
 @contextlib.contextmanager
-def _no_retry_sleep():  # noqa: ANN202
+def _no_retry_sleep():
     """Replace the SDKs' retry sleeps with no-ops for the duration of the replay."""
     with contextlib.ExitStack() as stack:
         for name in ("anthropic._base_client", "openai._base_client"):
@@ -142,7 +142,7 @@ def _no_retry_sleep():  # noqa: ANN202
 
 
 @contextlib.contextmanager
-def _setattr(obj: Any, name: str, value: Any):  # noqa: ANN202
+def _setattr(obj: Any, name: str, value: Any):
     old = getattr(obj, name)
     setattr(obj, name, value)
     try:
@@ -303,7 +303,7 @@ def _rebuild_error(tool: str, error: dict[str, Any]) -> BaseException:
             cls = getattr(cls, part)
         if isinstance(cls, type) and issubclass(cls, Exception):
             return cls(error.get("message", ""))
-    except Exception:  # noqa: BLE001 - any failure to rebuild falls back to ToolReplayError
+    except Exception:
         log.debug("could not rebuild %s", error, exc_info=True)
     return ToolReplayError(tool, str(error.get("type")), str(error.get("message", "")))
 

@@ -222,3 +222,21 @@ def test_stub_command_serves_a_script(tmp_path: Path) -> None:
         proc.stderr.close()
     bad = CliRunner().invoke(main, ["stub", "--script", str(tmp_path / "missing.json")])
     assert bad.exit_code == 2
+
+
+def test_streaming_example_records_and_replays(tmp_path: Path) -> None:
+    script = json.loads((ROOT / "examples" / "streaming_agent.stub.json").read_text())
+    out = tmp_path / "stream.jsonl"
+    with StubServer(script) as server:
+        live = deja("record", "-o", str(out), "--", "python",
+                    str(ROOT / "examples" / "streaming_agent.py"),
+                    env={"ANTHROPIC_BASE_URL": server.url})
+    assert live.returncode == 0, live.stderr
+    assert "take the umbrella" in live.stdout
+    lines = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+    assert [line["kind"] for line in lines] == ["model", "effect", "tool", "model", "end"]
+    assert lines[0]["stream"] is True and lines[0]["ttft_ms"] > 0
+    assert lines[0]["response"]["body"].startswith("event: message_start")
+    replayed = deja("replay", str(out))
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert live.stdout in replayed.stdout

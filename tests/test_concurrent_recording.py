@@ -26,7 +26,8 @@ import anthropic
 
 import recorder
 
-url, out, model, worker, calls = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+url, out, model, worker, calls = sys.argv[1:6]
+calls = int(calls)
 print("ready", flush=True)
 sys.stdin.readline()
 with recorder.record(out, labels={"worker": worker}) as run:

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,6 @@ from conftest import API_KEY, MODEL
 
 import recorder
 import replayer
-from recorder.stubserver import StubServer
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -47,7 +46,7 @@ class _TapStream(httpx2.SyncByteStream, httpx2.AsyncByteStream):
             self._sink.append(chunk)
             yield chunk
 
-    async def __aiter__(self):  # noqa: ANN204
+    async def __aiter__(self) -> AsyncIterator[bytes]:
         async for chunk in self._inner:
             self._sink.append(chunk)
             yield chunk
@@ -417,11 +416,18 @@ def _changed_agent(url: str, tap: WireTap) -> None:
 def test_changed_prompt_diverges_at_once(stub, tmp_path: Path) -> None:
     path, url, seq = _record_two_step(stub, tmp_path)
     tap = WireTap()
+    seen: list[BaseException] = []
     started = time.perf_counter()
     with pytest.raises(recorder.Divergence) as info, replayer.replay(path):
-        _changed_agent(url, tap)
+        try:
+            _changed_agent(url, tap)
+        except BaseException as exc:
+            seen.append(exc)
+            raise
     elapsed = time.perf_counter() - started
     exc = info.value
+    # The agent's own call raised the Divergence itself, not the SDK's wrapper of it.
+    assert seen == [exc]
     assert not isinstance(exc, anthropic.APIConnectionError)
     assert elapsed < 5
     # One attempt reached the transport and got no response: the SDK (max_retries=2) did
@@ -455,12 +461,21 @@ def test_swallowed_divergence_is_raised_when_the_block_ends(stub, tmp_path: Path
     path, url, seq = _record_two_step(stub, tmp_path)
     swallowed: list[BaseException] = []
     with pytest.raises(recorder.Divergence) as info, replayer.replay(path):
-        try:
-            _changed_agent(url, WireTap())
-        except Exception as exc:  # an agent that catches everything
-            swallowed.append(exc)
+        with sync_client(url) as client:
+            recorder.now()
+            try:
+                client.messages.create(model=MODEL, max_tokens=32,
+                                       messages=[{"role": "user", "content": "the new prompt"}])
+            except Exception as exc:  # noqa: BLE001 - an agent that catches everything...
+                swallowed.append(exc)
+            # ...and goes on with the recorded call, so that no recorded step is left over:
+            # only the swallowed divergence can make the block fail.
+            client.messages.create(model=MODEL, max_tokens=32,
+                                   messages=[{"role": "user", "content": "the old prompt"}])
     assert len(swallowed) == 1 and isinstance(swallowed[0], recorder.Divergence)
     assert info.value.step == seq
+    assert "does not match the recording" in str(info.value)
+    assert "the new prompt" in info.value.diff
 
 
 def test_agent_stopping_early_names_the_first_unused_step(stub, tmp_path: Path) -> None:
@@ -668,7 +683,7 @@ def test_concurrent_calls_each_get_their_own_response(stub, tmp_path: Path) -> N
                 m = client.messages.create(
                     model=MODEL, max_tokens=32, messages=[{"role": "user", "content": prompts[i]}])
                 results[i] = (m.id, m.content[0].text)
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
                 errors.append(exc)
 
         threads = [threading.Thread(target=work, args=(i,)) for i in order]
@@ -773,7 +788,8 @@ def test_no_secret_reaches_the_cassette(stub, tmp_path: Path) -> None:
         assert secret.encode() not in raw, secret
         for form in _b64_forms(secret):
             assert form not in raw, (secret, form)
-    assert b"SECRET" not in raw
+    # Nothing of any of them either (the header is left out: it holds the test's argv).
+    assert b"SECRET" not in raw.split(b"\n", 1)[1]
     cassette = recorder.load(path)
     assert [o["kind"] for o in cassette.observations] == ["model", "http", "http"]
     headers = {k.lower(): v for k, v in cassette.observations[0]["request_headers"]}

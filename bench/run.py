@@ -1,0 +1,298 @@
+"""deja benchmarks: ``python bench/run.py [--quick] [--only NAME ...] [--full-vcr]``.
+
+Prints one table (metric | deja | anchor | target | result) and writes
+``bench/results/latest.json``. Everything runs offline against a stub Anthropic server on
+127.0.0.1 with the real anthropic SDK. Every value is a median of several samples taken in
+this run; ratios are computed from medians of this run. Exits 0 whatever the results:
+benchmarks are not tests; failed targets are printed as FAIL.
+
+Measurements (``--only`` names): replay, overhead, ttft, size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results" / "latest.json"
+NAMES = ("replay", "overhead", "ttft", "size")
+
+# No real home is touched: a throwaway DEJA_HOME and signing key for this process.
+_HOME = tempfile.mkdtemp(prefix="deja-bench-home-")
+os.environ["DEJA_HOME"] = _HOME
+os.environ["DEJA_KEY"] = "bench-" + secrets.token_hex(16)
+os.environ.pop("DEJA_OLD_KEYS", None)
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import cassette_size  # noqa: E402
+import record_overhead  # noqa: E402
+import replay_speed  # noqa: E402
+import ttft  # noqa: E402
+
+Row = tuple[str, str, str, str, str]  # metric, deja, anchor, target, result
+
+
+def _verdict(ok: bool, detail: str = "") -> str:
+    return ("PASS" if ok else "FAIL") + (f" ({detail})" if detail else "")
+
+
+def _fmt_ms(x: float) -> str:
+    return f"{x:.3f} ms" if x < 10 else f"{x:.1f} ms"
+
+
+def _kb(n: int) -> str:
+    return f"{n / 1024:,.1f} KiB" if n < 1024 * 1024 else f"{n / 1024 / 1024:,.2f} MiB"
+
+
+# ---------------------------------------------------------------------------- rows
+
+
+def rows_replay(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+    s, big = str(r["small"]), str(r["large"])
+    d, v = r["deja"], r["vcr"]
+    speed_ok = r["speedup_large"] >= 30
+    scale_ok = r["deja_scaling"] <= 1.1
+    sampled = (f"; vcrpy @{big}: {r['vcr_large_calls_replayed']} of {big} calls replayed "
+               "(uniform sample), once") if r["vcr_large_sampled"] else f"; vcrpy @{big}: once"
+    rows: list[Row] = [
+        (f"Replay per call @{s} calls",
+         f"{_fmt_ms(d[s]['per_call_ms'])} (load {_fmt_ms(d[s]['load_ms'])})",
+         f"vcrpy {_fmt_ms(v[s]['per_call_ms'])} (load {_fmt_ms(v[s]['load_ms'])})",
+         "-", f"info ({r['speedup_small']:.0f}x faster)"),
+        (f"Replay per call @{big} calls",
+         f"{_fmt_ms(d[big]['per_call_ms'])} (load {_fmt_ms(d[big]['load_ms'])})",
+         f"vcrpy {_fmt_ms(v[big]['per_call_ms'])} (load {_fmt_ms(v[big]['load_ms'])})",
+         ">= 30x faster than vcrpy", _verdict(speed_ok, f"{r['speedup_large']:.0f}x")),
+        (f"Replay per call @{big} / @{s}",
+         f"{r['deja_scaling']:.2f}x", f"vcrpy {r['vcr_scaling']:.1f}x", "<= 1.1x",
+         _verdict(scale_ok)),
+    ]
+    notes = [f"replay: per call = (time of N calls)/N with a fresh client made inside the "
+             f"replay (its construction, {_fmt_ms(d[s]['client_ms'])}, timed apart); load "
+             f"(cassette read + signature check + patches) excluded and shown; deja median of "
+             f"{d[s]['repeats']} replays per size, vcrpy @{s} median of {v[s]['repeats']}"
+             f"{sampled}. Ratios use per-call medians."]
+    fails = []
+    if not speed_ok:
+        fails.append(f"replay @{big}: deja only {r['speedup_large']:.1f}x faster than vcrpy")
+    if not scale_ok:
+        fails.append(f"replay: deja per call grows {r['deja_scaling']:.2f}x from {s} to {big}")
+    return rows, notes, fails
+
+
+def rows_overhead(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+    o, m = r["overhead_ms"], r["median_per_call_ms"]
+    ok = o["deja"] <= 0.3
+    rows: list[Row] = [(
+        f"Recording overhead per call (N={r['n']})",
+        f"{o['deja']:+.3f} ms ({_fmt_ms(m['deja'])} vs live {_fmt_ms(m['live'])})",
+        f"vcrpy {o['vcr']:+.3f} ms ({_fmt_ms(m['vcr'])})",
+        "<= 0.3 ms", _verdict(ok)),
+        ("  same, deja at fsync='exit'",
+         f"{o['deja_exit']:+.3f} ms", f"bare append+fsync {r['raw_fsync_ms']:.3f} ms", "-",
+         "info")]
+    notes = [f"overhead: {r['method']}, {r['rounds']} rounds x {r['n']} calls per variant, "
+             "order rotated; deja at default fsync='turn' (each model line fsynced before the "
+             "call returns). Session open+close (not in any call): deja "
+             f"{_fmt_ms(r['open_close_ms']['deja'])}, vcrpy "
+             f"{_fmt_ms(r['open_close_ms']['vcr'])} (YAML save). vcrpy records with its defaults "
+             "(record_mode='all', default matchers)."]
+    fails = [] if ok else [f"recording overhead {o['deja']:.3f} ms per call > 0.3 ms"]
+    return rows, notes, fails
+
+
+def rows_ttft(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+    t, tot = r["ttft_median_ms"], r["stream_total_median_ms"]
+    ok = r["deja_minus_live_ms"] <= 1.0
+    rows: list[Row] = [(
+        "Time to first SSE delta (streamed)",
+        f"{_fmt_ms(t['deja'])} (live {_fmt_ms(t['live'])}, {r['deja_minus_live_ms']:+.2f})",
+        f"vcrpy {_fmt_ms(t['vcr'])} ({r['vcr_minus_live_ms']:+.1f})",
+        "<= live + 1 ms", _verdict(ok))]
+    notes = [f"ttft: request start -> first content_block_delta from messages.create("
+             f"stream=True); 10 SSE events {r['event_delay_ms']} ms apart ({r['events_per_stream']} reach "
+             f"the iterator, the SDK drops ping), first delta is the 4th; "
+             f"median of {r['calls']['deja']} calls per variant; whole stream: live "
+             f"{_fmt_ms(tot['live'])}, deja {_fmt_ms(tot['deja'])}, vcrpy {_fmt_ms(tot['vcr'])}."]
+    fails = [] if ok else [f"ttft: deja adds {r['deja_minus_live_ms']:.2f} ms (> 1 ms)"]
+    return rows, notes, fails
+
+
+def rows_size(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+    u, b, ratio = r["unique"], r["cassette_bytes"], r["ratio"]
+    ok = ratio["deja"] <= 1.5
+    turns = r["turns"]
+    per_turn_extra = (b["deja"] - u["total"]) / turns
+    rows: list[Row] = [(
+        f"Cassette bytes / unique content ({turns} turns)",
+        f"{ratio['deja']:.2f}x ({_kb(b['deja'])})",
+        f"vcrpy {ratio['vcr']:.1f}x ({_kb(b['vcr'])})",
+        "<= 1.5x", _verdict(ok))]
+    big = r.get("large_messages")
+    if big:
+        rows.append((
+            f"  same, ~{big['message_chars']}-char messages",
+            f"{big['ratio']['deja']:.2f}x ({_kb(big['cassette_bytes']['deja'])})",
+            "-", "-", "info"))
+    late = r.get("late_overhead")
+    if late:
+        rows.append((
+            f"Recording overhead per call, turns {late['turns']}",
+            f"{late['overhead_ms']:+.3f} ms (turns 1-{turns // 4}: "
+            f"{late['first_turns_overhead_ms']:+.3f})",
+            f"live {_fmt_ms(late['median_ms']['live'])}", "-", "info"))
+    notes = [
+        f"size: unique content U = sum len(canonical JSON) of each distinct message "
+        f"({u['distinct_messages']} messages, {_kb(u['messages'])}) + each distinct request "
+        f"without messages ({u['request_params']} B) + every response body as received "
+        f"({_kb(u['responses'])}); U = {_kb(u['total'])}. Canonical JSON = sorted keys, "
+        f"',' ':' separators, UTF-8. Full requests would be {_kb(r['full_requests_bytes'])}.",
+        f"size: deja stores {per_turn_extra:,.0f} B per turn beyond U (per-line metadata: "
+        f"headers, signature, fingerprint, timing, usage summary, escaped response body); "
+        f"the last half of the turns cost {r['growth']['second_half_per_turn']:,.0f} B/turn "
+        f"vs {r['growth']['first_half_per_turn']:,.0f} B/turn for the first half "
+        f"(linear growth)."]
+    fails = [] if ok else [
+        f"size: deja cassette is {ratio['deja']:.2f}x its unique content (> 1.5x); "
+        f"fixed ~{per_turn_extra:,.0f} B/turn of metadata against "
+        f"{u['total'] / turns:,.0f} B/turn of content"]
+    return rows, notes, fails
+
+
+MEASURES = {
+    "replay": (replay_speed.run, rows_replay),
+    "overhead": (record_overhead.run, rows_overhead),
+    "ttft": (ttft.run, rows_ttft),
+    "size": (cassette_size.run, rows_size),
+}
+
+
+def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
+    if quick:
+        return {"replay": {"small": 50, "large": 500, "repeats": 3, "vcr_repeats": 2,
+                           "stride": 10, "full_vcr": full_vcr},
+                "overhead": {"n": 100, "n_rounds": 2},
+                "ttft": {"calls_per_block": 5, "n_rounds": 1},
+                "size": {"turns": 50, "large_chars": 1000}}
+    return {"replay": {"small": 200, "large": 2000, "repeats": 5, "vcr_repeats": 5,
+                       "stride": 10, "full_vcr": full_vcr},
+            "overhead": {"n": 300, "n_rounds": 5},
+            "ttft": {"calls_per_block": 10, "n_rounds": 2},
+            "size": {"turns": 200, "large_chars": 1000}}
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def print_table(rows: list[Row], notes: list[str], fails: list[str], title: str) -> None:
+    headers = ("metric", "deja", "anchor", "target", "result")
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        Console = None
+    if Console is not None:
+        console = Console(width=max(shutil.get_terminal_size((160, 20)).columns, 160))
+        table = Table(title=title, show_lines=False)
+        for h in headers:
+            table.add_column(h, overflow="fold")
+        for row in rows:
+            style = "red" if row[4].startswith("FAIL") else (
+                "green" if row[4].startswith("PASS") else None)
+            table.add_row(*row[:4], f"[{style}]{row[4]}[/{style}]" if style else row[4])
+        console.print(table)
+        for note in notes:
+            console.print(f"  - {note}", highlight=False, soft_wrap=True)
+        for fail in fails:
+            console.print(f"  [bold red]FAIL[/bold red] {fail}", highlight=False,
+                          soft_wrap=True)
+        return
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = " | ".join(h.ljust(widths[i]) for i, h in enumerate(headers))
+    print(title)
+    print(line)
+    print("-+-".join("-" * wd for wd in widths))
+    for row in rows:
+        print(" | ".join(c.ljust(widths[i]) for i, c in enumerate(row)))
+    for note in notes:
+        print(f"  - {note}")
+    for fail in fails:
+        print(f"  FAIL {fail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small N, for a smoke run")
+    parser.add_argument("--only", action="append", metavar="NAME",
+                        help=f"run only these ({', '.join(NAMES)}); repeatable or comma list")
+    parser.add_argument("--full-vcr", action="store_true",
+                        help="replay all calls of vcrpy's large cassette (several minutes)")
+    args = parser.parse_args(argv)
+    only = [n.strip() for item in (args.only or []) for n in item.split(",") if n.strip()]
+    unknown = sorted(set(only) - set(NAMES))
+    if unknown:
+        parser.error(f"unknown measurement(s) {', '.join(unknown)}; choose from "
+                     f"{', '.join(NAMES)}")
+    selected = [n for n in NAMES if not only or n in only]
+    cfg = params(args.quick, args.full_vcr)
+
+    rows: list[Row] = []
+    notes: list[str] = []
+    fails: list[str] = []
+    results: dict[str, Any] = {}
+    started = time.perf_counter()
+    for name in selected:
+        run, to_rows = MEASURES[name]
+        t0 = time.perf_counter()
+        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        try:
+            res = run(**cfg[name])
+        except Exception as exc:  # noqa: BLE001 - one broken measurement must not hide others
+            traceback.print_exc()
+            rows.append((name, "ERROR", "-", "-", f"FAIL ({type(exc).__name__})"))
+            fails.append(f"{name}: the measurement crashed: {exc}")
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        res["seconds"] = round(time.perf_counter() - t0, 2)
+        print(f"[bench] {name} done in {res['seconds']:.1f}s", file=sys.stderr, flush=True)
+        results[name] = res
+        r, n, f = to_rows(res)
+        rows += r
+        notes += n
+        fails += f
+
+    elapsed = time.perf_counter() - started
+    title = (f"deja benchmarks{' (--quick)' if args.quick else ''}: python "
+             f"{platform.python_version()}, {platform.machine()}, {elapsed:.0f}s")
+    print_table(rows, notes, fails, title)
+    if not fails:
+        print("all targets met")
+
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"created": datetime.now(UTC).isoformat(timespec="seconds"),
+           "quick": args.quick, "selected": selected, "seconds": round(elapsed, 1),
+           "python": platform.python_version(), "platform": platform.platform(),
+           "rows": [dict(zip(("metric", "deja", "anchor", "target", "result"), r, strict=True))
+                    for r in rows],
+           "failures": fails, "results": results}
+    RESULTS.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    print(f"results written to {RESULTS.relative_to(BENCH.parent)}")
+    shutil.rmtree(_HOME, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

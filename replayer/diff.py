@@ -1,0 +1,167 @@
+"""Compare two runs step by step: where they part, and how each changed step differs.
+
+Steps are aligned by ``seq``. Each step is reduced to what it means (request, response
+message, tool args and result, tokens, cost), leaving out what differs between any two
+runs (message and request ids, timestamps, latencies, signatures), so two recordings of
+the same behaviour compare equal. Changed fields are listed as JSON-pointer paths with the
+value on each side.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import jsonpatch
+
+from recorder._canonical import decode_body
+from recorder._values import decode
+from recorder.cassette import Cassette
+from recorder.sse import assemble
+
+_VOLATILE_MESSAGE_KEYS = ("id",)
+
+
+def _response_message(obs: dict[str, Any]) -> Any:
+    response = obs.get("response")
+    if not response:
+        return None
+    body = decode_body(response["body"], response.get("encoding")).decode("utf-8", "replace")
+    ctype = next((v for k, v in response.get("headers", []) if k.lower() == "content-type"), "")
+    if "event-stream" in ctype:
+        message: Any = assemble(body)
+    else:
+        try:
+            message = json.loads(body)
+        except ValueError:
+            return {"status": response["status"], "text": body}
+    if isinstance(message, dict):
+        message = {k: v for k, v in message.items() if k not in _VOLATILE_MESSAGE_KEYS}
+    return {"status": response["status"], "message": message}
+
+
+def meaning(cassette: Cassette, obs: dict[str, Any]) -> dict[str, Any]:
+    """What a step says, without the parts that differ between any two runs."""
+    kind = obs.get("kind")
+    out: dict[str, Any] = {"kind": kind}
+    if kind == "model":
+        out.update(model=obs.get("model"), request=cassette.requests.get(obs["seq"]),
+                   response=_response_message(obs), usage=obs.get("usage"),
+                   cost_usd=obs.get("cost_usd"), error=obs.get("error"))
+    elif kind == "http":
+        out.update(method=obs.get("method"), url=obs.get("url"),
+                   request=(obs.get("request") or {}).get("body"),
+                   response=_response_message(obs), error=obs.get("error"))
+    elif kind in ("tool", "intent", "outcome"):
+        out.update(name=obs.get("name"), args=obs.get("args"),
+                   result=decode(obs.get("result")), error=obs.get("error"))
+    elif kind == "effect":
+        out.update(name=obs.get("name"), value=obs.get("value"))
+    elif kind == "control":
+        out.update(event=obs.get("event"), detail=obs.get("detail"))
+    elif kind == "end":
+        totals = dict(obs.get("totals") or {})
+        totals.pop("duration_s", None)
+        out.update(status=obs.get("status"), totals=totals)
+    return out
+
+
+@dataclass(frozen=True)
+class FieldChange:
+    path: str
+    op: str
+    a: Any
+    b: Any
+
+
+@dataclass(frozen=True)
+class StepDiff:
+    seq: int
+    kind_a: str | None
+    kind_b: str | None
+    changes: tuple[FieldChange, ...]
+
+
+@dataclass(frozen=True)
+class RunDiff:
+    """The result of comparing run A with run B."""
+
+    run_a: str
+    run_b: str
+    steps_a: int
+    steps_b: int
+    same_prefix: int
+    first_divergence: int | None
+    steps: tuple[StepDiff, ...] = field(default_factory=tuple)
+
+    @property
+    def same(self) -> bool:
+        return self.first_divergence is None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["same"] = self.same
+        return out
+
+
+def _pointer_get(doc: Any, pointer: str) -> Any:
+    try:
+        return jsonpatch.JsonPointer(pointer).resolve(doc)
+    except (jsonpatch.JsonPointerException, KeyError, IndexError, TypeError):
+        return None
+
+
+def compare(a: Cassette, b: Cassette) -> RunDiff:
+    steps_a = list(a.observations) + ([a.end] if a.end else [])
+    steps_b = list(b.observations) + ([b.end] if b.end else [])
+    diffs: list[StepDiff] = []
+    first: int | None = None
+    for i in range(max(len(steps_a), len(steps_b))):
+        ma = meaning(a, steps_a[i]) if i < len(steps_a) else None
+        mb = meaning(b, steps_b[i]) if i < len(steps_b) else None
+        if ma == mb:
+            continue
+        if first is None:
+            first = i
+        if ma is None or mb is None:
+            changes = (FieldChange("", "missing" if mb is None else "added", ma, mb),)
+        elif ma["kind"] != mb["kind"]:
+            changes = (FieldChange("/kind", "replace", ma["kind"], mb["kind"]),)
+        else:
+            patch = jsonpatch.make_patch(ma, mb).patch
+            changes = tuple(FieldChange(op["path"], op["op"], _pointer_get(ma, op["path"]),
+                                        _pointer_get(mb, op["path"])) for op in patch)
+        diffs.append(StepDiff(i, (ma or {}).get("kind"), (mb or {}).get("kind"), changes))
+    same_prefix = first if first is not None else min(len(steps_a), len(steps_b))
+    return RunDiff(a.run, b.run, len(steps_a), len(steps_b), same_prefix, first, tuple(diffs))
+
+
+def _short(value: Any, width: int = 70) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def render(diff: RunDiff, *, max_changes: int = 12) -> str:
+    lines = [f"A {diff.run_a} ({diff.steps_a} steps)  B {diff.run_b} ({diff.steps_b} steps)"]
+    if diff.same:
+        lines.append("same: every step means the same in both runs")
+        return "\n".join(lines)
+    if diff.same_prefix:
+        lines.append(f"steps 0-{diff.same_prefix - 1}: identical ({diff.same_prefix} steps)")
+    lines.append(f"first divergence: step {diff.first_divergence}")
+    for step in diff.steps:
+        kinds = step.kind_a if step.kind_a == step.kind_b else f"{step.kind_a} -> {step.kind_b}"
+        lines.append(f"step {step.seq} ({kinds}):")
+        for change in step.changes[:max_changes]:
+            if change.op == "missing":
+                lines.append("  only in A")
+            elif change.op == "added":
+                lines.append("  only in B")
+            else:
+                a = "(absent)" if change.op == "add" else _short(change.a)
+                b = "(absent)" if change.op == "remove" else _short(change.b)
+                lines.append(f"  {change.path or '/'}: {a} -> {b}")
+        if len(step.changes) > max_changes:
+            lines.append(f"  … {len(step.changes) - max_changes} more changes")
+    return "\n".join(lines)
