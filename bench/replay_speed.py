@@ -6,8 +6,9 @@ request that escaped replay would fail to connect.
 
 Per-call time = (time of N ``messages.create`` calls) / N, with a fresh client made inside
 the replay; constructing it (~20 ms, mostly the SSL context) is timed apart, as it is no
-call and would otherwise make small replays look slower per call. Load time (reading and verifying the cassette, installing patches: the
-``__enter__`` of ``replayer.replay(...)`` / ``use_cassette(...)``) is measured separately.
+call and would otherwise make small replays look slower per call. Load time (reading and
+verifying the cassette, installing patches: the ``__enter__`` of ``replayer.replay(...)``
+/ ``use_cassette(...)``) is measured separately.
 deja: median of ``repeats`` replays at each size, after one untimed warm-up replay.
 vcrpy: median of ``vcr_repeats`` replays at the small size. At the large size vcrpy's
 matcher scans the interactions linearly for every call (O(N) per call, ~5 minutes for

@@ -123,8 +123,9 @@ def rows_ttft(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         f"vcrpy {_fmt_ms(t['vcr'])} ({r['vcr_minus_live_ms']:+.1f})",
         "<= live + 1 ms", _verdict(ok))]
     notes = [f"ttft: request start -> first content_block_delta from messages.create("
-             f"stream=True); 10 SSE events {r['event_delay_ms']} ms apart ({r['events_per_stream']} reach "
-             f"the iterator, the SDK drops ping), first delta is the 4th; "
+             f"stream=True); 10 SSE events {r['event_delay_ms']} ms apart "
+             f"({r['events_per_stream']} reach the iterator, the SDK drops ping), first delta "
+             "is the 4th; "
              f"median of {r['calls']['deja']} calls per variant; whole stream: live "
              f"{_fmt_ms(tot['live'])}, deja {_fmt_ms(tot['deja'])}, vcrpy {_fmt_ms(tot['vcr'])}."]
     fails = [] if ok else [f"ttft: deja adds {r['deja_minus_live_ms']:.2f} ms (> 1 ms)"]
@@ -253,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     notes: list[str] = []
     fails: list[str] = []
     results: dict[str, Any] = {}
+    load_before = os.getloadavg()[0]
     started = time.perf_counter()
     for name in selected:
         run, to_rows = MEASURES[name]
@@ -275,8 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         fails += f
 
     elapsed = time.perf_counter() - started
+    load_after = os.getloadavg()[0]
     title = (f"deja benchmarks{' (--quick)' if args.quick else ''}: python "
-             f"{platform.python_version()}, {platform.machine()}, {elapsed:.0f}s")
+             f"{platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs, "
+             f"load avg {load_before:.1f} -> {load_after:.1f}, {elapsed:.0f}s")
     print_table(rows, notes, fails, title)
     if not fails:
         print("all targets met")
@@ -285,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"created": datetime.now(UTC).isoformat(timespec="seconds"),
            "quick": args.quick, "selected": selected, "seconds": round(elapsed, 1),
            "python": platform.python_version(), "platform": platform.platform(),
+           "cpus": os.cpu_count(), "loadavg_1min": [load_before, load_after],
            "rows": [dict(zip(("metric", "deja", "anchor", "target", "result"), r, strict=True))
                     for r in rows],
            "failures": fails, "results": results}

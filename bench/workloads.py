@@ -83,7 +83,8 @@ def calls(c: anthropic.Anthropic, indices: list[int] | range) -> list[Any]:
     return [call(c, i) for i in indices]
 
 
-def timed_calls(c: anthropic.Anthropic, indices: list[int] | range) -> tuple[list[float], list[Any]]:
+def timed_calls(c: anthropic.Anthropic,
+                indices: list[int] | range) -> tuple[list[float], list[Any]]:
     """Per-call wall times (seconds) and the responses."""
     times, out = [], []
     for i in indices:

@@ -14,6 +14,8 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import itertools
 import functools
 import importlib.metadata
 import inspect
@@ -50,6 +52,10 @@ from .pricing import PriceTable
 log = logging.getLogger("deja.recorder")
 
 _PACKAGES = ("deja", "anthropic", "httpx2", "vcrpy")
+
+# The tool call whose body is running. Observations made inside a tool's body are marked
+# ``within`` it: a replay serves the tool whole and never asks for them.
+_within: contextvars.ContextVar[str | None] = contextvars.ContextVar("deja_within", default=None)
 
 
 def new_run_id() -> str:
@@ -102,6 +108,7 @@ class RecordSession(session.Session):
         self.writer: CassetteWriter | None = None
         self.end: dict[str, Any] | None = None
         self._patches: contextlib.ExitStack | None = None
+        self._tool_calls = itertools.count()
 
     # -- lifecycle
 
@@ -193,7 +200,7 @@ class RecordSession(session.Session):
                     obs["api_error"] = summary["error"]
         if error is not None:
             obs["error"] = {**error_record(error), "has_response": response is not None}
-        self.writer.append(obs, request_body=request_body, has_request=has_request)
+        self._append(obs, request_body=request_body, has_request=has_request)
         with self._lock:
             t = self.totals
             t["model_calls" if provider else "http_calls"] += 1
@@ -204,25 +211,41 @@ class RecordSession(session.Session):
             t["output_tokens"] += usage.get("output_tokens", 0)
             t["cost_usd"] += cost or 0.0
 
+    def _append(self, obs: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        assert self.writer is not None
+        within = _within.get()
+        if within is not None:
+            obs["within"] = within
+        return self.writer.append(obs, **kwargs)
+
+    def _enter_tool(self, tool: session.ToolSpec) -> contextvars.Token:
+        return _within.set(f"{tool.name}#{next(self._tool_calls)}")
+
     def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],
                   run: Callable[[], Any]) -> Any:
         start, t0 = time.time(), time.perf_counter()
+        token = self._enter_tool(tool)
         try:
             result = run()
         except Exception as exc:
+            _within.reset(token)
             self._log_tool(tool, args, start, t0, error=exc)
             raise
+        _within.reset(token)
         self._log_tool(tool, args, start, t0, result=result)
         return result
 
     async def call_tool_async(self, tool: session.ToolSpec, args: dict[str, Any],
                               run: Callable[[], Any]) -> Any:
         start, t0 = time.time(), time.perf_counter()
+        token = self._enter_tool(tool)
         try:
             result = await run()
         except Exception as exc:
+            _within.reset(token)
             self._log_tool(tool, args, start, t0, error=exc)
             raise
+        _within.reset(token)
         self._log_tool(tool, args, start, t0, result=result)
         return result
 
@@ -238,7 +261,7 @@ class RecordSession(session.Session):
         else:
             value = tool.encode(result) if tool.encode else result
             obs["result"] = _values.encode(value, where=f"result of tool {tool.name!r}")
-        self.writer.append(obs, sync=tool.side_effect)
+        self._append(obs, sync=tool.side_effect)
         with self._lock:
             self.totals["tool_calls"] += 1
             if error is not None:
@@ -247,7 +270,7 @@ class RecordSession(session.Session):
     def effect(self, name: str, produce: Callable[[], Any]) -> Any:
         assert self.writer is not None
         value = produce()
-        self.writer.append({"kind": "effect", "name": name,
+        self._append({"kind": "effect", "name": name,
                             "value": _values.encode(value, where=f"effect {name!r}")})
         with self._lock:
             self.totals["effects"] += 1

@@ -47,7 +47,7 @@ class Index:
         self.total = 0
         for obs in cassette.observations:
             key = key_of(obs)
-            if key is None:
+            if key is None or "within" in obs:  # made inside a tool body: served with the tool
                 continue
             self._queues.setdefault(key, deque()).append(obs)
             self._order[key[0]].append(obs)
