@@ -12,6 +12,7 @@ Measurements (``--only`` names): replay, overhead, ttft, size.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
@@ -31,6 +32,7 @@ NAMES = ("replay", "overhead", "ttft", "size")
 
 # No real home is touched: a throwaway DEJA_HOME and signing key for this process.
 _HOME = tempfile.mkdtemp(prefix="deja-bench-home-")
+atexit.register(shutil.rmtree, _HOME, ignore_errors=True)
 os.environ["DEJA_HOME"] = _HOME
 os.environ["DEJA_KEY"] = "bench-" + secrets.token_hex(16)
 os.environ.pop("DEJA_OLD_KEYS", None)
@@ -295,7 +297,6 @@ def main(argv: list[str] | None = None) -> int:
            "failures": fails, "results": results}
     RESULTS.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     print(f"results written to {RESULTS.relative_to(BENCH.parent)}")
-    shutil.rmtree(_HOME, ignore_errors=True)
     return 0
 
 

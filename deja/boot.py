@@ -99,16 +99,7 @@ def _start_record(env: dict[str, str]) -> None:
         overwrite=env.get("DEJA_OVERWRITE") == "1").start()
     watch = _ExitWatch()
 
-    def close() -> None:
-        error = watch.error
-        if error is None:
-            rec.close("completed")
-        elif isinstance(error, KeyboardInterrupt):
-            rec.close("interrupted", error)
-        else:
-            rec.close("error", error)
-
-    atexit.register(close)
+    atexit.register(lambda: rec.close(error=watch.error))
 
 
 def _start_replay(env: dict[str, str]) -> None:

@@ -7,13 +7,19 @@ patchers load when a session starts.
 from .cassette import FORMAT, Cassette, CassetteWriter, Fsync, load
 from .effects import now, randint, random, utcnow, uuid4, value
 from .errors import (
+    BudgetExhausted,
+    Cancelled,
     CassetteError,
+    CircuitOpen,
     ConfigError,
     CorruptCassette,
     DejaError,
     Divergence,
     DivergenceInfo,
     KeyMissing,
+    LoopDetected,
+    NeedsAttention,
+    RunStopped,
     SessionError,
     SignatureError,
     ToolReplayError,
@@ -21,6 +27,7 @@ from .errors import (
     UnserializableValue,
     UnsupportedFormat,
 )
+from .intents import Intent, Settled, idempotency_key
 from .keys import Keyring, load_keyring
 from .pricing import Price, PriceTable
 from .record import RecordSession, record, start
@@ -29,28 +36,37 @@ from .tools import tool
 
 __all__ = [
     "FORMAT",
+    "BudgetExhausted",
+    "Cancelled",
     "Cassette",
     "CassetteError",
     "CassetteWriter",
+    "CircuitOpen",
     "ConfigError",
     "CorruptCassette",
     "DejaError",
     "Divergence",
     "DivergenceInfo",
     "Fsync",
+    "Intent",
     "KeyMissing",
     "Keyring",
+    "LoopDetected",
+    "NeedsAttention",
     "Price",
     "PriceTable",
     "RecordSession",
+    "RunStopped",
     "Session",
     "SessionError",
+    "Settled",
     "SignatureError",
     "ToolReplayError",
     "TornCassette",
     "UnserializableValue",
     "UnsupportedFormat",
     "active",
+    "idempotency_key",
     "load",
     "load_keyring",
     "now",

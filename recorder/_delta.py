@@ -19,7 +19,7 @@ from typing import Any
 
 from ._canonical import canonical
 
-_WINDOW = 16  # recent requests considered as the base of a new one
+WINDOW = 16  # recent requests considered as the base of a new one
 
 
 def _message_digests(messages: list[Any]) -> list[bytes]:
@@ -30,7 +30,12 @@ class DeltaEncoder:
     """Remembers recent requests and encodes a new one against the best of them."""
 
     def __init__(self) -> None:
-        self._recent: deque[tuple[int, dict[str, Any], list[bytes]]] = deque(maxlen=_WINDOW)
+        self._recent: deque[tuple[int, dict[str, Any], list[bytes]]] = deque(maxlen=WINDOW)
+
+    def prime(self, seq: int, body: Any) -> None:
+        """Remember a request written earlier (a resumed or forked cassette)."""
+        if isinstance(body, dict) and isinstance(body.get("messages"), list):
+            self._recent.append((seq, body, _message_digests(body["messages"])))
 
     def encode(self, seq: int, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):

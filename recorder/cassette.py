@@ -90,7 +90,54 @@ class CassetteWriter:
         header = {"format": FORMAT, **{k: v for k, v in header.items() if k != "format"}}
         header["key_id"] = key_id(key)
         self.header = header
-        self._write(header, sync=True, header=True)
+        self._write(header, sync=True)
+
+    @classmethod
+    def reopen(cls, cassette: Cassette, key: bytes, fsync: Fsync | str = Fsync.TURN
+               ) -> CassetteWriter:
+        """Continue an unfinished cassette (a crashed run being resumed).
+
+        A torn last line is cut first (the caller has reported it). ``key`` must be the key
+        the cassette is signed with, so that the chain goes on unbroken.
+        """
+        if cassette.end is not None:
+            raise ConfigError(f"{cassette.path}: the run already ended with status "
+                              f"{cassette.end.get('status')!r}; there is nothing to resume")
+        if key_id(key) != cassette.header.get("key_id"):
+            raise ConfigError(f"{cassette.path} is signed with key {cassette.header.get('key_id')}"
+                              "; continuing it needs that key")
+        self = cls.__new__(cls)
+        self.path = Path(cassette.path)
+        self.fsync = Fsync.parse(fsync)
+        self._key = key
+        self._lock = threading.Lock()
+        self._delta = _delta.DeltaEncoder()
+        for seq in sorted(cassette.requests)[-_delta.WINDOW:]:
+            self._delta.prime(seq, cassette.requests[seq])
+        if cassette.torn_offset is not None:
+            os.truncate(self.path, cassette.torn_offset)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
+        self._prev = cassette.sigs[-1]
+        self._seq = len(cassette.observations)
+        self.closed = False
+        self.header = cassette.header
+        return self
+
+    def append_copy(self, line: dict[str, Any], request_body: Any = None) -> dict[str, Any]:
+        """Write a line copied from another cassette at the same ``seq`` (a fork's prefix).
+
+        Its stored request, a delta against earlier lines, stays valid because the lines
+        before it were copied at the same positions; ``request_body`` is its full request.
+        """
+        with self._lock:
+            line = {k: v for k, v in line.items() if k != "sig"}
+            if line.get("seq") != self._seq:
+                raise ConfigError(f"copied line has seq {line.get('seq')}, expected {self._seq}")
+            if request_body is not None:
+                self._delta.prime(self._seq, request_body)
+            self._write(line, sync=self.fsync is Fsync.SYNC)
+            self._seq += 1
+            return line
 
     @property
     def next_seq(self) -> int:
@@ -136,7 +183,7 @@ class CassetteWriter:
                 os.fsync(self._fd)
                 os.close(self._fd)
 
-    def _write(self, line: dict[str, Any], *, sync: bool, header: bool = False) -> None:
+    def _write(self, line: dict[str, Any], *, sync: bool) -> None:
         body = canonical(line)
         sig = hmac.new(self._key, self._prev.encode("ascii") + body, hashlib.sha256).hexdigest()
         # Every line keeps its field order on disk ("format" first in the header; a tool
@@ -166,6 +213,7 @@ class Cassette:
     verify_note: str
     torn_offset: int | None = None
     requests: dict[int, Any] = field(default_factory=dict, repr=False)
+    sigs: tuple[str, ...] = field(default=(), repr=False)  # header's first, then each line's
 
     @property
     def run(self) -> str:
@@ -253,6 +301,7 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
     observations: list[dict[str, Any]] = []
     end: dict[str, Any] | None = None
     requests: dict[int, Any] = {}
+    sigs: list[str] = []
     for index, (_offset, raw) in enumerate(lines):
         if index == 0:
             line = header
@@ -263,6 +312,7 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
                 raise CorruptCassette(f"{path}: line {index + 1} (seq {index - 1}) is not "
                                       f"valid JSON: {exc}", path=path, seq=index - 1) from None
         sig = line.pop("sig", None) if isinstance(line, dict) else None
+        sigs.append(sig if isinstance(sig, str) else "")
         seq = index - 1
         if key is not None:
             if not isinstance(sig, str) or not hmac.compare_digest(sig, sign(key, prev, line)):
@@ -303,4 +353,4 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
             path=path, seq=last + 1)
     return Cassette(path=path, header=header, observations=tuple(observations), end=end,
                     verified=key is not None, verify_note=note, torn_offset=torn,
-                    requests=requests)
+                    requests=requests, sigs=tuple(sigs))

@@ -15,8 +15,17 @@
     ├── SessionError             record/replay used wrongly (nested, not active, closed)
     ├── Divergence               replay: the agent asked for something the cassette
     │                            does not hold at that point
-    └── ToolReplayError          replay: a recorded tool raised; the original exception
-                                 class could not be rebuilt, so this stands in for it
+    ├── ToolReplayError          replay: a recorded tool raised; the original exception
+    │                            class could not be rebuilt, so this stands in for it
+    └── RunStopped               the harness ended the run at a boundary
+        ├── NeedsAttention       resume met a side effect it cannot settle by itself
+        ├── BudgetExhausted      a budget (turns, tokens, max_tokens, seconds, dollars)
+        ├── Cancelled            someone asked the run to stop
+        ├── LoopDetected         the same tool call keeps repeating
+        └── CircuitOpen          the upstream failed too often; calls fail fast
+
+A ``RunStopped`` carries the ``end_status`` its run ends with (``needs_attention``,
+``exhausted``, ``cancelled``, ``stopped``).
 
 Messages say what happened, where (file, run, seq) and what to do next.
 """
@@ -149,3 +158,37 @@ def sdk_passthrough(exc: DejaError) -> DejaError:
 
 
 _PASSTHROUGH: dict[type, type] = {}
+
+
+class RunStopped(DejaError):
+    """The harness stopped the run at a boundary; the run ends with ``end_status``."""
+
+    end_status = "stopped"
+
+    def __init__(self, message: str, *, reason: str | None = None,
+                 detail: dict[str, object] | None = None):
+        self.reason = reason or type(self).__name__
+        self.detail = dict(detail or {})
+        super().__init__(message)
+
+
+class NeedsAttention(RunStopped):
+    """A side effect's fate is unknown; a person has to decide."""
+
+    end_status = "needs_attention"
+
+
+class BudgetExhausted(RunStopped):
+    end_status = "exhausted"
+
+
+class Cancelled(RunStopped):
+    end_status = "cancelled"
+
+
+class LoopDetected(RunStopped):
+    end_status = "stopped"
+
+
+class CircuitOpen(RunStopped):
+    end_status = "stopped"

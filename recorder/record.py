@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import itertools
 import functools
 import importlib.metadata
 import inspect
+import itertools
 import logging
 import os
 import platform
@@ -35,7 +35,7 @@ from . import _values, capture, session
 from ._canonical import digest
 from ._summary import summarize
 from .cassette import CassetteWriter, Fsync
-from .errors import SessionError
+from .errors import RunStopped, SessionError
 from .exchange import (
     HttpRequest,
     HttpResponse,
@@ -71,6 +71,17 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def status_for(error: BaseException | None) -> str:
+    """The end status of a run that stopped with ``error`` (None: it completed)."""
+    if error is None:
+        return "completed"
+    if isinstance(error, RunStopped):
+        return error.end_status
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted"
+    return "error"
+
+
 def error_record(exc: BaseException) -> dict[str, str]:
     cls = type(exc)
     return {"type": cls.__qualname__, "module": cls.__module__, "message": str(exc)}
@@ -86,7 +97,8 @@ class RecordSession(session.Session):
                  redact_body: tuple[str, ...] = (), prices: dict[str, Any] | None = None,
                  argv: list[str] | None = None, entry: str | None = None,
                  overwrite: bool = False, keyring: Keyring | None = None,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, parent: dict[str, Any] | None = None,
+                 writer: CassetteWriter | None = None) -> None:
         self.run_id = run_id or new_run_id()
         path = Path(path)
         if path.is_dir() or str(path).endswith(os.sep) or path.suffix == "":
@@ -105,7 +117,8 @@ class RecordSession(session.Session):
         self.totals: dict[str, Any] = {"model_calls": 0, "http_calls": 0, "tool_calls": 0,
                                        "effects": 0, "input_tokens": 0, "output_tokens": 0,
                                        "cost_usd": 0.0, "errors": 0}
-        self.writer: CassetteWriter | None = None
+        self.writer: CassetteWriter | None = writer
+        self.parent = parent
         self.end: dict[str, Any] | None = None
         self._patches: contextlib.ExitStack | None = None
         self._tool_calls = itertools.count()
@@ -113,16 +126,8 @@ class RecordSession(session.Session):
     # -- lifecycle
 
     def start(self) -> RecordSession:
-        ring = self._keyring or load_keyring()
-        header = {
-            "run": self.run_id, "parent": None,
-            "created": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-            "argv": self._argv, "cwd": os.getcwd(), "entry": self._entry,
-            "versions": _versions(), "labels": self.labels, "budgets": None,
-            "fsync": self.fsync.value, "redact": self.redaction.to_header(),
-        }
-        self.writer = CassetteWriter(self.path, header, require_signing_key(ring), self.fsync,
-                                     overwrite=self._overwrite)
+        if self.writer is None:
+            self.writer = self._new_writer()
         session.activate(self)
         try:
             stack = contextlib.ExitStack()
@@ -134,8 +139,24 @@ class RecordSession(session.Session):
         log.info("recording run %s to %s", self.run_id, self.path)
         return self
 
-    def close(self, status: str = "completed", error: BaseException | None = None) -> dict:
-        """Write the end line with status and totals; remove the patches."""
+    def _new_writer(self) -> CassetteWriter:
+        ring = self._keyring or load_keyring()
+        header = {
+            "run": self.run_id, "parent": self.parent,
+            "created": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "argv": self._argv, "cwd": os.getcwd(), "entry": self._entry,
+            "versions": _versions(), "labels": self.labels, "budgets": None,
+            "fsync": self.fsync.value, "redact": self.redaction.to_header(),
+        }
+        return CassetteWriter(self.path, header, require_signing_key(ring), self.fsync,
+                              overwrite=self._overwrite)
+
+    def close(self, status: str | None = None, error: BaseException | None = None) -> dict:
+        """Write the end line with status and totals; remove the patches.
+
+        Without ``status``, it follows from ``error`` (see :func:`status_for`).
+        """
+        status = status or status_for(error)
         if self.end is not None:
             return self.end
         try:
@@ -151,8 +172,20 @@ class RecordSession(session.Session):
         end: dict[str, Any] = {"status": status, "totals": totals}
         if error is not None:
             end["error"] = error_record(error)
+            if isinstance(error, RunStopped):
+                end["reason"] = error.reason
         self.end = self.writer.close(end)
         return self.end
+
+    def abandon(self) -> None:
+        """Stop without an end line, leaving the cassette resumable."""
+        try:
+            if self._patches is not None:
+                self._patches.close()
+        finally:
+            session.deactivate(self)
+        if self.writer is not None:
+            self.writer.abandon()
 
     # -- the capture seam
 
@@ -221,41 +254,72 @@ class RecordSession(session.Session):
     def _enter_tool(self, tool: session.ToolSpec) -> contextvars.Token:
         return _within.set(f"{tool.name}#{next(self._tool_calls)}")
 
-    def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],
-                  run: Callable[[], Any]) -> Any:
+    def before_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> None:
+        """Called before a live tool call; the harness guards decide here."""
+
+    def _open_intent(self, tool: session.ToolSpec, args: dict[str, Any]) -> tuple[int, str]:
+        key = _values.args_key(args)
+        line = self._append({"kind": "intent", "name": tool.name, "args": key,
+                             "fp": digest(["tool", tool.name, key]),
+                             "t": round(time.time(), 6)}, sync=True)
+        return line["seq"], f"{self.run_id}:{line['seq']}"
+
+    def run_tool(self, tool: session.ToolSpec, args: dict[str, Any],
+                 run: Callable[[str | None], Any],
+                 intent: tuple[int, str] | None = None) -> Any:
+        """Run a tool's body live and log it (an intent first for a side effect)."""
+        self.before_tool(tool, args)
+        if tool.side_effect and intent is None:
+            intent = self._open_intent(tool, args)
         start, t0 = time.time(), time.perf_counter()
         token = self._enter_tool(tool)
         try:
-            result = run()
+            result = run(intent[1] if intent else None)
         except Exception as exc:
             _within.reset(token)
-            self._log_tool(tool, args, start, t0, error=exc)
+            self.log_tool(tool, args, start, t0, error=exc, intent=intent)
             raise
         _within.reset(token)
-        self._log_tool(tool, args, start, t0, result=result)
+        self.log_tool(tool, args, start, t0, result=result, intent=intent)
         return result
+
+    async def run_tool_async(self, tool: session.ToolSpec, args: dict[str, Any],
+                             run: Callable[[str | None], Any],
+                             intent: tuple[int, str] | None = None) -> Any:
+        self.before_tool(tool, args)
+        if tool.side_effect and intent is None:
+            intent = self._open_intent(tool, args)
+        start, t0 = time.time(), time.perf_counter()
+        token = self._enter_tool(tool)
+        try:
+            result = await run(intent[1] if intent else None)
+        except Exception as exc:
+            _within.reset(token)
+            self.log_tool(tool, args, start, t0, error=exc, intent=intent)
+            raise
+        _within.reset(token)
+        self.log_tool(tool, args, start, t0, result=result, intent=intent)
+        return result
+
+    def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],
+                  run: Callable[[str | None], Any]) -> Any:
+        return self.run_tool(tool, args, run)
 
     async def call_tool_async(self, tool: session.ToolSpec, args: dict[str, Any],
-                              run: Callable[[], Any]) -> Any:
-        start, t0 = time.time(), time.perf_counter()
-        token = self._enter_tool(tool)
-        try:
-            result = await run()
-        except Exception as exc:
-            _within.reset(token)
-            self._log_tool(tool, args, start, t0, error=exc)
-            raise
-        _within.reset(token)
-        self._log_tool(tool, args, start, t0, result=result)
-        return result
+                              run: Callable[[str | None], Any]) -> Any:
+        return await self.run_tool_async(tool, args, run)
 
-    def _log_tool(self, tool: session.ToolSpec, args: dict[str, Any], start: float, t0: float,
-                  *, result: Any = None, error: BaseException | None = None) -> None:
-        assert self.writer is not None
+    def log_tool(self, tool: session.ToolSpec, args: dict[str, Any], start: float, t0: float,
+                 *, result: Any = None, error: BaseException | None = None,
+                 intent: tuple[int, str] | None = None) -> None:
+        """Write a tool's line: ``tool``, or ``outcome`` of ``intent`` (seq, key)."""
         key = _values.args_key(args)
         obs: dict[str, Any] = {"kind": "tool", "name": tool.name, "args": key,
                                "fp": digest(["tool", tool.name, key]), "t": round(start, 6),
                                "ms": round((time.perf_counter() - t0) * 1000, 3)}
+        if intent is not None:
+            obs = {"kind": "outcome", "name": tool.name, "intent": intent[0], "key": intent[1],
+                   "t": obs["t"], "ms": obs["ms"]}
         if error is not None:
             obs["error"] = error_record(error)
         else:
@@ -299,14 +363,8 @@ class _Record(contextlib.ContextDecorator):
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
         rec = self._stack.pop()
-        if rec is None:
-            return
-        if exc is None:
-            rec.close("completed")
-        elif isinstance(exc, KeyboardInterrupt):
-            rec.close("interrupted", exc)
-        else:
-            rec.close("error", exc)
+        if rec is not None:
+            rec.close(error=exc)
 
     def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
         if inspect.iscoroutinefunction(func):

@@ -27,6 +27,8 @@ class ToolSpec:
     encode: Callable[[Any], Any] | None = None
     decode: Callable[[Any], Any] | None = None
     side_effect: bool = False
+    settle: Callable[[Any], Any] | None = None
+    takes_key: bool = False  # the function declares an ``idempotency_key`` parameter
 
 
 @dataclass(frozen=True)
@@ -54,13 +56,14 @@ class Session(abc.ABC):
         """After a live exchange completed (or failed with ``error``)."""
 
     @abc.abstractmethod
-    def call_tool(self, tool: ToolSpec, args: dict[str, Any], run: Callable[[], Any]) -> Any:
-        """Run (or serve) a synchronous tool call."""
+    def call_tool(self, tool: ToolSpec, args: dict[str, Any],
+                  run: Callable[[str | None], Any]) -> Any:
+        """Run (or serve) a synchronous tool call; ``run(idempotency_key)`` runs its body."""
 
     @abc.abstractmethod
     async def call_tool_async(self, tool: ToolSpec, args: dict[str, Any],
-                              run: Callable[[], Any]) -> Any:
-        """Run (or serve) an asynchronous tool call; ``run()`` returns an awaitable."""
+                              run: Callable[[str | None], Any]) -> Any:
+        """Run (or serve) an asynchronous tool call; ``run(key)`` returns an awaitable."""
 
     @abc.abstractmethod
     def effect(self, name: str, produce: Callable[[], Any]) -> Any:

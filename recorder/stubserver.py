@@ -6,31 +6,14 @@ at it. It speaks the wire protocol of ``POST /v1/messages``: JSON responses, SSE
 (``"stream": true``) with chunked transfer encoding, tool use, thinking blocks, and error
 responses with the real error body and retry headers. Standard library only.
 
-A *script* (a dict, a JSON file, or JSON text) lists the turns to answer with, in order, one
-per ``POST /v1/messages``::
+It answers from a *script* (a dict, a JSON file, or JSON text) of turns, one per request::
 
-    {
-      "model": "claude-sonnet-4-5",
-      "turns": [
-        {"text": "Hello!", "usage": {"input_tokens": 12, "output_tokens": 3}},
-        {"text": "Let me search.", "tool_use": {"name": "search", "input": {"query": "x"}}},
-        {"tool_use": [{"name": "a", "input": {}}, {"name": "b", "input": {"k": 1}}]},
-        {"thinking": "hmm", "text": "answer"},
-        {"error": {"status": 529, "type": "overloaded_error", "message": "Overloaded",
-                   "retry_after": 0}},
-        {"text": "partial", "sse_error": {"type": "overloaded_error", "after_events": 3}},
-        {"drop": "before_headers"},
-        {"text": "slow", "delay_ms": 50, "event_delay_ms": 5}
-      ],
-      "default": {"text": "ok"}
-    }
+    {"turns": [{"text": "Hello!"}, {"tool_use": {"name": "search", "input": {"q": "x"}}}],
+     "default": {"text": "ok"}}
 
-Turn fields: ``text``, ``thinking``, ``tool_use`` (a dict or a list of dicts with ``name``,
-optional ``input`` and ``id``), ``stop_reason``, ``stop_sequence``, ``usage``, ``error``,
-``sse_error``, ``drop`` (``"before_headers"`` / ``"after_headers"``), ``delay_ms`` and
-``event_delay_ms``. The placeholder ``{echo}`` in ``text`` or ``thinking`` is replaced by the
-text of the last user message. Keys starting with ``_`` (and ``comment``/``description``) are
-ignored, so scripts can carry notes.
+The script format, including ``"select": "conversation"`` (pick the turn by the request's
+position in its conversation instead of by a global pointer), is documented in
+:mod:`recorder._stubscript`; what a turn sends back is built by :mod:`recorder._stubreply`.
 
 Control endpoints for other processes: ``GET /_stub/health``, ``GET /_stub/requests`` and
 ``POST /_stub/script`` (body: a script). ``POST /v1/messages/count_tokens`` answers with a rough
@@ -45,491 +28,30 @@ Typical use::
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
-import re
-import secrets
 import socket
-import string
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
+
+from ._stubreply import (
+    Reply,
+    chunk,
+    dumps,
+    error_body,
+    input_tokens,
+    random_id,
+    scripted_error,
+    stream_events,
+)
+from ._stubscript import StubScriptError, is_failure, load_script
 
 __all__ = ["StubScriptError", "StubServer", "load_script", "serve"]
 
 log = logging.getLogger(__name__)
-
-_BASE62 = string.ascii_letters + string.digits
-
-_DROP_MODES = ("before_headers", "after_headers")
-
-_DEFAULT_ERROR_TYPES: dict[int, str] = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    529: "overloaded_error",
-}
-
-_DEFAULT_ERROR_MESSAGES: dict[str, str] = {
-    "overloaded_error": "Overloaded",
-    "api_error": "Internal server error",
-    "rate_limit_error": "Rate limited",
-    "not_found_error": "Not found",
-}
-
-_USAGE_KEYS = (
-    "input_tokens",
-    "output_tokens",
-    "cache_creation_input_tokens",
-    "cache_read_input_tokens",
-)
-
-_NOTE_KEYS = frozenset({"comment", "description", "name"})
-_SCRIPT_KEYS = frozenset({"model", "turns", "default"})
-_TURN_KEYS = frozenset(
-    {
-        "text",
-        "thinking",
-        "tool_use",
-        "stop_reason",
-        "stop_sequence",
-        "usage",
-        "error",
-        "sse_error",
-        "drop",
-        "delay_ms",
-        "event_delay_ms",
-        "should_retry",
-    }
-)
-_ERROR_KEYS = frozenset({"status", "type", "message", "retry_after", "should_retry"})
-_SSE_ERROR_KEYS = frozenset({"type", "message", "after_events", "status"})
-_TOOL_KEYS = frozenset({"name", "input", "id"})
-
-_JSON_SEPARATORS = (",", ":")
-
-
-class StubScriptError(ValueError):
-    """A stub script is malformed; the message names the bad turn and field."""
-
-
-def _random_id(prefix: str, n: int = 24) -> str:
-    return prefix + "".join(secrets.choice(_BASE62) for _ in range(n))
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=_JSON_SEPARATORS, ensure_ascii=False)
-
-
-# --------------------------------------------------------------------------------------------
-# Script loading and validation
-# --------------------------------------------------------------------------------------------
-
-
-def _is_note(key: Any) -> bool:
-    return isinstance(key, str) and (key.startswith("_") or key in _NOTE_KEYS)
-
-
-def _check_keys(where: str, obj: dict, allowed: frozenset[str], *, notes: bool = False) -> None:
-    for key in obj:
-        if key in allowed or (notes and _is_note(key)):
-            continue
-        raise StubScriptError(
-            f"{where}: unknown field {key!r} (expected one of {', '.join(sorted(allowed))})"
-        )
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _check_non_negative_number(where: str, field: str, value: Any) -> None:
-    if not _is_number(value) or value < 0:
-        raise StubScriptError(f"{where}: field {field!r} must be a number >= 0, got {value!r}")
-
-
-def _check_non_negative_int(where: str, field: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise StubScriptError(f"{where}: field {field!r} must be an integer >= 0, got {value!r}")
-
-
-def _check_str(where: str, field: str, value: Any, *, nullable: bool = False) -> None:
-    if value is None and nullable:
-        return
-    if not isinstance(value, str):
-        raise StubScriptError(f"{where}: field {field!r} must be a string, got {value!r}")
-
-
-def _validate_tool(where: str, field: str, tool: Any) -> None:
-    if not isinstance(tool, dict):
-        raise StubScriptError(f"{where}: field {field!r} must be an object, got {tool!r}")
-    _check_keys(f"{where}: {field}", tool, _TOOL_KEYS)
-    name = tool.get("name")
-    if not isinstance(name, str) or not name:
-        raise StubScriptError(f"{where}: field '{field}.name' must be a non-empty string")
-    if "input" in tool and not isinstance(tool["input"], dict):
-        raise StubScriptError(
-            f"{where}: field '{field}.input' must be an object, got {tool['input']!r}"
-        )
-    if "id" in tool and (not isinstance(tool["id"], str) or not tool["id"]):
-        raise StubScriptError(f"{where}: field '{field}.id' must be a non-empty string")
-
-
-def _validate_turn(where: str, turn: Any) -> None:
-    if not isinstance(turn, dict):
-        raise StubScriptError(f"{where}: must be an object, got {turn!r}")
-    _check_keys(where, turn, _TURN_KEYS, notes=True)
-
-    for field in ("text", "thinking"):
-        if field in turn:
-            _check_str(where, field, turn[field])
-    if "stop_reason" in turn:
-        _check_str(where, "stop_reason", turn["stop_reason"])
-    if "stop_sequence" in turn:
-        _check_str(where, "stop_sequence", turn["stop_sequence"], nullable=True)
-
-    if "tool_use" in turn:
-        tool_use = turn["tool_use"]
-        if isinstance(tool_use, list):
-            if not tool_use:
-                raise StubScriptError(f"{where}: field 'tool_use' must not be an empty list")
-            for i, tool in enumerate(tool_use):
-                _validate_tool(where, f"tool_use[{i}]", tool)
-        else:
-            _validate_tool(where, "tool_use", tool_use)
-
-    if "usage" in turn:
-        usage = turn["usage"]
-        if not isinstance(usage, dict):
-            raise StubScriptError(f"{where}: field 'usage' must be an object, got {usage!r}")
-        _check_keys(f"{where}: usage", usage, frozenset(_USAGE_KEYS))
-        for key, value in usage.items():
-            _check_non_negative_int(where, f"usage.{key}", value)
-
-    if "should_retry" in turn and not isinstance(turn["should_retry"], bool):
-        raise StubScriptError(f"{where}: field 'should_retry' must be true or false")
-
-    failures = [key for key in ("error", "sse_error", "drop") if key in turn]
-    if len(failures) > 1:
-        raise StubScriptError(
-            f"{where}: fields {' and '.join(repr(f) for f in failures)} cannot be combined"
-        )
-
-    if "error" in turn:
-        err = turn["error"]
-        if not isinstance(err, dict):
-            raise StubScriptError(f"{where}: field 'error' must be an object, got {err!r}")
-        _check_keys(f"{where}: error", err, _ERROR_KEYS)
-        status = err.get("status")
-        if not isinstance(status, int) or isinstance(status, bool) or not 400 <= status <= 599:
-            raise StubScriptError(
-                f"{where}: field 'error.status' must be an HTTP status 400-599, got {status!r}"
-            )
-        for key in ("type", "message"):
-            if key in err:
-                _check_str(where, f"error.{key}", err[key])
-        if "retry_after" in err:
-            _check_non_negative_number(where, "error.retry_after", err["retry_after"])
-        if "should_retry" in err and not isinstance(err["should_retry"], bool):
-            raise StubScriptError(f"{where}: field 'error.should_retry' must be true or false")
-
-    if "sse_error" in turn:
-        err = turn["sse_error"]
-        if not isinstance(err, dict):
-            raise StubScriptError(f"{where}: field 'sse_error' must be an object, got {err!r}")
-        _check_keys(f"{where}: sse_error", err, _SSE_ERROR_KEYS)
-        for key in ("type", "message"):
-            if key in err:
-                _check_str(where, f"sse_error.{key}", err[key])
-        if "after_events" in err:
-            _check_non_negative_int(where, "sse_error.after_events", err["after_events"])
-        if "status" in err:
-            status = err["status"]
-            if not isinstance(status, int) or isinstance(status, bool) or not 400 <= status <= 599:
-                raise StubScriptError(
-                    f"{where}: field 'sse_error.status' must be an HTTP status 400-599, "
-                    f"got {status!r}"
-                )
-
-    if "drop" in turn and turn["drop"] not in _DROP_MODES:
-        raise StubScriptError(
-            f"{where}: field 'drop' must be 'before_headers' or 'after_headers', "
-            f"got {turn['drop']!r}"
-        )
-
-    for field in ("delay_ms", "event_delay_ms"):
-        if field in turn:
-            _check_non_negative_number(where, field, turn[field])
-
-
-def _read_script_source(script: dict | str | os.PathLike) -> Any:
-    if isinstance(script, dict):
-        return copy.deepcopy(script)
-    if isinstance(script, str) and script.lstrip().startswith("{"):
-        try:
-            return json.loads(script)
-        except json.JSONDecodeError as exc:
-            raise StubScriptError(f"script: invalid JSON: {exc}") from exc
-    if isinstance(script, str | os.PathLike):
-        path = Path(script)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise StubScriptError(f"script: cannot read {str(path)!r}: {exc}") from exc
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise StubScriptError(f"script {str(path)!r}: invalid JSON: {exc}") from exc
-    raise StubScriptError(
-        f"script must be a dict, a JSON file path or JSON text, got {type(script).__name__}"
-    )
-
-
-def load_script(script: dict | str | os.PathLike) -> dict:
-    """Load and validate a stub script.
-
-    ``script`` is a dict, a path to a JSON file, or a string of JSON text (starting with ``{``).
-    Returns a validated deep copy that always has a ``"turns"`` list. Raises
-    :class:`StubScriptError` naming the bad turn (``turn 3``, or ``default``) and field.
-    """
-    data = _read_script_source(script)
-    if not isinstance(data, dict):
-        raise StubScriptError(f"script: top level must be an object, got {type(data).__name__}")
-    _check_keys("script", data, _SCRIPT_KEYS, notes=True)
-    if "model" in data:
-        _check_str("script", "model", data["model"])
-    turns = data.setdefault("turns", [])
-    if not isinstance(turns, list):
-        raise StubScriptError(f"script: field 'turns' must be a list, got {type(turns).__name__}")
-    for index, turn in enumerate(turns):
-        _validate_turn(f"turn {index}", turn)
-    if "default" in data and data["default"] is not None:
-        _validate_turn("default", data["default"])
-    return data
-
-
-# --------------------------------------------------------------------------------------------
-# Building responses
-# --------------------------------------------------------------------------------------------
-
-
-def _rough_tokens(text: str) -> int:
-    return max(1, len(text) // 4)
-
-
-def _block_text(block: Any) -> str:
-    if isinstance(block, str):
-        return block
-    if not isinstance(block, dict):
-        return ""
-    kind = block.get("type")
-    if kind == "text":
-        return str(block.get("text", ""))
-    if kind == "tool_result":
-        content = block.get("content")
-        if isinstance(content, str):
-            return content
-        if isinstance(content, list):
-            return "\n".join(t for t in (_block_text(b) for b in content) if t)
-    return ""
-
-
-def _last_user_text(body: dict) -> str:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return ""
-    for message in reversed(messages):
-        if isinstance(message, dict) and message.get("role") == "user":
-            content = message.get("content")
-            if isinstance(content, str):
-                return content
-            if isinstance(content, list):
-                return "\n".join(t for t in (_block_text(b) for b in content) if t)
-            return ""
-    return ""
-
-
-def _input_tokens(body: dict) -> int:
-    text = _dumps(body.get("messages"))
-    for key in ("system", "tools"):
-        if key in body:
-            text += _dumps(body[key])
-    return _rough_tokens(text)
-
-
-def _split_words(text: str, words_per_chunk: int = 3) -> list[str]:
-    """Split text into chunks of a few words; the chunks concatenate back to ``text``."""
-    if not text:
-        return []
-    pieces = re.split(r"(?<=\s)(?=\S)", text)
-    return [
-        "".join(pieces[i : i + words_per_chunk]) for i in range(0, len(pieces), words_per_chunk)
-    ]
-
-
-def _split_json(raw: str) -> list[str]:
-    """Split a JSON string into 2-3 chunks (as input_json_delta partial_json values)."""
-    if len(raw) < 2:
-        return [raw]
-    if len(raw) < 6:
-        mid = len(raw) // 2
-        return [raw[:mid], raw[mid:]]
-    a, b = len(raw) // 3, 2 * len(raw) // 3
-    return [raw[:a], raw[a:b], raw[b:]]
-
-
-class _Reply:
-    """A successful message reply built from a turn, renderable as JSON or SSE events."""
-
-    def __init__(self, turn: dict, body: dict, script_model: str | None) -> None:
-        echo = _last_user_text(body) if _turn_uses_echo(turn) else ""
-        self.model = body.get("model") or script_model or "claude-stub"
-        self.id = _random_id("msg_")
-        self.content: list[dict] = []
-        output_parts: list[str] = []
-
-        if "thinking" in turn:
-            thinking = turn["thinking"].replace("{echo}", echo)
-            self.content.append(
-                {"type": "thinking", "thinking": thinking, "signature": _random_id("", 64)}
-            )
-            output_parts.append(thinking)
-        if "text" in turn:
-            text = turn["text"].replace("{echo}", echo)
-            self.content.append({"type": "text", "text": text})
-            output_parts.append(text)
-        tools = turn.get("tool_use")
-        if isinstance(tools, dict):
-            tools = [tools]
-        for tool in tools or []:
-            tool_input = copy.deepcopy(tool.get("input", {}))
-            self.content.append(
-                {
-                    "type": "tool_use",
-                    "id": tool.get("id") or _random_id("toolu_"),
-                    "name": tool["name"],
-                    "input": tool_input,
-                }
-            )
-            output_parts.append(tool["name"] + _dumps(tool_input))
-
-        self.stop_reason = turn.get("stop_reason") or ("tool_use" if tools else "end_turn")
-        self.stop_sequence = turn.get("stop_sequence")
-        given = turn.get("usage") or {}
-        self.usage = {
-            "input_tokens": given.get("input_tokens", _input_tokens(body)),
-            "output_tokens": given.get("output_tokens", _rough_tokens("".join(output_parts))),
-            "cache_creation_input_tokens": given.get("cache_creation_input_tokens", 0),
-            "cache_read_input_tokens": given.get("cache_read_input_tokens", 0),
-        }
-
-    def message(self) -> dict:
-        return {
-            "id": self.id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.model,
-            "content": self.content,
-            "stop_reason": self.stop_reason,
-            "stop_sequence": self.stop_sequence,
-            "usage": self.usage,
-        }
-
-    def events(self) -> list[tuple[str, dict]]:
-        start_usage = dict(self.usage, output_tokens=1)
-        events: list[tuple[str, dict]] = [
-            (
-                "message_start",
-                {
-                    "type": "message_start",
-                    "message": {
-                        "id": self.id,
-                        "type": "message",
-                        "role": "assistant",
-                        "model": self.model,
-                        "content": [],
-                        "stop_reason": None,
-                        "stop_sequence": None,
-                        "usage": start_usage,
-                    },
-                },
-            ),
-            ("ping", {"type": "ping"}),
-        ]
-        for index, block in enumerate(self.content):
-            kind = block["type"]
-            if kind == "thinking":
-                start = {"type": "thinking", "thinking": "", "signature": ""}
-                deltas = [
-                    {"type": "thinking_delta", "thinking": chunk}
-                    for chunk in _split_words(block["thinking"])
-                ]
-                deltas.append({"type": "signature_delta", "signature": block["signature"]})
-            elif kind == "text":
-                start = {"type": "text", "text": ""}
-                deltas = [
-                    {"type": "text_delta", "text": chunk} for chunk in _split_words(block["text"])
-                ]
-            else:
-                start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
-                deltas = [
-                    {"type": "input_json_delta", "partial_json": chunk}
-                    for chunk in _split_json(_dumps(block["input"]))
-                ]
-            events.append(
-                (
-                    "content_block_start",
-                    {"type": "content_block_start", "index": index, "content_block": start},
-                )
-            )
-            for delta in deltas:
-                events.append(
-                    (
-                        "content_block_delta",
-                        {"type": "content_block_delta", "index": index, "delta": delta},
-                    )
-                )
-            events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
-        events.append(
-            (
-                "message_delta",
-                {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
-                    "usage": {"output_tokens": self.usage["output_tokens"]},
-                },
-            )
-        )
-        events.append(("message_stop", {"type": "message_stop"}))
-        return events
-
-
-def _turn_uses_echo(turn: dict) -> bool:
-    return "{echo}" in turn.get("text", "") or "{echo}" in turn.get("thinking", "")
-
-
-def _sse_bytes(name: str, data: dict) -> bytes:
-    return f"event: {name}\ndata: {_dumps(data)}\n\n".encode()
-
-
-def _chunk(payload: bytes) -> bytes:
-    return b"%x\r\n%s\r\n" % (len(payload), payload)
-
-
-def _error_body(error_type: str, message: str, request_id: str) -> dict:
-    return {
-        "type": "error",
-        "error": {"type": error_type, "message": message},
-        "request_id": request_id,
-    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -626,19 +148,19 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_json(
         self, status: int, obj: Any, request_id: str | None = None, **headers: str
     ) -> None:
-        payload = _dumps(obj).encode()
+        payload = dumps(obj).encode()
         self._start(
             status,
             "application/json",
-            request_id or _random_id("req_"),
+            request_id or random_id("req_"),
             content_length=str(len(payload)),
             **headers,
         )
         self.wfile.write(payload)
 
     def _send_error(self, status: int, error_type: str, message: str, **headers: str) -> None:
-        request_id = _random_id("req_")
-        self._send_json(status, _error_body(error_type, message, request_id), request_id, **headers)
+        request_id = random_id("req_")
+        self._send_json(status, error_body(error_type, message, request_id), request_id, **headers)
 
     def _drop(self) -> None:
         self.close_connection = True
@@ -718,7 +240,7 @@ class _Handler(BaseHTTPRequestHandler):
             if field not in body:
                 self._send_error(400, "invalid_request_error", f"{field}: Field required")
                 return
-        self._send_json(200, {"input_tokens": _input_tokens(body)})
+        self._send_json(200, {"input_tokens": input_tokens(body)})
 
     def _messages(self, raw: bytes) -> None:
         stub = self.server.stub
@@ -738,7 +260,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(400, "invalid_request_error", problem)
             return
 
-        turn, script_model = stub._next_turn()
+        turn, script_model = stub._pick_turn(body)
         if turn is None:
             # Retrying cannot help, so tell the SDK not to (keeps failing tests fast).
             self._send_error(500, "api_error", "stub script exhausted", x_should_retry="false")
@@ -759,7 +281,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._scripted_error(turn, turn["sse_error"], 529, default_type="overloaded_error")
             return
 
-        reply = _Reply(turn, body, script_model)
+        reply = Reply(turn, body, script_model)
         if stream:
             self._stream(reply, turn)
         else:
@@ -768,28 +290,17 @@ class _Handler(BaseHTTPRequestHandler):
     def _scripted_error(
         self, turn: dict, err: dict, default_status: int, default_type: str | None = None
     ) -> None:
-        status = err.get("status", default_status)
-        error_type = err.get("type") or default_type or _DEFAULT_ERROR_TYPES.get(status)
-        if error_type is None:
-            error_type = "api_error" if status >= 500 else "invalid_request_error"
-        message = err.get("message") or _DEFAULT_ERROR_MESSAGES.get(error_type, error_type)
-        headers: dict[str, str] = {}
-        retry_after = err.get("retry_after")
-        if retry_after is not None:
-            seconds = int(retry_after) if float(retry_after).is_integer() else retry_after
-            headers["retry_after"] = str(seconds)
-            headers["retry_after_ms"] = str(round(float(retry_after) * 1000))
-        should_retry = err.get("should_retry", turn.get("should_retry"))
-        if should_retry is not None:
-            headers["x_should_retry"] = "true" if should_retry else "false"
+        status, error_type, message, headers = scripted_error(
+            turn, err, default_status, default_type
+        )
         self._send_error(status, error_type, message, **headers)
 
-    def _reply_json(self, reply: _Reply, turn: dict) -> None:
-        payload = _dumps(reply.message()).encode()
+    def _reply_json(self, reply: Reply, turn: dict) -> None:
+        payload = dumps(reply.message()).encode()
         self._start(
             200,
             "application/json",
-            _random_id("req_"),
+            random_id("req_"),
             content_length=str(len(payload)),
         )
         if turn.get("drop") == "after_headers":
@@ -797,35 +308,21 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self.wfile.write(payload)
 
-    def _stream(self, reply: _Reply, turn: dict) -> None:
+    def _stream(self, reply: Reply, turn: dict) -> None:
         self._start(
             200,
             "text/event-stream; charset=utf-8",
-            _random_id("req_"),
+            random_id("req_"),
             cache_control="no-cache",
             transfer_encoding="chunked",
         )
-        events = [_sse_bytes(name, data) for name, data in reply.events()]
-        sse_error = turn.get("sse_error")
-        if sse_error is not None:
-            cut = min(sse_error.get("after_events", 0), len(events))
-            error_event = _sse_bytes(
-                "error",
-                {
-                    "type": "error",
-                    "error": {
-                        "type": sse_error.get("type", "overloaded_error"),
-                        "message": sse_error.get("message", "Overloaded"),
-                    },
-                },
-            )
-            events = [*events[:cut], error_event]
+        events = stream_events(reply, turn)
         event_delay = (turn.get("event_delay_ms") or 0) / 1000
         drop_after_headers = turn.get("drop") == "after_headers"
         for i, event in enumerate(events):
             if i and event_delay:
                 time.sleep(event_delay)
-            self.wfile.write(_chunk(event))
+            self.wfile.write(chunk(event))
             if drop_after_headers:
                 self._drop()
                 return
@@ -858,8 +355,9 @@ class StubServer:
     """A scripted Anthropic Messages API stub serving HTTP/1.1 in a daemon thread.
 
     ``requests`` lists every received ``POST /v1/messages`` (including invalid ones) as
-    ``{"path", "headers", "body"}``; ``served`` counts the turns consumed (default turns
-    included) since the last :meth:`load`.
+    ``{"path", "headers", "body"}``; ``served`` counts the requests answered from the script
+    (default turns included, the exhausted-script 500 not) since the last :meth:`load`. Which
+    turn answers a request depends on the script's ``select`` (see :mod:`recorder._stubscript`).
     """
 
     def __init__(
@@ -869,7 +367,8 @@ class StubServer:
         self._requested_port = port
         self._lock = threading.Lock()
         self._script = load_script(script)
-        self._next = 0
+        self._next = 0  # "sequence": index of the next turn
+        self._repeats: dict[int, int] = {}  # "conversation": requests so far at each position
         self.served = 0
         self.requests: list[dict] = []
         self._httpd: _HTTPServer | None = None
@@ -929,30 +428,56 @@ class StubServer:
     # -- script --------------------------------------------------------------------------
 
     def load(self, script: dict | str | os.PathLike) -> None:
-        """Replace the script and reset the turn pointer (and ``served``)."""
+        """Replace the script; reset the turn pointer, the per-position counts and ``served``."""
         loaded = load_script(script)
         with self._lock:
             self._script = loaded
             self._next = 0
+            self._repeats = {}
             self.served = 0
 
-    def _next_turn(self) -> tuple[dict | None, str | None]:
+    def _pick_turn(self, body: dict) -> tuple[dict | None, str | None]:
+        """The turn answering a valid request (``None``: script exhausted) and the script model."""
         with self._lock:
             script = self._script
-            turns = script["turns"]
-            if self._next < len(turns):
-                turn = turns[self._next]
-                self._next += 1
+            if script.get("select") == "conversation":
+                turn = self._conversation_turn(script, _position(body))
             else:
-                turn = script.get("default")
-                if turn is None:
-                    return None, script.get("model")
-            self.served += 1
+                turn = self._sequence_turn(script)
+            if turn is not None:
+                self.served += 1
             return turn, script.get("model")
+
+    def _sequence_turn(self, script: dict) -> dict | None:
+        turns = script["turns"]
+        if self._next < len(turns):
+            self._next += 1
+            return turns[self._next - 1]
+        return script.get("default")
+
+    def _conversation_turn(self, script: dict, position: int) -> dict | None:
+        turns = script["turns"]
+        if position >= len(turns):
+            return script.get("default")
+        repeat = self._repeats.get(position, 0)
+        self._repeats[position] = repeat + 1
+        # A failure turn is served once, then its "then" list is walked: the first request at
+        # the position gets the turn, each repeat the next entry, and an entry that is not a
+        # failure (like a plain turn) answers every request that reaches it.
+        chain = [turns[position], *turns[position].get("then", ())]
+        for index, turn in enumerate(chain):
+            if index == repeat or not is_failure(turn):
+                return turn
+        return script.get("default")
 
     def _record(self, entry: dict) -> None:
         with self._lock:
             self.requests.append(entry)
+
+
+def _position(body: dict) -> int:
+    """A request's place in its conversation: how many assistant messages it carries."""
+    return sum(1 for m in body["messages"] if isinstance(m, dict) and m.get("role") == "assistant")
 
 
 def serve(script: dict | str | os.PathLike, host: str = "127.0.0.1", port: int = 8765) -> None:

@@ -13,7 +13,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
-from . import session
+from . import intents, session
+from .errors import ConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -36,29 +37,58 @@ def _bound_args(sig: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str,
 def tool(func: F) -> F: ...
 @overload
 def tool(*, name: str | None = None, side_effect: bool = False,
+         settle: Callable[[intents.Intent], intents.Settled] | None = None,
          encode: Callable[[Any], Any] | None = None,
          decode: Callable[[Any], Any] | None = None) -> Callable[[F], F]: ...
 
 
 def tool(func: Callable[..., Any] | None = None, *, name: str | None = None,
-         side_effect: bool = False, encode: Callable[[Any], Any] | None = None,
+         side_effect: bool = False,
+         settle: Callable[[intents.Intent], intents.Settled] | None = None,
+         encode: Callable[[Any], Any] | None = None,
          decode: Callable[[Any], Any] | None = None) -> Any:
     """Record (or, on replay, serve) every call of a sync or async tool function.
 
     ``encode``/``decode`` convert a result that is not JSON-like to and from a JSON form.
-    ``side_effect=True`` forces the tool's line to disk before the result is returned.
+    ``side_effect=True`` writes an intent line (forced to disk) before the body runs and an
+    outcome line after, and gives the body an idempotency key; ``settle`` decides, when a
+    crashed run is resumed, whether an intent without an outcome took effect
+    (see :mod:`recorder.intents`).
     """
+    if settle is not None and not side_effect:
+        raise ConfigError("settle= only applies to side_effect=True tools")
+
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        spec = session.ToolSpec(name or fn.__name__, encode, decode, side_effect)
         sig = inspect.signature(fn)
+        takes_key = "idempotency_key" in sig.parameters
+        spec = session.ToolSpec(name or fn.__name__, encode, decode, side_effect, settle,
+                                takes_key)
+
+        def arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+            call = _bound_args(sig, args, kwargs)
+            call.pop("idempotency_key", None)
+            return call
+
+        def with_key(kwargs: dict[str, Any], key: str | None) -> dict[str, Any]:
+            if takes_key and key is not None:
+                return {**kwargs, "idempotency_key": key}
+            return kwargs
+
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
                 current = session.active()
                 if current is None:
                     return await fn(*args, **kwargs)
-                call = _bound_args(sig, args, kwargs)
-                return await current.call_tool_async(spec, call, lambda: fn(*args, **kwargs))
+
+                async def invoke(key: str | None) -> Any:
+                    token = intents._key.set(key)
+                    try:
+                        return await fn(*args, **with_key(kwargs, key))
+                    finally:
+                        intents._key.reset(token)
+
+                return await current.call_tool_async(spec, arguments(args, kwargs), invoke)
             async_wrapper.__deja_tool__ = spec  # type: ignore[attr-defined]
             return async_wrapper
 
@@ -67,8 +97,15 @@ def tool(func: Callable[..., Any] | None = None, *, name: str | None = None,
             current = session.active()
             if current is None:
                 return fn(*args, **kwargs)
-            return current.call_tool(spec, _bound_args(sig, args, kwargs),
-                                     lambda: fn(*args, **kwargs))
+
+            def invoke(key: str | None) -> Any:
+                token = intents._key.set(key)
+                try:
+                    return fn(*args, **with_key(kwargs, key))
+                finally:
+                    intents._key.reset(token)
+
+            return current.call_tool(spec, arguments(args, kwargs), invoke)
         wrapper.__deja_tool__ = spec  # type: ignore[attr-defined]
         return wrapper
 

@@ -18,7 +18,7 @@ from recorder._canonical import digest
 from recorder.cassette import Cassette
 from recorder.exchange import pretty
 
-FAMILY = {"model": "net", "http": "net", "tool": "tool", "effect": "effect"}
+FAMILY = {"model": "net", "http": "net", "tool": "tool", "intent": "tool", "effect": "effect"}
 
 
 def key_of(obs: dict[str, Any]) -> tuple[str, str] | None:
@@ -45,7 +45,13 @@ class Index:
         self._cursor = {family: 0 for family in self._order}
         self.used: set[int] = set()
         self.total = 0
+        # outcome of each side-effect intent, by the intent's seq
+        self.outcomes: dict[int, dict[str, Any]] = {}
         for obs in cassette.observations:
+            if obs.get("kind") == "outcome" and "within" not in obs:
+                self.outcomes[obs["intent"]] = obs
+                self.total += 1
+                continue
             key = key_of(obs)
             if key is None or "within" in obs:  # made inside a tool body: served with the tool
                 continue
@@ -60,7 +66,15 @@ class Index:
                 return None
             obs = queue.popleft()
             self.used.add(obs["seq"])
+            outcome = self.outcomes.get(obs["seq"])
+            if outcome is not None:
+                self.used.add(outcome["seq"])
             return obs
+
+    @property
+    def remaining(self) -> int:
+        """How many recorded observations have not been served yet."""
+        return self.total - len(self.used)
 
     def expected(self, family: str) -> dict[str, Any] | None:
         """The first recorded observation of ``family`` not served yet."""
@@ -73,8 +87,9 @@ class Index:
 
     def unused(self) -> list[int]:
         with self._lock:
-            return sorted(o["seq"] for fam in self._order.values() for o in fam
-                          if o["seq"] not in self.used)
+            seqs = [o["seq"] for fam in self._order.values() for o in fam]
+            seqs += [o["seq"] for o in self.outcomes.values()]
+            return sorted(s for s in seqs if s not in self.used)
 
 
 def unified(expected: Any, actual: Any, *, expected_name: str = "recorded",

@@ -112,9 +112,18 @@ def _pointer_get(doc: Any, pointer: str) -> Any:
         return None
 
 
+_BOOKKEEPING = frozenset({"fork_edit", "resumed"})
+
+
+def _steps(c: Cassette) -> list[dict[str, Any]]:
+    """The steps compared: bookkeeping control lines (fork_edit, resumed) left out."""
+    steps = [o for o in c.observations
+             if not (o.get("kind") == "control" and o.get("event") in _BOOKKEEPING)]
+    return steps + ([c.end] if c.end else [])
+
+
 def compare(a: Cassette, b: Cassette) -> RunDiff:
-    steps_a = list(a.observations) + ([a.end] if a.end else [])
-    steps_b = list(b.observations) + ([b.end] if b.end else [])
+    steps_a, steps_b = _steps(a), _steps(b)
     diffs: list[StepDiff] = []
     first: int | None = None
     for i in range(max(len(steps_a), len(steps_b))):
@@ -132,14 +141,27 @@ def compare(a: Cassette, b: Cassette) -> RunDiff:
             patch = jsonpatch.make_patch(ma, mb).patch
             changes = tuple(FieldChange(op["path"], op["op"], _pointer_get(ma, op["path"]),
                                         _pointer_get(mb, op["path"])) for op in patch)
-        diffs.append(StepDiff(i, (ma or {}).get("kind"), (mb or {}).get("kind"), changes))
+        seq = (steps_b[i] if i < len(steps_b) else steps_a[i])["seq"]
+        diffs.append(StepDiff(seq, (ma or {}).get("kind"), (mb or {}).get("kind"), changes))
     same_prefix = first if first is not None else min(len(steps_a), len(steps_b))
     return RunDiff(a.run, b.run, len(steps_a), len(steps_b), same_prefix, first, tuple(diffs))
 
 
-def _short(value: Any, width: int = 70) -> str:
-    text = json.dumps(value, ensure_ascii=False, default=str)
-    return text if len(text) <= width else text[: width - 1] + "…"
+def _pair(a: Any, b: Any, width: int = 70) -> tuple[str, str]:
+    """Both sides of a change, long strings cut to show where they differ."""
+    ta, tb = (json.dumps(v, ensure_ascii=False, default=str) for v in (a, b))
+    if len(ta) <= width and len(tb) <= width:
+        return ta, tb
+    start = 0
+    while start < min(len(ta), len(tb)) and ta[start] == tb[start]:
+        start += 1
+    start = max(0, start - 15)
+
+    def cut(text: str) -> str:
+        return (("…" if start else "") + text[start:start + width]
+                + ("…" if len(text) > start + width else ""))
+
+    return cut(ta), cut(tb)
 
 
 def render(diff: RunDiff, *, max_changes: int = 12) -> str:
@@ -147,21 +169,28 @@ def render(diff: RunDiff, *, max_changes: int = 12) -> str:
     if diff.same:
         lines.append("same: every step means the same in both runs")
         return "\n".join(lines)
-    if diff.same_prefix:
+    if diff.same_prefix == 1:
+        lines.append("step 0: identical")
+    elif diff.same_prefix:
         lines.append(f"steps 0-{diff.same_prefix - 1}: identical ({diff.same_prefix} steps)")
     lines.append(f"first divergence: step {diff.first_divergence}")
+    only = [s for s in diff.steps if s.changes and s.changes[0].op in ("missing", "added")]
     for step in diff.steps:
+        if step in only:
+            continue
         kinds = step.kind_a if step.kind_a == step.kind_b else f"{step.kind_a} -> {step.kind_b}"
         lines.append(f"step {step.seq} ({kinds}):")
         for change in step.changes[:max_changes]:
-            if change.op == "missing":
-                lines.append("  only in A")
-            elif change.op == "added":
-                lines.append("  only in B")
-            else:
-                a = "(absent)" if change.op == "add" else _short(change.a)
-                b = "(absent)" if change.op == "remove" else _short(change.b)
-                lines.append(f"  {change.path or '/'}: {a} -> {b}")
+            a, b = _pair(change.a, change.b)
+            a = "(absent)" if change.op == "add" else a
+            b = "(absent)" if change.op == "remove" else b
+            lines.append(f"  {change.path or '/'}: {a} -> {b}")
         if len(step.changes) > max_changes:
             lines.append(f"  … {len(step.changes) - max_changes} more changes")
+    for side, op in (("A", "missing"), ("B", "added")):
+        steps = [s for s in only if s.changes[0].op == op]
+        if steps:
+            lines.append(f"only in {side}: {len(steps)} step(s), "
+                         + ", ".join(f"{s.seq} {s.kind_a or s.kind_b}" for s in steps[:12])
+                         + (" …" if len(steps) > 12 else ""))
     return "\n".join(lines)

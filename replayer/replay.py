@@ -226,7 +226,8 @@ class ReplaySession(session.Session):
 
     # -- the capture seam
 
-    def begin_http(self, request: HttpRequest) -> HttpResponse | None:
+    def match_http(self, request: HttpRequest) -> dict[str, Any]:
+        """The recorded observation that answers ``request``; a Divergence if none does."""
         provider = model_provider(request.method, request.url)
         body = body_for_fingerprint(request.body, self.redaction)
         kind = "model" if provider and not (isinstance(body, dict) and "body_encoding" in body) \
@@ -238,6 +239,10 @@ class ReplaySession(session.Session):
                 "method": request.method.upper(), "url": request.url, "body": body}
             what = f"the agent sent a {kind} request ({request.method} {request.url})"
             raise self._diverge("net", kind, actual, what)
+        return obs
+
+    @staticmethod
+    def response_of(obs: dict[str, Any]) -> HttpResponse:
         error = obs.get("error")
         if "response" in obs:
             served = response_from_record(obs["response"])
@@ -247,6 +252,9 @@ class ReplaySession(session.Session):
             served.extra["error"] = error
             served.extra["has_response"] = bool(error.get("has_response"))
         return served
+
+    def begin_http(self, request: HttpRequest) -> HttpResponse | None:
+        return self.response_of(self.match_http(request))
 
     def end_http(self, request: HttpRequest, response: HttpResponse | None,
                  timing: session.Timing, error: BaseException | None = None) -> None:
@@ -261,17 +269,33 @@ class ReplaySession(session.Session):
         return obs
 
     def _tool_result(self, tool: session.ToolSpec, obs: dict[str, Any]) -> Any:
+        if obs["kind"] == "intent":
+            outcome = self.index.outcomes.get(obs["seq"])
+            if outcome is None:
+                raise self._unsettled(tool, obs)
+            obs = outcome
         if "error" in obs:
             raise _rebuild_error(tool.name, obs["error"])
         value = _values.decode(obs.get("result"))
         return tool.decode(value) if tool.decode else value
 
+    def _unsettled(self, tool: session.ToolSpec, intent: dict[str, Any]) -> Divergence:
+        info = DivergenceInfo(
+            step=intent["seq"], kind="intent",
+            reason=f"the recording ended inside side-effecting tool {tool.name!r} (intent "
+                   f"at seq {intent['seq']} has no outcome); resume the run to settle it",
+            expected=_describe(self.cassette, intent), actual=None, diff="")
+        with self._lock:
+            if self.divergence is None:
+                self.divergence = info
+        return Divergence(info, path=self.path)
+
     def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],
-                  run: Callable[[], Any]) -> Any:
+                  run: Callable[[str | None], Any]) -> Any:
         return self._tool_result(tool, self._take_tool(tool, args))
 
     async def call_tool_async(self, tool: session.ToolSpec, args: dict[str, Any],
-                              run: Callable[[], Any]) -> Any:
+                              run: Callable[[str | None], Any]) -> Any:
         return self._tool_result(tool, self._take_tool(tool, args))
 
     def effect(self, name: str, produce: Callable[[], Any]) -> Any:
@@ -289,7 +313,7 @@ def _describe(cassette: Cassette, obs: dict[str, Any]) -> Any:
         return cassette.request_of(obs["seq"])
     if kind == "http":
         return {"method": obs["method"], "url": obs["url"], "body": obs["request"]["body"]}
-    if kind == "tool":
+    if kind in ("tool", "intent"):
         return {"name": obs["name"], "args": obs["args"]}
     if kind == "effect":
         return {"effect": obs["name"]}

@@ -580,6 +580,136 @@ def test_concurrent_requests_consume_each_turn_once(make_server) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# Conversation selection
+# --------------------------------------------------------------------------------------------
+
+
+def _conversation(position: int, tag: str = "") -> list[dict]:
+    """Messages of a conversation after ``position`` assistant replies, ending with the user."""
+    messages: list[dict] = [{"role": "user", "content": f"start{tag}"}]
+    for i in range(position):
+        messages.append({"role": "assistant", "content": f"reply {i}"})
+        messages.append({"role": "user", "content": f"next {i}{tag}"})
+    return messages
+
+
+def _ask(client: anthropic.Anthropic, position: int, tag: str = "") -> str:
+    return _create(client, messages=_conversation(position, tag)).content[0].text
+
+
+def test_conversation_select_serves_by_position(make_server, make_client) -> None:
+    script = {
+        "select": "conversation",
+        "turns": [{"text": "t0"}, {"text": "t1"}, {"text": "t2"}],
+        "default": {"text": "fallback"},
+    }
+    server = make_server(script)
+    a, b = make_client(server), make_client(server)
+    # A later position first: nothing is consumed, so earlier positions are unaffected.
+    assert _ask(a, 2, "a") == "t2"
+    # Two clients interleaving the same positions get the same turns.
+    assert [_ask(a, 0, "a"), _ask(b, 0, "b"), _ask(a, 1, "a"), _ask(b, 1, "b")] == [
+        "t0",
+        "t0",
+        "t1",
+        "t1",
+    ]
+    # Repeats (a resumed or replaying client) get the same turn again, streaming or not.
+    assert [_ask(b, 1, "b") for _ in range(3)] == ["t1"] * 3
+    with b.messages.stream(model=MODEL, max_tokens=8, messages=_conversation(0, "b")) as stream:
+        assert stream.get_final_message().content[0].text == "t0"
+    # A trailing assistant prefill counts as a position too.
+    assert _create(a, messages=_conversation(1)[:2]).content[0].text == "t1"
+    assert _ask(a, 3) == _ask(b, 9) == "fallback"
+    assert server.served == 12
+
+    # Without a default, a request past the end gets the exhausted 500, not retried.
+    server.load({"select": "conversation", "turns": [{"text": "only"}]})
+    retrying = make_client(server, max_retries=2)
+    with pytest.raises(anthropic.InternalServerError) as info:
+        _ask(retrying, 1)
+    assert info.value.body["error"]["message"] == "stub script exhausted"
+    assert _ask(retrying, 0) == "only"
+    assert server.served == 1
+
+
+def test_conversation_threads_at_the_same_positions(make_server) -> None:
+    server = make_server(
+        {"select": "conversation", "turns": [{"text": f"turn-{i}"} for i in range(4)]}
+    )
+    answers: list[tuple[int, str]] = []
+    lock = threading.Lock()
+
+    def worker(tag: str) -> None:
+        with anthropic.Anthropic(base_url=server.url, api_key="sk-test", max_retries=0) as client:
+            for position in range(4):
+                text = _ask(client, position, tag)
+                with lock:
+                    answers.append((position, text))
+
+    threads = [threading.Thread(target=worker, args=(str(i),)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(answers) == 24
+    assert all(text == f"turn-{position}" for position, text in answers)
+
+
+def test_conversation_failure_turns_are_one_shot(make_server, make_client) -> None:
+    overloaded = {"status": 529, "retry_after": 0.001}
+    script = {
+        "select": "conversation",
+        "turns": [
+            {
+                "error": overloaded,
+                "then": [
+                    {"drop": "before_headers"},
+                    {"text": "partial", "sse_error": {"type": "overloaded_error"}},
+                    {"text": "recovered"},
+                ],
+            },
+            {"error": {"status": 500, "message": "boom"}},
+        ],
+        "default": {"text": "fallback"},
+    }
+    server = make_server(script)
+    client = make_client(server)  # no retries: each repeat below is made by hand
+    with pytest.raises(anthropic.APIStatusError) as info:
+        _ask(client, 0)
+    assert info.value.status_code == 529
+    with pytest.raises(anthropic.APIConnectionError):
+        _ask(client, 0)
+    with pytest.raises(anthropic.APIStatusError) as info:
+        _ask(client, 0)  # sse_error without streaming: a 529
+    assert info.value.status_code == 529
+    # A plain entry answers every later request at the position.
+    assert [_ask(client, 0, tag) for tag in "ab"] == ["recovered", "recovered"]
+    # No "then": the failure is served once, repeats get the default.
+    with pytest.raises(anthropic.InternalServerError) as info:
+        _ask(client, 1)
+    assert info.value.body["error"]["message"] == "boom"
+    assert _ask(client, 1) == "fallback"
+
+    # load() resets the counts; the SDK's own retry is a repeat at the same position.
+    server.load(
+        {"select": "conversation", "turns": [{"error": overloaded, "then": [{"text": "ok"}]}]}
+    )
+    before = len(server.requests)
+    assert _ask(make_client(server, max_retries=2), 0) == "ok"
+    assert len(server.requests) - before == 2
+    assert server.served == 2
+
+    # Nothing left at the position and no default: the exhausted 500.
+    server.load({"select": "conversation", "turns": [{"drop": "before_headers"}]})
+    with pytest.raises(anthropic.APIConnectionError):
+        _ask(client, 0)
+    with pytest.raises(anthropic.InternalServerError) as info:
+        _ask(client, 0)
+    assert info.value.body["error"]["message"] == "stub script exhausted"
+
+
+# --------------------------------------------------------------------------------------------
 # Script validation
 # --------------------------------------------------------------------------------------------
 
@@ -606,6 +736,44 @@ def test_concurrent_requests_consume_each_turn_once(make_server) -> None:
         ({"turns": "nope"}, ["turns"]),
         ({"turns": [], "default": {"text": 1}}, ["default", "text"]),
         ({"turns": [], "extra": 1}, ["extra"]),
+        ({"select": "random", "turns": []}, ["select", "'random'", "conversation"]),
+        ({"select": None}, ["select", "None"]),
+        ({"turns": [{"drop": "after_headers", "then": []}]}, ["turn 0", "then", "conversation"]),
+        (
+            {"select": "conversation", "turns": [{"text": "a", "then": [{"text": "b"}]}]},
+            ["turn 0", "then", "error"],
+        ),
+        (
+            {"select": "conversation", "turns": [{"drop": "before_headers", "then": {}}]},
+            ["turn 0", "then", "list"],
+        ),
+        (
+            {
+                "select": "conversation",
+                "turns": [{"text": "a"}, {"error": {"status": 529}, "then": [{"text": 1}]}],
+            },
+            ["turn 1: then[0]", "text"],
+        ),
+        (
+            {
+                "select": "conversation",
+                "turns": [{"drop": "before_headers", "then": [{"drop": "x", "then": []}]}],
+            },
+            ["turn 0: then[0]", "drop"],
+        ),
+        (
+            {
+                "select": "conversation",
+                "turns": [
+                    {"drop": "before_headers", "then": [{"drop": "after_headers", "then": []}]}
+                ],
+            },
+            ["turn 0: then[0]", "nested"],
+        ),
+        (
+            {"select": "conversation", "default": {"drop": "before_headers", "then": []}},
+            ["default", "then"],
+        ),
     ],
 )
 def test_load_script_errors_name_the_turn(script: dict, needles: list[str]) -> None:
@@ -632,6 +800,20 @@ def test_load_script_from_file_and_text(tmp_path: Path) -> None:
         load_script(bad)
     with pytest.raises(StubScriptError):
         StubServer({"turns": [{"drop": 1}]})
+    loaded = load_script({"select": "conversation", "turns": [{"drop": "after_headers"}]})
+    assert loaded["select"] == "conversation" and "select" not in load_script(script)
+
+
+def test_select_validated_over_http(make_server, make_client) -> None:
+    server = make_server({"turns": [{"text": "one"}]})
+    with httpx2.Client(base_url=server.url) as http:
+        bad = http.post("/_stub/script", json={"select": "sticky", "turns": []})
+        assert bad.status_code == 400
+        assert "'select'" in bad.json()["error"]["message"]
+        good = http.post("/_stub/script", json={"select": "conversation", "turns": [{"text": "c"}]})
+        assert good.status_code == 200
+    client = make_client(server)
+    assert [_create(client).content[0].text for _ in range(2)] == ["c", "c"]
 
 
 # --------------------------------------------------------------------------------------------

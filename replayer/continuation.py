@@ -1,0 +1,200 @@
+"""A session that serves a recorded prefix, then goes live: what resume and fork share.
+
+While the prefix lasts, every call is served from it exactly as a replay would (a miss is
+a ``Divergence``; nothing reaches the network, no tool body runs). Once every
+observation of the prefix has been served, calls go out live and are appended to the
+writer, with the harness guards of a normal recording, or, with ``then_replay``, are
+served from a second cassette and logged as if live.
+
+An intent without an outcome at the end of the prefix (a crash inside a side-effecting
+tool) is settled when the agent reaches it, before anything goes live: see
+:mod:`recorder.intents`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from recorder import _values, session
+from recorder.cassette import Cassette, CassetteWriter
+from recorder.errors import NeedsAttention
+from recorder.exchange import HttpRequest, HttpResponse
+from recorder.intents import Intent, Settled
+from recorder.record import RecordSession
+
+from .replay import ReplaySession
+
+log = logging.getLogger("deja.replayer")
+
+
+class ContinuationSession(RecordSession):
+    """Serve ``prefix``, then record live into ``writer``."""
+
+    def __init__(self, prefix: Cassette, writer: CassetteWriter, *,
+                 on_live: Callable[[ContinuationSession], None] | None = None,
+                 then_replay: Cassette | None = None, **kwargs: Any) -> None:
+        super().__init__(writer.path, run_id=writer.header["run"], writer=writer, **kwargs)
+        self.prefix = ReplaySession(prefix)
+        self.then = ReplaySession(then_replay) if then_replay is not None else None
+        self.live = False
+        self._on_live = on_live
+        for obs in prefix.observations:
+            self._count(obs)
+
+    # -- bookkeeping
+
+    def _count(self, obs: dict[str, Any]) -> None:
+        t = self.totals
+        kind = obs.get("kind")
+        if kind == "model":
+            t["model_calls"] += 1
+        elif kind == "http":
+            t["http_calls"] += 1
+        elif kind in ("tool", "outcome"):
+            t["tool_calls"] += 1
+        elif kind == "effect":
+            t["effects"] += 1
+        usage = obs.get("usage") or {}
+        t["input_tokens"] += usage.get("input_tokens", 0)
+        t["output_tokens"] += usage.get("output_tokens", 0)
+        t["cost_usd"] += obs.get("cost_usd") or 0.0
+        if "error" in obs:
+            t["errors"] += 1
+
+    @property
+    def serving(self) -> bool:
+        """Still serving the prefix (switches to live the moment it is used up)."""
+        if not self.live and self.prefix.index.remaining == 0:
+            self.go_live()
+        return not self.live
+
+    def go_live(self) -> None:
+        if self.live:
+            return
+        self.live = True
+        log.info("run %s: recorded prefix served (%d steps); going live", self.run_id,
+                 len(self.prefix.index.used))
+        if self._on_live is not None:
+            self._on_live(self)
+
+    def close(self, status: str | None = None, error: BaseException | None = None) -> dict:
+        if not self.live and self.prefix.index.remaining == 0:
+            self.go_live()
+        return super().close(status, error)
+
+    # -- calls
+
+    def begin_http(self, request: HttpRequest) -> HttpResponse | None:
+        if self.serving:
+            return self.prefix.begin_http(request)
+        super().begin_http(request)  # the guards
+        if self.then is not None:
+            obs = self.then.match_http(request)
+            self._log_copied(self.then, obs)
+            return self.then.response_of(obs)
+        return None
+
+    def _log_copied(self, source: ReplaySession, obs: dict[str, Any]) -> None:
+        """Log an observation served from ``source`` as if it had come from the network."""
+        copy = {k: v for k, v in obs.items() if k not in ("seq", "sig", "request")}
+        if obs["kind"] == "model":
+            self._append(copy, request_body=source.cassette.requests.get(obs["seq"]),
+                         has_request=True)
+        else:
+            if "request" in obs:
+                copy["request"] = obs["request"]
+            self._append(copy)
+        self._count(obs)
+
+    def _serve_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> tuple[str, Any]:
+        """('served', value) from the prefix, ('settle', intent) for an unsettled intent,
+        or ('live', None)."""
+        if not self.serving:
+            return "live", None
+        obs = self.prefix._take_tool(tool, args)
+        if obs["kind"] == "intent" and obs["seq"] not in self.prefix.index.outcomes:
+            self.go_live()
+            return "settle", obs
+        return "served", self.prefix._tool_result(tool, obs)
+
+    def _settle(self, tool: session.ToolSpec, args: dict[str, Any],
+                obs: dict[str, Any]) -> tuple[str, Any]:
+        key = f"{self.run_id}:{obs['seq']}"
+        intent = Intent(run=self.run_id, seq=obs["seq"], name=tool.name,
+                        args=_values.decode(obs.get("args")), key=key)
+        if tool.settle is None:
+            raise NeedsAttention(
+                f"run {self.run_id}: side-effecting tool {tool.name!r} was running when the "
+                f"run stopped (intent seq {obs['seq']}, key {key}) and has no settle "
+                "function, so whether it took effect is unknown. Check by the key, then "
+                "record the outcome or give the tool settle=", reason="unsettled_intent",
+                detail={"seq": obs["seq"], "key": key, "tool": tool.name})
+        verdict = tool.settle(intent)
+        if not isinstance(verdict, Settled):
+            raise NeedsAttention(f"settle function of {tool.name!r} returned {verdict!r}, not "
+                                 "a recorder.Settled", reason="bad_settle",
+                                 detail={"seq": obs["seq"], "key": key})
+        log.info("intent seq %s of %s settled: %s", obs["seq"], tool.name, verdict.state)
+        if verdict.state == "done":
+            now = time.perf_counter()
+            self.log_tool(tool, args, time.time(), now, result=verdict.result,
+                          intent=(obs["seq"], key))
+            return "done", verdict.result
+        if verdict.state == "not_done":
+            return "run", (obs["seq"], key)
+        raise NeedsAttention(
+            f"run {self.run_id}: cannot tell whether {tool.name!r} (intent seq {obs['seq']}, "
+            f"key {key}) took effect: {verdict.reason}", reason="unsettled_intent",
+            detail={"seq": obs["seq"], "key": key, "tool": tool.name, "why": verdict.reason})
+
+    def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],
+                  run: Callable[[str | None], Any]) -> Any:
+        state, value = self._serve_tool(tool, args)
+        if state == "served":
+            return value
+        if state == "settle":
+            state, value = self._settle(tool, args, value)
+            if state == "done":
+                return value
+            return self.run_tool(tool, args, run, intent=value)
+        if self.then is not None:
+            return self._then_tool(tool, args)
+        return self.run_tool(tool, args, run)
+
+    async def call_tool_async(self, tool: session.ToolSpec, args: dict[str, Any],
+                              run: Callable[[str | None], Any]) -> Any:
+        state, value = self._serve_tool(tool, args)
+        if state == "served":
+            return value
+        if state == "settle":
+            state, value = self._settle(tool, args, value)
+            if state == "done":
+                return value
+            return await self.run_tool_async(tool, args, run, intent=value)
+        if self.then is not None:
+            return self._then_tool(tool, args)
+        return await self.run_tool_async(tool, args, run)
+
+    def _then_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> Any:
+        assert self.then is not None
+        self.before_tool(tool, args)
+        obs = self.then._take_tool(tool, args)
+        value = self.then._tool_result(tool, obs) if "error" not in obs else None
+        copy = {k: v for k, v in obs.items() if k not in ("seq", "sig")}
+        self._append(copy)
+        self._count(obs)
+        if "error" in obs:
+            self.then._tool_result(tool, obs)  # raises the recorded error
+        return value
+
+    def effect(self, name: str, produce: Callable[[], Any]) -> Any:
+        if self.serving:
+            return self.prefix.effect(name, produce)
+        if self.then is not None:
+            value = self.then.effect(name, produce)
+            self._append({"kind": "effect", "name": name, "value": _values.encode(value)})
+            return value
+        return super().effect(name, produce)

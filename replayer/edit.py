@@ -1,0 +1,178 @@
+"""Editing one observation: the document a user edits, and the observation it becomes.
+
+Each editable kind is shown as a small JSON document:
+
+- ``tool`` / ``outcome``: ``{"result": ...}`` or ``{"error": {"type", "module", "message"}}``
+- ``effect``: ``{"value": ...}``
+- ``model``: the assembled message (``id``, ``content`` blocks, ``stop_reason``,
+  ``usage`` ...), whether it was received as JSON or as an SSE stream
+- ``http``: ``{"status", "headers", "body"}`` (the body parsed when it is JSON)
+
+An edit is an RFC 6902 JSON patch, a whole replacement document, or ``--set`` pairs
+(``/result=...`` JSON pointers or ``result.0.title`` dotted paths; values parsed as JSON
+when they are JSON, else taken as strings). Rebuilding a model observation from an edited
+message re-serialises the body, and for a streamed call synthesises a valid SSE stream,
+so streaming agents receive the edit too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import jsonpatch
+
+from recorder._canonical import decode_body, encode_body
+from recorder._summary import summarize
+from recorder._values import decode, encode
+from recorder.errors import ConfigError
+from recorder.pricing import PriceTable
+from recorder.sse import assemble, synthesize
+
+EDITABLE = ("model", "http", "tool", "outcome", "effect")
+
+
+def _is_sse(obs: dict[str, Any]) -> bool:
+    headers = (obs.get("response") or {}).get("headers", [])
+    return any(k.lower() == "content-type" and "event-stream" in v for k, v in headers)
+
+
+def _body_text(obs: dict[str, Any]) -> str:
+    response = obs["response"]
+    return decode_body(response["body"], response.get("encoding")).decode("utf-8", "replace")
+
+
+def view(obs: dict[str, Any]) -> dict[str, Any]:
+    """The editable document of ``obs``."""
+    kind = obs.get("kind")
+    if kind in ("tool", "outcome"):
+        return {"error": obs["error"]} if "error" in obs else {"result": decode(obs.get("result"))}
+    if kind == "effect":
+        return {"value": decode(obs.get("value"))}
+    if kind in ("model", "http") and "response" not in obs:
+        raise ConfigError(f"step {obs.get('seq')} has no response to edit (the exchange failed:"
+                          f" {(obs.get('error') or {}).get('message')})")
+    if kind == "model":
+        text = _body_text(obs)
+        if _is_sse(obs):
+            return assemble(text)
+        try:
+            message = json.loads(text)
+        except ValueError:
+            raise ConfigError(f"step {obs['seq']}: the model response is not JSON") from None
+        return message
+    if kind == "http":
+        text = _body_text(obs)
+        try:
+            body: Any = json.loads(text)
+        except ValueError:
+            body = text
+        return {"status": obs["response"]["status"], "headers": obs["response"]["headers"],
+                "body": body}
+    raise ConfigError(f"step {obs.get('seq')} is a {kind!r} line; editable kinds are "
+                      f"{', '.join(EDITABLE)}")
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def set_patch(pairs: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
+    """``PATH=VALUE`` pairs as JSON patch ``replace`` operations."""
+    ops = []
+    for pair in pairs:
+        path, sep, value = pair.partition("=")
+        if not sep or not path:
+            raise ConfigError(f"--set {pair!r}: expected PATH=VALUE, e.g. /result='[]' or "
+                              "content.0.text=Hello")
+        if not path.startswith("/"):
+            path = "/" + "/".join(p.replace("~", "~0").replace("/", "~1")
+                                  for p in path.removeprefix("$.").split("."))
+        ops.append({"op": "replace", "path": path, "value": _parse_value(value)})
+    return ops
+
+
+def apply(doc: dict[str, Any], *, patch: list[dict[str, Any]] | None = None,
+          replace: Any = None, step: int | None = None) -> tuple[Any, list[dict[str, Any]]]:
+    """The edited document and the patch that turns ``doc`` into it."""
+    if replace is not None:
+        return replace, jsonpatch.make_patch(doc, replace).patch
+    if not isinstance(patch, list) or not all(isinstance(op, dict) for op in patch):
+        raise ConfigError("an edit is a JSON patch: a list of operations like "
+                          '{"op": "replace", "path": "/result", "value": ...}')
+    try:
+        edited = jsonpatch.apply_patch(copy.deepcopy(doc), patch)
+    except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
+        where = f"step {step}" if step is not None else "the observation"
+        paths = ", ".join(sorted(_paths(doc))[:12])
+        raise ConfigError(f"the patch does not apply to {where}: {exc}. Its document has "
+                          f"the paths: {paths} …") from None
+    return edited, patch
+
+
+def _paths(doc: Any, prefix: str = "") -> list[str]:
+    out = []
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            out.append(f"{prefix}/{key}")
+            if isinstance(value, (dict, list)) and len(out) < 30:
+                out.extend(_paths(value, f"{prefix}/{key}"))
+    elif isinstance(doc, list):
+        for i, value in enumerate(doc[:3]):
+            out.append(f"{prefix}/{i}")
+            out.extend(_paths(value, f"{prefix}/{i}"))
+    return out
+
+
+def rebuild(obs: dict[str, Any], doc: Any, prices: PriceTable | None = None) -> dict[str, Any]:
+    """The observation ``obs`` with its response side replaced by the edited ``doc``."""
+    kind = obs["kind"]
+    new = {k: v for k, v in obs.items() if k != "sig"}
+    new["edited"] = True
+    if kind in ("tool", "outcome"):
+        if not isinstance(doc, dict) or not ({"result", "error"} & set(doc)):
+            raise ConfigError('a tool edit must leave {"result": ...} or {"error": {...}}')
+        new.pop("result", None)
+        new.pop("error", None)
+        if "error" in doc:
+            err = doc["error"]
+            new["error"] = {"type": str(err.get("type", "Exception")),
+                            "module": str(err.get("module", "builtins")),
+                            "message": str(err.get("message", ""))}
+        else:
+            new["result"] = encode(doc["result"], where=f"edited result of step {obs['seq']}")
+        return new
+    if kind == "effect":
+        new["value"] = encode((doc or {}).get("value"), where=f"edited step {obs['seq']}")
+        return new
+    response = dict(obs["response"])
+    if kind == "model":
+        if not isinstance(doc, dict):
+            raise ConfigError("a model edit must leave a message object")
+        text = synthesize(doc) if _is_sse(obs) else json.dumps(doc, ensure_ascii=False)
+    else:
+        body = doc.get("body")
+        text = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)
+        response["status"] = int(doc.get("status", response["status"]))
+        response["headers"] = doc.get("headers", response["headers"])
+    data = text.encode("utf-8")
+    response["body"], encoding = encode_body(data)
+    response.pop("encoding", None)
+    if encoding:
+        response["encoding"] = encoding
+    response["headers"] = [[k, str(len(data)) if k.lower() == "content-length" else v]
+                           for k, v in response["headers"]]
+    new["response"] = response
+    if kind == "model":
+        ctype = "text/event-stream" if _is_sse(obs) else "application/json"
+        summary = summarize(obs.get("provider", "anthropic"), response["status"], ctype, data)
+        usage = summary.get("usage") or None
+        new.update(usage=usage, stop_reason=summary.get("stop_reason"),
+                   message_id=summary.get("message_id"),
+                   cost_usd=(prices or PriceTable()).cost(summary.get("model") or obs.get("model"),
+                                                         usage))
+    return new
