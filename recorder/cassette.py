@@ -6,11 +6,18 @@ Each line ends with ``sig`` = HMAC-SHA256(key, previous sig + canonical JSON of 
 without ``sig``), the header's previous sig being empty. Editing, inserting, deleting or
 reordering a line breaks the chain at that line, and the reader names it.
 
-The writer makes one ``write`` per line. The fsync policy decides when a line is also
-forced to disk: ``sync`` every line, ``turn`` model turns, side effects, control and end
-lines (the default), ``exit`` only when the run ends. A process killed between two lines
-loses nothing it wrote; one killed in the middle of a write leaves a torn last line,
-which the reader reports and never accepts silently.
+The writer makes one ``write`` per line, before the observation reaches the agent: a
+process killed at any point loses nothing it wrote, and one killed in the middle of a
+write leaves a torn last line, which the reader reports and never accepts silently.
+The fsync policy decides when lines are also forced to the disk itself (what a machine
+crash or power loss would otherwise take):
+
+- ``sync``: every line, before the call returns;
+- ``turn`` (the default): side effects (intent, outcome), control and end lines before
+  the call returns; model and HTTP lines within a few milliseconds, by a background
+  thread that forces whatever has been written since its last pass (a group commit, as
+  databases do), so that the disk's latency stays off the agent's calls;
+- ``exit``: once, when the run ends.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _delta
+from . import _compact, _delta
 from ._canonical import canonical
 from .errors import (
     ConfigError,
@@ -59,7 +66,37 @@ class Fsync(enum.StrEnum):
             raise ConfigError(f"unknown fsync policy {value!r}; valid: {valid}") from None
 
 
-_TURN_SYNC_KINDS = frozenset({"model", "intent", "outcome", "control", "end"})
+_TURN_SYNC_KINDS = frozenset({"intent", "outcome", "control", "end"})
+
+
+class _GroupSync:
+    """Forces a file to disk from a background thread, whenever lines were written."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="deja-fsync", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop:
+                return
+            try:
+                os.fsync(self._fd)
+            except OSError:  # the file was closed under us; the closer syncs itself
+                return
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join()
 
 
 def sign(key: bytes, prev_sig: str, line: dict[str, Any]) -> str:
@@ -86,6 +123,7 @@ class CassetteWriter:
                               "or pass overwrite=True (--force)") from None
         self._prev = ""
         self._seq = 0
+        self._group: _GroupSync | None = None
         self.closed = False
         header = {"format": FORMAT, **{k: v for k, v in header.items() if k != "format"}}
         header["key_id"] = key_id(key)
@@ -119,6 +157,7 @@ class CassetteWriter:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_CLOEXEC", 0))
         self._prev = cassette.sigs[-1]
         self._seq = len(cassette.observations)
+        self._group = None
         self.closed = False
         self.header = cassette.header
         return self
@@ -160,6 +199,10 @@ class CassetteWriter:
             force = (sync or self.fsync is Fsync.SYNC
                      or (self.fsync is Fsync.TURN and kind in _TURN_SYNC_KINDS))
             self._write(line, sync=force)
+            if not force and self.fsync is Fsync.TURN:
+                if self._group is None:
+                    self._group = _GroupSync(self._fd)
+                self._group.request()
             self._seq += 1
             return line
 
@@ -169,6 +212,7 @@ class CassetteWriter:
             if self.closed:
                 raise ConfigError(f"cassette {self.path} is already closed")
             line = {"seq": self._seq, "kind": "end", **end}
+            self._stop_group()
             self._write(line, sync=True)
             self._seq += 1
             self.closed = True
@@ -179,9 +223,15 @@ class CassetteWriter:
         """Close the file without an end line (the run is to be resumed later)."""
         with self._lock:
             if not self.closed:
+                self._stop_group()
                 self.closed = True
                 os.fsync(self._fd)
                 os.close(self._fd)
+
+    def _stop_group(self) -> None:
+        if self._group is not None:
+            self._group.stop()
+            self._group = None
 
     def _write(self, line: dict[str, Any], *, sync: bool) -> None:
         body = canonical(line)
@@ -338,12 +388,15 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
         if line["kind"] == "end":
             end = line
             continue
-        if "request" in line and line["kind"] == "model":
+        if line["kind"] == "model":
             try:
-                requests[seq] = _delta.decode(line["request"], requests)
-            except (KeyError, IndexError, TypeError) as exc:
-                raise CorruptCassette(f"{path}: seq {seq}: its request refers to a missing "
-                                      f"base ({exc})", path=path, seq=seq) from None
+                if "request" in line:
+                    requests[seq] = _delta.decode(line["request"], requests)
+                _compact.expand(line, observations, requests.get(seq))
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                raise CorruptCassette(f"{path}: seq {seq}: it refers to an earlier line that "
+                                      f"is missing or different ({exc!r})", path=path,
+                                      seq=seq) from None
         observations.append(line)
     if end is None and not allow_incomplete:
         last = len(observations) - 1

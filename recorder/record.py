@@ -31,7 +31,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from . import _values, capture, session
+from . import _compact, _values, capture, session
 from ._canonical import digest
 from ._summary import summarize
 from .cassette import CassetteWriter, Fsync
@@ -122,6 +122,7 @@ class RecordSession(session.Session):
         self.end: dict[str, Any] | None = None
         self._patches: contextlib.ExitStack | None = None
         self._tool_calls = itertools.count()
+        self._compactor = _compact.Compactor()
 
     # -- lifecycle
 
@@ -201,9 +202,6 @@ class RecordSession(session.Session):
             body = self.redaction.body(body)
             obs: dict[str, Any] = {
                 "kind": "model", "provider": provider, "url": request.url,
-                "fp": fingerprint("model", request.method, request.url, body),
-                "model": body.get("model") if isinstance(body, dict) else None,
-                "stream": bool(isinstance(body, dict) and body.get("stream")),
                 "request_headers": semantic_headers(request.headers, self.redaction),
             }
             request_body, has_request = body, True
@@ -226,14 +224,23 @@ class RecordSession(session.Session):
                 ctype = next((v for k, v in response.headers if k.lower() == "content-type"), "")
                 summary = summarize(provider, response.status, ctype, response.body)
                 usage = summary.get("usage") or {}
-                cost = self.prices.cost(summary.get("model") or obs.get("model"), usage)
-                obs.update({"usage": usage or None, "stop_reason": summary.get("stop_reason"),
-                            "message_id": summary.get("message_id"), "cost_usd": cost})
+                model = summary.get("model") or (body.get("model") if isinstance(body, dict)
+                                                 else None)
+                cost = self.prices.cost(model, usage)
+                obs.update({"usage": {k: v for k, v in usage.items() if v} or None,
+                            "stop_reason": summary.get("stop_reason"), "cost_usd": cost})
                 if summary.get("error"):
                     obs["api_error"] = summary["error"]
         if error is not None:
             obs["error"] = {**error_record(error), "has_response": response is not None}
-        self._append(obs, request_body=request_body, has_request=has_request)
+        if has_request:
+            full_req = obs["request_headers"]
+            full_resp = obs["response"]["headers"] if "response" in obs else None
+            line = self._append(self._compactor.compact(obs), request_body=request_body,
+                                has_request=True)
+            self._compactor.written(line["seq"], full_req, full_resp)
+        else:
+            self._append(obs)
         with self._lock:
             t = self.totals
             t["model_calls" if provider else "http_calls"] += 1

@@ -12,6 +12,8 @@ import math
 import os
 import stat
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -378,19 +380,37 @@ def test_fsync_policies_are_accepted(tmp_path: Path, policy: str) -> None:
 def test_fsync_policy_decides_which_lines_are_forced_to_disk(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_fsync = os.fsync
-    counts: dict[str, int] = {}
+    counts: dict[tuple[str, str], int] = {}
     current: list[str] = []
+    main = threading.get_ident()
 
-    def counting_fsync(fd: int) -> None:  # counts, then really syncs
-        counts[current[0]] = counts.get(current[0], 0) + 1
+    def counting_fsync(fd: int) -> None:  # counts by calling thread, then really syncs
+        who = "call" if threading.get_ident() == main else "background"
+        counts[current[0], who] = counts.get((current[0], who), 0) + 1
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", counting_fsync)
-    for policy in ("sync", "turn", "exit"):
+    for policy in ("sync", "exit"):
         current[:] = [policy]
         write_cassette(tmp_path / f"{policy}.jsonl", n=6, fsync=policy)
     # 6 observations: 2 effects, 2 tools, 2 model turns; plus header and end
-    assert counts == {"sync": 8, "turn": 4, "exit": 2}
+    assert counts == {("sync", "call"): 8, ("exit", "call"): 2}
+
+    # "turn": the header and end are forced on the caller's thread; a model line is forced
+    # by the background group commit shortly after it is written, off the agent's call.
+    current[:] = ["turn"]
+    writer = CassetteWriter(tmp_path / "turn.jsonl", {"run": "r_turn"}, KEY, "turn")
+    writer.append({"kind": "effect", "name": "uuid", "value": "v"})
+    writer.append({"kind": "model", "provider": "anthropic", "fp": "x",
+                   "response": {"status": 200, "body": "a"}},
+                  request_body={"model": MODEL, "messages": []}, has_request=True)
+    deadline = time.monotonic() + 5
+    while counts.get(("turn", "background"), 0) == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert counts.get(("turn", "background"), 0) >= 1
+    writer.append({"kind": "intent", "name": "pay", "args": {}, "fp": "y"})
+    writer.close({"status": "completed"})
+    assert counts[("turn", "call")] == 3  # header, intent, end
 
 
 @pytest.mark.parametrize("policy", ["always", "", "SYNC", "never"])

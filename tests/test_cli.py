@@ -235,7 +235,7 @@ def test_streaming_example_records_and_replays(tmp_path: Path) -> None:
     assert "take the umbrella" in live.stdout
     lines = [json.loads(line) for line in out.read_text().splitlines()[1:]]
     assert [line["kind"] for line in lines] == ["model", "effect", "tool", "model", "end"]
-    assert lines[0]["stream"] is True and lines[0]["ttft_ms"] > 0
+    assert lines[0]["request"]["body"]["stream"] is True and lines[0]["ttft_ms"] > 0
     assert lines[0]["response"]["body"].startswith("event: message_start")
     replayed = deja("replay", str(out))
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
