@@ -10,18 +10,25 @@ On disk (the reader expands each line back after checking its signature):
 - ``response.body_json`` holds a JSON body as JSON rather than as an escaped string, when
   compact re-serialisation gives back the received bytes exactly; otherwise ``body`` keeps
   the text (or base64);
-- ``fp``, ``model`` and ``stream`` are not stored: they follow from the request, and
-  ``message_id`` from the response.
+- ``url`` is the seq of an earlier model line when it is the same;
+- ``response.reason`` is left out when it is the standard phrase of the status;
+- ``fp``, ``model`` and ``stream`` are not stored: they follow from the request; nor
+  ``provider`` (from the URL), ``message_id``, ``usage``, ``stop_reason`` and
+  ``api_error`` (from the response body). ``cost_usd`` is stored: it depends on the price
+  table of the day it was recorded.
 """
 
 from __future__ import annotations
 
+import http
 import json
-import re
 import threading
 from typing import Any
 
-from .exchange import fingerprint
+from ._summary import summarize
+from .exchange import fingerprint, model_provider
+
+_DERIVED = ("usage", "stop_reason", "api_error", "message_id", "model", "stream", "fp")
 
 
 def _exact_json(text: str) -> Any:
@@ -48,15 +55,24 @@ class Compactor:
         self._lock = threading.Lock()
         self._req: tuple[int, list[list[str]]] | None = None
         self._resp: tuple[int, list[list[str]]] | None = None
+        self._url: tuple[int, str] | None = None
 
     def compact(self, obs: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
-            req, resp = self._req, self._resp
+            req, resp, url = self._req, self._resp, self._url
+        for key in _DERIVED:
+            obs.pop(key, None)
+        if model_provider("POST", obs["url"]) == obs.get("provider"):
+            del obs["provider"]
+        if url is not None and obs["url"] == url[1]:
+            obs["url"] = url[0]
         headers = obs.get("request_headers")
         if req is not None and headers == req[1]:
             obs["request_headers"] = req[0]
         response = obs.get("response")
         if response is not None:
+            if response.get("reason") == _phrase(response["status"]):
+                response = {k: v for k, v in response.items() if k != "reason"}
             if response.get("encoding") is None:
                 doc = _exact_json(response["body"])
                 if doc is not None:
@@ -71,16 +87,28 @@ class Compactor:
             obs["response"] = response
         return obs
 
-    def written(self, seq: int, request_headers: Any, response_headers: Any) -> None:
+    def written(self, seq: int, url: str, request_headers: Any, response_headers: Any) -> None:
         with self._lock:
+            self._url = (seq, url)
             if isinstance(request_headers, list):
                 self._req = (seq, request_headers)
             if isinstance(response_headers, list):
                 self._resp = (seq, response_headers)
 
 
-def expand(line: dict[str, Any], earlier: dict[int, dict[str, Any]], request: Any) -> None:
-    """Reader side: restore a model line in place; ``earlier`` maps seq to expanded lines."""
+def _phrase(status: int) -> str:
+    try:
+        return http.HTTPStatus(status).phrase
+    except ValueError:
+        return ""
+
+
+def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any) -> None:
+    """Reader side: restore a model line in place; ``earlier`` holds the lines before it."""
+    if isinstance(line.get("url"), int):
+        line["url"] = earlier[line["url"]]["url"]
+    url = line.get("url") or ""
+    line.setdefault("provider", model_provider("POST", url) or "anthropic")
     headers = line.get("request_headers")
     if isinstance(headers, int):
         line["request_headers"] = earlier[headers]["request_headers"]
@@ -88,18 +116,24 @@ def expand(line: dict[str, Any], earlier: dict[int, dict[str, Any]], request: An
     if response is not None:
         if "body_json" in response:
             response["body"] = json_text(response.pop("body_json"))
+        response.setdefault("reason", _phrase(response.get("status", 0)))
         base = response.pop("headers_base", None)
         if base is not None:
             base_headers = earlier[base]["response"]["headers"]
             response["headers"] = [b if h is None else h
                                    for h, b in zip(response["headers"], base_headers, strict=True)]
+        if "usage" not in line:
+            ctype = next((v for k, v in response.get("headers") or []
+                          if k.lower() == "content-type"), "")
+            body = response["body"].encode("utf-8") if response.get("encoding") is None else b""
+            summary = summarize(line["provider"], response.get("status", 0), ctype, body)
+            line["usage"] = summary.get("usage") or None
+            line["stop_reason"] = summary.get("stop_reason")
+            line["message_id"] = summary.get("message_id")
+            if summary.get("error"):
+                line["api_error"] = summary["error"]
     if isinstance(request, dict):
         line.setdefault("model", request.get("model"))
         line.setdefault("stream", bool(request.get("stream")))
-    line.setdefault("fp", fingerprint("model", "POST", line.get("url", ""), request))
-    if "message_id" not in line:
-        found = _ID.search(response["body"], 0, 600) if response is not None else None
-        line["message_id"] = found.group(1) if found else None
-
-
-_ID = re.compile(r'"id"\s*:\s*"([^"]+)"')
+    line.setdefault("fp", fingerprint("model", "POST", url, request))
+    line.setdefault("message_id", None)

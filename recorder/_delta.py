@@ -13,48 +13,48 @@ Decoding needs the requests of earlier lines, so a reader expands requests in fi
 from __future__ import annotations
 
 import copy
-import hashlib
 from collections import deque
 from typing import Any
-
-from ._canonical import canonical
 
 WINDOW = 16  # recent requests considered as the base of a new one
 
 
-def _message_digests(messages: list[Any]) -> list[bytes]:
-    return [hashlib.blake2b(canonical(m), digest_size=16).digest() for m in messages]
-
-
 class DeltaEncoder:
-    """Remembers recent requests and encodes a new one against the best of them."""
+    """Remembers recent requests and encodes a new one against the best of them.
+
+    Messages are compared as parsed JSON, in C (``list == list``), never re-serialised:
+    that keeps recording cost flat as a conversation grows. Python equality takes ``1``,
+    ``1.0`` and ``True`` as equal; a history that changed only so would be stored with
+    the earlier type, and its replay would report a divergence (never serve a wrong
+    response), which is the safe side.
+    """
 
     def __init__(self) -> None:
-        self._recent: deque[tuple[int, dict[str, Any], list[bytes]]] = deque(maxlen=WINDOW)
+        self._recent: deque[tuple[int, dict[str, Any]]] = deque(maxlen=WINDOW)
 
     def prime(self, seq: int, body: Any) -> None:
         """Remember a request written earlier (a resumed or forked cassette)."""
         if isinstance(body, dict) and isinstance(body.get("messages"), list):
-            self._recent.append((seq, body, _message_digests(body["messages"])))
+            self._recent.append((seq, body))
 
     def encode(self, seq: int, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return {"body": body}
         messages = body["messages"]
-        digests = _message_digests(messages)
         best: tuple[int, int, dict[str, Any]] | None = None
-        for base_seq, base_body, base_digests in self._recent:
-            keep = _common_prefix(base_digests, digests)
-            if keep and (best is None or keep > best[1]
-                         or (keep == best[1] and base_seq > best[0])):
+        for base_seq, base_body in reversed(self._recent):  # newest first
+            base_messages = base_body["messages"]
+            keep = _common_prefix(base_messages, messages)
+            if keep and (best is None or keep > best[1]):
                 best = (base_seq, keep, base_body)
-        self._recent.append((seq, body, digests))
+                if keep == len(base_messages):  # the conversation grew from it: take it
+                    break
+        self._recent.append((seq, body))
         if best is None:
             return {"body": body}
         base_seq, keep, base_body = best
-        rest = {k: v for k, v in body.items() if k != "messages"}
-        changed = {k: v for k, v in rest.items()
-                   if k not in base_body or canonical(base_body[k]) != canonical(v)}
+        changed = {k: v for k, v in body.items()
+                   if k != "messages" and (k not in base_body or base_body[k] != v)}
         delta: dict[str, Any] = {"base": base_seq, "keep": keep, "messages": messages[keep:]}
         if changed:
             delta["set"] = changed
@@ -64,7 +64,7 @@ class DeltaEncoder:
         return delta
 
 
-def _common_prefix(a: list[bytes], b: list[bytes]) -> int:
+def _common_prefix(a: list[Any], b: list[Any]) -> int:
     n = min(len(a), len(b))
     if a[:n] == b[:n]:  # the usual case (a conversation grows), compared in C
         return n

@@ -234,11 +234,11 @@ class RecordSession(session.Session):
         if error is not None:
             obs["error"] = {**error_record(error), "has_response": response is not None}
         if has_request:
-            full_req = obs["request_headers"]
+            url, full_req = obs["url"], obs["request_headers"]
             full_resp = obs["response"]["headers"] if "response" in obs else None
             line = self._append(self._compactor.compact(obs), request_body=request_body,
                                 has_request=True)
-            self._compactor.written(line["seq"], full_req, full_resp)
+            self._compactor.written(line["seq"], url, full_req, full_resp)
         else:
             self._append(obs)
         with self._lock:
