@@ -2,8 +2,9 @@
 
 Line 1 is the header; its first field is the format version. Every further line is one
 observation with a dense ``seq``; the last line of a finished run is ``kind: "end"``.
-Each line ends with ``sig`` = HMAC-SHA256(key, previous sig + canonical JSON of the line
-without ``sig``), the header's previous sig being empty. Editing, inserting, deleting or
+Each line ends with ``sig`` = base64url(HMAC-SHA256(key, previous sig + canonical JSON of
+the line without ``sig``)), unpadded, the header's previous sig being empty (early
+cassettes carry the same MAC in hex; both verify). Editing, inserting, deleting or
 reordering a line breaks the chain at that line, and the reader names it.
 
 The writer makes one ``write`` per line, before the observation reaches the agent: a
@@ -22,6 +23,7 @@ crash or power loss would otherwise take):
 
 from __future__ import annotations
 
+import base64
 import enum
 import hashlib
 import hmac
@@ -107,8 +109,26 @@ class _GroupSync:
         self._thread.join()
 
 
+def _mac(key: bytes, prev_sig: str, body: bytes) -> bytes:
+    return hmac.new(key, prev_sig.encode("ascii") + body, hashlib.sha256).digest()
+
+
+def encode_sig(mac: bytes) -> str:
+    """base64url without padding: 43 characters."""
+    return base64.urlsafe_b64encode(mac).rstrip(b"=").decode("ascii")
+
+
 def sign(key: bytes, prev_sig: str, line: dict[str, Any]) -> str:
-    return hmac.new(key, prev_sig.encode("ascii") + canonical(line), hashlib.sha256).hexdigest()
+    return encode_sig(_mac(key, prev_sig, canonical(line)))
+
+
+def check_sig(key: bytes, prev_sig: str, line: dict[str, Any], sig: object) -> bool:
+    """Does ``sig`` sign ``line``? Accepts base64url and, from early cassettes, hex."""
+    if not isinstance(sig, str):
+        return False
+    mac = _mac(key, prev_sig, canonical(line))
+    expected = mac.hex() if len(sig) == 64 else encode_sig(mac)
+    return hmac.compare_digest(sig, expected)
 
 
 class CassetteWriter:
@@ -243,7 +263,7 @@ class CassetteWriter:
 
     def _write(self, line: dict[str, Any], *, sync: bool) -> None:
         body = canonical(line)
-        sig = hmac.new(self._key, self._prev.encode("ascii") + body, hashlib.sha256).hexdigest()
+        sig = encode_sig(_mac(self._key, self._prev, body))
         # Every line keeps its field order on disk ("format" first in the header; a tool
         # result's or effect's dict keys as returned, so a replay gives back the same order);
         # the signature covers the canonical (sorted) form, which the reader recomputes.
@@ -373,7 +393,7 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
         sigs.append(sig if isinstance(sig, str) else "")
         seq = index - 1
         if key is not None:
-            if not isinstance(sig, str) or not hmac.compare_digest(sig, sign(key, prev, line)):
+            if not check_sig(key, prev, line, sig):
                 what = "the header" if index == 0 else f"seq {seq}"
                 raise SignatureError(
                     f"{path}: signature check failed at {what} (line {index + 1}): the line "

@@ -212,10 +212,12 @@ class RecordSession(session.Session):
                    "request": {"headers": semantic_headers(request.headers, self.redaction),
                                "body": fp_body}}
             request_body, has_request = None, False
-        obs["t"] = round(timing.start, 6)
-        obs["ms"] = round(timing.ms, 3)
-        if timing.ttfb_ms is not None:
-            obs["ttft_ms"] = round(timing.ttfb_ms, 3)
+        obs["t"] = round(timing.start, 3)
+        obs["ms"] = round(timing.ms, 2)
+        streamed = any(k.lower() == "content-type" and "event-stream" in v
+                       for k, v in (response.headers if response is not None else []))
+        if timing.ttfb_ms is not None and streamed:
+            obs["ttft_ms"] = round(timing.ttfb_ms, 2)
         cost = None
         summary: dict[str, Any] = {}
         if response is not None:
@@ -268,7 +270,7 @@ class RecordSession(session.Session):
         key = _values.args_key(args)
         line = self._append({"kind": "intent", "name": tool.name, "args": key,
                              "fp": digest(["tool", tool.name, key]),
-                             "t": round(time.time(), 6)}, sync=True)
+                             "t": round(time.time(), 3)}, sync=True)
         return line["seq"], f"{self.run_id}:{line['seq']}"
 
     def run_tool(self, tool: session.ToolSpec, args: dict[str, Any],
@@ -322,8 +324,8 @@ class RecordSession(session.Session):
         """Write a tool's line: ``tool``, or ``outcome`` of ``intent`` (seq, key)."""
         key = _values.args_key(args)
         obs: dict[str, Any] = {"kind": "tool", "name": tool.name, "args": key,
-                               "fp": digest(["tool", tool.name, key]), "t": round(start, 6),
-                               "ms": round((time.perf_counter() - t0) * 1000, 3)}
+                               "fp": digest(["tool", tool.name, key]), "t": round(start, 3),
+                               "ms": round((time.perf_counter() - t0) * 1000, 2)}
         if intent is not None:
             obs = {"kind": "outcome", "name": tool.name, "intent": intent[0], "key": intent[1],
                    "t": obs["t"], "ms": obs["ms"]}
