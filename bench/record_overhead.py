@@ -2,8 +2,8 @@
 
 The same N non-streamed calls go to one stub server three ways: live (nothing
 installed), inside ``recorder.record(tmpdir)`` at the default durability (fsync="turn":
-every model line is fsynced before the call returns to the agent), and inside a vcrpy
-cassette (record_mode="all"). Each call is timed on its own; the rounds rotate the order
+model lines are forced to disk by a background group commit, off the call), and inside a
+vcrpy cassette (record_mode="all"). Each call is timed on its own; the rounds rotate the order
 of the three variants. Overhead = median per-call time of the variant minus the median
 per-call time live, over all rounds' samples (difference of medians). Opening and closing
 the session/cassette (deja's header and end line, vcrpy's save of the YAML file) is not

@@ -107,8 +107,8 @@ def rows_overhead(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
          f"{o['deja_exit']:+.3f} ms", f"bare append+fsync {r['raw_fsync_ms']:.3f} ms", "-",
          "info")]
     notes = [f"overhead: {r['method']}, {r['rounds']} rounds x {r['n']} calls per variant, "
-             "order rotated; deja at default fsync='turn' (each model line fsynced before the "
-             "call returns). Session open+close (not in any call): deja "
+             "order rotated; deja at default fsync='turn' (model lines forced to disk by the "
+             "background group commit, at most every 10 ms). Session open+close: deja "
              f"{_fmt_ms(r['open_close_ms']['deja'])}, vcrpy "
              f"{_fmt_ms(r['open_close_ms']['vcr'])} (YAML save). vcrpy records with its defaults "
              "(record_mode='all', default matchers)."]
@@ -164,7 +164,7 @@ def rows_size(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         f"({_kb(u['responses'])}); U = {_kb(u['total'])}. Canonical JSON = sorted keys, "
         f"',' ':' separators, UTF-8. Full requests would be {_kb(r['full_requests_bytes'])}.",
         f"size: deja stores {per_turn_extra:,.0f} B per turn beyond U (per-line metadata: "
-        f"headers, signature, fingerprint, timing, usage summary, escaped response body); "
+        f"response headers, signature, timing, cost, request delta references); "
         f"the last half of the turns cost {r['growth']['second_half_per_turn']:,.0f} B/turn "
         f"vs {r['growth']['first_half_per_turn']:,.0f} B/turn for the first half "
         f"(linear growth)."]
