@@ -143,6 +143,7 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool, al
     argv = list(command) or list(loaded.header.get("argv") or [])
     if not argv:
         raise BadInput(f"{cassette} records no command; give one after --")
+    cwd = _recorded_cwd(cassette, loaded.header.get("cwd")) if not command else None
     with tempfile.TemporaryDirectory(prefix="deja-replay-") as tmp:
         report = Path(tmp) / "report.json"
         env = child_env("replay", cassette=str(cassette.resolve()), report=str(report),
@@ -150,7 +151,7 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool, al
                         allow_incomplete="1" if allow_incomplete else None,
                         require_signature="1" if require_signature else None)
         try:
-            code = subprocess.call(_python_argv(argv), env=env)
+            code = subprocess.call(_python_argv(argv), env=env, cwd=cwd)
         except FileNotFoundError as exc:
             raise BadInput(f"cannot run {argv[0]!r}: {exc.strerror}") from None
         if not report.exists():
@@ -162,6 +163,14 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool, al
     else:
         click.echo(_replay_report(result, code))
     sys.exit(0 if result["identical"] else EXIT_DIVERGED)
+
+
+def _recorded_cwd(cassette: Path, cwd: str | None) -> Path | None:
+    """The directory the run was recorded in (relative to the cassette), if it exists here."""
+    if not cwd:
+        return None
+    path = Path(cwd) if Path(cwd).is_absolute() else (cassette.resolve().parent / cwd)
+    return path.resolve() if path.is_dir() else None
 
 
 def _replay_report(result: dict[str, Any], code: int) -> str:

@@ -3,8 +3,7 @@
 Line 1 is the header; its first field is the format version. Every further line is one
 observation with a dense ``seq``; the last line of a finished run is ``kind: "end"``.
 Each line ends with ``sig`` = base64url(HMAC-SHA256(key, previous sig + canonical JSON of
-the line without ``sig``)), unpadded, the header's previous sig being empty (early
-cassettes carry the same MAC in hex; both verify). Editing, inserting, deleting or
+the line without ``sig``)), unpadded, the header's previous sig being empty. Editing, inserting, deleting or
 reordering a line breaks the chain at that line, and the reader names it.
 
 The writer makes one ``write`` per line, before the observation reaches the agent: a
@@ -123,12 +122,8 @@ def sign(key: bytes, prev_sig: str, line: dict[str, Any]) -> str:
 
 
 def check_sig(key: bytes, prev_sig: str, line: dict[str, Any], sig: object) -> bool:
-    """Does ``sig`` sign ``line``? Accepts base64url and, from early cassettes, hex."""
-    if not isinstance(sig, str):
-        return False
-    mac = _mac(key, prev_sig, canonical(line))
-    expected = mac.hex() if len(sig) == 64 else encode_sig(mac)
-    return hmac.compare_digest(sig, expected)
+    """Does ``sig`` sign ``line``?"""
+    return isinstance(sig, str) and hmac.compare_digest(sig, sign(key, prev_sig, line))
 
 
 class CassetteWriter:

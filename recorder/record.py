@@ -71,6 +71,26 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def portable_launch(argv: list[str], cwd: Path, cassette: Path) -> dict[str, Any]:
+    """How to re-launch the run, without this machine's paths where it can be helped.
+
+    ``cwd`` is stored relative to the cassette's directory when the cassette lies under
+    it (a cassette committed with its project replays from any checkout); the interpreter
+    is stored as ``python``; arguments that are paths under ``cwd`` become relative to it.
+    """
+    cwd = cwd.resolve()
+    folder = cassette.resolve().parent
+    where = os.path.relpath(cwd, folder) if folder.is_relative_to(cwd) else str(cwd)
+    out = []
+    for i, arg in enumerate(argv):
+        if i == 0 and Path(arg).name.startswith("python"):
+            arg = "python"
+        elif os.path.isabs(arg) and Path(arg).resolve().is_relative_to(cwd):
+            arg = os.path.relpath(Path(arg).resolve(), cwd)
+        out.append(arg)
+    return {"argv": out, "cwd": where}
+
+
 def status_for(error: BaseException | None) -> str:
     """The end status of a run that stopped with ``error`` (None: it completed)."""
     if error is None:
@@ -145,7 +165,7 @@ class RecordSession(session.Session):
         header = {
             "run": self.run_id, "parent": self.parent,
             "created": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-            "argv": self._argv, "cwd": os.getcwd(), "entry": self._entry,
+            **portable_launch(self._argv, Path.cwd(), self.path), "entry": self._entry,
             "versions": _versions(), "labels": self.labels, "budgets": None,
             "fsync": self.fsync.value, "redact": self.redaction.to_header(),
         }

@@ -47,6 +47,9 @@ def _cassette_of(request: pytest.FixtureRequest) -> Path | None:
     return path if path.is_absolute() else Path(request.config.rootpath) / path
 
 
+_CONTEXT = pytest.StashKey[object]()
+
+
 @pytest.fixture(autouse=True)
 def _deja_marked(request: pytest.FixtureRequest) -> Iterator[None]:
     cassette = _cassette_of(request)
@@ -59,8 +62,35 @@ def _deja_marked(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     from .replay import replay
 
-    with replay(cassette):
+    context = replay(cassette)
+    context.__enter__()
+    request.node.stash[_CONTEXT] = context
+    try:
         yield
+    finally:
+        # Normally finished at the end of the test's call (see below); this covers a test
+        # that failed before or during setup.
+        if request.node.stash.get(_CONTEXT, None) is not None:
+            del request.node.stash[_CONTEXT]
+            context.__exit__(None, None, None)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """Finish a replay inside the test's call, so that a divergence fails the test."""
+    try:
+        result = yield
+    except BaseException as exc:
+        context = item.stash.get(_CONTEXT, None)
+        if context is not None:
+            del item.stash[_CONTEXT]
+            context.__exit__(type(exc), exc, exc.__traceback__)  # type: ignore[attr-defined]
+        raise
+    context = item.stash.get(_CONTEXT, None)
+    if context is not None:
+        del item.stash[_CONTEXT]
+        context.__exit__(None, None, None)  # type: ignore[attr-defined]
+    return result
 
 
 @pytest.fixture

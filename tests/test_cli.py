@@ -53,7 +53,7 @@ def test_record_unmodified_script_then_replay_offline(spiral_cassette: Path) -> 
     lines = [json.loads(line) for line in spiral_cassette.read_text().splitlines()]
     header = lines[0]
     assert header["format"] == "deja/1"
-    assert header["argv"] == ["python", str(SPIRAL)]
+    assert header["argv"] == ["python", "examples/retry_spiral.py"]  # portable: relative
     assert header["labels"] == {"case": "spiral"}
     kinds = [line["kind"] for line in lines[1:]]
     assert kinds == ["model", "tool"] * 4 + ["model", "end"]
@@ -240,3 +240,11 @@ def test_streaming_example_records_and_replays(tmp_path: Path) -> None:
     replayed = deja("replay", str(out))
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert live.stdout in replayed.stdout
+
+
+def test_committed_example_cassette_replays_and_verifies() -> None:
+    """cassettes/ holds runs that CI replays; the example is signed with a published key."""
+    proc = deja("replay", "cassettes/retry_spiral.jsonl", "--require-signature",
+                env={"DEJA_OLD_KEYS": "deja-example-key"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "identical" in proc.stdout and "verified with key" in proc.stdout
