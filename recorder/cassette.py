@@ -3,8 +3,9 @@
 Line 1 is the header; its first field is the format version. Every further line is one
 observation with a dense ``seq``; the last line of a finished run is ``kind: "end"``.
 Each line ends with ``sig`` = base64url(HMAC-SHA256(key, previous sig + canonical JSON of
-the line without ``sig``)), unpadded, the header's previous sig being empty. Editing, inserting, deleting or
-reordering a line breaks the chain at that line, and the reader names it.
+the line without ``sig``)), unpadded, the header's previous sig being empty. Editing,
+inserting, deleting or reordering a line breaks the chain at that line, and the reader
+names it.
 
 The writer makes one ``write`` per line, before the observation reaches the agent: a
 process killed at any point loses nothing it wrote, and one killed in the middle of a
