@@ -23,7 +23,7 @@ BOOT_DIR = Path(__file__).parent / "_bootstrap"
 BOOT_FAILED = 3
 _ENV = ("DEJA_MODE", "DEJA_CASSETTE", "DEJA_RUN_ID", "DEJA_ARGV", "DEJA_FSYNC", "DEJA_LABELS",
         "DEJA_REDACT_HEADERS", "DEJA_REPORT", "DEJA_ALLOW_TORN", "DEJA_ALLOW_INCOMPLETE",
-        "DEJA_REQUIRE_SIGNATURE", "DEJA_OVERWRITE")
+        "DEJA_REQUIRE_SIGNATURE", "DEJA_OVERWRITE", "DEJA_PLAN")
 
 
 def child_env(mode: str, **values: Any) -> dict[str, str]:
@@ -68,8 +68,10 @@ def start_from_env() -> None:
             _start_record(env)
         elif mode == "replay":
             _start_replay(env)
+        elif mode in ("fork", "resume"):
+            _start_continuation(mode, env)
         else:
-            _fail(f"unknown DEJA_MODE {mode!r} (expected record or replay)")
+            _fail(f"unknown DEJA_MODE {mode!r} (expected record, replay, fork or resume)")
     except Exception as exc:  # noqa: BLE001 - reported and fatal, never swallowed
         _fail(f"could not start {mode}: {type(exc).__name__}: {exc}")
     _chain_sitecustomize()
@@ -98,8 +100,15 @@ def _start_record(env: dict[str, str]) -> None:
         redact_headers=tuple(json.loads(env.get("DEJA_REDACT_HEADERS", "[]"))),
         overwrite=env.get("DEJA_OVERWRITE") == "1").start()
     watch = _ExitWatch()
+    report = env.get("DEJA_REPORT")
 
-    atexit.register(lambda: rec.close(error=watch.error))
+    def finish() -> None:
+        if report:  # the launching process writes the end line, knowing the exit status
+            _write_report(report, {"end": rec.hand_over(watch.error)})
+        else:
+            rec.close(error=watch.error)
+
+    atexit.register(finish)
 
 
 def _start_replay(env: dict[str, str]) -> None:
@@ -116,6 +125,46 @@ def _start_replay(env: dict[str, str]) -> None:
             Path(report).write_text(json.dumps(result.to_dict(), default=str))
 
     atexit.register(finish)
+
+
+def _start_continuation(mode: str, env: dict[str, str]) -> None:
+    from recorder.cassette import load
+    from recorder.keys import load_keyring
+    from replayer import forking
+
+    plan = json.loads(env["DEJA_PLAN"])
+    if mode == "fork":
+        fork_plan = forking.plan_fork(plan["cassette"], plan["at"], patch=plan["patch"],
+                                      out=plan["out"], run_id=plan["run_id"])
+        then = (load(plan["then_replay"], keyring=load_keyring(create=False),
+                     allow_incomplete=True) if plan.get("then_replay") else None)
+        context = forking._Continue(lambda: forking.start_fork(fork_plan, then_replay=then),
+                                    abandon_on_divergence=False)
+    else:
+        loaded = forking.plan_resume(plan["cassette"])
+        context = forking._Continue(lambda: forking.start_resume(loaded),
+                                    abandon_on_divergence=True)
+    session = context.__enter__()
+    watch = _ExitWatch()
+    report = env["DEJA_REPORT"]
+
+    def finish() -> None:
+        from recorder.errors import Divergence
+
+        error = watch.error
+        if isinstance(error, Divergence) and mode == "resume":
+            session.abandon()  # the log stays resumable by a fixed agent
+            _write_report(report, {"end": None, "diverged": str(error)})
+        else:
+            _write_report(report, {"end": session.hand_over(error)})
+
+    atexit.register(finish)
+
+
+def _write_report(path: str, data: dict[str, Any]) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps(data, default=str))
+    os.replace(tmp, path)
 
 
 def _chain_sitecustomize() -> None:

@@ -84,7 +84,7 @@ def record(output: Path, fsync: str, labels: tuple[str, ...], redact_headers: tu
     Every model call, HTTP exchange, @recorder.tool call and effect is logged to the
     cassette. Exits with the program's own status.
     """
-    from deja.boot import BOOT_FAILED, child_env
+    from deja.boot import BOOT_FAILED
     from recorder.record import new_run_id
 
     label_map = {}
@@ -99,13 +99,9 @@ def record(output: Path, fsync: str, labels: tuple[str, ...], redact_headers: tu
         raise BadInput(f"{path} already exists; pass --force to overwrite it or choose "
                        "another -o")
     argv = list(command)
-    env = child_env("record", cassette=str(path.resolve()), run_id=run_id, argv=argv,
-                    fsync=fsync, labels=label_map, redact_headers=list(redact_headers),
-                    overwrite="1" if force else None)
-    try:
-        code = subprocess.call(_python_argv(argv), env=env)
-    except FileNotFoundError as exc:
-        raise BadInput(f"cannot run {argv[0]!r}: {exc.strerror}") from None
+    code = _launch("record", argv, path, None, cassette=str(path.resolve()), run_id=run_id,
+                   argv=argv, fsync=fsync, labels=label_map,
+                   redact_headers=list(redact_headers), overwrite="1" if force else None)
     if code == BOOT_FAILED and not path.exists():
         raise BadInput("the program did not start recording (see the message above)")
     if path.exists():
@@ -268,6 +264,143 @@ def ls_(directory: Path, as_json: bool) -> None:
         run["run"] = run["run"] or Path(run["path"]).name
     _print_table(runs, ["run", "status", "created", "steps", "tokens", "cost_usd", "duration_s",
                         "parent_run", "error"], title=f"runs in {directory}")
+
+
+def _launch(mode: str, command: list[str], target: Path, cwd: Path | None,
+            **values: Any) -> int:
+    """Run a program under the bootstrap; write the end line it hands back, with its exit
+    status. A program killed before handing over leaves its run open: resumable."""
+    from deja.boot import BOOT_FAILED, child_env
+    from recorder.errors import DejaError
+    from recorder.record import write_end
+
+    with tempfile.TemporaryDirectory(prefix="deja-") as tmp:
+        report = Path(tmp) / "report.json"
+        env = child_env(mode, report=str(report), **values)
+        try:
+            code = subprocess.call(_python_argv(command), env=env, cwd=cwd)
+        except FileNotFoundError as exc:
+            raise BadInput(f"cannot run {command[0]!r}: {exc.strerror}") from None
+        if report.exists():
+            end = json.loads(report.read_text()).get("end")
+            if end is not None:
+                try:
+                    write_end(target, end, code)
+                except DejaError as exc:
+                    _fail(exc)
+        elif target.exists() and code != BOOT_FAILED:
+            click.echo(f"deja: the program ended (status {code}) before the run could be "
+                       f"closed; it can be resumed: deja resume {target}", err=True)
+    return code
+
+
+def _read_json_file(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"{what} {path}: {exc}") from None
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.option("--at", "at", type=int, required=True, help="The step (seq) to edit.")
+@click.option("--set", "sets", multiple=True, metavar="PATH=VALUE",
+              help="Replace one field of the step's document: a JSON pointer (/result) or "
+                   "dotted path (content.0.text); VALUE is JSON, or else a string.")
+@click.option("--patch", "patch_file", type=click.Path(path_type=Path, dir_okay=False),
+              help="An RFC 6902 JSON patch file applied to the step's document.")
+@click.option("--replace", "replace_file", type=click.Path(path_type=Path, dir_okay=False),
+              help="A JSON file that replaces the step's whole document.")
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path),
+              help="The new cassette (default: <run id>.jsonl next to the parent).")
+@click.option("--then-replay", "then_replay", type=click.Path(path_type=Path, dir_okay=False),
+              help="After the edited step, serve calls from this cassette instead of "
+                   "going live.")
+@click.option("--show-document", is_flag=True,
+              help="Print the editable document of step --at and exit.")
+def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...],
+         patch_file: Path | None, replace_file: Path | None, output: Path | None,
+         then_replay: Path | None, show_document: bool) -> None:
+    """Re-run a recorded run with step N edited: deja fork CASSETTE --at N --set ... [-- CMD].
+
+    Steps before N replay from the parent (its signature must verify), step N is the
+    edited observation, and the steps after it go live (the agent's real upstream, e.g.
+    ANTHROPIC_BASE_URL) or come from --then-replay. The new cassette names its parent
+    and the fork step; the parent is never written. Bad input exits 2 with nothing
+    written. Tool steps are edited as {"result": ...}, model steps as the assembled
+    message (content, stop_reason, usage), HTTP steps as {"status", "headers", "body"},
+    effects as {"value": ...}; --show-document prints it.
+    """
+    from recorder.errors import DejaError
+    from replayer import edit
+    from replayer.forking import plan_fork
+
+    patch = _read_json_file(patch_file, "patch file") if patch_file else None
+    replace = _read_json_file(replace_file, "replacement file") if replace_file else None
+    try:
+        if show_document:
+            from recorder.cassette import load
+            from recorder.keys import load_keyring
+
+            parent = load(cassette, keyring=load_keyring(create=False), allow_incomplete=True)
+            if not 0 <= at < len(parent.observations):
+                raise BadInput(f"step {at} is out of range 0-{len(parent.observations) - 1}")
+            click.echo(json.dumps(edit.view(parent.observations[at]), indent=2,
+                                  ensure_ascii=False))
+            return
+        plan = plan_fork(cassette, at, patch=patch, replace=replace, sets=sets, out=output)
+    except DejaError as exc:
+        _fail(exc)
+    argv = list(command) or list(plan.parent.header.get("argv") or [])
+    if not argv:
+        raise BadInput(f"{cassette} records no command; give one after --")
+    cwd = None if command else _recorded_cwd(cassette, plan.parent.header.get("cwd"))
+    code = _launch("fork", argv, plan.out, cwd, plan={
+        "cassette": str(cassette.resolve()), "at": at, "patch": plan.patch,
+        "out": str(plan.out.resolve()), "run_id": plan.run_id,
+        "then_replay": str(then_replay.resolve()) if then_replay else None})
+    if plan.out.exists():
+        click.echo(f"deja: forked run {plan.run_id} from {plan.parent.run} at step {at} "
+                   f"-> {plan.out}", err=True)
+        click.echo(f"deja: compare them with: deja diff {cassette} {plan.out}", err=True)
+    sys.exit(code)
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def resume(cassette: Path, command: tuple[str, ...]) -> None:
+    """Continue a crashed run: deja resume CASSETTE [-- CMD ...].
+
+    Replays everything recorded (no live call, no side effect repeated), cuts a torn last
+    line, settles a side effect that was in flight (the tool's settle= function), then
+    continues live, appending to the same cassette after a `resumed` control line. Exits
+    with the program's status; 2 if the cassette cannot be resumed.
+    """
+    from recorder.errors import DejaError
+    from replayer.forking import plan_resume
+
+    try:
+        loaded = plan_resume(cassette)
+    except DejaError as exc:
+        _fail(exc)
+    if loaded.torn_offset is not None:
+        click.echo(f"deja: {cassette}: the last line is torn (byte {loaded.torn_offset}); it "
+                   "is cut before resuming", err=True)
+    argv = list(command) or list(loaded.header.get("argv") or [])
+    if not argv:
+        raise BadInput(f"{cassette} records no command; give one after --")
+    cwd = None if command else _recorded_cwd(cassette, loaded.header.get("cwd"))
+    code = _launch("resume", argv, cassette, cwd, plan={"cassette": str(cassette.resolve())})
+    end = cassette.read_bytes().rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    try:
+        status = json.loads(end).get("status") if b'"kind":"end"' in end else None
+    except ValueError:
+        status = None
+    click.echo(f"deja: resumed run {loaded.run}: replayed {len(loaded.observations)} steps; "
+               f"end status {status or 'none (still unfinished)'}", err=True)
+    sys.exit(code)
 
 
 @main.command()

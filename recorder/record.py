@@ -172,39 +172,53 @@ class RecordSession(session.Session):
         return CassetteWriter(self.path, header, require_signing_key(ring), self.fsync,
                               overwrite=self._overwrite)
 
-    def close(self, status: str | None = None, error: BaseException | None = None) -> dict:
-        """Write the end line with status and totals; remove the patches.
-
-        Without ``status``, it follows from ``error`` (see :func:`status_for`).
-        """
-        status = status or status_for(error)
-        if self.end is not None:
-            return self.end
-        try:
-            if self._patches is not None:
-                self._patches.close()
-        finally:
-            session.deactivate(self)
+    def end_line(self, status: str | None = None,
+                 error: BaseException | None = None) -> dict[str, Any]:
+        """The end line this run would close with now (``status`` follows from ``error``)."""
         assert self.writer is not None
         with self._lock:
             totals = dict(self.totals, cost_usd=round(self.totals["cost_usd"], 8),
                           duration_s=round(time.perf_counter() - self._t0, 3),
                           observations=self.writer.next_seq)
-        end: dict[str, Any] = {"status": status, "totals": totals}
+        end: dict[str, Any] = {"status": status or status_for(error), "totals": totals}
         if error is not None:
             end["error"] = error_record(error)
             if isinstance(error, RunStopped):
                 end["reason"] = error.reason
-        self.end = self.writer.close(end)
-        return self.end
+        return end
 
-    def abandon(self) -> None:
-        """Stop without an end line, leaving the cassette resumable."""
+    def _stop(self) -> None:
         try:
             if self._patches is not None:
                 self._patches.close()
+                self._patches = None
         finally:
             session.deactivate(self)
+
+    def close(self, status: str | None = None, error: BaseException | None = None) -> dict:
+        """Write the end line with status and totals; remove the patches.
+
+        Without ``status``, it follows from ``error`` (see :func:`status_for`).
+        """
+        if self.end is not None:
+            return self.end
+        self._stop()
+        assert self.writer is not None
+        self.end = self.writer.close(self.end_line(status, error))
+        return self.end
+
+    def hand_over(self, error: BaseException | None = None) -> dict[str, Any]:
+        """Stop without writing the end line; return it for the launching process to write.
+
+        ``deja record`` uses this: only the parent knows the program's exit status.
+        """
+        end = self.end_line(None, error)
+        self.abandon()
+        return end
+
+    def abandon(self) -> None:
+        """Stop without an end line, leaving the cassette resumable."""
+        self._stop()
         if self.writer is not None:
             self.writer.abandon()
 
@@ -424,6 +438,23 @@ def record(path: str | Path = "cassettes", *, labels: dict[str, Any] | None = No
               "redact_body": tuple(redact_body), "prices": prices, "overwrite": overwrite,
               "keyring": keyring}
     return _Record(path, kwargs)
+
+
+def write_end(path: str | Path, end: dict[str, Any], exit_code: int,
+              keyring: Keyring | None = None) -> dict[str, Any]:
+    """Close a cassette a program left open, with the end line it handed over and its exit
+    status (``deja record`` does this once the program has exited)."""
+    from .cassette import load
+
+    ring = keyring or load_keyring(create=False)
+    loaded = load(path, keyring=ring, require_signature=True, allow_incomplete=True)
+    end = dict(end, exit_code=exit_code)
+    if exit_code != 0 and end.get("status") == "completed":
+        end["status"] = "error"
+        end.setdefault("reason", f"exit status {exit_code}")
+    key = ring.get(str(loaded.header.get("key_id")))
+    assert key is not None  # load() verified with it
+    return CassetteWriter.reopen(loaded, key, Fsync.SYNC).close(end)
 
 
 def start(path: str | Path, **kwargs: Any) -> RecordSession:

@@ -5,7 +5,7 @@ from recorder.errors import Divergence, DivergenceInfo
 
 from .continuation import ContinuationSession
 from .diff import RunDiff, compare
-from .fork import ForkPlan, fork, plan_fork, plan_resume, resume
+from .forking import ForkPlan, fork, plan_fork, plan_resume, resume
 from .replay import ReplayResult, ReplaySession, replay, start
 
 __all__ = [

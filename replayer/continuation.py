@@ -80,10 +80,11 @@ class ContinuationSession(RecordSession):
         if self._on_live is not None:
             self._on_live(self)
 
-    def close(self, status: str | None = None, error: BaseException | None = None) -> dict:
+    def end_line(self, status: str | None = None,
+                 error: BaseException | None = None) -> dict[str, Any]:
         if not self.live and self.prefix.index.remaining == 0:
             self.go_live()
-        return super().close(status, error)
+        return super().end_line(status, error)
 
     # -- calls
 

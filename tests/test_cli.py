@@ -188,6 +188,9 @@ def test_record_passes_the_program_exit_status_through(tmp_path: Path) -> None:
     proc = deja("record", "-o", str(tmp_path / "r.jsonl"), "--", "python", "-c",
                 "raise SystemExit(7)")
     assert proc.returncode == 7
+    end = json.loads((tmp_path / "r.jsonl").read_text().splitlines()[-1])
+    assert end["status"] == "error" and end["exit_code"] == 7
+    assert end["reason"] == "exit status 7"
     bad = deja("record", "-o", str(tmp_path / "e.jsonl"), "--", "python", "-c",
                "raise ValueError('boom')")
     assert bad.returncode == 1

@@ -70,7 +70,8 @@ def _key_for(cassette: Cassette, keyring: Keyring) -> bytes:
 
 def plan_fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | None = None,
               replace: Any = None, sets: list[str] | tuple[str, ...] = (),
-              out: str | Path | None = None, keyring: Keyring | None = None) -> ForkPlan:
+              out: str | Path | None = None, keyring: Keyring | None = None,
+              run_id: str | None = None) -> ForkPlan:
     """Check a fork (parent signature, step, edit) and work out the edited step."""
     ring = keyring or load_keyring(create=False)
     parent = load(cassette, keyring=ring, require_signature=True, allow_incomplete=True)
@@ -90,7 +91,7 @@ def plan_fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | No
     ops = _edit.set_patch(sets) if sets else patch
     edited_doc, applied = _edit.apply(doc, patch=ops, replace=replace, step=at)
     edited = _edit.rebuild(original, edited_doc)
-    run_id = new_run_id()
+    run_id = run_id or new_run_id()
     target = Path(out) if out is not None else parent.path.parent / f"{run_id}.jsonl"
     if target.suffix != ".jsonl" and (target.is_dir() or target.suffix == ""):
         target = target / f"{run_id}.jsonl"
