@@ -81,7 +81,7 @@ def _deja(d: Path, name: str, turns: int, text: Callable[[int], str],
           times: list[float] | None = None) -> tuple[Path, Any, Any]:
     path = d / f"{name}.jsonl"
     with w.stub() as server:
-        with recorder.record(path):
+        with recorder.record(path, budgets=recorder.Budgets()):
             bodies = conversation(server.url, turns, text, times)
         requests = [r["body"] for r in server.requests]
     w.assert_unpatched("after deja recording")

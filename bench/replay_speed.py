@@ -31,7 +31,7 @@ import replayer
 
 
 def _record_deja(url: str, n: int, path: Path) -> Path:
-    with recorder.record(path):
+    with recorder.record(path, budgets=recorder.Budgets()):
         c = w.client(url)
         w.check_echo(w.calls(c, range(n)), range(n))
     return path

@@ -23,7 +23,8 @@ BOOT_DIR = Path(__file__).parent / "_bootstrap"
 BOOT_FAILED = 3
 _ENV = ("DEJA_MODE", "DEJA_CASSETTE", "DEJA_RUN_ID", "DEJA_ARGV", "DEJA_FSYNC", "DEJA_LABELS",
         "DEJA_REDACT_HEADERS", "DEJA_REPORT", "DEJA_ALLOW_TORN", "DEJA_ALLOW_INCOMPLETE",
-        "DEJA_REQUIRE_SIGNATURE", "DEJA_OVERWRITE", "DEJA_PLAN")
+        "DEJA_REQUIRE_SIGNATURE", "DEJA_OVERWRITE", "DEJA_PLAN", "DEJA_BUDGETS", "DEJA_LOOP",
+        "DEJA_BREAKER")
 
 
 def child_env(mode: str, **values: Any) -> dict[str, str]:
@@ -96,9 +97,12 @@ def _start_record(env: dict[str, str]) -> None:
     argv = json.loads(env["DEJA_ARGV"]) if "DEJA_ARGV" in env else None
     rec = RecordSession(
         env.get("DEJA_CASSETTE", "cassettes"), run_id=env.get("DEJA_RUN_ID"), argv=argv,
-        fsync=env.get("DEJA_FSYNC", "turn"), labels=json.loads(env.get("DEJA_LABELS", "{}")),
+        fsync=env.get("DEJA_FSYNC"), labels=json.loads(env.get("DEJA_LABELS", "{}")),
         redact_headers=tuple(json.loads(env.get("DEJA_REDACT_HEADERS", "[]"))),
-        overwrite=env.get("DEJA_OVERWRITE") == "1").start()
+        overwrite=env.get("DEJA_OVERWRITE") == "1",
+        budgets=json.loads(env["DEJA_BUDGETS"]) if "DEJA_BUDGETS" in env else None,
+        loop_guard=False if env.get("DEJA_LOOP") == "0" else None,
+        breaker=False if env.get("DEJA_BREAKER") == "0" else None).start()
     watch = _ExitWatch()
     report = env.get("DEJA_REPORT")
 

@@ -68,8 +68,20 @@ def main() -> None:
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path),
               default=Path("cassettes"), show_default=True,
               help="Cassette file, or a directory to create <run id>.jsonl in.")
-@click.option("--fsync", type=click.Choice(["sync", "turn", "exit"]), default="turn",
-              show_default=True, help="When lines are forced to disk.")
+@click.option("--fsync", type=click.Choice(["sync", "turn", "exit"]), default=None,
+              help="When lines are forced to disk (default: [tool.deja] fsync, else turn).")
+@click.option("--max-turns", type=click.IntRange(min=0), help="Budget: model turns.")
+@click.option("--max-tokens", "max_tokens_total", type=click.IntRange(min=0),
+              help="Budget: cumulative input + output tokens.")
+@click.option("--max-tokens-per-turn", type=click.IntRange(min=0),
+              help="Ceiling on a request's max_tokens; a request asking for more is refused.")
+@click.option("--clamp-max-tokens", is_flag=True,
+              help="Clamp a request over the per-turn ceiling instead of refusing it.")
+@click.option("--max-seconds", type=click.FloatRange(min=0), help="Budget: wall-clock seconds.")
+@click.option("--max-dollars", type=click.FloatRange(min=0),
+              help="Budget: dollars, from the price table.")
+@click.option("--no-loop-guard", is_flag=True, help="Do not stop repeated identical tool calls.")
+@click.option("--no-breaker", is_flag=True, help="Do not use the per-host circuit breaker.")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
               help="Label the run (repeatable).")
 @click.option("--redact-header", "redact_headers", multiple=True, metavar="NAME",
@@ -77,14 +89,20 @@ def main() -> None:
                    "always are).")
 @click.option("--force", is_flag=True, help="Overwrite the cassette file if it exists.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def record(output: Path, fsync: str, labels: tuple[str, ...], redact_headers: tuple[str, ...],
-           force: bool, command: tuple[str, ...]) -> None:
+def record(output: Path, fsync: str | None, max_turns: int | None,
+           max_tokens_total: int | None, max_tokens_per_turn: int | None,
+           clamp_max_tokens: bool, max_seconds: float | None, max_dollars: float | None,
+           no_loop_guard: bool, no_breaker: bool, labels: tuple[str, ...],
+           redact_headers: tuple[str, ...], force: bool, command: tuple[str, ...]) -> None:
     """Record an unmodified Python program: deja record [-o FILE] -- python agent.py ...
 
     Every model call, HTTP exchange, @recorder.tool call and effect is logged to the
-    cassette. Exits with the program's own status.
+    cassette, with the harness guards on (budgets, cancel, loop guard, circuit breaker;
+    flags override [tool.deja] in pyproject.toml). Exits with the program's own status.
     """
     from deja.boot import BOOT_FAILED
+    from recorder import config
+    from recorder.errors import ConfigError
     from recorder.record import new_run_id
 
     label_map = {}
@@ -99,9 +117,20 @@ def record(output: Path, fsync: str, labels: tuple[str, ...], redact_headers: tu
         raise BadInput(f"{path} already exists; pass --force to overwrite it or choose "
                        "another -o")
     argv = list(command)
+    budgets = {k: v for k, v in {
+        "turns": max_turns, "tokens": max_tokens_total, "max_tokens": max_tokens_per_turn,
+        "seconds": max_seconds, "dollars": max_dollars,
+        "max_tokens_mode": "clamp" if clamp_max_tokens else None}.items() if v is not None}
+    try:
+        config.resolve(budgets=budgets, loop_guard=False if no_loop_guard else None,
+                       breaker=False if no_breaker else None)
+    except ConfigError as exc:
+        _fail(exc)
     code = _launch("record", argv, path, None, cassette=str(path.resolve()), run_id=run_id,
                    argv=argv, fsync=fsync, labels=label_map,
-                   redact_headers=list(redact_headers), overwrite="1" if force else None)
+                   redact_headers=list(redact_headers), overwrite="1" if force else None,
+                   budgets=budgets or None, loop="0" if no_loop_guard else None,
+                   breaker="0" if no_breaker else None)
     if code == BOOT_FAILED and not path.exists():
         raise BadInput("the program did not start recording (see the message above)")
     if path.exists():
@@ -430,6 +459,62 @@ def diff(cassette_a: Path, cassette_b: Path, as_json: bool) -> None:
     else:
         click.echo(render(result))
     sys.exit(0 if result.same else EXIT_DIVERGED)
+
+
+@main.command()
+@click.argument("run")
+@click.option("--json", "as_json", is_flag=True, help="Print the status record as JSON.")
+def status(run: str, as_json: bool) -> None:
+    """Show what run RUN is doing: status, turn, step, elapsed, budgets, tokens, spend.
+
+    Reads the run's status record ($DEJA_HOME/runs/RUN.json), which the recorder updates
+    at every step; for a finished run it shows the end status and totals.
+    """
+    from recorder.progress import read_status
+
+    record = read_status(run)
+    if record is None:
+        raise BadInput(f"no status for run {run!r} (runs record theirs under "
+                       "$DEJA_HOME/runs; is DEJA_HOME the same as the recording's?)")
+    if as_json:
+        click.echo(json.dumps(record, indent=2))
+        return
+
+    def limit(value: Any, cap: Any, unit: str = "") -> str:
+        return f"{value}{unit}" + (f" / {cap}{unit}" if cap is not None else "")
+
+    lines = [f"run {record['run_id']}: {record['status']}",
+             f"  step:     {record.get('step')}",
+             f"  turn:     {limit(record.get('turn'), record.get('turn_limit'))}",
+             f"  elapsed:  {limit(record.get('elapsed_s'), record.get('budget_s'), 's')}",
+             f"  tokens:   {limit(record.get('tokens'), record.get('token_limit'))}",
+             f"  spend:    {limit(record.get('spend_usd'), record.get('dollar_limit'), ' USD')}",
+             f"  artefacts: {', '.join(record.get('artefacts') or []) or '-'}",
+             f"  updated:  {record.get('updated')} (pid {record.get('pid')})"]
+    if record.get("status") == "running":
+        lines.append(f"  cancel:   {record.get('cancel')}")
+    click.echo("\n".join(lines))
+
+
+@main.command()
+@click.argument("run")
+@click.option("--reason", default="", help="Why; recorded in the run's control line.")
+def cancel(run: str, reason: str) -> None:
+    """Ask run RUN to stop at its next boundary, with status cancelled.
+
+    Sets a flag that the recorder reads before each call and after each write; the run
+    never stops mid-action. Any process with the same DEJA_HOME can cancel.
+    """
+    from recorder.progress import read_status, request_cancel
+
+    record = read_status(run)
+    if record is None:
+        raise BadInput(f"no run {run!r} under $DEJA_HOME/runs")
+    if record.get("ended"):
+        raise BadInput(f"run {run} already ended with status {record.get('status')!r}")
+    path = request_cancel(run, reason)
+    click.echo(f"deja: cancel requested for run {run} ({path}); it stops at its next "
+               "boundary")
 
 
 @main.command()

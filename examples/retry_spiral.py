@@ -7,7 +7,9 @@ Run it against the bundled stub model (no key, no network)::
     ANTHROPIC_BASE_URL=http://127.0.0.1:8765 deja record -o cassettes/demo/spiral.jsonl \\
         -- python examples/retry_spiral.py
 
-The agent itself knows nothing of deja except ``@recorder.tool`` on its tool.
+The agent knows nothing of deja except ``@recorder.tool`` on its tool and the harness's
+``RunStopped`` it reports. Recorded with deja's default guards, the loop guard stops it
+before the third identical search; with ``--no-loop-guard`` it spirals to the end.
 """
 
 from __future__ import annotations
@@ -47,6 +49,14 @@ def run_tool(name: str, args: dict) -> tuple[str, bool]:
 
 
 def main() -> int:
+    try:
+        return run()
+    except recorder.RunStopped as stop:  # deja's harness ended the run (loop, budget, cancel)
+        print(f"stopped by the harness: {stop}")
+        return 3
+
+
+def run() -> int:
     client = anthropic.Anthropic(api_key=os.environ.get("ANTHROPIC_API_KEY", "sk-stub"))
     messages = [{"role": "user", "content": "Refactor the session refresh in the auth "
                                             "module. Find it first."}]

@@ -27,6 +27,7 @@ from .errors import (
     UnserializableValue,
     UnsupportedFormat,
 )
+from .guards import BreakerSettings, Budgets, LoopGuard
 from .intents import Intent, Settled, idempotency_key
 from .keys import Keyring, load_keyring
 from .pricing import Price, PriceTable
@@ -36,7 +37,9 @@ from .tools import tool
 
 __all__ = [
     "FORMAT",
+    "BreakerSettings",
     "BudgetExhausted",
+    "Budgets",
     "Cancelled",
     "Cassette",
     "CassetteError",
@@ -52,6 +55,7 @@ __all__ = [
     "KeyMissing",
     "Keyring",
     "LoopDetected",
+    "LoopGuard",
     "NeedsAttention",
     "Price",
     "PriceTable",

@@ -158,9 +158,14 @@ def _tee_class(httpx: ModuleType, kind: str) -> type:
 
 def _begin(session: Session, httpx: ModuleType, request: Any, req: HttpRequest) -> Any:
     try:
-        return session.begin_http(req)
+        served = session.begin_http(req)
     except DejaError as exc:
         raise sdk_passthrough(exc) from None
+    if served is None and req.original_body is not None:  # a guard rewrote the body
+        request.headers["content-length"] = str(len(req.body))
+        request.stream = httpx.ByteStream(req.body)
+        request._content = req.body
+    return served
 
 
 def sync_handler(session: Session, httpx: ModuleType, real: Callable[..., Any]) -> Callable:

@@ -61,6 +61,7 @@ class _VcrBridge:
         self._session = session
         self._path = str(session.path)
         self._starts: dict[int, tuple[float, float]] = {}
+        self._served: dict[int, HttpResponse] = {}  # answered by the session (fork, resume)
         self._lock = threading.Lock()
         self.custom_patches = tuple(_httpx_patches(session))
 
@@ -80,15 +81,23 @@ class _VcrBridge:
                 self._starts[id(vcr_request)] = (time.time(), time.perf_counter())
         if first:
             try:
-                self._session.begin_http(_from_vcr_request(vcr_request))
+                served = self._session.begin_http(_from_vcr_request(vcr_request))
             except DejaError:
                 with self._lock:
                     self._starts.pop(id(vcr_request), None)
                 raise
-        return False
+            if served is not None:
+                with self._lock:
+                    self._served[id(vcr_request)] = served
+        with self._lock:
+            return id(vcr_request) in self._served
 
     def play_response(self, vcr_request: Any) -> dict[str, Any]:
-        served = self._session.begin_http(_from_vcr_request(vcr_request))
+        with self._lock:
+            served = self._served.pop(id(vcr_request), None)
+            self._starts.pop(id(vcr_request), None)
+        if served is None:
+            served = self._session.begin_http(_from_vcr_request(vcr_request))
         if served is None:  # pragma: no cover - replay sessions always serve or raise
             raise DejaError("the session declined to serve a replayed request")
         if served.extra.get("error") and not served.extra.get("has_response"):

@@ -40,6 +40,7 @@ class HttpRequest:
     url: str
     headers: list[tuple[str, str]]
     body: bytes
+    original_body: bytes | None = None  # set when a guard rewrote the body (clamping)
 
     @property
     def parts(self):

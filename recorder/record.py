@@ -19,6 +19,7 @@ import functools
 import importlib.metadata
 import inspect
 import itertools
+import json
 import logging
 import os
 import platform
@@ -30,8 +31,9 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from . import _compact, _values, capture, session
+from . import _compact, _values, capture, config, session
 from ._canonical import digest
 from ._summary import summarize
 from .cassette import CassetteWriter, Fsync
@@ -46,8 +48,9 @@ from .exchange import (
     semantic_headers,
     stored_body,
 )
+from .guards import BreakerSettings, Budgets, Clock, LoopGuard
+from .harness import RunGuard
 from .keys import Keyring, load_keyring, require_signing_key
-from .pricing import PriceTable
 
 log = logging.getLogger("deja.recorder")
 
@@ -113,21 +116,30 @@ class RecordSession(session.Session):
     mode = "record"
 
     def __init__(self, path: str | Path, *, labels: dict[str, Any] | None = None,
-                 fsync: Fsync | str = Fsync.TURN, redact_headers: tuple[str, ...] = (),
+                 fsync: Fsync | str | None = None, redact_headers: tuple[str, ...] = (),
                  redact_body: tuple[str, ...] = (), prices: dict[str, Any] | None = None,
                  argv: list[str] | None = None, entry: str | None = None,
                  overwrite: bool = False, keyring: Keyring | None = None,
                  run_id: str | None = None, parent: dict[str, Any] | None = None,
-                 writer: CassetteWriter | None = None) -> None:
+                 writer: CassetteWriter | None = None,
+                 budgets: Budgets | dict[str, Any] | None = None,
+                 loop_guard: LoopGuard | dict[str, Any] | bool | None = None,
+                 breaker: BreakerSettings | dict[str, Any] | bool | None = None,
+                 clock: Clock | None = None, progress_interval: float = 0.2) -> None:
         self.run_id = run_id or new_run_id()
         path = Path(path)
         if path.is_dir() or str(path).endswith(os.sep) or path.suffix == "":
             path = path / f"{self.run_id}.jsonl"
         self.path = path
-        self.fsync = Fsync.parse(fsync)
+        self.harness = config.resolve(budgets=budgets, loop_guard=loop_guard, breaker=breaker,
+                                      prices=prices, fsync=fsync)
+        self.fsync = Fsync.parse(self.harness.fsync or Fsync.TURN)
         self.labels = dict(labels or {})
         self.redaction = Redaction.of(redact_headers, redact_body)
-        self.prices = PriceTable(prices)
+        self.prices = self.harness.prices
+        self._clock = clock
+        self._progress_interval = progress_interval
+        self.guard: RunGuard | None = None
         self._argv = list(argv if argv is not None else [sys.executable, *sys.argv])
         self._entry = entry
         self._overwrite = overwrite
@@ -149,6 +161,9 @@ class RecordSession(session.Session):
     def start(self) -> RecordSession:
         if self.writer is None:
             self.writer = self._new_writer()
+        self.guard = RunGuard(self.run_id, self.harness, self._emit_control, clock=self._clock,
+                              artefacts=[str(self.path)],
+                              progress_interval=self._progress_interval)
         session.activate(self)
         try:
             stack = contextlib.ExitStack()
@@ -166,7 +181,8 @@ class RecordSession(session.Session):
             "run": self.run_id, "parent": self.parent,
             "created": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             **portable_launch(self._argv, Path.cwd(), self.path), "entry": self._entry,
-            "versions": _versions(), "labels": self.labels, "budgets": None,
+            "versions": _versions(), "labels": self.labels,
+            **self.harness.to_header(),
             "fsync": self.fsync.value, "redact": self.redaction.to_header(),
         }
         return CassetteWriter(self.path, header, require_signing_key(ring), self.fsync,
@@ -180,12 +196,18 @@ class RecordSession(session.Session):
             totals = dict(self.totals, cost_usd=round(self.totals["cost_usd"], 8),
                           duration_s=round(time.perf_counter() - self._t0, 3),
                           observations=self.writer.next_seq)
+        stopped = self.guard.stopped if self.guard is not None else None
+        if error is None and stopped is not None:
+            error = stopped  # the agent caught the guard's error, but the run is over
         end: dict[str, Any] = {"status": status or status_for(error), "totals": totals}
         if error is not None:
             end["error"] = error_record(error)
             if isinstance(error, RunStopped):
                 end["reason"] = error.reason
         return end
+
+    def _emit_control(self, event: str, detail: dict[str, Any]) -> None:
+        self._append({"kind": "control", "event": event, "detail": detail}, sync=True)
 
     def _stop(self) -> None:
         try:
@@ -205,6 +227,8 @@ class RecordSession(session.Session):
         self._stop()
         assert self.writer is not None
         self.end = self.writer.close(self.end_line(status, error))
+        if self.guard is not None:
+            self.guard.finish(self.end)
         return self.end
 
     def hand_over(self, error: BaseException | None = None) -> dict[str, Any]:
@@ -214,6 +238,8 @@ class RecordSession(session.Session):
         """
         end = self.end_line(None, error)
         self.abandon()
+        if self.guard is not None:
+            self.guard.finish(end)
         return end
 
     def abandon(self) -> None:
@@ -225,13 +251,16 @@ class RecordSession(session.Session):
     # -- the capture seam
 
     def begin_http(self, request: HttpRequest) -> HttpResponse | None:
+        if self.guard is not None:
+            self.guard.before_call(request, model_provider(request.method, request.url))
         return None
 
     def end_http(self, request: HttpRequest, response: HttpResponse | None, timing: session.Timing,
                  error: BaseException | None = None) -> None:
         assert self.writer is not None
         provider = model_provider(request.method, request.url)
-        body, body_extra = stored_body(request.body)
+        body, body_extra = stored_body(request.original_body if request.original_body
+                                       is not None else request.body)
         if provider and not body_extra:
             body = self.redaction.body(body)
             obs: dict[str, Any] = {
@@ -269,6 +298,8 @@ class RecordSession(session.Session):
                     obs["api_error"] = summary["error"]
         if error is not None:
             obs["error"] = {**error_record(error), "has_response": response is not None}
+        if request.original_body is not None:
+            obs["clamped_max_tokens"] = json.loads(request.body).get("max_tokens")
         if has_request:
             url, full_req = obs["url"], obs["request_headers"]
             full_resp = obs["response"]["headers"] if "response" in obs else None
@@ -286,6 +317,11 @@ class RecordSession(session.Session):
             t["input_tokens"] += usage.get("input_tokens", 0)
             t["output_tokens"] += usage.get("output_tokens", 0)
             t["cost_usd"] += cost or 0.0
+        if self.guard is not None:
+            self.guard.after_exchange(
+                model=bool(provider), status=response.status if response is not None else None,
+                error=error, usage=summary.get("usage"), cost=cost,
+                host=urlsplit(request.url).netloc)
 
     def _append(self, obs: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         assert self.writer is not None
@@ -299,6 +335,8 @@ class RecordSession(session.Session):
 
     def before_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> None:
         """Called before a live tool call; the harness guards decide here."""
+        if self.guard is not None:
+            self.guard.before_tool(tool.name, _values.args_key(args))
 
     def _open_intent(self, tool: session.ToolSpec, args: dict[str, Any]) -> tuple[int, str]:
         key = _values.args_key(args)
@@ -423,20 +461,31 @@ class _Record(contextlib.ContextDecorator):
 
 
 def record(path: str | Path = "cassettes", *, labels: dict[str, Any] | None = None,
-           fsync: Fsync | str = Fsync.TURN, redact_headers: tuple[str, ...] = (),
+           fsync: Fsync | str | None = None, redact_headers: tuple[str, ...] = (),
            redact_body: tuple[str, ...] = (), prices: dict[str, Any] | None = None,
-           overwrite: bool = False, keyring: Keyring | None = None) -> _Record:
+           overwrite: bool = False, keyring: Keyring | None = None,
+           budgets: Budgets | dict[str, Any] | None = None,
+           loop_guard: LoopGuard | dict[str, Any] | bool | None = None,
+           breaker: BreakerSettings | dict[str, Any] | bool | None = None,
+           clock: Clock | None = None) -> _Record:
     """Record a run into a cassette at ``path`` (a file, or a directory for ``<run>.jsonl``).
 
-    ``fsync``: ``"sync"`` forces every line to disk, ``"turn"`` (default) model turns,
-    side effects, control and end lines, ``"exit"`` only the end. ``redact_headers`` and
+    ``fsync``: ``"sync"`` forces every line to disk before the call returns, ``"turn"``
+    (default) side effects, control and end lines before it returns and model lines by a
+    background group commit, ``"exit"`` only the end. ``budgets``, ``loop_guard`` and
+    ``breaker`` set the harness guards (see :mod:`recorder.guards`; defaults and
+    ``[tool.deja]`` in :mod:`recorder.config`); ``clock`` replaces ``time.monotonic`` for
+    the wall-clock budget (tests). ``redact_headers`` and
     ``redact_body`` (JSON pointers) add to the secrets that never reach disk
     (authorization, x-api-key, cookies). ``prices`` overrides the dollar price table.
     """
-    Fsync.parse(fsync)
+    if fsync is not None:
+        Fsync.parse(fsync)
+    config.resolve(budgets=budgets, loop_guard=loop_guard, breaker=breaker, prices=prices)
     kwargs = {"labels": labels, "fsync": fsync, "redact_headers": tuple(redact_headers),
               "redact_body": tuple(redact_body), "prices": prices, "overwrite": overwrite,
-              "keyring": keyring}
+              "keyring": keyring, "budgets": budgets, "loop_guard": loop_guard,
+              "breaker": breaker, "clock": clock}
     return _Record(path, kwargs)
 
 

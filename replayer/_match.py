@@ -19,6 +19,8 @@ from recorder.cassette import Cassette
 from recorder.exchange import pretty
 
 FAMILY = {"model": "net", "http": "net", "tool": "tool", "intent": "tool", "effect": "effect"}
+# Control lines that refused a call: a replay raises them at the same point.
+STOPS = frozenset({"budget_exhausted", "cancelled", "loop_detected", "circuit_open"})
 
 
 def key_of(obs: dict[str, Any]) -> tuple[str, str] | None:
@@ -47,7 +49,19 @@ class Index:
         self.total = 0
         # outcome of each side-effect intent, by the intent's seq
         self.outcomes: dict[int, dict[str, Any]] = {}
+        # each refusing control line, with the seqs that come before it and must be used
+        self.stops: list[tuple[dict[str, Any], list[int]]] = []
+        self._stop_next = 0
+        before: list[int] = []
         for obs in cassette.observations:
+            if obs.get("kind") == "control" and obs.get("event") in STOPS \
+                    and "within" not in obs:
+                self.stops.append((obs, list(before)))
+                before.append(obs["seq"])
+                self.total += 1
+                continue
+            if (key_of(obs) is not None and "within" not in obs) or obs.get("kind") == "outcome":
+                before.append(obs["seq"])
             if obs.get("kind") == "outcome" and "within" not in obs:
                 self.outcomes[obs["intent"]] = obs
                 self.total += 1
@@ -71,6 +85,18 @@ class Index:
                 self.used.add(outcome["seq"])
             return obs
 
+    def pending_stop(self) -> dict[str, Any] | None:
+        """The refusing control line the next call meets, once everything before it is used."""
+        with self._lock:
+            if self._stop_next >= len(self.stops):
+                return None
+            obs, before = self.stops[self._stop_next]
+            if len(self.used) < len(before) or not all(s in self.used for s in before):
+                return None
+            self._stop_next += 1
+            self.used.add(obs["seq"])
+            return obs
+
     @property
     def remaining(self) -> int:
         """How many recorded observations have not been served yet."""
@@ -89,6 +115,7 @@ class Index:
         with self._lock:
             seqs = [o["seq"] for fam in self._order.values() for o in fam]
             seqs += [o["seq"] for o in self.outcomes.values()]
+            seqs += [o["seq"] for o, _ in self.stops]
             return sorted(s for s in seqs if s not in self.used)
 
 

@@ -63,6 +63,10 @@ def meaning(cassette: Cassette, obs: dict[str, Any]) -> dict[str, Any]:
     elif kind == "end":
         totals = dict(obs.get("totals") or {})
         totals.pop("duration_s", None)
+        if isinstance(totals.get("observations"), int):  # counted as compared: no bookkeeping
+            totals["observations"] -= sum(1 for o in cassette.observations
+                                          if o.get("kind") == "control"
+                                          and o.get("event") in _BOOKKEEPING)
         out.update(status=obs.get("status"), totals=totals)
     return out
 
@@ -122,13 +126,30 @@ def _steps(c: Cassette) -> list[dict[str, Any]]:
     return steps + ([c.end] if c.end else [])
 
 
+def _stable_ids(value: Any, ids: dict[str, str]) -> Any:
+    """Tool-use ids, random in every run, replaced by their order of first use in the run."""
+    if isinstance(value, list):
+        return [_stable_ids(v, ids) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {}
+    for key, v in value.items():
+        if isinstance(v, str) and (key == "tool_use_id" or (
+                key == "id" and str(value.get("type", "")).endswith("tool_use"))):
+            v = ids.setdefault(v, f"tool_use#{len(ids)}")
+        out[key] = _stable_ids(v, ids)
+    return out
+
+
 def compare(a: Cassette, b: Cassette) -> RunDiff:
     steps_a, steps_b = _steps(a), _steps(b)
     diffs: list[StepDiff] = []
     first: int | None = None
+    ids_a: dict[str, str] = {}
+    ids_b: dict[str, str] = {}
     for i in range(max(len(steps_a), len(steps_b))):
-        ma = meaning(a, steps_a[i]) if i < len(steps_a) else None
-        mb = meaning(b, steps_b[i]) if i < len(steps_b) else None
+        ma = _stable_ids(meaning(a, steps_a[i]), ids_a) if i < len(steps_a) else None
+        mb = _stable_ids(meaning(b, steps_b[i]), ids_b) if i < len(steps_b) else None
         if ma == mb:
             continue
         if first is None:

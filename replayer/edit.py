@@ -81,8 +81,9 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def set_patch(pairs: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
-    """``PATH=VALUE`` pairs as JSON patch ``replace`` operations."""
+def set_patch(pairs: list[str] | tuple[str, ...], doc: Any = None) -> list[dict[str, Any]]:
+    """``PATH=VALUE`` pairs as JSON patch ``replace`` operations. A field of ``doc`` that
+    holds a string stays a string: VALUE is taken as text there unless it is a JSON string."""
     ops = []
     for pair in pairs:
         path, sep, value = pair.partition("=")
@@ -92,7 +93,11 @@ def set_patch(pairs: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
         if not path.startswith("/"):
             path = "/" + "/".join(p.replace("~", "~0").replace("/", "~1")
                                   for p in path.removeprefix("$.").split("."))
-        ops.append({"op": "replace", "path": path, "value": _parse_value(value)})
+        parsed = _parse_value(value)
+        current = jsonpatch.JsonPointer(path).resolve(doc, None) if doc is not None else None
+        if isinstance(current, str) and not isinstance(parsed, str):
+            parsed = value
+        ops.append({"op": "replace", "path": path, "value": parsed})
     return ops
 
 

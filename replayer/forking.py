@@ -39,7 +39,7 @@ from recorder import session as _session
 from recorder.cassette import Cassette, CassetteWriter, load
 from recorder.errors import ConfigError, Divergence, KeyMissing
 from recorder.keys import Keyring, load_keyring
-from recorder.record import new_run_id
+from recorder.record import new_run_id, portable_launch
 
 from . import edit as _edit
 from .continuation import ContinuationSession
@@ -88,7 +88,7 @@ def plan_fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | No
         raise ConfigError(f"step {at} happened inside tool call {original['within']}; fork at "
                           "the tool's own step instead")
     doc = _edit.view(original)
-    ops = _edit.set_patch(sets) if sets else patch
+    ops = _edit.set_patch(sets, doc) if sets else patch
     edited_doc, applied = _edit.apply(doc, patch=ops, replace=replace, step=at)
     edited = _edit.rebuild(original, edited_doc)
     run_id = run_id or new_run_id()
@@ -149,6 +149,9 @@ def start_fork(plan: ForkPlan, *, then_replay: Cassette | None = None,
     header.update(run=plan.run_id, parent={"run": parent.run, "step": at,
                                            "prefix_sig": parent.sigs[at],
                                            "path": str(parent.path)})
+    cwd = parent.header.get("cwd")
+    if isinstance(cwd, str) and not Path(cwd).is_absolute():  # relative to the parent's folder
+        header["cwd"] = portable_launch([], parent.path.resolve().parent / cwd, plan.out)["cwd"]
     writer = CassetteWriter(plan.out, header, signing, fsync)
     for obs in parent.observations[:at]:
         writer.append_copy(obs, parent.requests.get(obs["seq"]))

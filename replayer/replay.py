@@ -21,6 +21,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import json
 import logging
 import threading
 import time
@@ -32,7 +33,16 @@ from typing import Any
 
 from recorder import _values, capture, session
 from recorder.cassette import Cassette, load
-from recorder.errors import Divergence, DivergenceInfo, SessionError, ToolReplayError
+from recorder.errors import (
+    BudgetExhausted,
+    Cancelled,
+    CircuitOpen,
+    Divergence,
+    DivergenceInfo,
+    LoopDetected,
+    SessionError,
+    ToolReplayError,
+)
 from recorder.exchange import (
     HttpRequest,
     HttpResponse,
@@ -47,6 +57,9 @@ from recorder.keys import Keyring, load_keyring
 from ._match import Index, tool_key, unified
 
 log = logging.getLogger("deja.replayer")
+
+_STOP_ERRORS = {"budget_exhausted": BudgetExhausted, "cancelled": Cancelled,
+                "loop_detected": LoopDetected, "circuit_open": CircuitOpen}
 
 
 @dataclass(frozen=True)
@@ -226,8 +239,20 @@ class ReplaySession(session.Session):
 
     # -- the capture seam
 
+    def raise_recorded_stop(self) -> None:
+        """Raise the harness decision recorded at this point of the run, if there is one."""
+        stop = self.index.pending_stop()
+        if stop is None:
+            return
+        detail = dict(stop.get("detail") or {})
+        cls = _STOP_ERRORS[stop["event"]]
+        raise cls(f"(replayed) the recorded run was stopped here: {stop['event']} "
+                  f"{json.dumps(detail, default=str)}", reason=detail.get("reason"),
+                  detail=detail)
+
     def match_http(self, request: HttpRequest) -> dict[str, Any]:
         """The recorded observation that answers ``request``; a Divergence if none does."""
+        self.raise_recorded_stop()
         provider = model_provider(request.method, request.url)
         body = body_for_fingerprint(request.body, self.redaction)
         kind = "model" if provider and not (isinstance(body, dict) and "body_encoding" in body) \
@@ -261,6 +286,7 @@ class ReplaySession(session.Session):
         raise SessionError("a replay never sends requests")  # pragma: no cover
 
     def _take_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> dict[str, Any]:
+        self.raise_recorded_stop()
         key = _values.args_key(args)
         obs = self.index.take(tool_key(tool.name, key))
         if obs is None:

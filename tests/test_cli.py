@@ -17,7 +17,8 @@ from recorder.stubserver import StubServer
 ROOT = Path(__file__).resolve().parent.parent
 SPIRAL = ROOT / "examples" / "retry_spiral.py"
 SPIRAL_SCRIPT = json.loads((ROOT / "examples" / "retry_spiral.stub.json").read_text())
-COMMANDS = ["record", "replay", "verify", "show", "ls", "stub"]
+COMMANDS = ["record", "replay", "verify", "show", "ls", "stub", "fork", "resume", "diff",
+            "status", "cancel"]
 
 
 def deja(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
@@ -31,8 +32,8 @@ def spiral_cassette(tmp_path: Path) -> Path:
     """The retry-spiral example recorded through `deja record`, unmodified."""
     out = tmp_path / "spiral.jsonl"
     with StubServer(SPIRAL_SCRIPT) as server:
-        proc = deja("record", "-o", str(out), "--label", "case=spiral", "--", "python",
-                    str(SPIRAL), env={"ANTHROPIC_BASE_URL": server.url})
+        proc = deja("record", "-o", str(out), "--label", "case=spiral", "--no-loop-guard",
+                    "--", "python", str(SPIRAL), env={"ANTHROPIC_BASE_URL": server.url})
         assert len(server.requests) == 5
     assert proc.returncode == 0, proc.stderr
     assert "turn 5: end_turn" in proc.stdout
@@ -251,3 +252,23 @@ def test_committed_example_cassette_replays_and_verifies() -> None:
                 env={"DEJA_OLD_KEYS": "deja-example-key"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "identical" in proc.stdout and "verified with key" in proc.stdout
+
+
+def test_loop_guard_stops_the_spiral_and_the_replay_stops_the_same_way(tmp_path: Path) -> None:
+    out = tmp_path / "guarded.jsonl"
+    with StubServer(SPIRAL_SCRIPT) as server:
+        proc = deja("record", "-o", str(out), "--", "python", str(SPIRAL),
+                    env={"ANTHROPIC_BASE_URL": server.url})
+        assert len(server.requests) == 3  # the third search never ran: no fourth turn
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "stopped by the harness" in proc.stdout
+    lines = [json.loads(line) for line in out.read_text().splitlines()[1:]]
+    assert [line["kind"] for line in lines] == ["model", "tool", "model", "tool", "model",
+                                                "control", "end"]
+    control, end = lines[-2], lines[-1]
+    assert control["event"] == "loop_detected"
+    assert control["detail"]["tool"] == "search" and control["detail"]["times"] == 3
+    assert end["status"] == "stopped" and end["reason"] == "loop_detected"
+    replayed = deja("replay", str(out))
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert "identical" in replayed.stdout and "stopped by the harness" in replayed.stdout

@@ -69,7 +69,8 @@ def test_make_demo_script_runs_offline(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "identical" in proc.stdout
     assert "verified with key" in proc.stdout
-    assert "end_turn" in proc.stdout
+    assert "stopped by the harness" in proc.stdout  # the loop guard ended the spiral
+    assert "loop_detected" in proc.stdout
 
 
 def test_help_texts_name_the_exit_statuses() -> None:
