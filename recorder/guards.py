@@ -115,18 +115,7 @@ class LoopGuard:
 
     @classmethod
     def of(cls, value: LoopGuard | Mapping[str, Any] | bool | None) -> LoopGuard:
-        if value is None or value is True:
-            return cls()
-        if value is False:
-            return cls(enabled=False)
-        if isinstance(value, LoopGuard):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"loop guard settings must be a table, not {value!r}")
-        try:
-            return cls(**value)
-        except TypeError as exc:
-            raise ConfigError(f"loop guard: {exc}") from None
+        return _settings(cls, value, "loop guard")
 
 
 class LoopWatch:
@@ -166,23 +155,29 @@ class BreakerSettings:
     cooldown: float = 30.0
     enabled: bool = True
 
+    def __post_init__(self) -> None:
+        if not (self.failures >= 1 and self.window > 0 and self.cooldown >= 0):
+            raise ConfigError("circuit breaker: failures >= 1, window > 0, cooldown >= 0")
+
     @classmethod
     def of(cls, value: BreakerSettings | Mapping[str, Any] | bool | None) -> BreakerSettings:
-        if value is None or value is True:
-            return cls()
-        if value is False:
-            return cls(enabled=False)
-        if isinstance(value, BreakerSettings):
-            return value
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"circuit breaker settings must be a table, not {value!r}")
-        try:
-            out = cls(**value)
-        except TypeError as exc:
-            raise ConfigError(f"circuit breaker: {exc}") from None
-        if out.failures < 1 or out.window <= 0 or out.cooldown < 0:
-            raise ConfigError("circuit breaker: failures >= 1, window > 0, cooldown >= 0")
-        return out
+        return _settings(cls, value, "circuit breaker")
+
+
+def _settings(cls: Any, value: Any, what: str) -> Any:
+    """Settings from True/None (defaults), False (off), an instance, or a table."""
+    if value is None or value is True:
+        return cls()
+    if value is False:
+        return cls(enabled=False)
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{what} settings must be a table, not {value!r}")
+    try:
+        return cls(**value)
+    except TypeError as exc:
+        raise ConfigError(f"{what}: {exc}") from None
 
 
 def is_failure(status: int | None, error: BaseException | None) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import importlib.metadata
 import inspect
@@ -108,6 +109,12 @@ def status_for(error: BaseException | None) -> str:
 def error_record(exc: BaseException) -> dict[str, str]:
     cls = type(exc)
     return {"type": cls.__qualname__, "module": cls.__module__, "message": str(exc)}
+
+
+@dataclasses.dataclass
+class _ToolCall:
+    key: str | None
+    result: Any = None
 
 
 class RecordSession(session.Session):
@@ -345,42 +352,39 @@ class RecordSession(session.Session):
                              "t": round(time.time(), 3)}, sync=True)
         return line["seq"], f"{self.run_id}:{line['seq']}"
 
+    @contextlib.contextmanager
+    def _live_tool(self, tool: session.ToolSpec, args: dict[str, Any],
+                   intent: tuple[int, str] | None):
+        """Guards, intent, timing and the ``within`` mark around a tool body; logs it."""
+        self.before_tool(tool, args)
+        if tool.side_effect and intent is None:
+            intent = self._open_intent(tool, args)
+        call = _ToolCall(intent[1] if intent else None)
+        start, t0 = time.time(), time.perf_counter()
+        token = self._enter_tool(tool)
+        try:
+            yield call
+        except Exception as exc:
+            _within.reset(token)
+            self.log_tool(tool, args, start, t0, error=exc, intent=intent)
+            raise
+        _within.reset(token)
+        self.log_tool(tool, args, start, t0, result=call.result, intent=intent)
+
     def run_tool(self, tool: session.ToolSpec, args: dict[str, Any],
                  run: Callable[[str | None], Any],
                  intent: tuple[int, str] | None = None) -> Any:
         """Run a tool's body live and log it (an intent first for a side effect)."""
-        self.before_tool(tool, args)
-        if tool.side_effect and intent is None:
-            intent = self._open_intent(tool, args)
-        start, t0 = time.time(), time.perf_counter()
-        token = self._enter_tool(tool)
-        try:
-            result = run(intent[1] if intent else None)
-        except Exception as exc:
-            _within.reset(token)
-            self.log_tool(tool, args, start, t0, error=exc, intent=intent)
-            raise
-        _within.reset(token)
-        self.log_tool(tool, args, start, t0, result=result, intent=intent)
-        return result
+        with self._live_tool(tool, args, intent) as call:
+            call.result = run(call.key)
+        return call.result
 
     async def run_tool_async(self, tool: session.ToolSpec, args: dict[str, Any],
                              run: Callable[[str | None], Any],
                              intent: tuple[int, str] | None = None) -> Any:
-        self.before_tool(tool, args)
-        if tool.side_effect and intent is None:
-            intent = self._open_intent(tool, args)
-        start, t0 = time.time(), time.perf_counter()
-        token = self._enter_tool(tool)
-        try:
-            result = await run(intent[1] if intent else None)
-        except Exception as exc:
-            _within.reset(token)
-            self.log_tool(tool, args, start, t0, error=exc, intent=intent)
-            raise
-        _within.reset(token)
-        self.log_tool(tool, args, start, t0, result=result, intent=intent)
-        return result
+        with self._live_tool(tool, args, intent) as call:
+            call.result = await run(call.key)
+        return call.result
 
     def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],
                   run: Callable[[str | None], Any]) -> Any:
