@@ -7,7 +7,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.deja-installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test stress bench lint clean chromium
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "deja needs Python 3.11+")'
@@ -19,8 +19,17 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	BIN=$(BIN) bash examples/demo.sh
 
-test: $(STAMP)
+# The viewer's browser test drives Debian's chromium (Playwright never downloads a browser).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium for the browser test"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest
+
+stress: $(STAMP)
+	DEJA_CRASH_SEEDS=200 $(BIN)/python -m pytest tests/test_crash_resume.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py

@@ -27,7 +27,7 @@ class BadInput(click.ClickException):
 
 
 def _fail(exc: Exception) -> NoReturn:
-    raise BadInput(str(exc)) from exc
+    raise BadInput(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _python_argv(argv: list[str]) -> list[str]:
@@ -293,6 +293,43 @@ def ls_(directory: Path, as_json: bool) -> None:
         run["run"] = run["run"] or Path(run["path"]).name
     _print_table(runs, ["run", "status", "created", "steps", "tokens", "cost_usd", "duration_s",
                         "parent_run", "error"], title=f"runs in {directory}")
+
+
+@main.command()
+@click.argument("directory", type=click.Path(path_type=Path, file_okay=False),
+                default=Path("cassettes"))
+@click.option("--port", type=click.IntRange(1, 65535), default=8501, show_default=True,
+              help="Port on 127.0.0.1.")
+def view(directory: Path, port: int) -> None:
+    """Browse the runs of a cassette directory in the browser (default: cassettes).
+
+    Serves the viewer on http://127.0.0.1:PORT: every run with filters and text search;
+    a run's totals, timeline and steps (the conversation, tool calls, raw JSON); diffs;
+    forks from an edited step; live runs with a cancel button. Stop it with Ctrl-C.
+    """
+    import signal
+
+    import viewer
+
+    if not directory.is_dir():
+        raise BadInput(f"no directory {directory}")
+    app = Path(viewer.__file__).resolve().parent / "app.py"
+    argv = [sys.executable, "-m", "streamlit", "run", str(app),
+            "--server.address", "127.0.0.1", "--server.port", str(port),
+            "--server.headless", "true", "--browser.gatherUsageStats", "false",
+            "--", str(directory)]
+    click.echo(f"deja view: {directory} at http://127.0.0.1:{port} (Ctrl-C stops it)", err=True)
+    process = subprocess.Popen(argv)
+    signal.signal(signal.SIGTERM, lambda *_: process.terminate())  # stop it with us
+    try:
+        code = process.wait()
+    except KeyboardInterrupt:  # the viewer has the same Ctrl-C and stops on its own
+        try:
+            code = process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            code = process.wait()
+    sys.exit(code)
 
 
 def _launch(mode: str, command: list[str], target: Path, cwd: Path | None,

@@ -111,6 +111,10 @@ def resolve(*, budgets: Budgets | Mapping[str, Any] | None = None,
             base = chosen if isinstance(budgets, Budgets) else base.merged(**chosen.to_dict())
         loop = LoopGuard.of(loop_guard if loop_guard is not None else table.get("loop"))
         brk = BreakerSettings.of(breaker if breaker is not None else table.get("breaker"))
+        for given in (table.get("prices"), prices):
+            if given is not None and not isinstance(given, Mapping):
+                raise ConfigError(f"prices must be a table of model = [input, output] "
+                                  f"dollars per million tokens, not {given!r}")
         price_table = PriceTable({**(table.get("prices") or {}), **(prices or {})})
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None

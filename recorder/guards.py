@@ -136,7 +136,7 @@ class LoopWatch:
         h = self.call_hash(name, args)
         recent = [*self._recent, h]
         self._recent.append(h)
-        count = recent.count(h)
+        count = recent[-self.guard.window:].count(h)  # this call and window - 1
         if count >= self.guard.repeats:
             return {"pattern": "repeat", "tool": name, "args": args, "times": count,
                     "window": self.guard.window}
@@ -156,6 +156,10 @@ class BreakerSettings:
     enabled: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("failures", "window", "cooldown"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"circuit breaker {name} must be a number, not {value!r}")
         if not (self.failures >= 1 and self.window > 0 and self.cooldown >= 0):
             raise ConfigError("circuit breaker: failures >= 1, window > 0, cooldown >= 0")
 

@@ -67,7 +67,7 @@ class RunGuard:
         return self._clock() - self._t0
 
     def _stop(self, exc: RunStopped, event: str) -> RunStopped:
-        self._emit(event, {"reason": exc.reason, **exc.detail})
+        self._emit(event, {"reason": exc.reason, "message": str(exc), **exc.detail})
         if not isinstance(exc, CircuitOpen):
             self.stopped = exc
             self.progress.update(status=exc.end_status, step=str(exc), force=True)

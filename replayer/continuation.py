@@ -22,6 +22,7 @@ from recorder import _values, session
 from recorder.cassette import Cassette, CassetteWriter
 from recorder.errors import NeedsAttention
 from recorder.exchange import HttpRequest, HttpResponse
+from recorder.guards import Budgets
 from recorder.intents import Intent, Settled
 from recorder.record import RecordSession
 
@@ -36,6 +37,13 @@ class ContinuationSession(RecordSession):
     def __init__(self, prefix: Cassette, writer: CassetteWriter, *,
                  on_live: Callable[[ContinuationSession], None] | None = None,
                  then_replay: Cassette | None = None, **kwargs: Any) -> None:
+        # The run keeps the guards it was recorded with (its header); counters carry over
+        # from the prefix once the guard exists (start).
+        recorded = prefix.header
+        if recorded.get("budgets") is not None:
+            kwargs.setdefault("budgets", Budgets(**recorded["budgets"]))
+        kwargs.setdefault("loop_guard", recorded.get("loop"))
+        kwargs.setdefault("breaker", recorded.get("breaker"))
         super().__init__(writer.path, run_id=writer.header["run"], writer=writer, **kwargs)
         self.prefix = ReplaySession(prefix)
         self.then = ReplaySession(then_replay) if then_replay is not None else None
@@ -43,6 +51,13 @@ class ContinuationSession(RecordSession):
         self._on_live = on_live
         for obs in prefix.observations:
             self._count(obs)
+
+    def start(self) -> ContinuationSession:
+        super().start()
+        assert self.guard is not None
+        for obs in self.prefix.cassette.observations:
+            self.guard.absorb(obs)
+        return self
 
     # -- bookkeeping
 

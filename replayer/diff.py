@@ -81,10 +81,19 @@ class FieldChange:
 
 @dataclass(frozen=True)
 class StepDiff:
+    """One differing step; ``seq`` is B's (A's when B has no such step), ``seq_a`` A's."""
+
     seq: int
     kind_a: str | None
     kind_b: str | None
     changes: tuple[FieldChange, ...]
+    seq_a: int | None = None
+
+    @property
+    def label(self) -> str:
+        if self.seq_a is None or self.seq_a == self.seq:
+            return f"step {self.seq}"
+        return f"step {self.seq} (A's {self.seq_a})"
 
 
 @dataclass(frozen=True)
@@ -163,7 +172,9 @@ def compare(a: Cassette, b: Cassette) -> RunDiff:
             changes = tuple(FieldChange(op["path"], op["op"], _pointer_get(ma, op["path"]),
                                         _pointer_get(mb, op["path"])) for op in patch)
         seq = (steps_b[i] if i < len(steps_b) else steps_a[i])["seq"]
-        diffs.append(StepDiff(seq, (ma or {}).get("kind"), (mb or {}).get("kind"), changes))
+        seq_a = steps_a[i]["seq"] if i < len(steps_a) else None
+        diffs.append(StepDiff(seq, (ma or {}).get("kind"), (mb or {}).get("kind"), changes,
+                              seq_a))
     same_prefix = first if first is not None else min(len(steps_a), len(steps_b))
     return RunDiff(a.run, b.run, len(steps_a), len(steps_b), same_prefix, first, tuple(diffs))
 
@@ -200,7 +211,7 @@ def render(diff: RunDiff, *, max_changes: int = 12) -> str:
         if step in only:
             continue
         kinds = step.kind_a if step.kind_a == step.kind_b else f"{step.kind_a} -> {step.kind_b}"
-        lines.append(f"step {step.seq} ({kinds}):")
+        lines.append(f"{step.label} ({kinds}):")
         for change in step.changes[:max_changes]:
             a, b = _pair(change.a, change.b)
             a = "(absent)" if change.op == "add" else a
@@ -212,6 +223,7 @@ def render(diff: RunDiff, *, max_changes: int = 12) -> str:
         steps = [s for s in only if s.changes[0].op == op]
         if steps:
             lines.append(f"only in {side}: {len(steps)} step(s), "
-                         + ", ".join(f"{s.seq} {s.kind_a or s.kind_b}" for s in steps[:12])
+                         + ", ".join(f"{s.seq_a if op == 'missing' else s.seq} "
+                                     f"{s.kind_a or s.kind_b}" for s in steps[:12])
                          + (" …" if len(steps) > 12 else ""))
     return "\n".join(lines)

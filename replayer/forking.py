@@ -79,7 +79,7 @@ def plan_fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | No
     if not 0 <= at < n:
         raise ConfigError(f"{parent.path}: fork step {at} is out of range; the run has steps "
                           f"0-{n - 1} (see `deja show {parent.path}`)")
-    given = sum(x is not None and x != () and x != [] for x in (patch, replace, sets or None))
+    given = sum(x is not None for x in (patch, replace, tuple(sets) or None))
     if given != 1:
         raise ConfigError("give exactly one edit: a JSON patch, a replacement document, or "
                           "--set PATH=VALUE pairs")

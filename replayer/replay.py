@@ -245,9 +245,11 @@ class ReplaySession(session.Session):
         if stop is None:
             return
         detail = dict(stop.get("detail") or {})
+        message = detail.pop("message", None) or (
+            f"the recorded run was stopped here: {stop['event']} "
+            f"{json.dumps(detail, default=str)}")
         cls = _STOP_ERRORS[stop["event"]]
-        raise cls(f"(replayed) the recorded run was stopped here: {stop['event']} "
-                  f"{json.dumps(detail, default=str)}", reason=detail.get("reason"),
+        raise cls(f"{message} [replayed from seq {stop['seq']}]", reason=detail.get("reason"),
                   detail=detail)
 
     def match_http(self, request: HttpRequest) -> dict[str, Any]:

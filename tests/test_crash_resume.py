@@ -128,6 +128,7 @@ class Crashed:
     last_kind: str  # kind of the last complete line
     lines: int  # complete lines, header included
     paid_before_resume: bool | None  # for an open intent: was its ledger row there
+    torn_kind: str | None  # kind of the line torn by hand
     resumes: list[subprocess.CompletedProcess] = field(default_factory=list)
 
 
@@ -155,20 +156,21 @@ def _kill_at(proc: subprocess.Popen, path: Path, k: int) -> bool:
     return False
 
 
-def _tear(plan: Plan) -> None:
-    """Cut the file inside its last line, if a crash could have left it so."""
+def _tear(plan: Plan) -> str | None:
+    """Cut the file inside its last line, if a crash could have left it so; its kind."""
     data = plan.cassette.read_bytes()
     lines = data.splitlines(keepends=True)
     if len(lines) < 2 or not data.endswith(b"\n") or kind_of(lines[-1]) == "intent":
-        return
+        return None
     last = lines[-1]
     start = len(data) - len(last)
     os.truncate(plan.cassette, start + plan.tear.randint(1, len(last) - 1))
+    return kind_of(last)
 
 
 def crash_and_resume(plan: Plan) -> Crashed:
     plan.dir.mkdir(parents=True)
-    exited_first = False
+    exited_first, torn_kind = False, None
     if plan.kill in ("before_ledger", "after_ledger"):
         proc = deja("record", "-o", str(plan.cassette), "--", "python", AGENT,
                     env=plan.record_env)
@@ -181,7 +183,7 @@ def crash_and_resume(plan: Plan) -> Crashed:
             exited_first = not _kill_at(child, plan.cassette, plan.at)
             rc = child.returncode
         if plan.kill == "harness_torn":
-            _tear(plan)
+            torn_kind = _tear(plan)
     data = plan.cassette.read_bytes()
     complete = data[:data.rfind(b"\n") + 1]
     lines = complete.splitlines()
@@ -192,7 +194,7 @@ def crash_and_resume(plan: Plan) -> Crashed:
         key = f"{run}:{json.loads(lines[-1])['seq']}"
         paid = any(row[0] == key for row in ledger_rows(plan.ledger))
     out = Crashed(plan, rc, complete, len(data) > len(complete), exited_first, last_kind,
-                  len(lines), paid)
+                  len(lines), paid, torn_kind)
     for _ in range(3):  # until it ends: normally once
         out.resumes.append(deja("resume", str(plan.cassette), env=plan.resume_env))
         if b'"kind":"end"' in plan.cassette.read_bytes().splitlines()[-1]:
@@ -213,6 +215,9 @@ class World:
     lines: int  # header + observations of the uninterrupted run
     pool: ThreadPoolExecutor
     futures: dict[int, Future] = field(default_factory=dict)
+    server_stopped: bool = False
+    env_dropped = ("ANTHROPIC_API_KEY", "DEJA_OLD_KEYS", "RECON_CRASH", "RECON_LEDGER")
+    env_set = ("DEJA_HOME", "DEJA_KEY", "ANTHROPIC_BASE_URL")
     stats: list[Crashed] = field(default_factory=list)
 
     def plan(self, seed: int) -> Plan:
@@ -225,17 +230,20 @@ class World:
             at = rng.randint(1, PAYS)
             record_env = {**resume_env, "RECON_CRASH": f"{at}:{kill}"}
         else:
-            at = rng.randint(1, self.lines)
-            run_id = new_run_id()
-            record_env = {**child_env("record", report=str(folder / "report.json"),
-                                      cassette=str(folder / "run.jsonl"), run_id=run_id,
-                                      argv=["python", AGENT], fsync="turn", labels={}),
-                          **self.env, **ledger}
+            # Killed once the file has k lines: the edges first (the header alone; every
+            # observation written), then anywhere.
+            at = {2: 1, 3: self.lines}.get(seed) or rng.randint(1, self.lines)
+            launch = child_env("record", report=str(folder / "report.json"),
+                               cassette=str(folder / "run.jsonl"), run_id=new_run_id(),
+                               argv=["python", AGENT], fsync="turn", labels={})
+            record_env = {**{k: v for k, v in launch.items() if k not in self.env_dropped},
+                          **{k: self.env[k] for k in self.env_set}, **ledger}
         return Plan(seed, kill, at, folder, record_env, resume_env, rng)
 
     def submit(self, seed: int) -> Future:
         """Start a seed in the background (call from the main thread only)."""
         if seed not in self.futures:
+            assert not self.server_stopped, "the stub model is stopped: no seed can run now"
             self.futures[seed] = self.pool.submit(crash_and_resume, self.plan(seed))
         return self.futures[seed]
 
@@ -249,7 +257,8 @@ def _summary(stats: list[Crashed]) -> str:
             f"(ledger already written {sum(bool(s.paid_before_resume) for s in open_intent)}, "
             f"inside the tool by RECON_CRASH "
             f"{sum(s.plan.kill.endswith('_ledger') for s in stats)}); "
-            f"mid-line (torn) {sum(s.torn for s in stats)}; "
+            f"mid-line (torn) {sum(s.torn for s in stats)} "
+            f"{dict(collections.Counter(s.torn_kind for s in stats if s.torn))}; "
             f"program exited before the harness kill {sum(s.exited_first for s in stats)}; "
             f"last complete line {dict(kinds)}; "
             f"crash points (lines) {sorted(s.lines for s in stats)}")
@@ -260,8 +269,7 @@ def world(request: pytest.FixtureRequest,
           tmp_path_factory: pytest.TempPathFactory) -> Any:
     base = tmp_path_factory.mktemp("crash-resume")
     server = StubServer(SCRIPT).start()
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("ANTHROPIC_API_KEY", "DEJA_OLD_KEYS", "RECON_CRASH", "RECON_LEDGER")}
+    env = {k: v for k, v in os.environ.items() if k not in World.env_dropped}
     env.update(DEJA_HOME=str(base / "home"), DEJA_KEY=KEY, ANTHROPIC_BASE_URL=server.url)
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="crash-seed")
     try:
@@ -355,16 +363,13 @@ def test_resumed_runs_replay_offline(world: World) -> None:
         world.submit(seed)
     wait(list(world.futures.values()))  # nothing else needs the model any more
     outs = [world.futures[s].result() for s in seeds]
-    port = world.server.port
     world.server.stop()
-    try:
-        for out in outs:
-            proc = deja("replay", str(out.plan.cassette), env=out.plan.resume_env)
-            assert proc.returncode == 0, proc.stdout + proc.stderr
-            assert "identical" in proc.stdout
-            assert "turn 61: end_turn: Reconciliation done" in proc.stdout
-    finally:
-        world.server = StubServer(SCRIPT, port=port).start()
+    world.server_stopped = True
+    for out in outs:
+        proc = deja("replay", str(out.plan.cassette), env=out.plan.resume_env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "identical" in proc.stdout
+        assert "turn 61: end_turn: Reconciliation done" in proc.stdout
 
 
 # ------------------------------------------------------------------------ resume, case by case

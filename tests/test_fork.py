@@ -400,7 +400,7 @@ def test_fork_a_streamed_model_call(tmp_path: Path, stub: Any) -> None:
     assert run.result.identical and again == turns and weather_calls == []
 
 
-def test_fork_a_raw_stream_created_with_stream_true(tmp_path: Path, stub: Any) -> None:
+def test_fork_a_raw_stream_created_with_stream_true(tmp_path: Path) -> None:
     def agent(base_url: str) -> list[Any]:
         client = anthropic.Anthropic(base_url=base_url, api_key="sk-test", max_retries=0)
         return list(client.messages.create(model=MODEL, max_tokens=64, stream=True,
@@ -419,7 +419,8 @@ def test_fork_a_raw_stream_created_with_stream_true(tmp_path: Path, stub: Any) -
     assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == \
         "Edited hello."
     assert events[-2].type == "message_delta" and events[-2].delta.stop_reason == "end_turn"
-    assert load(out, keyring=recorder.load_keyring(), require_signature=True).end["status"] == "completed"
+    fork = load(out, keyring=recorder.load_keyring(), require_signature=True)
+    assert fork.end is not None and fork.end["status"] == "completed"
 
 
 def test_fork_the_streaming_example_at_its_last_step_through_the_cli(
@@ -570,7 +571,7 @@ def test_fork_a_tool_step_into_an_error(shop_parent: tuple[Path, dict, str],
     assert run.result.identical
 
 
-# ------------------------------------------------------------------ bad input: exit 2, nothing written
+# ------------------------------------------------------------------ bad input: exit 2
 
 
 def refused(parent: Path, args: list[str], *fragments: str, env: dict | None = None,

@@ -24,10 +24,12 @@ from recorder.errors import DejaError
 from recorder.keys import Keyring, load_keyring
 from replayer.steps import run_summary, step_row
 
+from .content import searchable_text
+
 log = logging.getLogger("deja.viewer")
 
 INDEX_NAME = ".index.duckdb"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: steps.text, the searchable words of each step
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -42,7 +44,7 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE TABLE IF NOT EXISTS steps (
     run VARCHAR, path VARCHAR, seq INTEGER, kind VARCHAR, name VARCHAR, status VARCHAR,
     input_tokens BIGINT, output_tokens BIGINT, cost_usd DOUBLE, ms DOUBLE, error VARCHAR,
-    payload VARCHAR);
+    payload VARCHAR, text VARCHAR);
 """
 
 _RUN_COLUMNS = ("run", "path", "status", "created", "steps", "model_calls", "tool_calls",
@@ -50,7 +52,7 @@ _RUN_COLUMNS = ("run", "path", "status", "created", "steps", "model_calls", "too
                 "parent_run", "parent_step", "models", "labels", "verified", "verify_note",
                 "error")
 _STEP_COLUMNS = ("run", "path", "seq", "kind", "name", "status", "input_tokens",
-                 "output_tokens", "cost_usd", "ms", "error", "payload")
+                 "output_tokens", "cost_usd", "ms", "error", "payload", "text")
 
 
 class RunIndex:
@@ -81,13 +83,15 @@ class RunIndex:
         self.con.close()
 
     def _ensure_schema(self) -> None:
-        self.con.execute(_SCHEMA)
+        self.con.execute("CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, "
+                         "value VARCHAR)")
         row = self.con.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
-        if row is None or row[0] != str(SCHEMA_VERSION):
+        if row is None or row[0] != str(SCHEMA_VERSION):  # an older layout: rebuild it all
             for table in ("files", "runs", "steps"):
-                self.con.execute(f"DELETE FROM {table}")
+                self.con.execute(f"DROP TABLE IF EXISTS {table}")
             self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)",
                              [str(SCHEMA_VERSION)])
+        self.con.execute(_SCHEMA)
 
     # -- refresh
 
@@ -102,8 +106,11 @@ class RunIndex:
         changed: list[tuple[str, int, int, str | None]] = []
         for path in sorted(self.directory.glob("*.jsonl")):
             key = str(path)
+            try:
+                st = path.stat()
+            except FileNotFoundError:  # deleted since the listing
+                continue
             seen.add(key)
-            st = path.stat()
             if known.get(key) == (st.st_size, st.st_mtime_ns):
                 stats["unchanged"] += 1
                 continue
@@ -143,7 +150,7 @@ class RunIndex:
     def _read(self, path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         try:
             cassette = load(path, keyring=self._keyring, allow_torn=True)
-        except DejaError as exc:
+        except (DejaError, OSError) as exc:
             return {"run": None, "path": str(path), "status": "error",
                     "error": f"{type(exc).__name__}: {exc}"}, []
         summary = run_summary(cassette)
@@ -156,7 +163,8 @@ class RunIndex:
         for obs in cassette.observations:
             row = step_row(obs)
             row.update(run=summary["run"], path=str(path),
-                       payload=json.dumps(obs, ensure_ascii=False))
+                       payload=json.dumps(obs, ensure_ascii=False),
+                       text=searchable_text(obs))
             steps.append(row)
         return run_row, steps
 
@@ -169,7 +177,7 @@ class RunIndex:
         return _dicts(cur)
 
     def steps(self, run: str) -> list[dict[str, Any]]:
-        cur = self.con.execute("SELECT * EXCLUDE (payload) FROM steps WHERE run = ? "
+        cur = self.con.execute("SELECT * EXCLUDE (payload, text) FROM steps WHERE run = ? "
                                "ORDER BY seq", [run])
         return _dicts(cur)
 

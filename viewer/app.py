@@ -1,0 +1,324 @@
+"""The deja viewer: runs, a run's timeline and steps, diffs, forks and live runs.
+
+Start it with ``deja view [DIR]`` (``streamlit run viewer/app.py -- DIR``; the directory
+may also come from ``DEJA_VIEW_DIR``). The page is in the URL: ``?run=R&step=N`` opens a
+run and one of its steps, ``?a=R1&b=R2`` compares two runs, nothing lists the runs; a
+reload or a shared link restores the view. This script only lays out: every question is
+a function of :mod:`viewer.queries`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pandas as pd
+import streamlit as st
+
+from recorder.errors import DejaError
+from viewer import queries, widgets
+from viewer.index import RunIndex
+
+log = logging.getLogger("deja.viewer")
+
+STEP_COLUMNS = ["seq", "kind", "name", "status", "latency_ms", "tokens", "cost", "mark",
+                "error"]
+
+
+def directory() -> Path:
+    """``streamlit run app.py -- DIR``, else ``$DEJA_VIEW_DIR``, else ``cassettes``."""
+    argv = sys.argv
+    if len(argv) > 1 and Path(argv[0]).resolve() == Path(__file__).resolve():
+        return Path(argv[1])
+    return Path(os.environ.get("DEJA_VIEW_DIR") or "cassettes")
+
+
+def open_index(folder: Path) -> RunIndex:
+    """This session's index of ``folder``, refreshed (incrementally) on every run."""
+    key = f"index:{folder.resolve()}"
+    index = st.session_state.get(key)
+    if index is None:
+        index = st.session_state[key] = RunIndex(folder)
+    refresh(index)
+    return index
+
+
+def refresh(index: RunIndex) -> None:
+    try:
+        index.refresh()
+    except duckdb.Error as exc:  # another session refreshing the same file: next time
+        log.warning("index refresh failed: %s", exc)
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------- runs
+
+
+def runs_page(index: RunIndex) -> None:
+    st.title("Runs")
+    st.caption(f"cassettes in `{index.directory}`")
+    options = queries.filter_options(index)
+    with st.sidebar:
+        st.header("Filters")
+        status = st.multiselect("Status", options["status"], key="f_status")
+        model = st.multiselect("Model", options["model"], key="f_model")
+        tool = st.multiselect("Tool used", options["tool"], key="f_tool")
+        since = st.date_input("Started on or after", value=None, key="f_since")
+        until = st.date_input("Started on or before", value=None, key="f_until")
+        left, right = st.columns(2)
+        min_tokens = left.number_input("Min tokens", min_value=0, value=None, step=100,
+                                       key="f_min_tokens")
+        max_tokens = right.number_input("Max tokens", min_value=0, value=None, step=100,
+                                        key="f_max_tokens")
+        min_cost = left.number_input("Min cost ($)", min_value=0.0, value=None, step=0.01,
+                                     format="%.4f", key="f_min_cost")
+        max_cost = right.number_input("Max cost ($)", min_value=0.0, value=None, step=0.01,
+                                      format="%.4f", key="f_max_cost")
+    text = st.text_input("Search messages and tool content", key="f_text",
+                         placeholder="words from a prompt, a reply, a tool argument or result")
+    filters = {"status": status, "model": model, "tool": tool, "since": since, "until": until,
+               "min_tokens": min_tokens, "max_tokens": max_tokens, "min_cost": min_cost,
+               "max_cost": max_cost, "text": text or None}
+    rows = queries.list_runs(index, **filters)
+    running = [r for r in rows if r["status"] == "incomplete"
+               and queries.live(r["run"])["running"]]
+
+    @st.fragment(run_every=2 if running else None)
+    def table() -> None:
+        current = rows
+        if running:
+            refresh(index)
+            current = queries.list_runs(index, **filters)
+        runs_table(current)
+
+    table()
+
+
+def runs_table(rows: list[dict[str, Any]]) -> None:
+    st.caption(f"{len(rows)} run(s)")
+    frame = pd.DataFrame([{c: r.get(c) for c in queries.RUN_COLUMNS} for r in rows],
+                         columns=list(queries.RUN_COLUMNS))
+    st.dataframe(frame, hide_index=True, key="runs_table", column_config={
+        "cost": st.column_config.NumberColumn("cost", format="$%.6f"),
+        "duration": st.column_config.NumberColumn("duration (s)", format="%.3f"),
+        "error": st.column_config.TextColumn("error", width="large")})
+    bad = [r for r in rows if r["status"] == "error"]
+    if bad:
+        st.warning(f"{len(bad)} cassette(s) could not be read; the rest are listed as usual.")
+        for r in bad:
+            st.error(f"`{r['name']}`: {r['error']}")
+    if not rows:
+        return
+    names = [r["name"] for r in rows]
+    left, right = st.columns([4, 1], vertical_alignment="bottom")
+    pick = left.selectbox("Open a run", names, key="open_run")
+    right.button("Open", key="open_run_btn", on_click=widgets.go, kwargs={"run": pick})
+    if len(names) > 1:
+        left, mid, right = st.columns([2, 2, 1], vertical_alignment="bottom")
+        a = left.selectbox("Compare run A", names, key="diff_a")
+        b = mid.selectbox("with run B", names, index=1, key="diff_b")
+        right.button("Diff", key="diff_btn", on_click=widgets.go, kwargs={"a": a, "b": b})
+
+
+# ---------------------------------------------------------------------- one run
+
+
+def run_page(index: RunIndex, run: str) -> None:
+    st.button("← All runs", on_click=widgets.go, key="back")
+    header = queries.run_header(index, run)
+    if header is None:
+        st.error(f"No run {run!r} in `{index.directory}`.")
+        return
+    st.title(f"Run {header['name']}")
+    st.caption(f"`{header['path']}` · started {header['started'] or '-'}")
+    if header["status"] == "error":
+        st.error(f"This cassette cannot be read: {header['error']}")
+        return
+    state = live_state(header)
+
+    @st.fragment(run_every=1 if state["poll"] else None)
+    def body() -> None:
+        nonlocal header
+        now = state
+        if state["poll"]:
+            refresh(index)
+            header = queries.run_header(index, run) or header
+            now = live_state(header)
+            if not now["poll"]:  # it ended: one full rerun, and the timer stops
+                st.rerun()
+        run_body(index, header, now["live"])
+
+    body()
+
+
+def live_state(header: dict[str, Any]) -> dict[str, Any]:
+    status = queries.live(header["run"]) if header["status"] == "incomplete" else None
+    forks = [f for f in st.session_state.get("forks", [])
+             if str(f.parent) == header["path"] and f.process.poll() is None]
+    return {"live": status, "poll": bool(status and status["running"]) or bool(forks)}
+
+
+def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | None) -> None:
+    cols = st.columns(6)
+    cols[0].metric("Status", header["status"])
+    cols[1].metric("Steps", header["steps"])
+    cols[2].metric("Tokens", f"{header['tokens']:,}",
+                   help=f"{header['input_tokens']:,} in, {header['output_tokens']:,} out")
+    cols[3].metric("Cost", widgets.money(header["cost"]))
+    cols[4].metric("Model calls", header["model_calls"])
+    cols[5].metric("Duration", "-" if header["duration"] is None
+                   else f"{header['duration']:.3f}s")
+    if header.get("error"):
+        st.warning(header["error"])
+    if not header.get("verified"):
+        st.caption(header.get("verify_note") or "")
+    widgets.lineage_panel(index, header)
+    if status and status["record"] is not None:
+        widgets.live_panel(header, status)
+    steps = queries.run_steps(index, header["name"])
+    st.subheader("Timeline")
+    frame = pd.DataFrame(steps, columns=STEP_COLUMNS) if steps else pd.DataFrame(
+        columns=STEP_COLUMNS)
+    st.dataframe(frame[STEP_COLUMNS], hide_index=True, key="timeline", column_config={
+        "cost": st.column_config.NumberColumn("cost", format="$%.6f"),
+        "latency_ms": st.column_config.NumberColumn("latency (ms)", format="%.2f")})
+    charts(steps)
+    step_panel(index, header, steps)
+
+
+def charts(steps: list[dict[str, Any]]) -> None:
+    model = [s for s in steps if s["tokens"] is not None]
+    if not model:
+        return
+    seqs = [s["seq"] for s in model]
+    left, right = st.columns(2)
+    with left:
+        st.caption("Tokens per step")
+        st.bar_chart(pd.DataFrame({"input": [s["input_tokens"] or 0 for s in model],
+                                   "output": [s["output_tokens"] or 0 for s in model]},
+                                  index=pd.Index(seqs, name="step")))
+    with right:
+        st.caption("Cost per step ($)")
+        st.line_chart(pd.DataFrame({"cost": [s["cost"] or 0.0 for s in model]},
+                                   index=pd.Index(seqs, name="step")))
+
+
+def step_panel(index: RunIndex, header: dict[str, Any], steps: list[dict[str, Any]]) -> None:
+    seqs = [s["seq"] for s in steps]
+    names = {s["seq"]: f"{s['seq']} · {s['kind']} · {s['name']} {s['mark']}" for s in steps}
+    current = _int(st.query_params.get("step"))
+    current = current if current in names else None
+    st.session_state["step_select"] = current  # the URL is the truth
+
+    def picked() -> None:
+        value = st.session_state["step_select"]
+        if value is None:
+            st.query_params.pop("step", None)
+        else:
+            st.query_params["step"] = str(value)
+
+    st.selectbox("Open step", [None, *seqs], key="step_select", on_change=picked,
+                 format_func=lambda s: "—" if s is None else names[s])
+    widgets.forks_panel(header)
+    if current is None:
+        return
+    full_key = f"full:{header['path']}:{current}"
+    try:
+        detail = queries.step_detail(header["path"], current,
+                                     full=st.session_state.get(full_key, False))
+    except (DejaError, OSError) as exc:
+        st.error(f"Step {current} cannot be shown: {exc}")
+        return
+    st.subheader(f"Step {current}: {detail.kind} {detail.name}")
+    if detail.truncated:
+        st.warning("Payloads over 100 KB are cut short.")
+        st.button("Show full", key="show_full", on_click=st.session_state.__setitem__,
+                  args=(full_key, True))
+    widgets.step(detail)
+    if detail.editable:
+        widgets.fork_editor(header, detail)
+
+
+# ---------------------------------------------------------------------- diff
+
+
+def diff_page(index: RunIndex, a: str, b: str) -> None:
+    st.button("← All runs", on_click=widgets.go, key="back")
+    st.title("Diff")
+    try:
+        view = queries.diff(index, a, b)
+    except (DejaError, OSError) as exc:
+        st.error(f"Cannot compare {a} and {b}: {exc}")
+        return
+    left, right = st.columns(2)
+    for col, side, tag in ((left, view.a, "A"), (right, view.b, "B")):
+        col.markdown(f"**{tag}: {side['name']}** · {side['steps']} steps")
+        col.button(f"Open {tag}", key=f"open_{tag}", on_click=widgets.go,
+                   kwargs={"run": side["name"]})
+    result = view.result
+    if result.same:
+        st.success("Same: every step means the same in both runs.")
+        return
+    prefix = result.same_prefix
+    if prefix:
+        with st.expander(f"Steps 0-{prefix - 1}: identical ({prefix} steps)"):
+            st.dataframe(_aligned_frame(view.rows[:prefix]), hide_index=True)
+    st.error(f"First divergence: step {result.first_divergence}")
+    rest = view.rows[prefix:]
+    frame = _aligned_frame(rest)
+    st.dataframe(frame.style.apply(
+        lambda row: ["background-color: rgba(255, 75, 75, 0.25)" if row["first"] else ""
+                     for _ in row], axis=1), hide_index=True, key="diff_table")
+    for row in rest:
+        changes = view.changes.get(row["step"])
+        if not changes:
+            continue
+        label = (f"Step {row['step']}: A seq {row['seq_a']} {row['kind_a'] or '(absent)'} · "
+                 f"B seq {row['seq_b']} {row['kind_b'] or '(absent)'}")
+        with st.expander(("▶ first divergence · " if row["first"] else "") + label,
+                         expanded=row["first"]):
+            st.dataframe(pd.DataFrame(widgets.changes_table(changes)), hide_index=True)
+    with st.expander("As text (deja diff)"):
+        st.code(view.text, language=None)
+
+
+def _aligned_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    columns = ["step", "seq_a", "kind_a", "name_a", "status_a", "seq_b", "kind_b", "name_b",
+               "status_b", "same", "first", "changed"]
+    return pd.DataFrame([{c: r[c] for c in columns} for r in rows], columns=columns)
+
+
+# ---------------------------------------------------------------------- main
+
+
+def main() -> None:
+    st.set_page_config(page_title="deja", page_icon="⏺", layout="wide")
+    folder = directory()
+    with st.sidebar:
+        st.markdown("### deja")
+        st.caption(f"`{folder}`")
+        st.button("Runs", on_click=widgets.go, key="nav_runs")
+    if not folder.is_dir():
+        st.error(f"No cassette directory {folder}. Start the viewer with `deja view DIR`.")
+        return
+    index = open_index(folder)
+    params = st.query_params
+    if params.get("a") and params.get("b"):
+        diff_page(index, params["a"], params["b"])
+    elif params.get("run"):
+        run_page(index, params["run"])
+    else:
+        runs_page(index)
+
+
+main()

@@ -1,0 +1,337 @@
+"""What a step says, made readable: a model call as a conversation, a tool call with its
+result, images as bytes; and the plain text of a step, which the index searches.
+
+A model step is shown as its full request (system prompt and messages: text, images,
+tool calls and results, thinking) followed by the response message, assembled from the
+event stream when the call was streamed. Payloads longer than :data:`LIMIT` characters
+are cut (:class:`Clip` notes it, so that a page can offer the whole text); base64 image
+data never appears as text: images become decoded bytes, and raw JSON shows a short
+placeholder in their place.
+
+Nothing here imports streamlit: the page lays these structures out, and tests read them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from typing import Any
+
+from recorder._canonical import decode_body
+from recorder._values import decode
+from recorder.sse import assemble
+
+LIMIT = 100_000  # characters of one payload shown before it is cut
+_SEARCH_BODY_LIMIT = 1_000_000  # characters of an HTTP body kept for text search
+
+Block = dict[str, Any]
+
+
+class Clip:
+    """Cuts strings longer than ``limit`` (None: never) and remembers that it did."""
+
+    def __init__(self, limit: int | None = LIMIT) -> None:
+        self.limit = limit
+        self.truncated = False
+
+    def text(self, value: str) -> str:
+        if self.limit is None or len(value) <= self.limit:
+            return value
+        self.truncated = True
+        return (value[:self.limit]
+                + f"\n… [{len(value) - self.limit:,} more characters not shown]")
+
+    def value(self, value: Any) -> Any:
+        """``value`` with long strings cut and base64 payloads replaced by a placeholder."""
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, list):
+            return [self.value(v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        if len(value) == 1 and isinstance(value.get("$bytes"), str):  # a recorded bytes value
+            return f"<{_b64_size(value['$bytes']):,} bytes>"
+        if value.get("type") == "base64" and isinstance(value.get("data"), str):
+            size = _b64_size(value["data"])
+            return {**{k: self.value(v) for k, v in value.items() if k != "data"},
+                    "data": f"<{value.get('media_type', 'data')} base64, {size:,} bytes>"}
+        return {k: self.value(v) for k, v in value.items()}
+
+
+def _b64_size(data: str) -> int:
+    return len(data) * 3 // 4 - data.count("=", max(0, len(data) - 2))
+
+
+def image_type(data: bytes) -> str | None:
+    """The media type of image bytes, from their signature (None: not an image)."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "image/png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "image/jpeg"
+    if data.startswith((b"GIF87a", b"GIF89a")):
+        return "image/gif"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "image/webp"
+    return None
+
+
+# ---------------------------------------------------------------------- message blocks
+
+
+def _image_block(block: dict[str, Any]) -> Block:
+    source = block.get("source") or {}
+    if source.get("type") == "base64":
+        try:
+            data = base64.b64decode(source.get("data") or "", validate=True)
+        except (binascii.Error, ValueError) as exc:
+            return {"type": "image", "error": f"undecodable base64 image: {exc}"}
+        return {"type": "image", "media_type": source.get("media_type") or image_type(data),
+                "data": data, "size": len(data)}
+    if source.get("type") == "url":
+        return {"type": "image", "url": source.get("url")}
+    return {"type": "image", "error": f"image source of type {source.get('type')!r}"}
+
+
+def blocks(content: Any, clip: Clip) -> list[Block]:
+    """Message content (a string or a list of content blocks) as blocks to lay out."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": clip.text(content)}]
+    if not isinstance(content, list):
+        return [{"type": "other", "label": type(content).__name__, "raw": clip.value(content)}]
+    out: list[Block] = []
+    for block in content:
+        if isinstance(block, str):
+            out.append({"type": "text", "text": clip.text(block)})
+            continue
+        if not isinstance(block, dict):
+            out.append({"type": "other", "label": type(block).__name__,
+                        "raw": clip.value(block)})
+            continue
+        btype = block.get("type")
+        if btype == "text":
+            out.append({"type": "text", "text": clip.text(str(block.get("text", "")))})
+        elif btype == "thinking":
+            out.append({"type": "thinking", "text": clip.text(str(block.get("thinking", "")))})
+        elif btype == "redacted_thinking":
+            out.append({"type": "thinking", "text": "(redacted thinking)", "redacted": True})
+        elif btype in ("tool_use", "server_tool_use"):
+            out.append({"type": "tool_use", "id": block.get("id"), "name": block.get("name"),
+                        "input": clip.value(block.get("input"))})
+        elif btype == "tool_result" or (isinstance(btype, str)
+                                        and btype.endswith("_tool_result")):
+            out.append({"type": "tool_result", "tool_use_id": block.get("tool_use_id"),
+                        "is_error": bool(block.get("is_error")),
+                        "blocks": blocks(block.get("content"), clip)})
+        elif btype == "image":
+            out.append(_image_block(block))
+        else:
+            out.append({"type": "other", "label": str(btype), "raw": clip.value(block)})
+    return out
+
+
+def _openai_blocks(message: dict[str, Any], clip: Clip) -> list[Block]:
+    out = blocks(message.get("content"), clip)
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        try:
+            args: Any = json.loads(fn.get("arguments") or "{}")
+        except ValueError:
+            args = fn.get("arguments")
+        out.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
+                    "input": clip.value(args)})
+    return out
+
+
+# ---------------------------------------------------------------------- responses
+
+
+def is_streamed(response: dict[str, Any]) -> bool:
+    return any(k.lower() == "content-type" and "event-stream" in v
+               for k, v in response.get("headers") or [])
+
+
+def body_text(response: dict[str, Any]) -> str | None:
+    """The response body as text; None when it is not text (stored as base64, not UTF-8)."""
+    data = decode_body(response.get("body", ""), response.get("encoding"))
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def response_message(obs: dict[str, Any]) -> dict[str, Any] | None:
+    """The message a model step answered with: parsed JSON, or assembled from its stream."""
+    response = obs.get("response")
+    if not response:
+        return None
+    text = body_text(response)
+    if text is None:
+        return {"error": {"type": "binary_body", "message": "the body is not text"}}
+    if is_streamed(response):
+        return assemble(text)
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return {"error": {"type": "not_json", "message": text[:500]}}
+    return doc if isinstance(doc, dict) else {"content": doc}
+
+
+def _message_view(message: dict[str, Any], clip: Clip) -> dict[str, Any]:
+    if "choices" in message:  # an OpenAI chat completion
+        choice = (message.get("choices") or [{}])[0]
+        inner = choice.get("message") or {}
+        return {"role": inner.get("role", "assistant"), "blocks": _openai_blocks(inner, clip),
+                "stop_reason": choice.get("finish_reason"), "usage": message.get("usage"),
+                "model": message.get("model"), "error": message.get("error")}
+    error = message.get("error")
+    return {"role": message.get("role", "assistant"),
+            "blocks": blocks(message.get("content"), clip),
+            "stop_reason": message.get("stop_reason"), "usage": message.get("usage"),
+            "model": message.get("model"),
+            "error": error if isinstance(error, dict) else None}
+
+
+def conversation(request: Any, obs: dict[str, Any], clip: Clip) -> dict[str, Any]:
+    """A model step as a conversation: system, the request's messages, the response."""
+    body = request if isinstance(request, dict) else {}
+    stored = obs.get("request") if isinstance(obs.get("request"), dict) else {}
+    keep = stored.get("keep", 0) if "base" in stored else 0  # messages before this step's own
+    system = body.get("system")
+    messages: list[dict[str, Any]] = []
+    for i, message in enumerate(body.get("messages") or []):
+        if not isinstance(message, dict):
+            continue
+        role = str(message.get("role", "user"))
+        if role == "system" and system is None:  # OpenAI keeps the system prompt in messages
+            system = message.get("content")
+            continue
+        content = (_openai_blocks(message, clip) if "tool_calls" in message
+                   else blocks(message.get("content"), clip))
+        if role == "tool":  # an OpenAI tool result
+            content = [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
+                        "is_error": False, "blocks": content}]
+        messages.append({"role": role, "blocks": content, "new": i >= keep})
+    response = None
+    message = response_message(obs)
+    if message is not None:
+        response = _message_view(message, clip)
+        response["status"] = (obs.get("response") or {}).get("status")
+        response["streamed"] = is_streamed(obs.get("response") or {})
+    return {"model": body.get("model") or obs.get("model"), "system": blocks(system, clip),
+            "messages": messages, "response": response, "error": obs.get("error")}
+
+
+def tool_call(obs: dict[str, Any], clip: Clip) -> dict[str, Any]:
+    """A tool (or intent/outcome) step: its name, arguments and result or error."""
+    out: dict[str, Any] = {"name": obs.get("name"), "args": clip.value(obs.get("args")),
+                           "images": []}
+    if "error" in obs:
+        out["error"] = obs["error"]
+    elif "result" in obs:
+        result = decode(obs.get("result"))
+        if isinstance(result, (bytes, bytearray)):
+            kind = image_type(bytes(result))
+            if kind:
+                out["images"].append({"type": "image", "media_type": kind,
+                                      "data": bytes(result), "size": len(result)})
+            out["result"] = f"<{len(result):,} bytes{', ' + kind if kind else ''}>"
+        else:
+            out["result"] = clip.value(obs.get("result"))
+    return out
+
+
+# ---------------------------------------------------------------------- search text
+
+
+def _block_strings(content: Any, out: list[str]) -> None:
+    if isinstance(content, str):
+        out.append(content)
+    elif isinstance(content, list):
+        for block in content:
+            _block_strings(block, out)
+    elif isinstance(content, dict):
+        for key in ("text", "thinking", "name"):
+            if isinstance(content.get(key), str):
+                out.append(content[key])
+        if "input" in content:
+            out.append(_json(content["input"]))
+        if "content" in content:
+            _block_strings(content["content"], out)
+        fn = content.get("function")
+        if isinstance(fn, dict):
+            out.extend(str(fn.get(k) or "") for k in ("name", "arguments"))
+        for call in content.get("tool_calls") or []:
+            _block_strings(call, out)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=str)
+
+
+def _plain(value: Any) -> str:
+    value = decode(value)
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        return ""
+    return json.dumps(_strip_bytes(value), ensure_ascii=False, default=str)
+
+
+def _strip_bytes(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return None
+    if isinstance(value, (list, tuple)):
+        return [_strip_bytes(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _strip_bytes(v) for k, v in value.items()}
+    return value
+
+
+def searchable_text(obs: dict[str, Any]) -> str:
+    """The words of a step that a text search should find: message text and thinking,
+    tool names, inputs and results, effect values, errors; not ids, headers or images.
+
+    A model step contributes the messages its request adds to the conversation (the
+    first request: all of them) and its response, assembled from the stream if streamed.
+    """
+    kind = obs.get("kind")
+    out: list[str] = []
+    if kind == "model":
+        stored = obs.get("request") if isinstance(obs.get("request"), dict) else {}
+        body = stored.get("body") if isinstance(stored.get("body"), dict) else {}
+        changed = stored.get("set") if isinstance(stored.get("set"), dict) else {}
+        _block_strings(body.get("system") or changed.get("system"), out)
+        for message in body.get("messages") or stored.get("messages") or []:
+            _block_strings(message, out)
+        message = response_message(obs)
+        if message is not None:
+            _block_strings(message.get("content"), out)
+            for choice in message.get("choices") or []:
+                _block_strings((choice or {}).get("message"), out)
+    elif kind == "http":
+        out.append(str(obs.get("url", "")))
+        request = (obs.get("request") or {}).get("body")
+        out.append(request if isinstance(request, str) else _json(request))
+        response = obs.get("response")
+        if response:
+            text = body_text(response)
+            if text is not None:
+                out.append(text[:_SEARCH_BODY_LIMIT])
+    elif kind in ("tool", "intent", "outcome"):
+        out.append(str(obs.get("name", "")))
+        if obs.get("args") is not None:
+            out.append(_plain(obs["args"]))
+        if "result" in obs:
+            out.append(_plain(obs["result"]))
+    elif kind == "effect":
+        out.extend([str(obs.get("name", "")), _plain(obs.get("value"))])
+    elif kind == "control":
+        out.extend([str(obs.get("event", "")), _json(obs.get("detail"))])
+    for key in ("error", "api_error"):
+        err = obs.get(key)
+        if isinstance(err, dict) and err.get("message"):
+            out.append(str(err["message"]))
+    return "\n".join(s for s in out if s)

@@ -1,0 +1,372 @@
+"""The viewer's questions, as plain functions over a :class:`RunIndex` and cassette files.
+
+The Streamlit page (:mod:`viewer.app`) only lays out what these return, so each can be
+tested on its own. Lists and filters are DuckDB SQL over the index. Opening a step and
+forking it live in :mod:`viewer.step` and are offered here too, so that the page asks
+one module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from dataclasses import dataclass
+from datetime import UTC, date, datetime, time, timedelta
+from pathlib import Path
+from typing import Any
+
+from recorder.cassette import Cassette
+from recorder.errors import ConfigError
+from recorder.progress import cancel_requested, read_status, request_cancel
+from replayer.diff import FieldChange, RunDiff, compare, render
+from replayer.steps import step_name, step_status
+
+from .index import RunIndex
+from .step import (
+    LaunchedFork,
+    StepDetail,
+    document_text,
+    editable,
+    fork_document,
+    fork_state,
+    launch_fork,
+    load_cassette,
+    step_detail,
+    validate_edit,
+)
+
+__all__ = [
+    "RUN_COLUMNS",
+    "DiffView",
+    "LaunchedFork",
+    "StepDetail",
+    "cancel",
+    "diff",
+    "document_text",
+    "editable",
+    "filter_options",
+    "fork_document",
+    "fork_state",
+    "launch_fork",
+    "lineage",
+    "list_runs",
+    "live",
+    "load_cassette",
+    "run_header",
+    "run_path",
+    "run_steps",
+    "step_detail",
+    "validate_edit",
+]
+
+RUN_COLUMNS = ("name", "status", "started", "duration", "steps", "tokens", "cost", "parent",
+               "error")
+_BOOKKEEPING = frozenset({"fork_edit", "resumed"})  # as replayer.diff leaves them out
+
+
+# ---------------------------------------------------------------------- runs
+
+
+def _when(value: date | datetime | str | None) -> tuple[datetime, bool] | None:
+    """A naive UTC datetime, and whether ``value`` was a bare date (a whole day)."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        value = (date.fromisoformat(text) if len(text) <= 10
+                 else datetime.fromisoformat(text.replace("Z", "+00:00")))
+    if not isinstance(value, datetime):
+        return datetime.combine(value, time()), True
+    if value.tzinfo is not None:
+        value = value.astimezone(UTC).replace(tzinfo=None)
+    return value, False
+
+
+def _many(value: str | list[str] | tuple[str, ...] | None) -> list[str]:
+    if value is None or value == "":
+        return []
+    return [value] if isinstance(value, str) else [v for v in value if v]
+
+
+def _rows(cur: Any) -> list[dict[str, Any]]:
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]
+
+
+def _named(row: dict[str, Any]) -> dict[str, Any]:
+    row["name"] = row.get("run") or Path(row["path"]).name
+    return row
+
+
+_RUN_SELECT = """
+SELECT r.run, r.path, r.status, r.created AS started, r.duration_s AS duration, r.steps,
+       CASE WHEN r.input_tokens IS NULL AND r.output_tokens IS NULL THEN NULL
+            ELSE CAST(coalesce(r.input_tokens, 0) + coalesce(r.output_tokens, 0) AS BIGINT)
+       END AS tokens,
+       r.cost_usd AS cost, r.parent_run AS parent, r.parent_step, r.models, r.error,
+       r.verified, r.verify_note, r.input_tokens, r.output_tokens, r.model_calls,
+       r.tool_calls, r.errors, r.labels
+FROM runs r
+"""
+
+
+def list_runs(index: RunIndex, *, status: str | list[str] | None = None,
+              model: str | list[str] | None = None, tool: str | list[str] | None = None,
+              since: date | datetime | str | None = None,
+              until: date | datetime | str | None = None,
+              min_tokens: int | None = None, max_tokens: int | None = None,
+              min_cost: float | None = None, max_cost: float | None = None,
+              text: str | None = None, limit: int = 500) -> list[dict[str, Any]]:
+    """The runs of the index, newest first, narrowed by every filter given.
+
+    ``status``, ``model`` and ``tool`` take one value or several (any of them); ``since``
+    and ``until`` bound the start time (a date includes its whole day; times are UTC);
+    token and cost bounds are inclusive; ``text`` finds runs with a step whose messages,
+    thinking, tool inputs or results contain it, case-insensitively. Rows have ``name``
+    (the run id, or the file name of an unreadable file) and :data:`RUN_COLUMNS`.
+    """
+    where: list[str] = []
+    args: list[Any] = []
+    if statuses := _many(status):
+        where.append("r.status IN (SELECT unnest(?::VARCHAR[]))")
+        args.append(statuses)
+    if models := _many(model):
+        where.append("len(list_intersect(string_split(coalesce(r.models, ''), ','), "
+                     "?::VARCHAR[])) > 0")
+        args.append(models)
+    if tools := _many(tool):
+        where.append("EXISTS (SELECT 1 FROM steps s WHERE s.path = r.path AND s.kind = 'tool' "
+                     "AND s.name IN (SELECT unnest(?::VARCHAR[])))")
+        args.append(tools)
+    started = "TRY_CAST(rtrim(r.created, 'Z') AS TIMESTAMP)"
+    if (lo := _when(since)) is not None:
+        where.append(f"{started} >= ?")
+        args.append(lo[0])
+    if (hi := _when(until)) is not None:  # a date: up to the end of that day
+        where.append(f"{started} {'<' if hi[1] else '<='} ?")
+        args.append(hi[0] + timedelta(days=1) if hi[1] else hi[0])
+    tokens = "(coalesce(r.input_tokens, 0) + coalesce(r.output_tokens, 0))"
+    for bound, op, expr in ((min_tokens, ">=", tokens), (max_tokens, "<=", tokens),
+                            (min_cost, ">=", "coalesce(r.cost_usd, 0)"),
+                            (max_cost, "<=", "coalesce(r.cost_usd, 0)")):
+        if bound is not None:
+            where.append(f"r.status != 'error' AND {expr} {op} ?")
+            args.append(bound)
+    if text:
+        where.append("EXISTS (SELECT 1 FROM steps s WHERE s.path = r.path "
+                     "AND contains(lower(s.text), lower(?)))")
+        args.append(text)
+    sql = _RUN_SELECT + (" WHERE " + " AND ".join(where) if where else "")
+    sql += " ORDER BY r.created DESC NULLS LAST, r.path LIMIT ?"
+    args.append(int(limit))
+    return [_named(row) for row in _rows(index.con.execute(sql, args))]
+
+
+def filter_options(index: RunIndex) -> dict[str, list[str]]:
+    """The values the run filters can take: statuses, models and tool names."""
+    con = index.con
+    statuses = [r[0] for r in con.execute(
+        "SELECT DISTINCT status FROM runs WHERE status IS NOT NULL ORDER BY 1").fetchall()]
+    models = [r[0] for r in con.execute(
+        "SELECT DISTINCT unnest(string_split(models, ',')) AS m FROM runs "
+        "WHERE coalesce(models, '') != '' ORDER BY 1").fetchall()]
+    tools = [r[0] for r in con.execute(
+        "SELECT DISTINCT name FROM steps WHERE kind = 'tool' ORDER BY 1").fetchall()]
+    return {"status": statuses, "model": models, "tool": tools}
+
+
+def _find(index: RunIndex, run: str) -> dict[str, Any] | None:
+    """The run row named ``run``: a run id, a cassette path or a file name."""
+    rows = _rows(index.con.execute(
+        _RUN_SELECT + " WHERE r.run = ? OR r.path = ? OR ends_with(r.path, ?) "
+        "ORDER BY r.run = ? DESC, r.created DESC NULLS LAST",
+        [run, run, run, run]))
+    for row in rows:
+        if row["run"] == run or row["path"] == run or Path(row["path"]).name == run:
+            return _named(row)
+    return None
+
+
+def run_path(index: RunIndex, run: str) -> Path | None:
+    row = _find(index, run)
+    return Path(row["path"]) if row else None
+
+
+def run_header(index: RunIndex, run: str) -> dict[str, Any] | None:
+    """The run's facts and totals; the totals are the sums of its step rows."""
+    row = _find(index, run)
+    if row is None:
+        return None
+    totals = _rows(index.con.execute(
+        """SELECT count(*) AS steps,
+                  count(*) FILTER (WHERE kind = 'model') AS model_calls,
+                  count(*) FILTER (WHERE kind = 'tool') AS tool_calls,
+                  count(*) FILTER (WHERE error IS NOT NULL) AS errors,
+                  CAST(coalesce(sum(input_tokens), 0) AS BIGINT) AS input_tokens,
+                  CAST(coalesce(sum(output_tokens), 0) AS BIGINT) AS output_tokens,
+                  coalesce(sum(cost_usd), 0.0) AS cost, coalesce(sum(ms), 0.0) AS ms
+           FROM steps WHERE path = ?""", [row["path"]]))[0]
+    totals["tokens"] = totals["input_tokens"] + totals["output_tokens"]
+    totals["cost"] = round(totals["cost"], 8)
+    row.update(totals)
+    row["labels"] = json.loads(row["labels"]) if row.get("labels") else {}
+    row["models"] = [m for m in (row.get("models") or "").split(",") if m]
+    return row
+
+
+def run_steps(index: RunIndex, run: str) -> list[dict[str, Any]]:
+    """The timeline of a run: one row per step, without payloads.
+
+    ``mark`` flags what deserves a look: control lines (budget, cancel, loop, fork edit),
+    an edited step, and steps made inside a tool's body.
+    """
+    path = run_path(index, run)
+    if path is None:
+        return []
+    rows = _rows(index.con.execute(
+        """SELECT seq, kind, name, status, input_tokens, output_tokens,
+                  CASE WHEN input_tokens IS NULL AND output_tokens IS NULL THEN NULL
+                       ELSE CAST(coalesce(input_tokens, 0) + coalesce(output_tokens, 0)
+                                 AS BIGINT) END AS tokens,
+                  cost_usd AS cost, ms AS latency_ms, error,
+                  coalesce(TRY_CAST(json_extract(payload, '$.edited') AS BOOLEAN), false)
+                      AS edited,
+                  json_extract_string(payload, '$.within') AS within
+           FROM steps WHERE path = ? ORDER BY seq""", [str(path)]))
+    for row in rows:
+        marks = []
+        if row["kind"] == "control":
+            marks.append(f"⚑ {row['name']}")
+        if row["edited"]:
+            marks.append("✎ edited")
+        if row["within"]:
+            marks.append(f"↳ in {row['within']}")
+        if row["error"]:
+            marks.append("✗ error")
+        row["mark"] = " ".join(marks)
+    return rows
+
+
+# ---------------------------------------------------------------------- diff and lineage
+
+
+@dataclass
+class DiffView:
+    """Two runs aligned step by step, for a side-by-side page."""
+
+    a: dict[str, Any]
+    b: dict[str, Any]
+    result: RunDiff
+    text: str
+    rows: list[dict[str, Any]]
+    changes: dict[int, tuple[FieldChange, ...]]  # by row position
+
+    @property
+    def first_divergence(self) -> int | None:
+        return self.result.first_divergence
+
+
+def _aligned(cassette: Cassette) -> list[dict[str, Any]]:
+    steps = [o for o in cassette.observations
+             if not (o.get("kind") == "control" and o.get("event") in _BOOKKEEPING)]
+    return steps + ([cassette.end] if cassette.end else [])
+
+
+def _side(obs: dict[str, Any] | None) -> dict[str, Any]:
+    if obs is None:
+        return {"seq": None, "kind": None, "name": None, "status": None}
+    return {"seq": obs.get("seq"), "kind": obs.get("kind"), "name": step_name(obs),
+            "status": step_status(obs)}
+
+
+def diff(source: RunIndex | None, a: str | Path, b: str | Path) -> DiffView:
+    """Compare run ``a`` with run ``b`` (run ids or file names in the index, or paths)."""
+    paths = []
+    for run in (a, b):
+        path = run_path(source, str(run)) if source is not None else None
+        path = path or Path(run)
+        if not path.exists():
+            raise ConfigError(f"no run {run!r}" + (f" in {source.directory}" if source else ""))
+        paths.append(path)
+    ca, cb = load_cassette(paths[0]), load_cassette(paths[1])
+    result = compare(ca, cb)
+    steps_a, steps_b = _aligned(ca), _aligned(cb)
+    pending = list(result.steps)
+    rows: list[dict[str, Any]] = []
+    changes: dict[int, tuple[FieldChange, ...]] = {}
+    for i in range(max(len(steps_a), len(steps_b))):
+        left = _side(steps_a[i] if i < len(steps_a) else None)
+        right = _side(steps_b[i] if i < len(steps_b) else None)
+        key = right["seq"] if right["seq"] is not None else left["seq"]
+        same = True
+        if pending and pending[0].seq == key and pending[0].kind_a == left["kind"] \
+                and pending[0].kind_b == right["kind"]:
+            changes[i] = pending.pop(0).changes
+            same = False
+        rows.append({"step": i, **{f"{k}_a": v for k, v in left.items()},
+                     **{f"{k}_b": v for k, v in right.items()}, "same": same,
+                     "first": i == result.first_divergence,
+                     "changed": ", ".join(c.path or "/" for c in changes.get(i, ()))})
+    side = [{"name": c.run, "run": c.run, "path": str(p), "steps": len(s)}
+            for c, p, s in ((ca, paths[0], steps_a), (cb, paths[1], steps_b))]
+    return DiffView(side[0], side[1], result, render(result), rows, changes)
+
+
+def lineage(index: RunIndex, run: str) -> dict[str, Any] | None:
+    """Where a run comes from (its parent run and fork step) and the runs forked from it."""
+    row = _find(index, run)
+    if row is None:
+        return None
+    parent = None
+    if row.get("parent"):
+        found = _find(index, row["parent"])
+        parent = {"run": row["parent"], "step": row.get("parent_step"),
+                  "path": found["path"] if found else None,
+                  "status": found["status"] if found else None, "indexed": found is not None}
+    children = []
+    if row.get("run"):
+        children = [_named(r) for r in _rows(index.con.execute(
+            "SELECT run, path, status, parent_step AS step, created AS started FROM runs "
+            "WHERE parent_run = ? ORDER BY created, path", [row["run"]]))]
+    return {"run": row.get("run"), "name": row["name"], "parent": parent,
+            "children": children}
+
+
+# ---------------------------------------------------------------------- live runs
+
+
+def _alive(record: dict[str, Any]) -> bool | None:
+    """Is the recording process still there? None when it runs on another host."""
+    pid = record.get("pid")
+    if not isinstance(pid, int) or record.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def live(run: str | None) -> dict[str, Any]:
+    """The run's progress record, whether it is still running, and any cancel request."""
+    record = read_status(run) if run else None
+    if record is None:
+        return {"record": None, "running": False, "ended": False, "alive": None,
+                "cancel": None}
+    ended = bool(record.get("ended")) or record.get("status") != "running"
+    alive = None if ended else _alive(record)
+    return {"record": record, "running": not ended and alive is not False, "ended": ended,
+            "alive": alive, "cancel": cancel_requested(str(run))}
+
+
+def cancel(run: str, reason: str = "cancelled from the viewer") -> Path:
+    """Ask a running run to stop at its next boundary (as ``deja cancel``)."""
+    record = read_status(run)
+    if record is None:
+        raise ConfigError(f"no run {run!r} under $DEJA_HOME/runs")
+    if record.get("ended"):
+        raise ConfigError(f"run {run} already ended with status {record.get('status')!r}")
+    return request_cancel(run, reason)

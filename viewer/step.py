@@ -1,0 +1,249 @@
+"""One step of a cassette, opened: what it says, laid out for reading, and a fork of the
+run that edits it.
+
+A step's payload is read from its cassette only when it is opened; loaded cassettes are
+cached by path, size and modification time. A fork is checked by ``plan_fork`` (a dry
+run that writes nothing) and launched as a ``deja fork`` process. No streamlit here: the
+page lays out what these return, and tests read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from recorder.cassette import Cassette, load
+from recorder.errors import ConfigError, DejaError
+from recorder.keys import load_keyring
+from recorder.progress import read_status
+from replayer import edit
+from replayer.forking import plan_fork
+from replayer.steps import step_name, step_status
+
+from . import content
+
+# ---------------------------------------------------------------------- cassettes
+
+
+_CACHE_SIZE = 8
+_cache: OrderedDict[str, tuple[tuple[int, int], Cassette]] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def load_cassette(path: str | Path) -> Cassette:
+    """The cassette at ``path``, verified when the key is here; cached by size and mtime."""
+    path = Path(path)
+    stat = path.stat()
+    key, stamp = str(path.resolve()), (stat.st_size, stat.st_mtime_ns)
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None and hit[0] == stamp:
+            _cache.move_to_end(key)
+            return hit[1]
+    loaded = load(path, keyring=load_keyring(create=False), allow_torn=True)
+    with _cache_lock:
+        _cache[key] = (stamp, loaded)
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    return loaded
+
+
+def _observation(cassette: Cassette, seq: int) -> dict[str, Any]:
+    if not 0 <= seq < len(cassette.observations):
+        raise ConfigError(f"{cassette.path}: no step {seq}; the run has steps "
+                          f"0-{len(cassette.observations) - 1}")
+    return cassette.observations[seq]
+
+
+def editable(obs: dict[str, Any]) -> bool:
+    """Can a fork edit this step? (an editable kind, not inside a tool, with a response)"""
+    if obs.get("kind") not in edit.EDITABLE or "within" in obs:
+        return False
+    return obs["kind"] not in ("model", "http") or "response" in obs
+
+
+@dataclass
+class StepDetail:
+    """One opened step: its observation and what it says, laid out for reading."""
+
+    path: str
+    run: str
+    seq: int
+    kind: str
+    name: str
+    status: str
+    observation: dict[str, Any]
+    request: Any = None
+    response: dict[str, Any] | None = None
+    conversation: dict[str, Any] | None = None
+    tool: dict[str, Any] | None = None
+    control: dict[str, Any] | None = None
+    editable: bool = False
+    edited: bool = False
+    within: str | None = None
+    truncated: bool = False
+    notes: list[str] = field(default_factory=list)
+
+
+def _raw_response(obs: dict[str, Any], clip: content.Clip) -> dict[str, Any] | None:
+    response = obs.get("response")
+    if not response:
+        return None
+    text = content.body_text(response)
+    body: Any
+    if text is None:
+        body = f"<{len(response.get('body', '')) * 3 // 4:,} bytes of binary body>"
+    elif content.is_streamed(response):
+        body = clip.text(text)
+    else:
+        try:
+            body = clip.value(json.loads(text))
+        except ValueError:
+            body = clip.text(text)
+    return {"status": response.get("status"), "headers": response.get("headers"),
+            "body": body}
+
+
+def step_detail(path: str | Path, seq: int, *, full: bool = False,
+                limit: int = content.LIMIT) -> StepDetail:
+    """Step ``seq`` of the cassette at ``path``: the observation, the full request of a
+    model step, and its conversation (or tool call, or control decision).
+
+    Payloads longer than ``limit`` characters are cut unless ``full``; ``truncated``
+    says whether anything was. Images are decoded bytes; base64 never appears as text.
+    """
+    cassette = load_cassette(path)
+    obs = _observation(cassette, seq)
+    clip = content.Clip(None if full else limit)
+    kind = str(obs.get("kind"))
+    detail = StepDetail(path=str(path), run=cassette.run, seq=seq, kind=kind,
+                        name=step_name(obs), status=step_status(obs),
+                        observation=clip.value(obs), editable=editable(obs),
+                        edited=bool(obs.get("edited")), within=obs.get("within"))
+    if kind == "model":
+        request = cassette.requests.get(seq)
+        detail.request = clip.value(request)
+        detail.response = _raw_response(obs, clip)
+        detail.conversation = content.conversation(request, obs, clip)
+    elif kind == "http":
+        detail.request = clip.value((obs.get("request") or {}).get("body"))
+        detail.response = _raw_response(obs, clip)
+    elif kind in ("tool", "intent", "outcome"):
+        detail.tool = content.tool_call(obs, clip)
+    elif kind == "control":
+        detail.control = {"event": obs.get("event"), "detail": clip.value(obs.get("detail"))}
+    elif kind == "effect":
+        detail.tool = {"name": obs.get("name"), "args": None,
+                       "result": clip.value(obs.get("value")), "images": []}
+    if not cassette.verified:
+        detail.notes.append(cassette.verify_note)
+    detail.truncated = clip.truncated
+    return detail
+
+
+# ---------------------------------------------------------------------- fork
+
+
+def fork_document(path: str | Path, seq: int) -> Any:
+    """The editable document of step ``seq`` (what ``deja fork --show-document`` prints)."""
+    return edit.view(_observation(load_cassette(path), seq))
+
+
+def document_text(document: Any) -> str:
+    return json.dumps(document, indent=2, ensure_ascii=False, default=repr)
+
+
+def _parse_edit(text: str) -> tuple[dict[str, Any], str | None]:
+    """The fork arguments for an edit text: a replacement document, or a JSON patch list."""
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        return {}, f"the edit is not valid JSON: {exc}"
+    if isinstance(doc, list):
+        return {"patch": doc}, None
+    if doc is None:
+        return {}, "the edit is null; give the whole document (or a JSON patch list)"
+    return {"replace": doc}, None
+
+
+def validate_edit(path: str | Path, seq: int, text: str) -> str | None:
+    """Why forking step ``seq`` with ``text`` would fail (None: it would not).
+
+    ``text`` is the edited document, or an RFC 6902 patch (a JSON list of operations).
+    The check is ``plan_fork``'s own (parent signature, step, edit); nothing is written.
+    """
+    args, error = _parse_edit(text)
+    if error:
+        return error
+    try:
+        plan_fork(path, seq, **args)
+    except DejaError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+class LaunchedFork(NamedTuple):
+    """A ``deja fork`` process started by the viewer."""
+
+    path: Path  # the new cassette (it exists once the fork has started writing)
+    process: subprocess.Popen[bytes]
+    log: Path  # the process's stdout and stderr
+    parent: Path
+    seq: int
+
+
+def launch_fork(path: str | Path, seq: int, document: Any, *, live_url: str | None = None,
+                out_dir: str | Path | None = None) -> LaunchedFork:
+    """Start ``deja fork PATH --at SEQ --replace FILE -o OUT`` (``--patch`` for a patch
+    list) in the background; ``live_url`` becomes its ANTHROPIC_BASE_URL."""
+    path = Path(path)
+    if isinstance(document, str):
+        args, error = _parse_edit(document)
+        if error:
+            raise ConfigError(error)
+        document = args.get("patch", args.get("replace"))
+    folder = Path(out_dir) if out_dir is not None else path.parent
+    out = folder / f"{path.stem}-fork{seq}-{secrets.token_hex(3)}.jsonl"
+    work = Path(tempfile.mkdtemp(prefix="deja-view-fork-"))
+    edit_file = work / "edit.json"
+    edit_file.write_text(json.dumps(document, ensure_ascii=False), encoding="utf-8")
+    option = "--patch" if isinstance(document, list) else "--replace"
+    env = dict(os.environ)
+    if live_url:
+        env["ANTHROPIC_BASE_URL"] = live_url
+    log = work / "fork.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "deja", "fork", str(path), "--at", str(seq), option,
+             str(edit_file), "-o", str(out)],
+            stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+    return LaunchedFork(out, process, log, path, seq)
+
+
+def fork_state(launched: LaunchedFork, tail: int = 4000) -> dict[str, Any]:
+    """How a launched fork is doing: running or its exit status, its run id, its log."""
+    code = launched.process.poll()
+    run = None
+    if launched.path.exists():
+        with launched.path.open("rb") as f:
+            first = f.readline()
+        try:
+            run = json.loads(first).get("run")
+        except ValueError:
+            run = None
+    try:
+        log = launched.log.read_text(encoding="utf-8", errors="replace")[-tail:]
+    except FileNotFoundError:
+        log = ""
+    return {"running": code is None, "returncode": code, "run": run,
+            "exists": launched.path.exists(), "log": log,
+            "progress": read_status(run) if run else None}

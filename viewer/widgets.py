@@ -1,0 +1,311 @@
+"""The Streamlit pieces the pages are built from: an opened step (its conversation, tool
+call, control line, raw JSON), the fork editor and the forks started from a run, a run's
+lineage and its live panel with the cancel button.
+
+Called by the page script (:mod:`viewer.app`); every question goes to :mod:`viewer.queries`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import streamlit as st
+
+from recorder.errors import DejaError
+
+from . import queries
+from .content import Block
+from .index import RunIndex
+from .queries import StepDetail
+
+THUMBNAIL_WIDTH = 160
+
+
+def go(**params: Any) -> None:
+    """Callback: show another page (the URL holds the page)."""
+    st.query_params.clear()
+    st.query_params.update({k: str(v) for k, v in params.items() if v is not None})
+
+
+def money(value: Any) -> str:
+    return "-" if value is None else f"${value:,.6f}"
+
+
+def _short(value: Any, width: int = 300) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
+                                                           default=str)
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def image(block: Block) -> None:
+    if block.get("data") is not None:
+        st.image(block["data"], width=THUMBNAIL_WIDTH,
+                 caption=f"{block.get('media_type') or 'image'}, {block['size']:,} bytes")
+    elif block.get("url"):
+        st.markdown(f"🖼 image at `{block['url']}` (not fetched)")
+    else:
+        st.warning(f"🖼 {block.get('error', 'image')}")
+
+
+def blocks(items: list[Block], *, result: bool = False) -> None:
+    """Message content blocks; inside a tool result, text is shown verbatim."""
+    for block in items:
+        kind = block["type"]
+        if kind == "text":
+            if result:
+                st.code(block["text"], language=None, wrap_lines=True)
+            else:
+                st.markdown(block["text"])
+        elif kind == "thinking":
+            with st.expander("💭 Thinking", expanded=False):
+                st.markdown(block["text"])
+        elif kind == "tool_use":
+            st.markdown(f"🔧 **tool call** `{block.get('name')}` · id `{block.get('id')}`")
+            st.json(block.get("input"), expanded=True)
+        elif kind == "tool_result":
+            error = " · ❌ **error**" if block.get("is_error") else ""
+            st.markdown(f"↩ **tool result** for `{block.get('tool_use_id')}`{error}")
+            blocks(block.get("blocks") or [], result=True)
+        elif kind == "image":
+            image(block)
+        else:
+            st.caption(f"{block.get('label')} block")
+            st.json(block.get("raw"), expanded=False)
+
+
+def _avatar(role: str) -> str | None:
+    return {"user": None, "assistant": None, "system": "⚙️", "tool": "🔧"}.get(role, "💬")
+
+
+def message(msg: dict[str, Any]) -> None:
+    with st.chat_message(msg["role"], avatar=_avatar(msg["role"])):
+        blocks(msg["blocks"])
+
+
+def conversation(conv: dict[str, Any]) -> None:
+    """A model call: system prompt, earlier messages folded, new messages, the response."""
+    if conv["system"]:
+        with st.chat_message("system", avatar="⚙️"):
+            blocks(conv["system"])
+    earlier = [m for m in conv["messages"] if not m["new"]]
+    if earlier:
+        with st.expander(f"Earlier messages of the conversation ({len(earlier)})"):
+            for msg in earlier:
+                message(msg)
+    for msg in conv["messages"]:
+        if msg["new"]:
+            message(msg)
+    response = conv["response"]
+    if response is None:
+        err = conv.get("error") or {}
+        st.error(f"No response: {err.get('type')}: {err.get('message')}")
+        return
+    with st.chat_message("assistant"):
+        blocks(response["blocks"])
+        if response.get("error"):
+            st.error(f"{response['error'].get('type')}: {response['error'].get('message')}")
+        usage = response.get("usage") or {}
+        st.caption(" · ".join(str(p) for p in (
+            f"HTTP {response.get('status')}", "streamed" if response.get("streamed") else None,
+            f"stop: {response.get('stop_reason')}",
+            f"tokens in/out: {usage.get('input_tokens')}/{usage.get('output_tokens')}"
+            if usage else None) if p))
+
+
+def tool(detail: StepDetail) -> None:
+    call = detail.tool or {}
+    with st.chat_message("tool", avatar="🔧"):
+        label = "effect" if detail.kind == "effect" else detail.kind
+        st.markdown(f"**{label}** `{call.get('name')}`")
+        if call.get("args") is not None:
+            st.caption("arguments")
+            st.json(call["args"], expanded=True)
+        if "error" in call:
+            err = call["error"] or {}
+            st.error(f"{err.get('type')}: {err.get('message')}")
+        elif "result" in call:
+            st.caption("value" if detail.kind == "effect" else "result")
+            if isinstance(call["result"], str):
+                st.code(call["result"], language=None, wrap_lines=True)
+            else:
+                st.json(call["result"], expanded=True)
+        for img in call.get("images") or []:
+            image(img)
+
+
+def control(detail: StepDetail) -> None:
+    info = detail.control or {}
+    st.warning(f"⚑ control line: **{info.get('event')}**")
+    st.json(info.get("detail"), expanded=True)
+
+
+def raw(detail: StepDetail) -> None:
+    with st.expander("Raw observation (JSON)"):
+        st.json(detail.observation, expanded=False)
+    if detail.request is not None:
+        with st.expander("Raw request (JSON)"):
+            st.json(detail.request, expanded=False)
+    if detail.response is not None:
+        with st.expander("Raw response"):
+            st.caption(f"HTTP {detail.response.get('status')}")
+            body = detail.response.get("body")
+            if isinstance(body, str):
+                st.code(body, language=None, wrap_lines=True)
+            else:
+                st.json(body, expanded=False)
+            st.json({"headers": detail.response.get("headers")}, expanded=False)
+
+
+def step(detail: StepDetail) -> None:
+    """Everything about one opened step, except the fork editor."""
+    marks = [f"status {detail.status}"]
+    if detail.edited:
+        marks.append("✎ edited by a fork")
+    if detail.within:
+        marks.append(f"↳ made inside tool call {detail.within}")
+    st.caption(" · ".join(marks + detail.notes))
+    if detail.kind == "control":
+        control(detail)
+    elif detail.conversation is not None:
+        conversation(detail.conversation)
+    elif detail.tool is not None:
+        tool(detail)
+    elif detail.kind == "end":
+        st.json(detail.observation, expanded=True)
+    raw(detail)
+
+
+def changes_table(changes: Any) -> list[dict[str, str]]:
+    return [{"field": c.path or "/", "change": c.op, "A": _short(c.a), "B": _short(c.b)}
+            for c in changes]
+
+
+# ---------------------------------------------------------------------- lineage, live
+
+
+def lineage_panel(index: RunIndex, header: dict[str, Any]) -> None:
+    info = queries.lineage(index, header["name"]) or {}
+    parent = info.get("parent")
+    if parent:
+        where = "" if parent["indexed"] else " (not in this directory)"
+        st.info(f"Forked from run **{parent['run']}** at step {parent['step']}{where}.")
+        left, right = st.columns(2)
+        left.button(f"Open parent {parent['run']}", key="open_parent", on_click=go,
+                    kwargs={"run": parent["run"]}, disabled=not parent["indexed"])
+        right.button("Diff against parent", key="diff_parent", on_click=go,
+                     kwargs={"a": parent["run"], "b": header["name"]},
+                     disabled=not parent["indexed"])
+    children = info.get("children") or []
+    if children:
+        st.markdown(f"**Forks of this run** ({len(children)})")
+        for child in children:
+            left, right = st.columns([3, 1])
+            left.button(f"{child['name']} · forked at step {child['step']} · {child['status']}",
+                        key=f"child:{child['path']}", on_click=go, kwargs={"run": child["name"]})
+            right.button("Diff", key=f"childdiff:{child['path']}", on_click=go,
+                         kwargs={"a": header["name"], "b": child["name"]})
+
+
+def _cancel(run: str) -> None:
+    try:
+        queries.cancel(run)
+    except DejaError as exc:
+        st.session_state["cancel_error"] = str(exc)
+
+
+def live_panel(header: dict[str, Any], status: dict[str, Any]) -> None:
+    record = status["record"]
+    if not status["running"]:
+        if status["alive"] is False:
+            st.warning(f"The status record says running, but process {record.get('pid')} is "
+                       f"gone: the run crashed. Continue it with `deja resume {header['path']}`.")
+        return
+    st.subheader("● Live")
+    st.info(f"Running: {record.get('step')} (updated {record.get('updated')})")
+    cols = st.columns(4)
+    limit = record.get("turn_limit")
+    cols[0].metric("Turn", f"{record.get('turn')}" + (f" / {limit}" if limit else ""))
+    cols[1].metric("Elapsed", f"{record.get('elapsed_s') or 0:.1f}s")
+    cols[2].metric("Tokens", f"{record.get('tokens') or 0:,}")
+    cols[3].metric("Spend", money(record.get("spend_usd")))
+    with st.expander("Progress record"):
+        st.json(record, expanded=True)
+    if status["cancel"] is not None:
+        st.warning(f"Cancel requested ({status['cancel'].get('reason') or 'no reason'}); the "
+                   "run stops at its next boundary.")
+        return
+    confirm = st.checkbox("Yes, stop this run at its next boundary", key="cancel_confirm")
+    st.button("Cancel run", key="cancel_btn", type="primary", disabled=not confirm,
+              on_click=_cancel, args=(header["run"],))
+    if "cancel_error" in st.session_state:
+        st.error(st.session_state.pop("cancel_error"))
+
+
+# ---------------------------------------------------------------------- fork
+
+
+def fork_editor(header: dict[str, Any], detail: queries.StepDetail) -> None:
+    st.subheader(f"Fork at step {detail.seq}")
+    st.caption("Edit what this step returned and run the agent again: the steps before it "
+               "replay from this run, this step serves your edit, the rest goes live. The "
+               "edit is the whole document, or an RFC 6902 patch (a JSON list).")
+    key = f"doc:{header['path']}:{detail.seq}"
+    try:
+        original = queries.document_text(queries.fork_document(header["path"], detail.seq))
+    except DejaError as exc:
+        st.error(str(exc))
+        return
+    if key not in st.session_state:
+        st.session_state[key] = original
+    text = st.text_area("Edited document (JSON)", key=key, height=260)
+    st.button("Reset", key="fork_reset", on_click=st.session_state.__setitem__,
+              args=(key, original))
+    live_url = st.text_input("Live target: the model API the steps after the fork call "
+                             "(ANTHROPIC_BASE_URL)", key="live_url",
+                             value=os.environ.get("ANTHROPIC_BASE_URL", ""))
+    check_key = (header["path"], detail.seq, text)
+    cache = st.session_state.setdefault("edit_checks", {})
+    if check_key not in cache:
+        cache[check_key] = queries.validate_edit(header["path"], detail.seq, text or "")
+    error = cache[check_key]
+    if error:
+        st.error(error)
+    elif text == original:
+        st.info("The document is unchanged: a fork would serve the recorded value.")
+    else:
+        st.success("The edit is valid.")
+    if st.button("Fork", key="fork_btn", type="primary", disabled=bool(error)):
+        try:
+            launched = queries.launch_fork(header["path"], detail.seq, text,
+                                           live_url=live_url or None)
+        except (DejaError, OSError) as exc:
+            st.error(f"The fork did not start: {exc}")
+            return
+        st.session_state.setdefault("forks", []).append(launched)
+        st.rerun()
+
+
+def forks_panel(header: dict[str, Any]) -> None:
+    """The forks started from this run in this session, with their progress."""
+    mine = [f for f in st.session_state.get("forks", []) if str(f.parent) == header["path"]]
+    for launched in reversed(mine):
+        state = queries.fork_state(launched)
+        name = state["run"] or launched.path.name
+        if state["running"]:
+            progress = state["progress"] or {}
+            st.info(f"⏳ Fork of step {launched.seq} running: {name} · "
+                    f"{progress.get('step', 'starting')}")
+            continue
+        if state["returncode"] == 0 and state["exists"]:
+            st.success(f"✔ Fork of step {launched.seq} finished: run {name}")
+        else:
+            st.error(f"Fork of step {launched.seq} exited with status {state['returncode']}")
+            st.code(state["log"] or "(no output)", language=None, wrap_lines=True)
+        if state["exists"] and state["run"]:
+            left, right = st.columns(2)
+            left.button(f"Open fork {name}", key=f"open_fork:{launched.path}", on_click=go,
+                        kwargs={"run": state["run"]})
+            right.button("Diff fork against parent", key=f"diff_fork:{launched.path}",
+                         on_click=go, kwargs={"a": header["name"], "b": state["run"]})
