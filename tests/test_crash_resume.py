@@ -5,7 +5,7 @@ a summary) that looks invoices up and pays 20 of them into an external SQLite le
 keyed by deja's idempotency key. For every seed the recording process is killed at a
 point the seed picks, then ``deja resume`` finishes the run, and:
 
-- the resume exits 0 and the run ends ``completed``, with exactly one ``resumed`` line;
+- the resume exits 0 and the run ends ``completed``, with one ``resumed`` line per resume;
 - the ledger holds exactly the payments of an uninterrupted run: every invoice once, each
   under the key of the intent the final cassette records for it;
 - the final transcript means the same as the uninterrupted run's (``replayer.diff``);
@@ -21,7 +21,9 @@ SIGKILL to it once the cassette has k lines, k anywhere from the header to the l
 For 4 the harness then tears the last line, cutting the file inside it: a single
 ``write(2)`` of a line is in practice never torn by SIGKILL, so the torn tail is made by
 hand, and only where a crash can leave one (not inside an intent line, since the tool body
-starts only once its intent is on disk).
+starts only once its intent is on disk). When ``seed % 6 == 5`` the first resume is killed
+too, inside its first live ``pay`` (before or after the ledger write), and a second resume
+finishes the run (one ``resumed`` line per resume).
 
 ``DEJA_CRASH_SEEDS`` sets the number of seeds (50; ``make stress`` runs 200). Seeds run
 two at a time in background threads (every step is a subprocess); each seed's test waits
@@ -106,6 +108,7 @@ class Plan:
     record_env: dict[str, str]
     resume_env: dict[str, str]
     tear: random.Random
+    again: str | None  # the first resume is killed too, inside its first live pay, here
 
     @property
     def cassette(self) -> Path:
@@ -130,6 +133,7 @@ class Crashed:
     paid_before_resume: bool | None  # for an open intent: was its ledger row there
     torn_kind: str | None  # kind of the line torn by hand
     resumes: list[subprocess.CompletedProcess] = field(default_factory=list)
+    unfinished: list[bytes] = field(default_factory=list)  # after each resume that died
 
 
 def _kill_at(proc: subprocess.Popen, path: Path, k: int) -> bool:
@@ -195,10 +199,15 @@ def crash_and_resume(plan: Plan) -> Crashed:
         paid = any(row[0] == key for row in ledger_rows(plan.ledger))
     out = Crashed(plan, rc, complete, len(data) > len(complete), exited_first, last_kind,
                   len(lines), paid, torn_kind)
-    for _ in range(3):  # until it ends: normally once
-        out.resumes.append(deja("resume", str(plan.cassette), env=plan.resume_env))
-        if b'"kind":"end"' in plan.cassette.read_bytes().splitlines()[-1]:
+    for attempt in range(3):  # until it ends: normally once
+        env = plan.resume_env
+        if attempt == 0 and plan.again:
+            env = {**env, "RECON_CRASH": f"1:{plan.again}"}
+        out.resumes.append(deja("resume", str(plan.cassette), env=env))
+        data = plan.cassette.read_bytes()
+        if b'"kind":"end"' in data.splitlines()[-1]:
             break
+        out.unfinished.append(data)
     return out
 
 
@@ -238,7 +247,10 @@ class World:
                                argv=["python", AGENT], fsync="turn", labels={})
             record_env = {**{k: v for k, v in launch.items() if k not in self.env_dropped},
                           **{k: self.env[k] for k in self.env_set}, **ledger}
-        return Plan(seed, kill, at, folder, record_env, resume_env, rng)
+        again = None
+        if seed % 6 == 5:  # and the resume crashes too
+            again = ("before_ledger", "after_ledger")[seed // 6 % 2]
+        return Plan(seed, kill, at, folder, record_env, resume_env, rng, again)
 
     def submit(self, seed: int) -> Future:
         """Start a seed in the background (call from the main thread only)."""
@@ -260,6 +272,7 @@ def _summary(stats: list[Crashed]) -> str:
             f"mid-line (torn) {sum(s.torn for s in stats)} "
             f"{dict(collections.Counter(s.torn_kind for s in stats if s.torn))}; "
             f"program exited before the harness kill {sum(s.exited_first for s in stats)}; "
+            f"resume killed too {sum(len(s.resumes) > 1 for s in stats)}; "
             f"last complete line {dict(kinds)}; "
             f"crash points (lines) {sorted(s.lines for s in stats)}")
 
@@ -315,23 +328,33 @@ def test_crash_anywhere_then_resume(world: World, seed: int) -> None:
     else:
         assert out.record_rc == -signal.SIGKILL or out.exited_first, where
 
-    # One resume finishes the run; a torn tail is reported and cut.
-    assert len(out.resumes) == 1, where
-    proc = out.resumes[0]
+    # One resume finishes the run (two when the first is killed inside a live pay); a torn
+    # tail is reported and cut.
+    lines = out.complete.splitlines()
+    settled_done = out.last_kind == "intent" and out.paid_before_resume
+    live_pays = PAYS - sum(kind_of(line) == "outcome" for line in lines) - settled_done
+    assert len(out.resumes) == (2 if plan.again and live_pays else 1), where
+    for died in out.resumes[:-1]:
+        assert died.returncode != 0 and "it can be resumed" in died.stderr, died.stderr
+        assert "end status none (still unfinished)" in died.stderr, died.stderr
+    proc = out.resumes[-1]
     assert proc.returncode == 0, f"{where}\n{proc.stderr}"
-    assert ("the last line is torn" in proc.stderr) is out.torn, f"{where}\n{proc.stderr}"
+    torn_note = "the last line is torn" in out.resumes[0].stderr
+    assert torn_note is out.torn, f"{where}\n{out.resumes[0].stderr}"
     assert "end status completed" in proc.stderr, f"{where}\n{proc.stderr}"
     assert "turn 61: end_turn: Reconciliation done" in proc.stdout, where
 
     # Nothing acknowledged is lost: the crashed file's complete lines are kept byte for byte.
     final = plan.cassette.read_bytes()
     assert final.startswith(out.complete), where
+    for data in out.unfinished:
+        assert final.startswith(data), where
     run = load(plan.cassette, keyring=Keyring.of(KEY), require_signature=True,
                allow_incomplete=False)
     assert run.end is not None, where
     assert (run.end["status"], run.end["exit_code"]) == ("completed", 0), where
     resumed = resumed_lines(run)
-    assert len(resumed) == 1, where
+    assert len(resumed) == len(out.resumes), where
     assert resumed[0]["seq"] == out.lines - 1, where  # right after the kept lines
     assert resumed[0]["detail"]["torn_cut_at"] == (len(out.complete) if out.torn else None)
 

@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHATTY = Path(__file__).resolve().parent / "guard_agents" / "chatty.py"
 USAGE = {"input_tokens": 100, "output_tokens": 20}  # 120 tokens a turn
 SCRIPT = {"turns": [], "default": {"text": "ok", "usage": USAGE}}
+STOP_EVENTS = ("budget_exhausted", "cancelled", "loop_detected", "circuit_open")
 STATUS_FIELDS = ("run_id", "status", "turn", "turn_limit", "step", "elapsed_s", "budget_s",
                  "tokens", "token_limit", "spend_usd", "dollar_limit", "artefacts", "cancel")
 
@@ -119,6 +120,7 @@ def assert_stopped(path: Path, *, budget: str, used: Any, limit: Any, models: in
     assert end["status"] == "exhausted"
     assert end["reason"] == f"{budget}_budget"
     assert end["error"]["type"] == "BudgetExhausted"
+    assert end["error"]["message"] == stop["detail"]["message"]  # what the agent was told
 
 
 def assert_replay_stops_the_same(path: Path, agent: Callable[[list[int]], None],
@@ -130,7 +132,8 @@ def assert_replay_stops_the_same(path: Path, agent: Callable[[list[int]], None],
     with run, pytest.raises(error) as raised:
         agent(calls)
     assert calls[-1] == at_call
-    assert "(replayed)" in str(raised.value)
+    stop = [c for c in controls(path) if c["event"] in STOP_EVENTS][-1]
+    assert str(raised.value) == f"{stop['detail']['message']} [replayed from seq {stop['seq']}]"
     assert not isinstance(raised.value, anthropic.APIConnectionError)
     result = run.result
     assert result is not None

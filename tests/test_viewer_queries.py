@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import duckdb
 import pytest
 
 import recorder
@@ -472,3 +473,28 @@ def test_launch_fork_creates_a_fork_that_names_its_parent(corpus: Corpus, tmp_pa
         children = queries.lineage(idx, corpus.ids["spiral"])["children"]
         assert [c["run"] for c in children] == [corpus.ids["fixed"], fork.run]
     assert os.environ.get("ANTHROPIC_BASE_URL") != live.url  # set for the child only
+
+
+def test_an_index_of_the_older_layout_is_rebuilt(corpus: Corpus, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    shutil.copy(corpus.path("rich"), runs / "rich.jsonl")
+    con = duckdb.connect(str(runs / ".index.duckdb"))  # schema 1: steps without text
+    con.execute("CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR);"
+                "INSERT INTO meta VALUES ('schema', '1');"
+                "CREATE TABLE files (path VARCHAR PRIMARY KEY, size BIGINT, mtime_ns BIGINT,"
+                " run VARCHAR);"
+                "CREATE TABLE steps (run VARCHAR, path VARCHAR, seq INTEGER, payload VARCHAR);")
+    con.close()
+    with RunIndex(runs) as idx:
+        assert idx.refresh()["indexed"] == 1
+        assert names(queries.list_runs(idx, text="東京")) == {corpus.ids["rich"]}
+        assert "text" not in idx.steps(corpus.ids["rich"])[0]
+
+
+def test_the_queries_never_import_streamlit() -> None:
+    code = ("import json, sys\nimport viewer.queries\n"
+            "print(json.dumps('streamlit' in {m.split('.')[0] for m in sys.modules}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60, check=True)
+    assert json.loads(out.stdout) is False

@@ -1,7 +1,10 @@
 """The DuckDB index over a directory of cassettes: a cache, never the truth.
 
 ``DIR/.index.duckdb`` holds one row per run and one per step, refreshed incrementally:
-a file is re-read only when its size or modification time changed.
+a file is re-read only when its size or modification time changed. A step row keeps the
+expanded observation (``payload``) and the words a text search should find (``text``:
+messages, thinking, tool inputs and results; see :func:`viewer.content.searchable_text`).
+An index of an older layout is rebuilt.
 Delete the index at any time; the next refresh rebuilds it from the files. A file that
 cannot be read (torn, tampered, unknown format) becomes a run row with ``status = 'error'``
 and the reason, and the rest of the directory is indexed as usual.
