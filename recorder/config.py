@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .cassette import Fsync
 from .errors import ConfigError
 from .guards import BreakerSettings, Budgets, LoopGuard
 from .pricing import PriceTable
@@ -119,4 +120,9 @@ def resolve(*, budgets: Budgets | Mapping[str, Any] | None = None,
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     chosen_fsync = fsync or table.get("fsync")
+    if chosen_fsync is not None:
+        try:
+            Fsync.parse(chosen_fsync)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
     return Harness(base, loop, brk, price_table, chosen_fsync)

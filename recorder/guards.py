@@ -129,6 +129,10 @@ class LoopWatch:
     def call_hash(name: str, args: Any) -> str:
         return digest(["tool", name, args])
 
+    def remember(self, name: str, args: Any) -> None:
+        """A call made before (a resumed run's history), not checked."""
+        self._recent.append(self.call_hash(name, args))
+
     def check(self, name: str, args: Any) -> dict[str, Any] | None:
         """The loop this call would make, or None; the call is remembered either way."""
         if not self.guard.enabled:
@@ -259,9 +263,11 @@ class Breakers:
     def get(self, host: str, settings: BreakerSettings) -> Breaker:
         with self._lock:
             breaker = self._by_host.get(host)
-            if breaker is None or breaker.settings != settings:
+            if breaker is None:
                 breaker = Breaker(host, settings, lambda: self.clock())
                 self._by_host[host] = breaker
+            elif breaker.settings != settings:
+                breaker.settings = settings  # the last run's settings apply; the state stays
             return breaker
 
     def reset(self) -> None:

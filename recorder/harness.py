@@ -57,9 +57,17 @@ class RunGuard:
         if obs.get("kind") == "model" and 200 <= (obs.get("response") or {}).get("status", 0) \
                 < 300:
             self.turns += 1
+        if obs.get("kind") in ("tool", "intent") and "within" not in obs:
+            self.loop.remember(obs["name"], obs.get("args"))
         usage = obs.get("usage") or {}
         self.tokens += usage.get("input_tokens", 0) + usage.get("output_tokens", 0)
         self.spend += obs.get("cost_usd") or 0.0
+
+    def absorbed(self) -> None:
+        """Publish the counters carried over from a recorded prefix."""
+        self.progress.update(turn=self.turns, tokens=self.tokens,
+                             spend_usd=round(self.spend, 6), step="replaying the recorded steps",
+                             force=True)
 
     # -- decisions
 

@@ -57,6 +57,7 @@ class ContinuationSession(RecordSession):
         assert self.guard is not None
         for obs in self.prefix.cassette.observations:
             self.guard.absorb(obs)
+        self.guard.absorbed()
         return self
 
     # -- bookkeeping

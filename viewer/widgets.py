@@ -24,9 +24,15 @@ THUMBNAIL_WIDTH = 160
 
 
 def go(**params: Any) -> None:
-    """Callback: show another page (the URL holds the page)."""
+    """Callback: show another page (the URL holds the page).
+
+    The whole script reruns: a button inside a fragment (the runs table, a run's
+    refreshing body) would otherwise rerun only that fragment, and the URL would change
+    with the old page still shown.
+    """
     st.query_params.clear()
     st.query_params.update({k: str(v) for k, v in params.items() if v is not None})
+    st.rerun()
 
 
 def money(value: Any) -> str:
