@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -165,11 +166,24 @@ def live_state(header: dict[str, Any]) -> dict[str, Any]:
     status = queries.live(header["run"]) if header["status"] == "incomplete" else None
     forks = [f for f in st.session_state.get("forks", [])
              if str(f.parent) == header["path"] and f.process.poll() is None]
-    return {"live": status, "poll": bool(status and status["running"]) or bool(forks)}
+    return {"live": status, "poll": bool(status and status["running"]) or ending(status)
+            or bool(forks)}
+
+
+def ending(status: dict[str, Any] | None, grace_s: float = 30.0) -> bool:
+    """The record says ended, the cassette has no end line yet: ``deja record`` writes it
+    once the program has exited. Keep refreshing for a while, so that it shows."""
+    if not status or not status["ended"]:
+        return False
+    try:
+        age = datetime.now(UTC) - datetime.fromisoformat(str(status["record"].get("updated")))
+    except (TypeError, ValueError):  # no time, or one without its zone
+        return False
+    return age < timedelta(seconds=grace_s)
 
 
 def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | None) -> None:
-    cols = st.columns(6)
+    cols = st.columns([1.6, 0.8, 1, 1.6, 1, 1.1])  # room for "incomplete", "$0.012345"
     cols[0].metric("Status", header["status"])
     cols[1].metric("Steps", header["steps"])
     cols[2].metric("Tokens", f"{header['tokens']:,}",
@@ -295,7 +309,8 @@ def diff_page(index: RunIndex, a: str, b: str) -> None:
 def _aligned_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     columns = ["step", "seq_a", "kind_a", "name_a", "status_a", "seq_b", "kind_b", "name_b",
                "status_b", "same", "first", "changed"]
-    return pd.DataFrame([{c: r[c] for c in columns} for r in rows], columns=columns)
+    frame = pd.DataFrame([{c: r[c] for c in columns} for r in rows], columns=columns)
+    return frame.astype({"seq_a": "Int64", "seq_b": "Int64"})  # absent: <NA>, not 1.0
 
 
 # ---------------------------------------------------------------------- main
