@@ -6,7 +6,8 @@ Prints one table (metric | deja | anchor | target | result) and writes
 this run; ratios are computed from medians of this run. Exits 0 whatever the results:
 benchmarks are not tests; failed targets are printed as FAIL.
 
-Measurements (``--only`` names): replay, overhead, ttft, size.
+Measurements (``--only`` names): replay, overhead, ttft, size, viewer (the viewer's first
+paint in headless Chromium, which needs Debian's chromium: ``make chromium``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results" / "latest.json"
-NAMES = ("replay", "overhead", "ttft", "size")
+NAMES = ("replay", "overhead", "ttft", "size", "viewer")
 
 # No real home is touched: a throwaway DEJA_HOME and signing key for this process.
 _HOME = tempfile.mkdtemp(prefix="deja-bench-home-")
@@ -43,6 +44,7 @@ import cassette_size  # noqa: E402
 import record_overhead  # noqa: E402
 import replay_speed  # noqa: E402
 import ttft  # noqa: E402
+import viewer_speed  # noqa: E402
 
 Row = tuple[str, str, str, str, str]  # metric, deja, anchor, target, result
 
@@ -175,11 +177,52 @@ def rows_size(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     return rows, notes, fails
 
 
+def rows_viewer(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+    p, f = r["paint"], r["filter"]
+    paint_ok = p["median_s"] < 2.0
+    filter_ok = f["filter_ms"] < 1000.0
+    rows: list[Row] = [
+        (f"Viewer first paint, {p['steps']:,}-step run",
+         f"{p['median_s']:.2f} s (all rows in the grid {p['grid_median_s']:.2f} s)",
+         "-", "< 2 s", _verdict(paint_ok)),
+        (f"Runs-table filter, {f['runs']:,} runs (status + text)",
+         f"{f['filter_ms']:.1f} ms ({f['filter_hits']} runs)",
+         f"index build: {f['index_s']:.1f} s", "< 1 s", _verdict(filter_ok))]
+    notes = [
+        f"viewer paint: `deja view` on 127.0.0.1, headless Chromium (Playwright, Debian's "
+        f"chromium, 1280x800) opens ?run=<id> of a {p['steps']:,}-step run ({p['steps'] // 2:,} "
+        f"model calls through the SDK against the stub + {p['steps'] // 2:,} tool calls, "
+        f"{_kb(p['run_bytes'])}, recorded in {p['record_s']:.1f} s, indexed in "
+        f"{p['index_s']:.2f} s beforehand); time by the page's clock from the navigation's "
+        f"start to the first frame where the timeline's canvas has text in its first row; "
+        f"median of {p['loads']} loads, each in a new browser context (empty cache, new "
+        f"session): {', '.join(f'{x:.2f}' for x in p['paint_s'])} s; the first, untimed "
+        f"load {p['first_load_s']:.2f} s. The grid's accessible table holds all "
+        f"{p['steps'] + 1:,} rows later, after the charts are drawn "
+        f"({', '.join(f'{x:.2f}' for x in p['grid_s'])} s).",
+        f"viewer filter: {f['runs']:,} signed cassettes (model + tool step, end line; "
+        f"written with CassetteWriter in {f['write_s']:.1f} s) indexed in "
+        f"{f['index_s']:.1f} s (an unchanged refresh: {f['refresh_unchanged_s'] * 1000:.0f} "
+        f"ms); viewer.queries.list_runs(status=completed, text=<word in 1% of the runs, "
+        f"other case>) median of {f['repeats']}; no filter (first 500 rows) "
+        f"{f['all_ms']:.1f} ms; tool + model + min tokens + since {f['combined_ms']:.1f} ms "
+        f"({f['combined_rows']} runs)."]
+    fails = []
+    if not paint_ok:
+        fails.append(f"viewer first paint of a {p['steps']:,}-step run {p['median_s']:.2f} s "
+                     "(>= 2 s)")
+    if not filter_ok:
+        fails.append(f"runs-table filter over {f['runs']:,} runs {f['filter_ms']:.0f} ms "
+                     "(>= 1 s)")
+    return rows, notes, fails
+
+
 MEASURES = {
     "replay": (replay_speed.run, rows_replay),
     "overhead": (record_overhead.run, rows_overhead),
     "ttft": (ttft.run, rows_ttft),
     "size": (cassette_size.run, rows_size),
+    "viewer": (viewer_speed.run, rows_viewer),
 }
 
 
@@ -189,12 +232,14 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
                            "stride": 10, "full_vcr": full_vcr},
                 "overhead": {"n": 100, "n_rounds": 2},
                 "ttft": {"calls_per_block": 5, "n_rounds": 1},
-                "size": {"turns": 50, "large_chars": 1000}}
+                "size": {"turns": 50, "large_chars": 1000},
+                "viewer": {"steps": 2000, "loads": 3, "runs": 2000, "repeats": 5}}
     return {"replay": {"small": 200, "large": 2000, "repeats": 5, "vcr_repeats": 5,
                        "stride": 10, "full_vcr": full_vcr},
             "overhead": {"n": 300, "n_rounds": 5},
             "ttft": {"calls_per_block": 10, "n_rounds": 2},
-            "size": {"turns": 200, "large_chars": 1000}}
+            "size": {"turns": 200, "large_chars": 1000},
+            "viewer": {"steps": 2000, "loads": 5, "runs": 10_000, "repeats": 7}}
 
 
 # ---------------------------------------------------------------------------- output

@@ -9,8 +9,9 @@ expect::
      "artefacts": ["cassettes/r_01a2….jsonl"], "cancel": "deja cancel r_01a2…", ...}
 
 It is updated at every step in memory and written (atomically) at most every
-``interval`` seconds, and always when the status changes or the run ends, so that a
-status line costs the agent's calls nothing measurable. ``deja status RUN`` prints it.
+``interval`` seconds, the latest state always reaching the file within ``interval``, and
+at once when the status changes or the run ends, so that a status line costs the agent's
+calls nothing measurable. ``deja status RUN`` prints it.
 
 Cancelling is a flag file, ``$DEJA_HOME/runs/<run>.cancel``: ``deja cancel RUN`` (or the
 viewer's button) creates it; the recorder reads it before each call and after each
@@ -83,6 +84,7 @@ class Progress:
         self.interval = interval
         self._lock = threading.Lock()
         self._written = 0.0
+        self._timer: threading.Timer | None = None
         self.record: dict[str, Any] = {"run_id": run, "status": "running", "turn": 0,
                                        "step": "starting", "pid": os.getpid(),
                                        "host": socket.gethostname(), "started": _now_iso(),
@@ -97,6 +99,15 @@ class Progress:
             due = time.monotonic() - self._written >= self.interval
             if force or changed_status or due:
                 self._write_locked()
+            elif self._timer is None:  # write the latest state once the interval has passed
+                self._timer = threading.Timer(self.interval, self._flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _flush(self) -> None:
+        with self._lock:
+            self._timer = None
+            self._write_locked()
 
     def _write(self) -> None:
         with self._lock:

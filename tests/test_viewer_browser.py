@@ -95,8 +95,9 @@ def _health(port: int) -> bytes | None:
 
 @contextmanager
 def serve_viewer(folder: Path, log_path: Path, *, timeout: float = 40.0,
-                 env: dict[str, str] | None = None) -> Iterator[str]:
-    """``deja view FOLDER`` on a free port; yields its base URL, stops it on exit."""
+                 env: dict[str, str] | None = None, cwd: Path | None = None) -> Iterator[str]:
+    """``deja view FOLDER`` (run in ``cwd``) on a free port; yields its base URL, stops it
+    on exit."""
     port = free_port()
     environ = dict(os.environ if env is None else env)
     environ.pop("ANTHROPIC_BASE_URL", None)  # the fork's live target is set in the page
@@ -104,7 +105,7 @@ def serve_viewer(folder: Path, log_path: Path, *, timeout: float = 40.0,
         process = subprocess.Popen([sys.executable, "-m", "deja", "view", str(folder),
                                     "--port", str(port)], stdout=log,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   env=environ)
+                                   env=environ, cwd=cwd)
         try:
             deadline = time.monotonic() + timeout
             while _health(port) != b"ok":
@@ -144,11 +145,11 @@ def chromium_page(viewport: dict[str, int] | None = None) -> Iterator[Page]:
             browser.close()
 
 
-def shot(page: Page, path: Path) -> Path:
+def shot(page: Page, path: Path, **options: Any) -> Path:
     """A screenshot once Streamlit has nothing left to run (its status widget gone)."""
     page.wait_for_load_state("networkidle")
     expect(page.get_by_test_id("stStatusWidget")).to_have_count(0)
-    page.screenshot(path=str(path))
+    page.screenshot(path=str(path), **options)
     return path
 
 
