@@ -6,7 +6,7 @@ Prints one table (metric | deja | anchor | target | result) and writes
 this run; ratios are computed from medians of this run. Exits 0 whatever the results:
 benchmarks are not tests; failed targets are printed as FAIL.
 
-Measurements (``--only`` names): replay, overhead, ttft, size, viewer (the viewer's first
+Measurements (``--only`` names): replay, overhead, ttft, size, resume, viewer (the viewer's first
 paint in headless Chromium, which needs Debian's chromium: ``make chromium``).
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results" / "latest.json"
-NAMES = ("replay", "overhead", "ttft", "size", "viewer")
+NAMES = ("replay", "overhead", "ttft", "size", "resume", "viewer")
 
 # No real home is touched: a throwaway DEJA_HOME and signing key for this process.
 _HOME = tempfile.mkdtemp(prefix="deja-bench-home-")
@@ -43,6 +43,7 @@ if str(BENCH) not in sys.path:
 import cassette_size  # noqa: E402
 import record_overhead  # noqa: E402
 import replay_speed  # noqa: E402
+import resume_speed  # noqa: E402
 import ttft  # noqa: E402
 import viewer_speed  # noqa: E402
 
@@ -217,11 +218,26 @@ def rows_viewer(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     return rows, notes, fails
 
 
+def rows_resume(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+    ok = r["median_s"] < 1.0
+    rows: list[Row] = [(f"Resume fast-forward, {r['steps']:,}-step cassette",
+                        f"{r['median_s']:.3f} s", "-", "< 1 s", _verdict(ok))]
+    notes = [f"resume: a crashed run of {r['steps']:,} steps ({r['steps'] // 2:,} model calls "
+             f"+ as many tool calls, {_kb(r['bytes'])}, no end line) resumed with "
+             f"replayer.resume and the same agent, the stub server stopped; time from entering "
+             f"resume (load, signature check, reopen) until the recorded prefix is used up "
+             f"and the run goes live; median of {r['repeats']}: "
+             f"{', '.join(f'{x:.3f}' for x in r['times_s'])} s."]
+    fails = [] if ok else [f"resume fast-forward {r['median_s']:.2f} s (>= 1 s)"]
+    return rows, notes, fails
+
+
 MEASURES = {
     "replay": (replay_speed.run, rows_replay),
     "overhead": (record_overhead.run, rows_overhead),
     "ttft": (ttft.run, rows_ttft),
     "size": (cassette_size.run, rows_size),
+    "resume": (resume_speed.run, rows_resume),
     "viewer": (viewer_speed.run, rows_viewer),
 }
 
@@ -233,12 +249,14 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
                 "overhead": {"n": 100, "n_rounds": 2},
                 "ttft": {"calls_per_block": 5, "n_rounds": 1},
                 "size": {"turns": 50, "large_chars": 1000},
+                "resume": {"steps": 1000, "repeats": 3},
                 "viewer": {"steps": 2000, "loads": 3, "runs": 2000, "repeats": 5}}
     return {"replay": {"small": 200, "large": 2000, "repeats": 5, "vcr_repeats": 5,
                        "stride": 10, "full_vcr": full_vcr},
             "overhead": {"n": 300, "n_rounds": 5},
             "ttft": {"calls_per_block": 10, "n_rounds": 2},
             "size": {"turns": 200, "large_chars": 1000},
+            "resume": {"steps": 1000, "repeats": 5},
             "viewer": {"steps": 2000, "loads": 5, "runs": 10_000, "repeats": 7}}
 
 

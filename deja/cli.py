@@ -245,17 +245,23 @@ def show(cassette: Path, as_json: bool) -> None:
     from recorder.cassette import load
     from recorder.errors import DejaError
     from recorder.keys import load_keyring
-    from replayer.steps import run_summary, step_rows
+    from replayer.steps import children_of, run_summary, step_rows
 
     try:
         c = load(cassette, keyring=load_keyring(create=False), allow_torn=True)
     except DejaError as exc:
         _fail(exc)
     summary, rows = run_summary(c), step_rows(c)
+    children = children_of(c.run, cassette.parent)
     if as_json:
-        click.echo(json.dumps({"run": summary, "steps": rows}, indent=2, default=str))
+        click.echo(json.dumps({"run": summary, "children": children, "steps": rows}, indent=2,
+                              default=str))
         return
     click.echo(f"run {summary['run']}  status {summary['status']}  created {summary['created']}")
+    if summary["parent_run"]:
+        click.echo(f"  forked from {summary['parent_run']} at step {summary['parent_step']}")
+    for child in children:
+        click.echo(f"  fork {child['run']} at step {child['step']}: {child['path']}")
     click.echo(f"  {summary['model_calls']} model calls, {summary['tool_calls']} tool calls, "
                f"{summary['input_tokens']} in / {summary['output_tokens']} out tokens, "
                f"${summary['cost_usd']:.6f}; {summary['verify_note']}")
@@ -288,11 +294,18 @@ def ls_(directory: Path, as_json: bool) -> None:
     if not runs:
         click.echo(f"no runs in {directory}")
         return
+    forks: dict[str, int] = {}
+    for run in runs:
+        if run.get("parent_run"):
+            forks[run["parent_run"]] = forks.get(run["parent_run"], 0) + 1
     for run in runs:
         run["created"] = (run.get("created") or "")[:19].replace("T", " ")
+        run["parent"] = (f"{run['parent_run']}@{run['parent_step']}" if run.get("parent_run")
+                         else None)
+        run["forks"] = forks.get(run["run"] or "") or None
         run["run"] = run["run"] or Path(run["path"]).name
     _print_table(runs, ["run", "status", "created", "steps", "tokens", "cost_usd", "duration_s",
-                        "parent_run", "error"], title=f"runs in {directory}")
+                        "parent", "forks", "error"], title=f"runs in {directory}")
 
 
 @main.command()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +147,8 @@ def start_fork(plan: ForkPlan, *, then_replay: Cassette | None = None,
     parent, at = plan.parent, plan.at
     signing = ring.signing or _key_for(parent, ring)
     header = {k: v for k, v in parent.header.items() if k not in ("format", "key_id")}
-    header.update(run=plan.run_id, parent={"run": parent.run, "step": at,
+    header.update(run=plan.run_id, created=datetime.now(UTC).isoformat(
+        timespec="milliseconds").replace("+00:00", "Z"), parent={"run": parent.run, "step": at,
                                            "prefix_sig": parent.sigs[at],
                                            "path": str(parent.path)})
     cwd = parent.header.get("cwd")

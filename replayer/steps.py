@@ -6,6 +6,8 @@ this shape, so a step looks the same everywhere.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -90,3 +92,19 @@ def run_summary(cassette: Cassette) -> dict[str, Any]:
         "models": models, "labels": header.get("labels") or {},
         "verified": cassette.verified, "verify_note": cassette.verify_note, **totals,
     }
+
+
+def children_of(run: str, directory: str | Path) -> list[dict[str, Any]]:
+    """Runs in ``directory`` forked from ``run``: reads only each cassette's header line."""
+    out = []
+    for path in sorted(Path(directory).glob("*.jsonl")):
+        try:
+            with path.open("rb") as f:
+                header = json.loads(f.readline())
+        except (OSError, ValueError):
+            continue
+        parent = header.get("parent") if isinstance(header, dict) else None
+        if isinstance(parent, dict) and parent.get("run") == run:
+            out.append({"run": header.get("run"), "step": parent.get("step"),
+                        "path": str(path)})
+    return out

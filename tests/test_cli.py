@@ -272,3 +272,29 @@ def test_loop_guard_stops_the_spiral_and_the_replay_stops_the_same_way(tmp_path:
     replayed = deja("replay", str(out))
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
     assert "identical" in replayed.stdout and "stopped by the harness" in replayed.stdout
+
+
+def test_show_and_ls_show_lineage(spiral_cassette: Path) -> None:
+    import replayer
+
+    fixed = json.dumps({"results": [{"path": "auth/session.py", "snippet": "def refresh()"}]})
+    script = {"turns": [{"text": "Found it."}]}
+    with StubServer(script) as server:
+        os.environ["ANTHROPIC_BASE_URL"] = server.url
+        try:
+            sys.path.insert(0, str(SPIRAL.parent))
+            import retry_spiral
+
+            out = spiral_cassette.parent / "fork.jsonl"
+            with replayer.fork(spiral_cassette, at=1, sets=[f"/result={fixed}"], out=out):
+                assert retry_spiral.main() == 0
+        finally:
+            del os.environ["ANTHROPIC_BASE_URL"]
+    parent = CliRunner().invoke(main, ["show", str(spiral_cassette), "--json"])
+    children = json.loads(parent.output)["children"]
+    assert [(c["step"], Path(c["path"]).name) for c in children] == [(1, "fork.jsonl")]
+    child = CliRunner().invoke(main, ["show", str(out)])
+    assert "forked from r_" in child.output and "at step 1" in child.output
+    listed = CliRunner().invoke(main, ["ls", str(spiral_cassette.parent)])
+    assert listed.exit_code == 0, listed.output
+    assert "@1" in listed.output
