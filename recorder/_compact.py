@@ -20,7 +20,7 @@ On disk (the reader expands each line back after checking its signature):
 
 from __future__ import annotations
 
-import http
+import http.client
 import json
 import threading
 from typing import Any
@@ -97,10 +97,7 @@ class Compactor:
 
 
 def _phrase(status: int) -> str:
-    try:
-        return http.HTTPStatus(status).phrase
-    except ValueError:
-        return ""
+    return http.client.responses.get(status, "")
 
 
 def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any) -> None:

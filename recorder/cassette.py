@@ -110,7 +110,7 @@ class _GroupSync:
 
 
 def _mac(key: bytes, prev_sig: str, body: bytes) -> bytes:
-    return hmac.new(key, prev_sig.encode("ascii") + body, hashlib.sha256).digest()
+    return hmac.digest(key, prev_sig.encode("ascii") + body, hashlib.sha256)
 
 
 def encode_sig(mac: bytes) -> str:

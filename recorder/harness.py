@@ -20,7 +20,7 @@ from .config import Harness
 from .errors import BudgetExhausted, Cancelled, CircuitOpen, ConfigError, LoopDetected, RunStopped
 from .exchange import HttpRequest
 from .guards import BREAKERS, Clock, LoopWatch, is_failure
-from .progress import Progress, cancel_requested
+from .progress import Progress, cancel_path, cancel_requested
 
 log = logging.getLogger("deja.recorder")
 
@@ -45,6 +45,8 @@ class RunGuard:
         self.spend = 0.0
         self.stopped: RunStopped | None = None
         self._cancel_seen: dict[str, Any] | None = None
+        self._cancel_file = cancel_path(run)
+        self._cancel_checked = float("-inf")
         b = self.budgets
         self.progress = Progress(run, {
             "turn_limit": b.turns, "budget_s": b.seconds, "token_limit": b.tokens,
@@ -81,9 +83,18 @@ class RunGuard:
             self.progress.update(status=exc.end_status, step=str(exc), force=True)
         return exc
 
+    CANCEL_POLL = 0.02  # seconds between looks at the flag file after writes
+
+    def _look_for_cancel(self, *, always: bool) -> None:
+        if self._cancel_seen is not None:
+            return
+        now = time.monotonic()
+        if always or now - self._cancel_checked >= self.CANCEL_POLL:
+            self._cancel_checked = now
+            self._cancel_seen = cancel_requested(self.run, self._cancel_file)
+
     def _common(self, what: str) -> None:
-        if self._cancel_seen is None:
-            self._cancel_seen = cancel_requested(self.run)
+        self._look_for_cancel(always=True)
         if self._cancel_seen is not None:
             reason = self._cancel_seen.get("reason") or "cancel requested"
             raise self._stop(Cancelled(
@@ -180,9 +191,9 @@ class RunGuard:
                              elapsed_s=round(self.elapsed(), 3))
 
     def after_write(self) -> None:
-        """Cancel is read after each write; it takes effect at the next boundary."""
-        if self._cancel_seen is None:
-            self._cancel_seen = cancel_requested(self.run)
+        """Cancel is read after writes too (at most every 20 ms: the read before the next
+        call is what takes effect, this one only notices it sooner)."""
+        self._look_for_cancel(always=False)
 
     def finish(self, end: dict[str, Any]) -> None:
         totals = end.get("totals") or {}

@@ -14,8 +14,9 @@ at once when the status changes or the run ends, so that a status line costs the
 calls nothing measurable. ``deja status RUN`` prints it.
 
 Cancelling is a flag file, ``$DEJA_HOME/runs/<run>.cancel``: ``deja cancel RUN`` (or the
-viewer's button) creates it; the recorder reads it before each call and after each
-write, and the run stops at that boundary with status ``cancelled``, never mid-action.
+viewer's button) creates it; the recorder reads it before each call and after writes
+(there at most every 20 ms: a run of fast calls pays one system call per call), and the
+run stops at the next boundary with status ``cancelled``, never mid-action.
 """
 
 from __future__ import annotations
@@ -59,9 +60,13 @@ def request_cancel(run: str, reason: str = "") -> Path:
     return path
 
 
-def cancel_requested(run: str) -> dict[str, Any] | None:
+def cancel_requested(run: str, path: Path | None = None) -> dict[str, Any] | None:
+    """The cancel request of ``run`` (its flag file, ``path`` when already known), or None."""
+    path = path or cancel_path(run)
+    if not os.path.exists(path):  # the common case, checked before every call: keep it cheap
+        return None
     try:
-        return json.loads(cancel_path(run).read_text() or "{}")
+        return json.loads(path.read_text() or "{}")
     except FileNotFoundError:
         return None
     except ValueError:
