@@ -176,7 +176,7 @@ def test_fork_the_retry_spiral_end_to_end_through_the_cli(tmp_path: Path, stub: 
     assert rows["fixed.jsonl"]["parent_run"] == parent_lines[0]["run"]
     assert not rows["spiral.jsonl"]["parent_run"]
     table = CliRunner().invoke(cli, ["ls", str(runs)])
-    assert table.exit_code == 0 and "parent_run" in table.output
+    assert table.exit_code == 0 and "parent" in table.output and "@1" in table.output
     assert sha(parent) == parent_hash
 
 
