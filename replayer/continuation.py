@@ -167,33 +167,30 @@ class ContinuationSession(RecordSession):
             f"key {key}) took effect: {verdict.reason}", reason="unsettled_intent",
             detail={"seq": obs["seq"], "key": key, "tool": tool.name, "why": verdict.reason})
 
-    def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],
-                  run: Callable[[str | None], Any]) -> Any:
+    def _decide(self, tool: session.ToolSpec, args: dict[str, Any]) -> tuple[str, Any]:
+        """('value', result) when the call is answered without running the body, else
+        ('run', intent or None): run it live (an unsettled intent with its key)."""
         state, value = self._serve_tool(tool, args)
         if state == "served":
-            return value
+            return "value", value
         if state == "settle":
             state, value = self._settle(tool, args, value)
-            if state == "done":
-                return value
-            return self.run_tool(tool, args, run, intent=value)
+            return ("value", value) if state == "done" else ("run", value)
         if self.then is not None:
-            return self._then_tool(tool, args)
-        return self.run_tool(tool, args, run)
+            return "value", self._then_tool(tool, args)
+        return "run", None
+
+    def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],
+                  run: Callable[[str | None], Any]) -> Any:
+        action, value = self._decide(tool, args)
+        return value if action == "value" else self.run_tool(tool, args, run, intent=value)
 
     async def call_tool_async(self, tool: session.ToolSpec, args: dict[str, Any],
                               run: Callable[[str | None], Any]) -> Any:
-        state, value = self._serve_tool(tool, args)
-        if state == "served":
+        action, value = self._decide(tool, args)
+        if action == "value":
             return value
-        if state == "settle":
-            state, value = self._settle(tool, args, value)
-            if state == "done":
-                return value
-            return await self.run_tool_async(tool, args, run, intent=value)
-        if self.then is not None:
-            return self._then_tool(tool, args)
-        return await self.run_tool_async(tool, args, run)
+        return await self.run_tool_async(tool, args, run, intent=value)
 
     def _then_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> Any:
         assert self.then is not None
