@@ -161,6 +161,16 @@ def body_for_fingerprint(data: bytes, redaction: Redaction) -> Any:
     return redaction.body(body)
 
 
+def classify(method: str, url: str, data: bytes,
+             redaction: Redaction) -> tuple[str, str | None, Any]:
+    """(kind, provider, body) of a request, as recording stores it and replay matches it:
+    a model call needs a JSON body; the body is redacted (or wrapped, when not JSON)."""
+    provider = model_provider(method, url)
+    body = body_for_fingerprint(data, redaction)
+    wrapped = isinstance(body, dict) and "body_encoding" in body
+    return ("model" if provider and not wrapped else "http"), provider, body
+
+
 def response_record(resp: HttpResponse, redaction: Redaction) -> dict[str, Any]:
     text, encoding = encode_body(resp.body)
     out: dict[str, Any] = {"status": resp.status, "reason": resp.reason,

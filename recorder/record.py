@@ -43,11 +43,11 @@ from .exchange import (
     HttpRequest,
     HttpResponse,
     Redaction,
+    classify,
     fingerprint,
     model_provider,
     response_record,
     semantic_headers,
-    stored_body,
 )
 from .guards import BreakerSettings, Budgets, Clock, LoopGuard
 from .harness import RunGuard
@@ -265,22 +265,21 @@ class RecordSession(session.Session):
     def end_http(self, request: HttpRequest, response: HttpResponse | None, timing: session.Timing,
                  error: BaseException | None = None) -> None:
         assert self.writer is not None
-        provider = model_provider(request.method, request.url)
-        body, body_extra = stored_body(request.original_body if request.original_body
-                                       is not None else request.body)
-        if provider and not body_extra:
-            body = self.redaction.body(body)
+        kind, provider, body = classify(
+            request.method, request.url,
+            request.original_body if request.original_body is not None else request.body,
+            self.redaction)
+        if kind == "model":
             obs: dict[str, Any] = {
                 "kind": "model", "provider": provider, "url": request.url,
                 "request_headers": semantic_headers(request.headers, self.redaction),
             }
             request_body, has_request = body, True
         else:
-            fp_body = {"text": body, **body_extra} if body_extra else self.redaction.body(body)
             obs = {"kind": "http", "method": request.method.upper(), "url": request.url,
-                   "fp": fingerprint("http", request.method, request.url, fp_body),
+                   "fp": fingerprint("http", request.method, request.url, body),
                    "request": {"headers": semantic_headers(request.headers, self.redaction),
-                               "body": fp_body}}
+                               "body": body}}
             request_body, has_request = None, False
         obs["t"] = round(timing.start, 3)
         obs["ms"] = round(timing.ms, 2)

@@ -47,9 +47,8 @@ from recorder.exchange import (
     HttpRequest,
     HttpResponse,
     Redaction,
-    body_for_fingerprint,
+    classify,
     fingerprint,
-    model_provider,
     response_from_record,
 )
 from recorder.keys import Keyring, load_keyring
@@ -255,10 +254,8 @@ class ReplaySession(session.Session):
     def match_http(self, request: HttpRequest) -> dict[str, Any]:
         """The recorded observation that answers ``request``; a Divergence if none does."""
         self.raise_recorded_stop()
-        provider = model_provider(request.method, request.url)
-        body = body_for_fingerprint(request.body, self.redaction)
-        kind = "model" if provider and not (isinstance(body, dict) and "body_encoding" in body) \
-            else "http"
+        kind, _provider, body = classify(request.method, request.url, request.body,
+                                         self.redaction)
         fp = fingerprint(kind, request.method, request.url, body)
         obs = self.index.take(("net", fp))
         if obs is None:
