@@ -22,9 +22,11 @@ from typing import Any
 BOOT_DIR = Path(__file__).parent / "_bootstrap"
 BOOT_FAILED = 3
 _ENV = ("DEJA_MODE", "DEJA_CASSETTE", "DEJA_RUN_ID", "DEJA_ARGV", "DEJA_FSYNC", "DEJA_LABELS",
-        "DEJA_REDACT_HEADERS", "DEJA_REPORT", "DEJA_ALLOW_TORN", "DEJA_ALLOW_INCOMPLETE",
+        "DEJA_REDACT_HEADERS", "DEJA_REDACT_BODY", "DEJA_REDACT_PATTERNS", "DEJA_REDACT_QUERY",
+        "DEJA_REPORT", "DEJA_ALLOW_TORN", "DEJA_ALLOW_INCOMPLETE",
         "DEJA_REQUIRE_SIGNATURE", "DEJA_OVERWRITE", "DEJA_PLAN", "DEJA_BUDGETS", "DEJA_LOOP",
-        "DEJA_BREAKER")
+        "DEJA_BREAKER", "DEJA_ALLOW_UNVERIFIED", "DEJA_LAUNCHER_PID", "DEJA_LOCK_FD",
+        "DEJA_LOCK_CASSETTE")
 
 
 def child_env(mode: str, **values: Any) -> dict[str, str]:
@@ -65,6 +67,8 @@ def start_from_env() -> None:
         _chain_sitecustomize()
         return
     try:
+        _adopt_lock(env)
+        _stop_on_signals()
         if mode == "record":
             _start_record(env)
         elif mode == "replay":
@@ -76,6 +80,40 @@ def start_from_env() -> None:
     except Exception as exc:  # noqa: BLE001 - reported and fatal, never swallowed
         _fail(f"could not start {mode}: {type(exc).__name__}: {exc}")
     _chain_sitecustomize()
+
+
+def _adopt_lock(env: dict[str, str]) -> None:
+    """Hold the cassette's writer lock that the launcher took and handed down."""
+    if "DEJA_LOCK_FD" in env:
+        from recorder import lock
+
+        lock.adopt(env["DEJA_LOCK_CASSETTE"], int(env["DEJA_LOCK_FD"]))
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM, SIGHUP and SIGINT (as the launcher passes them on) end the run at once,
+    as ``Interrupted``, a KeyboardInterrupt: the run's end line says ``interrupted``.
+    Signals that arrive while the run is already stopping are ignored."""
+    import signal
+
+    from recorder.errors import Interrupted
+
+    fired: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        if fired:
+            return
+        fired.append(signum)
+        raise Interrupted(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, stop)
+
+
+def _orphaned(env: dict[str, str]) -> bool:
+    """The launcher that was to write our end line is gone (it was killed)."""
+    launcher = env.get("DEJA_LAUNCHER_PID")
+    return launcher is not None and os.getppid() != int(launcher)
 
 
 class _ExitWatch:
@@ -99,6 +137,9 @@ def _start_record(env: dict[str, str]) -> None:
         env.get("DEJA_CASSETTE", "cassettes"), run_id=env.get("DEJA_RUN_ID"), argv=argv,
         fsync=env.get("DEJA_FSYNC"), labels=json.loads(env.get("DEJA_LABELS", "{}")),
         redact_headers=tuple(json.loads(env.get("DEJA_REDACT_HEADERS", "[]"))),
+        redact_body=tuple(json.loads(env.get("DEJA_REDACT_BODY", "[]"))),
+        redact_patterns=tuple(json.loads(env.get("DEJA_REDACT_PATTERNS", "[]"))),
+        redact_query=tuple(json.loads(env.get("DEJA_REDACT_QUERY", "[]"))),
         overwrite=env.get("DEJA_OVERWRITE") == "1",
         budgets=json.loads(env["DEJA_BUDGETS"]) if "DEJA_BUDGETS" in env else None,
         loop_guard=False if env.get("DEJA_LOOP") == "0" else None,
@@ -107,8 +148,8 @@ def _start_record(env: dict[str, str]) -> None:
     report = env.get("DEJA_REPORT")
 
     def finish() -> None:
-        if report:  # the launching process writes the end line, knowing the exit status
-            _write_report(report, {"end": rec.hand_over(watch.error)})
+        if report and not _orphaned(env):  # the launcher writes the end line, knowing the
+            _write_report(report, {"end": rec.hand_over(watch.error)})  # exit status
         else:
             rec.close(error=watch.error)
 
@@ -120,7 +161,8 @@ def _start_replay(env: dict[str, str]) -> None:
 
     session = start(env["DEJA_CASSETTE"], allow_torn=env.get("DEJA_ALLOW_TORN") == "1",
                     allow_incomplete=env.get("DEJA_ALLOW_INCOMPLETE") == "1",
-                    require_signature=env.get("DEJA_REQUIRE_SIGNATURE") == "1")
+                    require_signature=env.get("DEJA_REQUIRE_SIGNATURE") == "1",
+                    allow_unverified=env.get("DEJA_ALLOW_UNVERIFIED") == "1")
     report = env.get("DEJA_REPORT")
 
     def finish() -> None:
@@ -141,7 +183,8 @@ def _start_continuation(mode: str, env: dict[str, str]) -> None:
         fork_plan = forking.plan_fork(plan["cassette"], plan["at"], patch=plan["patch"],
                                       out=plan["out"], run_id=plan["run_id"])
         then = (load(plan["then_replay"], keyring=load_keyring(create=False),
-                     allow_incomplete=True) if plan.get("then_replay") else None)
+                     require_signature=True, allow_incomplete=True)
+                if plan.get("then_replay") else None)
         context = forking._Continue(lambda: forking.start_fork(fork_plan, then_replay=then),
                                     abandon_on_divergence=False)
     else:
@@ -159,6 +202,8 @@ def _start_continuation(mode: str, env: dict[str, str]) -> None:
         if isinstance(error, Divergence) and mode == "resume":
             session.abandon()  # the log stays resumable by a fixed agent
             _write_report(report, {"end": None, "diverged": str(error)})
+        elif _orphaned(env):
+            session.close(error=error)
         else:
             _write_report(report, {"end": session.hand_over(error)})
 

@@ -30,6 +30,33 @@ def _fail(exc: Exception) -> NoReturn:
     raise BadInput(f"{type(exc).__name__}: {exc}") from exc
 
 
+def _allow_unverified_option(func: Any) -> Any:
+    return click.option(
+        "--allow-unverified", is_flag=True,
+        help="Use a cassette whose signature cannot be checked here (signed with a key "
+             "this machine does not have; also DEJA_ALLOW_UNVERIFIED=1). Its output says "
+             "NOT VERIFIED.")(func)
+
+
+def _load(cassette: Path, **options: Any) -> Any:
+    """Load (and check) a cassette for a command; a bad one exits 2 with a named error."""
+    from recorder.cassette import load
+    from recorder.errors import DejaError
+
+    if options.get("allow_unverified") is False:
+        options["allow_unverified"] = None  # no flag: the environment may still allow it
+    try:
+        return load(cassette, **options)
+    except DejaError as exc:
+        _fail(exc)
+
+
+def _warn_unverified(cassette: Any) -> None:
+    if not cassette.verified:
+        click.secho(f"deja: WARNING: {cassette.path}: {cassette.verify_note}. Its content is "
+                    "shown as recorded, unchecked.", err=True, fg="yellow")
+
+
 def _python_argv(argv: list[str]) -> list[str]:
     """Run a recorded ``python ...`` command with this interpreter (the one deja runs in)."""
     if argv and Path(argv[0]).name.startswith("python"):
@@ -87,13 +114,25 @@ def main() -> None:
 @click.option("--redact-header", "redact_headers", multiple=True, metavar="NAME",
               help="Another header never to write (authorization, x-api-key and cookies "
                    "always are).")
+@click.option("--redact-body", "redact_body", multiple=True, metavar="POINTER",
+              help="A JSON pointer into request bodies never to write, e.g. "
+                   "/metadata/user_id (repeatable).")
+@click.option("--redact-pattern", "redact_patterns", multiple=True, metavar="REGEX",
+              help="A regular expression for secrets to redact wherever they appear; with "
+                   "a group, only the group (repeatable). Key shapes (sk-..., AKIA..., "
+                   "ghp_..., JWTs) always are.")
+@click.option("--redact-query", "redact_query", multiple=True, metavar="NAME",
+              help="Another query parameter whose value is never written (key, token, "
+                   "access_token, signature ... always are).")
 @click.option("--force", is_flag=True, help="Overwrite the cassette file if it exists.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(output: Path, fsync: str | None, max_turns: int | None,
            max_tokens_total: int | None, max_tokens_per_turn: int | None,
            clamp_max_tokens: bool, max_seconds: float | None, max_dollars: float | None,
            no_loop_guard: bool, no_breaker: bool, labels: tuple[str, ...],
-           redact_headers: tuple[str, ...], force: bool, command: tuple[str, ...]) -> None:
+           redact_headers: tuple[str, ...], redact_body: tuple[str, ...],
+           redact_patterns: tuple[str, ...], redact_query: tuple[str, ...], force: bool,
+           command: tuple[str, ...]) -> None:
     """Record an unmodified Python program: deja record [-o FILE] -- python agent.py ...
 
     Every model call, HTTP exchange, @recorder.tool call and effect is logged to the
@@ -112,7 +151,8 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
             raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--label")
         label_map[key] = value
     run_id = new_run_id()
-    path = output if output.suffix == ".jsonl" else output / f"{run_id}.jsonl"
+    path = output if output.suffix == ".jsonl" and not output.is_dir() else \
+        output / f"{run_id}.jsonl"
     if path.exists() and not force:
         raise BadInput(f"{path} already exists; pass --force to overwrite it or choose "
                        "another -o")
@@ -123,49 +163,81 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
         "max_tokens_mode": "clamp" if clamp_max_tokens else None}.items() if v is not None}
     try:
         config.resolve(budgets=budgets, loop_guard=False if no_loop_guard else None,
-                       breaker=False if no_breaker else None)
+                       breaker=False if no_breaker else None, redact_headers=redact_headers,
+                       redact_body=redact_body, redact_patterns=redact_patterns,
+                       redact_query=redact_query)
     except ConfigError as exc:
         _fail(exc)
-    code = _launch("record", argv, path, None, cassette=str(path.resolve()), run_id=run_id,
-                   argv=argv, fsync=fsync, labels=label_map,
-                   redact_headers=list(redact_headers), overwrite="1" if force else None,
-                   budgets=budgets or None, loop="0" if no_loop_guard else None,
-                   breaker="0" if no_breaker else None)
-    if code == BOOT_FAILED and not path.exists():
+    lock = _writer_lock(path, run_id, "deja record")  # --force never tramples a live run
+    try:
+        code = _launch("record", argv, path, None, lock=lock, cassette=str(path.resolve()),
+                       run_id=run_id, argv=argv, fsync=fsync, labels=label_map,
+                       redact_headers=list(redact_headers), redact_body=list(redact_body),
+                       redact_patterns=list(redact_patterns), redact_query=list(redact_query),
+                       overwrite="1" if force else None,
+                       budgets=budgets or None, loop="0" if no_loop_guard else None,
+                       breaker="0" if no_breaker else None)
+    finally:
+        lock.release()
+    started = _header_run(path) == run_id
+    if code == BOOT_FAILED and not started:
         raise BadInput("the program did not start recording (see the message above)")
-    if path.exists():
+    if started:
         click.echo(f"deja: recorded run {run_id} to {path}", err=True)
     sys.exit(code)
+
+
+def _header_run(path: Path) -> str | None:
+    """The run id a cassette's first line names (None: no such file, or not a cassette)."""
+    try:
+        with path.open("rb") as f:
+            header = json.loads(f.readline())
+    except (OSError, ValueError, RecursionError):  # not a cassette (or a hostile one)
+        return None
+    return header.get("run") if isinstance(header, dict) else None
 
 
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--require-signature", is_flag=True,
-              help="Fail if the signing key is not available to verify the cassette.")
+              help="Refuse a cassette whose signature cannot be checked, even when "
+                   "unverified cassettes are allowed.")
+@_allow_unverified_option
+@click.option("--run-recorded-command", is_flag=True,
+              help="Run the command an unverified cassette's header names (never done "
+                   "without this flag or -- CMD: the header is not checked).")
 @click.option("--allow-torn", is_flag=True, help="Replay the intact part of a torn cassette.")
 @click.option("--allow-incomplete", is_flag=True,
               help="Replay a cassette without an end line (a crashed run).")
 @click.option("--json", "as_json", is_flag=True, help="Print the replay result as JSON.")
-def replay(cassette: Path, command: tuple[str, ...], require_signature: bool, allow_torn: bool,
+def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
+           allow_unverified: bool, run_recorded_command: bool, allow_torn: bool,
            allow_incomplete: bool, as_json: bool) -> None:
     """Replay a recorded run offline: deja replay CASSETTE [-- CMD ...].
 
     Runs the recorded command (or CMD) with every observation served from the cassette
-    and the network blocked. Exit 0 identical, 1 diverged, 2 bad cassette.
+    and the network blocked. The cassette's signature is checked first; one signed with a
+    key this machine does not have is refused unless --allow-unverified, and even then
+    its recorded command is only run when given as CMD or with --run-recorded-command.
+    Exit 0 identical, 1 diverged, 2 bad cassette.
     """
+    from deja import launcher
     from deja.boot import child_env
-    from recorder.cassette import load
-    from recorder.errors import DejaError
-    from recorder.keys import load_keyring
 
-    try:
-        loaded = load(cassette, keyring=load_keyring(create=False),
-                      require_signature=require_signature, allow_torn=allow_torn,
-                      allow_incomplete=allow_incomplete)
-    except DejaError as exc:
-        _fail(exc)
-    argv = list(command) or list(loaded.header.get("argv") or [])
+    loaded = _load(cassette, require_signature=require_signature,
+                   allow_unverified=allow_unverified, allow_torn=allow_torn,
+                   allow_incomplete=allow_incomplete)
+    recorded = list(loaded.header.get("argv") or [])
+    if not loaded.verified and not command and not run_recorded_command:
+        shown = " ".join(recorded) or "(none)"
+        raise BadInput(
+            f"{cassette}: {loaded.verify_note}. deja does not run the command an unverified "
+            f"header names ({shown}), since anyone could have written it there. Give the "
+            f"command yourself: deja replay {cassette} --allow-unverified -- CMD ..., or "
+            "pass --run-recorded-command if you have read it and trust it")
+    _warn_unverified(loaded)
+    argv = list(command) or recorded
     if not argv:
         raise BadInput(f"{cassette} records no command; give one after --")
     cwd = _recorded_cwd(cassette, loaded.header.get("cwd")) if not command else None
@@ -174,19 +246,23 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool, al
         env = child_env("replay", cassette=str(cassette.resolve()), report=str(report),
                         allow_torn="1" if allow_torn else None,
                         allow_incomplete="1" if allow_incomplete else None,
-                        require_signature="1" if require_signature else None)
+                        require_signature="1" if require_signature else None,
+                        allow_unverified=None if loaded.verified else "1")
         try:
-            code = subprocess.call(_python_argv(argv), env=env, cwd=cwd)
-        except FileNotFoundError as exc:
-            raise BadInput(f"cannot run {argv[0]!r}: {exc.strerror}") from None
+            ended = launcher.run(_python_argv(argv), env=env, cwd=cwd)
+        except OSError as exc:
+            raise BadInput(f"cannot run {argv[0]!r}: {exc.strerror or exc}") from None
+        if ended.received is not None:
+            click.echo(f"deja: replay stopped by signal {ended.received}", err=True)
+            sys.exit(ended.status)
         if not report.exists():
-            raise BadInput(f"the program exited with status {code} before the replay could "
-                           "report (see the message above)")
+            raise BadInput(f"the program exited with status {ended.status} before the replay "
+                           "could report (see the message above)")
         result = json.loads(report.read_text())
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
-        click.echo(_replay_report(result, code))
+        click.echo(_replay_report(result, ended.status))
     sys.exit(0 if result["identical"] else EXIT_DIVERGED)
 
 
@@ -200,6 +276,8 @@ def _recorded_cwd(cassette: Path, cwd: str | None) -> Path | None:
 
 def _replay_report(result: dict[str, Any], code: int) -> str:
     verdict = "identical" if result["identical"] else "DIVERGED"
+    if not result.get("verified"):
+        verdict += " (NOT VERIFIED: what was served is unchecked)"
     lines = [f"replay of {result['run']}: {verdict}",
              f"  cassette:   {result['path']}",
              f"  steps:      {result['steps_served']}/{result['steps_recorded']} served "
@@ -212,26 +290,25 @@ def _replay_report(result: dict[str, Any], code: int) -> str:
         step = d["step"] if d["step"] is not None else "end"
         lines.append(f"  divergence: step {step} ({d['kind']}): {d['reason']}")
         lines.extend("    " + line for line in (d.get("diff") or "").splitlines())
+    lines.extend(f"  note:       {note}" for note in result.get("notes") or ())
     return "\n".join(lines)
 
 
 @main.command()
 @click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--allow-torn", is_flag=True, help="Check the intact part of a torn cassette.")
-def verify(cassette: Path, allow_torn: bool) -> None:
+@click.option("--allow-incomplete", is_flag=True,
+              help="Accept a cassette without an end line (a run still going, or crashed).")
+def verify(cassette: Path, allow_torn: bool, allow_incomplete: bool) -> None:
     """Check a cassette's format and signature chain; name the first bad line.
 
-    Needs the key it was signed with (DEJA_KEY, the key file, or DEJA_OLD_KEYS).
+    Needs the key it was signed with (DEJA_KEY, the key file, or DEJA_OLD_KEYS). A
+    cassette without its end line is refused: lines cut off at a line boundary leave no
+    other trace (--allow-incomplete accepts a run that is still going or crashed).
+    Exit 0 ok, 2 refused.
     """
-    from recorder.cassette import load
-    from recorder.errors import DejaError
-    from recorder.keys import load_keyring
-
-    try:
-        c = load(cassette, keyring=load_keyring(create=False), require_signature=True,
-                 allow_torn=allow_torn)
-    except DejaError as exc:
-        _fail(exc)
+    c = _load(cassette, require_signature=True, allow_torn=allow_torn,
+              allow_incomplete=allow_incomplete)
     end = c.end["status"] if c.end else "no end line (incomplete run)"
     click.echo(f"ok: {cassette}: run {c.run}, {len(c)} observations, {c.verify_note}, "
                f"end: {end}")
@@ -240,23 +317,25 @@ def verify(cassette: Path, allow_torn: bool) -> None:
 @main.command()
 @click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the run and its steps as JSON.")
-def show(cassette: Path, as_json: bool) -> None:
-    """One row per step: seq, kind, name, status, tokens, cost, latency."""
-    from recorder.cassette import load
-    from recorder.errors import DejaError
-    from recorder.keys import load_keyring
+@_allow_unverified_option
+def show(cassette: Path, as_json: bool, allow_unverified: bool) -> None:
+    """One row per step: seq, kind, name, status, tokens, cost, latency.
+
+    The signature is checked first; a cassette signed with a key this machine does not
+    have is refused unless --allow-unverified, and then marked NOT VERIFIED.
+    """
     from replayer.steps import children_of, run_summary, step_rows
 
-    try:
-        c = load(cassette, keyring=load_keyring(create=False), allow_torn=True)
-    except DejaError as exc:
-        _fail(exc)
+    c = _load(cassette, allow_torn=True, allow_unverified=allow_unverified)
+    _warn_unverified(c)
     summary, rows = run_summary(c), step_rows(c)
     children = children_of(c.run, cassette.parent)
     if as_json:
         click.echo(json.dumps({"run": summary, "children": children, "steps": rows}, indent=2,
                               default=str))
         return
+    if not c.verified:
+        click.secho(f"{c.verify_note}", fg="yellow", bold=True)
     click.echo(f"run {summary['run']}  status {summary['status']}  created {summary['created']}")
     if summary["parent_run"]:
         click.echo(f"  forked from {summary['parent_run']} at step {summary['parent_step']}")
@@ -275,17 +354,20 @@ def show(cassette: Path, as_json: bool) -> None:
 @click.argument("directory", type=click.Path(path_type=Path, file_okay=False),
                 default=Path("cassettes"))
 @click.option("--json", "as_json", is_flag=True, help="Print the runs as JSON.")
-def ls_(directory: Path, as_json: bool) -> None:
+@_allow_unverified_option
+def ls_(directory: Path, as_json: bool, allow_unverified: bool) -> None:
     """List the runs in a cassette directory (default: cassettes).
 
     Reads the DuckDB index DIR/.index.duckdb, refreshed from the files first; delete it
-    at any time and it is rebuilt.
+    at any time and it is rebuilt. A cassette that does not verify is an error row with
+    the reason; with --allow-unverified, one signed with a key this machine does not
+    have is listed, marked NOT VERIFIED.
     """
     from viewer.index import RunIndex
 
     if not directory.is_dir():
         raise BadInput(f"no directory {directory}")
-    with RunIndex(directory) as index:
+    with RunIndex(directory, allow_unverified=allow_unverified or None) as index:
         index.refresh()
         runs = index.runs()
     if as_json:
@@ -304,8 +386,10 @@ def ls_(directory: Path, as_json: bool) -> None:
                          else None)
         run["forks"] = forks.get(run["run"] or "") or None
         run["run"] = run["run"] or Path(run["path"]).name
-    _print_table(runs, ["run", "status", "created", "steps", "tokens", "cost_usd", "duration_s",
-                        "parent", "forks", "error"], title=f"runs in {directory}")
+        run["signed"] = ("verified" if run.get("verified") else
+                         "NOT VERIFIED" if run.get("status") != "error" else None)
+    _print_table(runs, ["run", "status", "signed", "created", "steps", "tokens", "cost_usd",
+                        "duration_s", "parent", "forks", "error"], title=f"runs in {directory}")
 
 
 @main.command()
@@ -313,7 +397,8 @@ def ls_(directory: Path, as_json: bool) -> None:
                 default=Path("cassettes"))
 @click.option("--port", type=click.IntRange(1, 65535), default=8501, show_default=True,
               help="Port on 127.0.0.1.")
-def view(directory: Path, port: int) -> None:
+@_allow_unverified_option
+def view(directory: Path, port: int, allow_unverified: bool) -> None:
     """Browse the runs of a cassette directory in the browser (default: cassettes).
 
     Serves the viewer on http://127.0.0.1:PORT: every run with filters and text search;
@@ -332,7 +417,10 @@ def view(directory: Path, port: int) -> None:
             "--server.headless", "true", "--browser.gatherUsageStats", "false",
             "--", str(directory)]
     click.echo(f"deja view: {directory} at http://127.0.0.1:{port} (Ctrl-C stops it)", err=True)
-    process = subprocess.Popen(argv)
+    env = dict(os.environ)
+    if allow_unverified:
+        env["DEJA_ALLOW_UNVERIFIED"] = "1"
+    process = subprocess.Popen(argv, env=env)
     signal.signal(signal.SIGTERM, lambda *_: process.terminate())  # stop it with us
     try:
         code = process.wait()
@@ -345,32 +433,51 @@ def view(directory: Path, port: int) -> None:
     sys.exit(code)
 
 
-def _launch(mode: str, command: list[str], target: Path, cwd: Path | None,
-            **values: Any) -> int:
-    """Run a program under the bootstrap; write the end line it hands back, with its exit
-    status. A program killed before handing over leaves its run open: resumable."""
-    from deja.boot import BOOT_FAILED, child_env
+def _writer_lock(path: Path, run: str | None, what: str) -> Any:
+    """Take ``path``'s writer lock for the whole command (refused: exit 2, naming who has it)."""
+    from recorder import lock
     from recorder.errors import DejaError
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return lock.acquire(path, run=run, what=what)
+    except OSError as exc:
+        raise BadInput(f"cannot create {path.parent}: {exc.strerror or exc}") from None
+    except DejaError as exc:
+        _fail(exc)
+
+
+def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
+            lock: Any = None, **values: Any) -> int:
+    """Run a program under the bootstrap; write the end line it hands back, with its exit
+    status. A program killed before handing over leaves its run open: resumable.
+    Returns the status to exit with (128 + N when a signal N stopped it)."""
+    from deja import launcher
+    from deja.boot import BOOT_FAILED, child_env
+    from recorder.errors import CassetteWriteError, DejaError
     from recorder.record import write_end
 
     with tempfile.TemporaryDirectory(prefix="deja-") as tmp:
         report = Path(tmp) / "report.json"
         env = child_env(mode, report=str(report), **values)
         try:
-            code = subprocess.call(_python_argv(command), env=env, cwd=cwd)
-        except FileNotFoundError as exc:
-            raise BadInput(f"cannot run {command[0]!r}: {exc.strerror}") from None
+            ended = launcher.run(_python_argv(command), env=env, cwd=cwd, lock=lock)
+        except OSError as exc:
+            raise BadInput(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
         if report.exists():
             end = json.loads(report.read_text()).get("end")
             if end is not None:
                 try:
-                    write_end(target, end, code)
+                    write_end(target, end, ended.status)
+                except CassetteWriteError as exc:  # still no room: the run stays open
+                    click.echo(f"deja: the run's end line could not be written ({exc})",
+                               err=True)
                 except DejaError as exc:
                     _fail(exc)
-        elif target.exists() and code != BOOT_FAILED:
-            click.echo(f"deja: the program ended (status {code}) before the run could be "
-                       f"closed; it can be resumed: deja resume {target}", err=True)
-    return code
+        elif target.exists() and ended.code != BOOT_FAILED:
+            click.echo(f"deja: the program ended (status {ended.status}) before the run could "
+                       f"be closed; it can be resumed: deja resume {target}", err=True)
+    return ended.status
 
 
 def _read_json_file(path: Path, what: str) -> Any:
@@ -419,10 +526,7 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
     replace = _read_json_file(replace_file, "replacement file") if replace_file else None
     try:
         if show_document:
-            from recorder.cassette import load
-            from recorder.keys import load_keyring
-
-            parent = load(cassette, keyring=load_keyring(create=False), allow_incomplete=True)
+            parent = _load(cassette, require_signature=True, allow_incomplete=True)
             if not 0 <= at < len(parent.observations):
                 raise BadInput(f"step {at} is out of range 0-{len(parent.observations) - 1}")
             click.echo(json.dumps(edit.view(parent.observations[at]), indent=2,
@@ -431,15 +535,21 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
         plan = plan_fork(cassette, at, patch=patch, replace=replace, sets=sets, out=output)
     except DejaError as exc:
         _fail(exc)
+    if then_replay is not None:  # its steps are re-signed into the fork: it must verify
+        _load(then_replay, require_signature=True, allow_incomplete=True)
     argv = list(command) or list(plan.parent.header.get("argv") or [])
     if not argv:
         raise BadInput(f"{cassette} records no command; give one after --")
     cwd = None if command else _recorded_cwd(cassette, plan.parent.header.get("cwd"))
-    code = _launch("fork", argv, plan.out, cwd, plan={
-        "cassette": str(cassette.resolve()), "at": at, "patch": plan.patch,
-        "out": str(plan.out.resolve()), "run_id": plan.run_id,
-        "then_replay": str(then_replay.resolve()) if then_replay else None})
-    if plan.out.exists():
+    lock = _writer_lock(plan.out, plan.run_id, "deja fork")
+    try:
+        code = _launch("fork", argv, plan.out, cwd, lock=lock, plan={
+            "cassette": str(cassette.resolve()), "at": at, "patch": plan.patch,
+            "out": str(plan.out.resolve()), "run_id": plan.run_id,
+            "then_replay": str(then_replay.resolve()) if then_replay else None})
+    finally:
+        lock.release()
+    if _header_run(plan.out) == plan.run_id:
         click.echo(f"deja: forked run {plan.run_id} from {plan.parent.run} at step {at} "
                    f"-> {plan.out}", err=True)
         click.echo(f"deja: compare them with: deja diff {cassette} {plan.out}", err=True)
@@ -460,18 +570,26 @@ def resume(cassette: Path, command: tuple[str, ...]) -> None:
     from recorder.errors import DejaError
     from replayer.forking import plan_resume
 
+    lock = _writer_lock(cassette, _header_run(cassette), "deja resume")  # before reading it
     try:
-        loaded = plan_resume(cassette)
-    except DejaError as exc:
-        _fail(exc)
-    if loaded.torn_offset is not None:
-        click.echo(f"deja: {cassette}: the last line is torn (byte {loaded.torn_offset}); it "
-                   "is cut before resuming", err=True)
-    argv = list(command) or list(loaded.header.get("argv") or [])
-    if not argv:
-        raise BadInput(f"{cassette} records no command; give one after --")
-    cwd = None if command else _recorded_cwd(cassette, loaded.header.get("cwd"))
-    code = _launch("resume", argv, cassette, cwd, plan={"cassette": str(cassette.resolve())})
+        try:
+            loaded = plan_resume(cassette)
+        except DejaError as exc:
+            _fail(exc)
+        if loaded.torn_offset is not None:
+            click.echo(f"deja: {cassette}: the last line is torn (byte {loaded.torn_offset}); "
+                       "it is cut before resuming", err=True)
+        if loaded.end is not None:
+            click.echo(f"deja: {cassette}: the run ended {loaded.end.get('status')}; its end "
+                       "line is cut and the run goes on", err=True)
+        argv = list(command) or list(loaded.header.get("argv") or [])
+        if not argv:
+            raise BadInput(f"{cassette} records no command; give one after --")
+        cwd = None if command else _recorded_cwd(cassette, loaded.header.get("cwd"))
+        code = _launch("resume", argv, cassette, cwd, lock=lock,
+                       plan={"cassette": str(cassette.resolve())})
+    finally:
+        lock.release()
     end = cassette.read_bytes().rstrip(b"\n").rsplit(b"\n", 1)[-1]
     try:
         status = json.loads(end).get("status") if b'"kind":"end"' in end else None
@@ -486,27 +604,30 @@ def resume(cassette: Path, command: tuple[str, ...]) -> None:
 @click.argument("cassette_a", type=click.Path(path_type=Path, dir_okay=False))
 @click.argument("cassette_b", type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
-def diff(cassette_a: Path, cassette_b: Path, as_json: bool) -> None:
+@_allow_unverified_option
+def diff(cassette_a: Path, cassette_b: Path, as_json: bool, allow_unverified: bool) -> None:
     """Compare two runs step by step. Exit 0 same, 1 different, 2 bad cassette.
 
     Collapses the identical prefix, names the first divergent step and lists the changed
     fields of every differing step (request, response, tool args and result, tokens, cost).
+    Both signatures are checked first (--allow-unverified to compare a cassette signed
+    with a key this machine does not have; it is then marked NOT VERIFIED).
     """
-    from recorder.cassette import load
-    from recorder.errors import DejaError
-    from recorder.keys import load_keyring
     from replayer.diff import compare, render
 
-    ring = load_keyring(create=False)
-    try:
-        a = load(cassette_a, keyring=ring, allow_torn=True, allow_incomplete=True)
-        b = load(cassette_b, keyring=ring, allow_torn=True, allow_incomplete=True)
-    except DejaError as exc:
-        _fail(exc)
+    a, b = (_load(c, allow_torn=True, allow_incomplete=True,
+                  allow_unverified=allow_unverified) for c in (cassette_a, cassette_b))
+    for c in (a, b):
+        _warn_unverified(c)
     result = compare(a, b)
     if as_json:
-        click.echo(json.dumps(result.to_dict(), indent=2, default=str))
+        out = result.to_dict()
+        out["signatures"] = {"a": a.verify_note, "b": b.verify_note}
+        click.echo(json.dumps(out, indent=2, default=str))
     else:
+        for label, c in (("a", a), ("b", b)):
+            if not c.verified:
+                click.secho(f"{label}: {c.path}: {c.verify_note}", fg="yellow", bold=True)
         click.echo(render(result))
     sys.exit(0 if result.same else EXIT_DIVERGED)
 
@@ -526,7 +647,10 @@ def status(run: str, as_json: bool) -> None:
     if record is None:
         raise BadInput(f"no status for run {run!r} (runs record theirs under "
                        "$DEJA_HOME/runs; is DEJA_HOME the same as the recording's?)")
+    gone = _process_gone(record)
     if as_json:
+        if gone:
+            record["process_alive"] = False
         click.echo(json.dumps(record, indent=2))
         return
 
@@ -541,9 +665,33 @@ def status(run: str, as_json: bool) -> None:
              f"  spend:    {limit(record.get('spend_usd'), record.get('dollar_limit'), ' USD')}",
              f"  artefacts: {', '.join(record.get('artefacts') or []) or '-'}",
              f"  updated:  {record.get('updated')} (pid {record.get('pid')})"]
-    if record.get("status") == "running":
+    if gone:
+        artefact = next(iter(record.get("artefacts") or []), "CASSETTE")
+        lines[0] += (f" (but its process, pid {record.get('pid')}, is gone: the run crashed; "
+                     f"resume it with: deja resume {artefact})")
+    elif record.get("status") == "running":
         lines.append(f"  cancel:   {record.get('cancel')}")
     click.echo("\n".join(lines))
+
+
+def _process_gone(record: dict[str, Any]) -> bool:
+    """A record that says running, written on this host by a process that no longer is."""
+    import socket
+
+    if record.get("status") != "running" or record.get("host") != socket.gethostname():
+        return False
+    try:
+        pid = int(record.get("pid") or 0)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError):
+        return False
+    try:  # a zombie nobody has reaped yet is gone too
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]
 
 
 @main.command()
@@ -555,6 +703,7 @@ def cancel(run: str, reason: str) -> None:
     Sets a flag that the recorder reads before each call and after each write; the run
     never stops mid-action. Any process with the same DEJA_HOME can cancel.
     """
+    from recorder.errors import ConfigError
     from recorder.progress import read_status, request_cancel
 
     record = read_status(run)
@@ -562,7 +711,10 @@ def cancel(run: str, reason: str) -> None:
         raise BadInput(f"no run {run!r} under $DEJA_HOME/runs")
     if record.get("ended"):
         raise BadInput(f"run {run} already ended with status {record.get('status')!r}")
-    path = request_cancel(run, reason)
+    try:
+        path = request_cancel(run, reason)
+    except ConfigError as exc:  # the flag cannot be written: say so, no traceback
+        _fail(exc)
     click.echo(f"deja: cancel requested for run {run} ({path}); it stops at its next "
                "boundary")
 

@@ -16,7 +16,8 @@ and hands it an idempotency key, which the ledger stores as its primary key; on 
 
 Environment: ``RECON_LEDGER`` the ledger file (default ``ledger.sqlite`` in the current
 directory); ``RECON_CRASH="<n>:<where>"`` kills this process with SIGKILL inside the
-n-th call of ``pay``, ``where`` being ``before_ledger`` or ``after_ledger`` (crash tests).
+n-th call of ``pay``, ``where`` being ``before_ledger`` or ``after_ledger`` (crash tests);
+``RECON_DELAY`` seconds to wait after each turn (to stop a run by hand, or by signal tests).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import os
 import signal
 import sqlite3
+import time
 from pathlib import Path
 
 import anthropic
@@ -153,7 +155,7 @@ def main() -> int:
         messages.append({"role": "assistant",
                          "content": [b.model_dump(exclude_none=True) for b in reply.content]})
         text = "".join(b.text for b in reply.content if b.type == "text")
-        print(f"turn {turn}: {reply.stop_reason}: {text}")
+        print(f"turn {turn}: {reply.stop_reason}: {text}", flush=True)
         if reply.stop_reason != "tool_use":
             return 0
         results = []
@@ -163,6 +165,7 @@ def main() -> int:
                 results.append({"type": "tool_result", "tool_use_id": block.id,
                                 "content": output, "is_error": is_error})
         messages.append({"role": "user", "content": results})
+        time.sleep(float(os.environ.get("RECON_DELAY") or 0))
     print(f"gave up after {MAX_TURNS} turns")
     return 1
 

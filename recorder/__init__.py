@@ -10,6 +10,8 @@ from .errors import (
     BudgetExhausted,
     Cancelled,
     CassetteError,
+    CassetteLocked,
+    CassetteWriteError,
     CircuitOpen,
     ConfigError,
     CorruptCassette,
@@ -26,6 +28,7 @@ from .errors import (
     TornCassette,
     UnserializableValue,
     UnsupportedFormat,
+    UnverifiedCassette,
 )
 from .guards import BreakerSettings, Budgets, LoopGuard
 from .intents import Intent, Settled, idempotency_key
@@ -43,6 +46,8 @@ __all__ = [
     "Cancelled",
     "Cassette",
     "CassetteError",
+    "CassetteLocked",
+    "CassetteWriteError",
     "CassetteWriter",
     "CircuitOpen",
     "ConfigError",
@@ -69,6 +74,7 @@ __all__ = [
     "TornCassette",
     "UnserializableValue",
     "UnsupportedFormat",
+    "UnverifiedCassette",
     "active",
     "idempotency_key",
     "load",

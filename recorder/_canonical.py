@@ -1,4 +1,10 @@
-"""Canonical JSON: the one byte form that signatures and fingerprints are computed over."""
+"""Canonical JSON: the one byte form that signatures and fingerprints are computed over.
+
+A value with no canonical form (NaN, a lone surrogate, a cycle, nesting deeper than the
+encoder goes, a type JSON does not have) is refused here with
+:class:`~recorder.errors.UnserializableValue`, so that whatever path it took to a cassette
+line, it never surfaces as a bare ``ValueError`` or ``RecursionError``.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,13 @@ import base64
 import hashlib
 import json
 from typing import Any
+
+from .errors import UnserializableValue
+
+
+class NoCanonicalForm(UnserializableValue, ValueError):
+    """A value with no canonical JSON form; also a ``ValueError``, which is what code that
+    checks untrusted lines expects from a JSON encoder."""
 
 # One encoder for every call: ``json.dumps`` with these options would build a new one each
 # time, which is a large share of the cost for the small objects hashed per message.
@@ -15,7 +28,17 @@ _ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=
 
 def canonical(obj: Any) -> bytes:
     """Sorted keys, no spaces, UTF-8 (non-ASCII kept as is)."""
-    return _ENCODER.encode(obj).encode("utf-8")
+    try:
+        return _ENCODER.encode(obj).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start:exc.end] if isinstance(exc.object, str) else ""
+        raise NoCanonicalForm(f"a string holds {bad!r}, a lone surrogate, which UTF-8 "
+                                  "cannot encode; a cassette cannot store it") from None
+    except RecursionError:
+        raise NoCanonicalForm("a value is nested too deeply (or refers to itself) to be "
+                                  "written to a cassette") from None
+    except (ValueError, TypeError) as exc:
+        raise NoCanonicalForm(f"a value cannot be written to a cassette: {exc}") from None
 
 
 def digest(obj: Any) -> str:

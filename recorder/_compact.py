@@ -35,13 +35,17 @@ def _exact_json(text: str) -> Any:
     """The parsed body when compact re-serialisation reproduces ``text`` exactly."""
     if not text or text[0] not in "{[":
         return None
-    try:
-        doc = json.loads(text)
-    except ValueError:
+    try:  # NaN, Infinity or deep nesting have no canonical form: the text is kept instead
+        doc = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
         return None
     if json.dumps(doc, separators=(",", ":"), ensure_ascii=False) != text:
         return None
     return doc
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} has no canonical JSON form")
 
 
 def json_text(doc: Any) -> str:

@@ -98,7 +98,10 @@ class _Recording:
         response = self.meta
         if response is not None:
             response.body = b"".join(self.chunks)
-        self.session.end_http(self.request, response, timing, error)
+        try:
+            self.session.end_http(self.request, response, timing, error)
+        except DejaError as exc:  # e.g. the cassette could not be written: never retried
+            raise sdk_passthrough(exc) from None
 
 
 def _tee_class(httpx: ModuleType, kind: str) -> type:

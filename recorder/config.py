@@ -26,15 +26,22 @@ directory (or the file named by ``DEJA_CONFIG``)::
     [tool.deja.prices]         # dollars per million tokens: input, output
     "my-fine-tune" = [2.0, 8.0]
 
-Explicit arguments win over the file; the file wins over the defaults. Anything malformed
-is a :class:`ConfigError` naming the file and key, raised when the run starts.
+    [tool.deja.redact]         # added to the built-in rules (recorder.redact)
+    headers = ["x-tenant-token"]
+    body_paths = ["/metadata/user_id"]
+    patterns = ["corp-[0-9a-f]{32}"]
+    query = ["session"]
+
+Explicit arguments win over the file; the file wins over the defaults. Redaction rules
+add up instead: the file's and the arguments' all apply. Anything malformed is a
+:class:`ConfigError` naming the file and key, raised when the run starts.
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,9 +50,11 @@ from .cassette import Fsync
 from .errors import ConfigError
 from .guards import BreakerSettings, Budgets, LoopGuard
 from .pricing import PriceTable
+from .redact import Redaction
 
 DEFAULT_BUDGETS = Budgets(turns=200, seconds=3600.0)
-_KEYS = {"fsync", "budgets", "loop", "breaker", "prices"}
+_KEYS = {"fsync", "budgets", "loop", "breaker", "prices", "redact"}
+_REDACT_KEYS = ("headers", "body_paths", "patterns", "query")
 
 
 def find_pyproject(start: Path | None = None) -> Path | None:
@@ -87,6 +96,7 @@ class Harness:
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     prices: PriceTable = field(default_factory=PriceTable)
     fsync: str | None = None
+    redaction: Redaction = field(default_factory=Redaction)
 
     def to_header(self) -> dict[str, Any]:
         return {"budgets": self.budgets.to_dict(),
@@ -100,6 +110,8 @@ def resolve(*, budgets: Budgets | Mapping[str, Any] | None = None,
             loop_guard: LoopGuard | Mapping[str, Any] | bool | None = None,
             breaker: BreakerSettings | Mapping[str, Any] | bool | None = None,
             prices: Mapping[str, Any] | None = None, fsync: str | None = None,
+            redact_headers: Sequence[str] = (), redact_body: Sequence[str] = (),
+            redact_patterns: Sequence[str] = (), redact_query: Sequence[str] = (),
             use_project: bool = True) -> Harness:
     table, path = project_settings() if use_project else ({}, None)
     where = f"{path}: [tool.deja]" if path else "settings"
@@ -125,4 +137,36 @@ def resolve(*, budgets: Budgets | Mapping[str, Any] | None = None,
             Fsync.parse(chosen_fsync)
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
-    return Harness(base, loop, brk, price_table, chosen_fsync)
+    filed = _redact_table(table.get("redact"), f"{where}.redact")
+    try:
+        redaction = Redaction.of([*filed["headers"], *redact_headers],
+                                 [*filed["body_paths"], *redact_body],
+                                 [*filed["patterns"], *redact_patterns],
+                                 [*filed["query"], *redact_query])
+    except ConfigError as exc:
+        raise ConfigError(f"redaction rules: {exc}") from None
+    return Harness(base, loop, brk, price_table, chosen_fsync, redaction)
+
+
+def _redact_table(table: Any, where: str) -> dict[str, list[str]]:
+    """``[tool.deja.redact]``, checked: lists of strings under known keys, valid patterns."""
+    out: dict[str, list[str]] = {key: [] for key in _REDACT_KEYS}
+    if table is None:
+        return out
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{where} must be a table with {', '.join(_REDACT_KEYS)}")
+    unknown = sorted(set(table) - set(_REDACT_KEYS))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(_REDACT_KEYS)}")
+    for key in _REDACT_KEYS:
+        values = table.get(key, [])
+        if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+            raise ConfigError(f"{where}.{key} must be a list of non-empty strings, not "
+                              f"{values!r}")
+        try:
+            Redaction.of(**{key: values})
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.{key}: {exc}") from None
+        out[key] = list(values)
+    return out

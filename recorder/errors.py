@@ -5,12 +5,17 @@
     DejaError
     ├── ConfigError              bad arguments or settings, found before anything runs
     ├── KeyMissing               no signing key where one is required
-    ├── CassetteError            a cassette file that cannot be trusted as it is
+    ├── CassetteError            a cassette file that cannot be trusted or written as it is
     │   ├── CorruptCassette      a line that is not valid JSON or breaks the format
     │   │   └── TornCassette     the last line was cut short (a crash mid-write)
     │   ├── SignatureError       the HMAC chain does not verify: edited, inserted,
-    │   │                        deleted or reordered lines
-    │   └── UnsupportedFormat    a format version this deja does not read
+    │   │                        deleted or reordered lines, or an edited key id
+    │   ├── UnverifiedCassette   signed with a key this machine does not have: it is
+    │   │                        refused unless the user allows unverified cassettes
+    │   ├── UnsupportedFormat    a format version this deja does not read
+    │   ├── CassetteLocked       another process is writing this cassette
+    │   └── CassetteWriteError   a line could not be written (disk full, read-only, I/O
+    │                            error); the run stops, the file keeps its whole lines
     ├── UnserializableValue      a tool result or effect value that cannot be stored
     ├── SessionError             record/replay used wrongly (nested, not active, closed)
     ├── Divergence               replay: the agent asked for something the cassette
@@ -26,6 +31,10 @@
 
 A ``RunStopped`` carries the ``end_status`` its run ends with (``needs_attention``,
 ``exhausted``, ``cancelled``, ``stopped``).
+
+Outside the tree, as it must be: :class:`Interrupted`, a ``KeyboardInterrupt`` raised in a
+recorded program that ``deja record`` (or fork, resume) passed a SIGTERM, SIGHUP or SIGINT
+to; the run ends ``interrupted`` and can be resumed.
 
 Messages say what happened, where (file, run, seq) and what to do next.
 """
@@ -74,8 +83,29 @@ class SignatureError(CassetteError):
     """The signature chain does not verify."""
 
 
+class UnverifiedCassette(CassetteError):
+    """The cassette's signature cannot be checked here: nobody on this machine has its key.
+
+    Such a file may come from another machine, or may have been re-signed by someone else;
+    deja neither serves nor runs it unless the user allows unverified cassettes.
+    """
+
+
 class UnsupportedFormat(CassetteError):
     """The cassette was written in a format version this deja cannot read."""
+
+
+class CassetteLocked(CassetteError):
+    """Another process holds the cassette's writer lock."""
+
+    def __init__(self, message: str, *, path: str | Path | None = None,
+                 holder: dict[str, object] | None = None):
+        self.holder = dict(holder or {})
+        super().__init__(message, path=path)
+
+
+class CassetteWriteError(CassetteError):
+    """Writing a line failed; the file was cut back to its last whole line."""
 
 
 class UnserializableValue(DejaError):
@@ -192,3 +222,17 @@ class LoopDetected(RunStopped):
 
 class CircuitOpen(RunStopped):
     end_status = "stopped"
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal asked the recorded program to stop; its run ends ``interrupted``."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = signum
+        try:
+            name = signal.Signals(signum).name
+        except ValueError:
+            name = f"signal {signum}"
+        super().__init__(f"stopped by {name}")

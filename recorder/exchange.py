@@ -3,22 +3,29 @@
 The capture patchers turn httpx, httpx2, requests, aiohttp and urllib3 traffic into
 :class:`HttpRequest` / :class:`HttpResponse`; sessions classify, fingerprint, redact and
 store them. A request to a model endpoint becomes a ``model`` observation, anything else
-``http``.
+``http``. What is redacted, and how, lives in :mod:`recorder.redact`; recording and replay
+both classify a request through :func:`classify`, so they fingerprint the same redacted
+form.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
-from ._canonical import decode_body, digest, encode_body
+from ._canonical import canonical, decode_body, digest, encode_body
+from .errors import UnserializableValue
+from .redact import REDACTED, SECRET_HEADERS, Redaction
 
-REDACTED = "[redacted]"
-SECRET_HEADERS = frozenset(
-    {"authorization", "proxy-authorization", "x-api-key", "cookie", "set-cookie", "api-key",
-     "x-goog-api-key"})
+__all__ = ["MODEL_ENDPOINTS", "REDACTED", "RETRYABLE_STATUSES", "SECRET_HEADERS",
+           "VOLATILE_HEADERS", "VOLATILE_HEADER_PREFIXES", "HttpRequest", "HttpResponse",
+           "Redaction", "classify", "fingerprint", "http_target", "json_body", "model_provider",
+           "pretty", "response_from_record", "response_record", "semantic_headers",
+           "upstream"]
+
 # Headers that change between two runs of the same code and say nothing about the call.
 VOLATILE_HEADER_PREFIXES = ("x-stainless-",)
 VOLATILE_HEADERS = frozenset({"user-agent", "content-length", "host", "accept-encoding",
@@ -41,6 +48,8 @@ class HttpRequest:
     headers: list[tuple[str, str]]
     body: bytes
     original_body: bytes | None = None  # set when a guard rewrote the body (clamping)
+    # (kind, provider, body) once classified, so that recording does it once per exchange
+    classified: tuple[str, str | None, Any] | None = field(default=None, repr=False)
 
     @property
     def parts(self):
@@ -73,49 +82,9 @@ def model_provider(method: str, url: str) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class Redaction:
-    """What never reaches disk: secret headers, extra headers and JSON body paths."""
-
-    headers: frozenset[str] = SECRET_HEADERS
-    body_paths: tuple[str, ...] = ()  # JSON pointers, e.g. "/metadata/user_id"
-
-    @classmethod
-    def of(cls, headers: tuple[str, ...] | list[str] = (),
-           body_paths: tuple[str, ...] | list[str] = ()) -> Redaction:
-        return cls(SECRET_HEADERS | {h.lower() for h in headers}, tuple(body_paths))
-
-    def to_header(self) -> dict[str, Any]:
-        return {"headers": sorted(self.headers - SECRET_HEADERS),
-                "body_paths": list(self.body_paths)}
-
-    def header_pairs(self, headers: list[tuple[str, str]]) -> list[list[str]]:
-        return [[k, REDACTED if k.lower() in self.headers else v] for k, v in headers]
-
-    def body(self, body: Any) -> Any:
-        if not self.body_paths or not isinstance(body, (dict, list)):
-            return body
-        body = json.loads(json.dumps(body))
-        for pointer in self.body_paths:
-            _redact_pointer(body, pointer)
-        return body
-
-
-def _redact_pointer(doc: Any, pointer: str) -> None:
-    parts = [p.replace("~1", "/").replace("~0", "~") for p in pointer.strip("/").split("/")]
-    node = doc
-    for part in parts[:-1]:
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return
-    last = parts[-1]
-    if isinstance(node, dict) and last in node:
-        node[last] = REDACTED
-    elif isinstance(node, list) and last.isdigit() and int(last) < len(node):
-        node[int(last)] = REDACTED
+def upstream(url: str) -> str:
+    """The host (and port) ``url`` goes to, without userinfo: what the breaker counts by."""
+    return urlsplit(url).netloc.rpartition("@")[2]
 
 
 def semantic_headers(headers: list[tuple[str, str]], redaction: Redaction) -> list[list[str]]:
@@ -143,38 +112,67 @@ def fingerprint(kind: str, method: str, url: str, body: Any) -> str:
     return digest(["http", method.upper(), http_target(url), body])
 
 
-def stored_body(data: bytes) -> tuple[Any, dict[str, Any]]:
-    """A request body for the log: parsed JSON when it is JSON, else exact text/base64."""
-    if data:
+_NOT_JSON = object()
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def json_body(data: bytes) -> tuple[Any, str | None]:
+    """(parsed body, None), or (``_NOT_JSON``, what is wrong) when ``data`` is no JSON a
+    cassette can hold as JSON: not UTF-8 JSON at all (None), or JSON with NaN or
+    Infinity, nesting too deep to be written back, or a lone surrogate escape (a reason).
+    """
+    if not data:
+        return _NOT_JSON, None
+    try:
+        body = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except RecursionError:
+        return _NOT_JSON, "is nested too deeply to be written back"
+    except ValueError as exc:  # UnicodeDecodeError included
+        if str(exc).endswith("is not JSON"):
+            return _NOT_JSON, "holds NaN or Infinity, which JSON has no place for"
+        return _NOT_JSON, None
+    if _SURROGATE_ESCAPE.search(data) is not None:  # is each one half of a pair?
         try:
-            return json.loads(data), {}
-        except ValueError:
-            pass
-    text, encoding = encode_body(data)
-    return text, ({"body_encoding": encoding} if encoding else {"body_encoding": "text"})
-
-
-def body_for_fingerprint(data: bytes, redaction: Redaction) -> Any:
-    body, extra = stored_body(data)
-    if extra:
-        return {"text": body, **extra}
-    return redaction.body(body)
+            canonical(body)
+        except UnserializableValue:
+            return _NOT_JSON, "holds a lone surrogate escape (half of a UTF-16 pair)"
+    return body, None
 
 
 def classify(method: str, url: str, data: bytes,
              redaction: Redaction) -> tuple[str, str | None, Any]:
     """(kind, provider, body) of a request, as recording stores it and replay matches it:
-    a model call needs a JSON body; the body is redacted (or wrapped, when not JSON)."""
+    the body redacted, parsed when it is JSON (a model call needs a JSON body), else
+    wrapped as its exact text.
+
+    A model request whose JSON body a cassette cannot hold as JSON is refused with
+    :class:`UnserializableValue`; other HTTP bodies are stored as their exact text.
+    """
     provider = model_provider(method, url)
-    body = body_for_fingerprint(data, redaction)
-    wrapped = isinstance(body, dict) and "body_encoding" in body
-    return ("model" if provider and not wrapped else "http"), provider, body
+    clean = redaction.data(data, remember=True)
+    body, problem = json_body(clean)
+    if body is _NOT_JSON:
+        if provider and problem is not None:
+            raise UnserializableValue(
+                f"model request {method.upper()} {redaction.url(url)}: its JSON body "
+                f"{problem}; deja stores a model request as JSON and cannot record this one "
+                "faithfully. Nothing of it was written; fix the value the agent sends")
+        text, encoding = encode_body(clean)
+        return "http", provider, {"text": text, "body_encoding": encoding or "text"}
+    return ("model" if provider else "http"), provider, redaction.body(body)
 
 
 def response_record(resp: HttpResponse, redaction: Redaction) -> dict[str, Any]:
-    text, encoding = encode_body(resp.body)
+    """A response as stored: secrets redacted from headers and body (``content-length``
+    follows a body that redaction made shorter, so a replay serves a consistent length)."""
+    body, headers = redaction.response_body(resp.body, resp.headers)
+    text, encoding = encode_body(body)
     out: dict[str, Any] = {"status": resp.status, "reason": resp.reason,
-                           "headers": redaction.header_pairs(resp.headers), "body": text}
+                           "headers": redaction.header_pairs(headers), "body": text}
     if encoding:
         out["encoding"] = encoding
     return out

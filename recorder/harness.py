@@ -14,13 +14,13 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
 
 from .config import Harness
 from .errors import BudgetExhausted, Cancelled, CircuitOpen, ConfigError, LoopDetected, RunStopped
-from .exchange import HttpRequest
+from .exchange import HttpRequest, upstream
 from .guards import BREAKERS, Clock, LoopWatch, is_failure
 from .progress import Progress, cancel_path, cancel_requested
+from .redact import DEFAULT, Redaction
 
 log = logging.getLogger("deja.recorder")
 
@@ -31,8 +31,12 @@ class RunGuard:
     """Budgets, cancel, loop guard, circuit breaker and progress of one run."""
 
     def __init__(self, run: str, harness: Harness, emit: Emit, *, clock: Clock | None = None,
-                 artefacts: list[str] | None = None, progress_interval: float = 0.2) -> None:
+                 artefacts: list[str] | None = None, progress_interval: float = 0.2,
+                 redaction: Redaction | None = None) -> None:
         self.run = run
+        # Messages name the call (its URL may carry a secret in its query): redacted at the
+        # source, so the agent sees the same text live as on replay.
+        self.redaction = redaction or DEFAULT
         self.harness = harness
         self.budgets = harness.budgets
         self._emit = emit
@@ -51,7 +55,8 @@ class RunGuard:
         self.progress = Progress(run, {
             "turn_limit": b.turns, "budget_s": b.seconds, "token_limit": b.tokens,
             "dollar_limit": b.dollars, "tokens": 0, "spend_usd": 0.0, "elapsed_s": 0.0,
-            "artefacts": list(artefacts or [])}, interval=progress_interval)
+            "artefacts": list(artefacts or [])}, interval=progress_interval,
+            redaction=self.redaction)
 
     # -- counters carried over from a recorded prefix (resume, fork)
 
@@ -114,12 +119,13 @@ class RunGuard:
 
     def before_call(self, request: HttpRequest, provider: str | None) -> None:
         """Before a request goes out: cancel, budgets, per-turn ceiling, circuit breaker."""
-        what = f"{'model' if provider else 'HTTP'} call {request.method} {request.url}"
+        what = (f"{'model' if provider else 'HTTP'} call {request.method} "
+                f"{self.redaction.url(request.url)}")
         self._common(what)
         if provider:
             self._model_budgets(request, what)
         if self.harness.breaker.enabled:
-            host = urlsplit(request.url).netloc
+            host = upstream(request.url)
             allowed, detail = BREAKERS.get(host, self.harness.breaker).allow()
             if not allowed:
                 raise self._stop(CircuitOpen(

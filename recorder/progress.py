@@ -17,11 +17,17 @@ Cancelling is a flag file, ``$DEJA_HOME/runs/<run>.cancel``: ``deja cancel RUN``
 viewer's button) creates it; the recorder reads it before each call and after writes
 (there at most every 20 ms: a run of fast calls pays one system call per call), and the
 run stops at the next boundary with status ``cancelled``, never mid-action.
+
+Both are private to their owner: ``runs/`` is created 0700 and every file in it 0600. A
+record is redacted like a cassette line before it is written (its ``step`` names the tool
+call in flight, with its arguments). Writing it is best effort: when ``$DEJA_HOME`` is
+full, read-only or gone, the run goes on (with one warning); the cassette is what counts.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -30,7 +36,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from .errors import ConfigError
 from .keys import deja_home
+from .redact import DEFAULT, Redaction
+
+log = logging.getLogger("deja.recorder")
 
 
 def runs_dir() -> Path:
@@ -49,14 +59,58 @@ def _now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
 
 
+_TIGHTENED: set[Path] = set()
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` (and its parents) with mode 0700; one that an older deja made more
+    open is closed to others (once per process)."""
+    if path in _TIGHTENED:
+        return
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o700)
+    _TIGHTENED.add(path)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically, as a file only its owner can read (0600)."""
+    _private_dir(path.parent)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    try:
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:  # the folder was removed since: make it again
+            _TIGHTENED.discard(path.parent)
+            _private_dir(path.parent)
+            fd = os.open(tmp, flags, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def request_cancel(run: str, reason: str = "") -> Path:
-    """Ask run ``run`` to stop at its next boundary (any process may call this)."""
+    """Ask run ``run`` to stop at its next boundary (any process may call this).
+
+    A flag that cannot be written (``$DEJA_HOME`` read-only, full, gone) is a
+    :class:`ConfigError` saying so.
+    """
     path = cancel_path(run)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"requested": _now_iso(), "reason": reason,
-                               "by": f"{socket.gethostname()}:{os.getpid()}"}))
-    os.replace(tmp, path)
+    text = json.dumps({"requested": _now_iso(), "reason": DEFAULT.text(reason),
+                       "by": f"{socket.gethostname()}:{os.getpid()}"})
+    try:
+        _write_private(path, text)
+    except OSError as exc:
+        raise ConfigError(f"cannot ask run {run} to stop: its cancel flag {path} cannot be "
+                          f"written ({exc.strerror or exc}). Check that $DEJA_HOME ("
+                          f"{deja_home()}) is writable and has space") from None
     return path
 
 
@@ -76,25 +130,27 @@ def cancel_requested(run: str, path: Path | None = None) -> dict[str, Any] | Non
 def read_status(run: str) -> dict[str, Any] | None:
     try:
         return json.loads(status_path(run).read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no record (or no runs folder at all)
         return None
 
 
 class Progress:
-    """The status record of one run."""
+    """The status record of one run, redacted with the run's rules."""
 
-    def __init__(self, run: str, record: dict[str, Any], *, interval: float = 0.2) -> None:
+    def __init__(self, run: str, record: dict[str, Any], *, interval: float = 0.2,
+                 redaction: Redaction | None = None) -> None:
         self.run = run
         self.path = status_path(run)
         self.interval = interval
+        self.redaction = redaction or DEFAULT
         self._lock = threading.Lock()
         self._written = 0.0
         self._timer: threading.Timer | None = None
+        self._failed: str | None = None  # why the last write failed (warned once)
         self.record: dict[str, Any] = {"run_id": run, "status": "running", "turn": 0,
                                        "step": "starting", "pid": os.getpid(),
                                        "host": socket.gethostname(), "started": _now_iso(),
                                        "cancel": f"deja cancel {run}", **record}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._write()
 
     def update(self, *, force: bool = False, **fields: Any) -> None:
@@ -120,7 +176,17 @@ class Progress:
 
     def _write_locked(self) -> None:
         self.record["updated"] = _now_iso()
-        tmp = self.path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(self.record, default=str))
-        os.replace(tmp, self.path)
         self._written = time.monotonic()
+        text = self.redaction.json_text(json.dumps(self.record, default=str))
+        try:
+            _write_private(self.path, text)
+        except OSError as exc:
+            if self._failed is None:
+                log.warning("run %s: cannot write its status record %s (%s); the run goes "
+                            "on and its cassette is written as usual, but `deja status` "
+                            "will not show it", self.run, self.path, exc.strerror or exc)
+            self._failed = str(exc)
+            return
+        if self._failed is not None:
+            log.info("run %s: status record %s written again", self.run, self.path)
+            self._failed = None

@@ -32,13 +32,12 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-from . import _compact, _values, capture, config, session
+from . import _compact, _values, capture, config, effects, session
 from ._canonical import digest
 from ._summary import summarize
 from .cassette import CassetteWriter, Fsync
-from .errors import RunStopped, SessionError
+from .errors import RunStopped, SessionError, UnserializableValue
 from .exchange import (
     HttpRequest,
     HttpResponse,
@@ -48,6 +47,7 @@ from .exchange import (
     model_provider,
     response_record,
     semantic_headers,
+    upstream,
 )
 from .guards import BreakerSettings, Budgets, Clock, LoopGuard
 from .harness import RunGuard
@@ -124,7 +124,9 @@ class RecordSession(session.Session):
 
     def __init__(self, path: str | Path, *, labels: dict[str, Any] | None = None,
                  fsync: Fsync | str | None = None, redact_headers: tuple[str, ...] = (),
-                 redact_body: tuple[str, ...] = (), prices: dict[str, Any] | None = None,
+                 redact_body: tuple[str, ...] = (), redact_patterns: tuple[str, ...] = (),
+                 redact_query: tuple[str, ...] = (), redaction: Redaction | None = None,
+                 prices: dict[str, Any] | None = None,
                  argv: list[str] | None = None, entry: str | None = None,
                  overwrite: bool = False, keyring: Keyring | None = None,
                  run_id: str | None = None, parent: dict[str, Any] | None = None,
@@ -139,10 +141,13 @@ class RecordSession(session.Session):
             path = path / f"{self.run_id}.jsonl"
         self.path = path
         self.harness = config.resolve(budgets=budgets, loop_guard=loop_guard, breaker=breaker,
-                                      prices=prices, fsync=fsync)
+                                      prices=prices, fsync=fsync, redact_headers=redact_headers,
+                                      redact_body=redact_body, redact_patterns=redact_patterns,
+                                      redact_query=redact_query)
         self.fsync = Fsync.parse(self.harness.fsync or Fsync.TURN)
         self.labels = dict(labels or {})
-        self.redaction = Redaction.of(redact_headers, redact_body)
+        # ``redaction`` (a continued run's recorded rules) replaces the resolved ones whole
+        self.redaction = redaction or self.harness.redaction
         self.prices = self.harness.prices
         self._clock = clock
         self._progress_interval = progress_interval
@@ -170,7 +175,8 @@ class RecordSession(session.Session):
             self.writer = self._new_writer()
         self.guard = RunGuard(self.run_id, self.harness, self._emit_control, clock=self._clock,
                               artefacts=[str(self.path)],
-                              progress_interval=self._progress_interval)
+                              progress_interval=self._progress_interval,
+                              redaction=self.redaction)
         session.activate(self)
         try:
             stack = contextlib.ExitStack()
@@ -187,13 +193,28 @@ class RecordSession(session.Session):
         header = {
             "run": self.run_id, "parent": self.parent,
             "created": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
-            **portable_launch(self._argv, Path.cwd(), self.path), "entry": self._entry,
-            "versions": _versions(), "labels": self.labels,
+            **self._launch(), "versions": _versions(),
+            "labels": {k: self.redaction.value(v) for k, v in self.labels.items()},
             **self.harness.to_header(),
             "fsync": self.fsync.value, "redact": self.redaction.to_header(),
         }
         return CassetteWriter(self.path, header, require_signing_key(ring), self.fsync,
                               overwrite=self._overwrite)
+
+    def _launch(self) -> dict[str, Any]:
+        """How to re-launch the run, with secrets out of the command (``--api-key X``, a
+        key-shaped argument, a URL with a password) and the directory."""
+        launch = portable_launch(self._argv, Path.cwd(), self.path)
+        return {"argv": self.redaction.argv(launch["argv"]),
+                "cwd": self.redaction.text(launch["cwd"]),
+                "entry": self.redaction.text(self._entry) if self._entry else self._entry}
+
+    def _error(self, exc: BaseException) -> dict[str, str]:
+        """The error record of ``exc`` as stored: its message redacted and writable."""
+        record = error_record(exc)
+        message = self.redaction.text(record["message"])
+        record["message"] = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return record
 
     def end_line(self, status: str | None = None,
                  error: BaseException | None = None) -> dict[str, Any]:
@@ -208,7 +229,7 @@ class RecordSession(session.Session):
             error = stopped  # the agent caught the guard's error, but the run is over
         end: dict[str, Any] = {"status": status or status_for(error), "totals": totals}
         if error is not None:
-            end["error"] = error_record(error)
+            end["error"] = self._error(error)
             if isinstance(error, RunStopped):
                 end["reason"] = error.reason
         return end
@@ -257,27 +278,42 @@ class RecordSession(session.Session):
 
     # -- the capture seam
 
+    def _check_writable(self) -> None:
+        """After a failed write nothing more goes out: its result could not be logged."""
+        if self.writer is not None and self.writer.failed is not None:
+            raise self.writer.failed
+
     def begin_http(self, request: HttpRequest) -> HttpResponse | None:
+        self._check_writable()
         if self.guard is not None:
             self.guard.before_call(request, model_provider(request.method, request.url))
+        # Before anything is sent, as a replay matches it: a request the cassette cannot
+        # hold is refused here (UnserializableValue), on replay at the same point.
+        self._classify(request)
         return None
+
+    def _classify(self, request: HttpRequest) -> tuple[str, str | None, Any]:
+        if request.classified is None:
+            request.classified = classify(
+                request.method, request.url,
+                request.original_body if request.original_body is not None else request.body,
+                self.redaction)
+        return request.classified
 
     def end_http(self, request: HttpRequest, response: HttpResponse | None, timing: session.Timing,
                  error: BaseException | None = None) -> None:
         assert self.writer is not None
-        kind, provider, body = classify(
-            request.method, request.url,
-            request.original_body if request.original_body is not None else request.body,
-            self.redaction)
+        kind, provider, body = self._classify(request)
+        url = self.redaction.url(request.url)
         if kind == "model":
             obs: dict[str, Any] = {
-                "kind": "model", "provider": provider, "url": request.url,
+                "kind": "model", "provider": provider, "url": url,
                 "request_headers": semantic_headers(request.headers, self.redaction),
             }
             request_body, has_request = body, True
         else:
-            obs = {"kind": "http", "method": request.method.upper(), "url": request.url,
-                   "fp": fingerprint("http", request.method, request.url, body),
+            obs = {"kind": "http", "method": request.method.upper(), "url": url,
+                   "fp": fingerprint("http", request.method, url, body),
                    "request": {"headers": semantic_headers(request.headers, self.redaction),
                                "body": body}}
             request_body, has_request = None, False
@@ -303,7 +339,7 @@ class RecordSession(session.Session):
                 if summary.get("error"):
                     obs["api_error"] = summary["error"]
         if error is not None:
-            obs["error"] = {**error_record(error), "has_response": response is not None}
+            obs["error"] = {**self._error(error), "has_response": response is not None}
         if request.original_body is not None:
             obs["clamped_max_tokens"] = json.loads(request.body).get("max_tokens")
         if has_request:
@@ -327,25 +363,37 @@ class RecordSession(session.Session):
             self.guard.after_exchange(
                 model=bool(provider), status=response.status if response is not None else None,
                 error=error, usage=summary.get("usage"), cost=cost,
-                host=urlsplit(request.url).netloc)
+                host=upstream(request.url))
+
+    # Lines redacted whole as they are appended (model and HTTP lines are redacted field by
+    # field in end_http: their bodies are large and redacted as raw bytes).
+    _REDACTED_WHOLE = frozenset({"tool", "intent", "outcome", "effect", "control"})
 
     def _append(self, obs: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         assert self.writer is not None
         within = _within.get()
         if within is not None:
             obs["within"] = within
+        if obs.get("kind") in self._REDACTED_WHOLE:
+            obs = self.redaction.value(obs)
         return self.writer.append(obs, **kwargs)
+
+    def _args_key(self, args: dict[str, Any]) -> Any:
+        """Tool arguments as stored and matched: JSON, secrets redacted (so recording,
+        the loop guard and replay all compare the same form)."""
+        return self.redaction.value(_values.args_key(args))
 
     def _enter_tool(self, tool: session.ToolSpec) -> contextvars.Token:
         return _within.set(f"{tool.name}#{next(self._tool_calls)}")
 
     def before_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> None:
         """Called before a live tool call; the harness guards decide here."""
+        self._check_writable()
         if self.guard is not None:
-            self.guard.before_tool(tool.name, _values.args_key(args))
+            self.guard.before_tool(tool.name, self._args_key(args))
 
     def _open_intent(self, tool: session.ToolSpec, args: dict[str, Any]) -> tuple[int, str]:
-        key = _values.args_key(args)
+        key = self._args_key(args)
         line = self._append({"kind": "intent", "name": tool.name, "args": key,
                              "fp": digest(["tool", tool.name, key]),
                              "t": round(time.time(), 3)}, sync=True)
@@ -396,32 +444,70 @@ class RecordSession(session.Session):
     def log_tool(self, tool: session.ToolSpec, args: dict[str, Any], start: float, t0: float,
                  *, result: Any = None, error: BaseException | None = None,
                  intent: tuple[int, str] | None = None) -> None:
-        """Write a tool's line: ``tool``, or ``outcome`` of ``intent`` (seq, key)."""
-        key = _values.args_key(args)
+        """Write a tool's line: ``tool``, or ``outcome`` of ``intent`` (seq, key).
+
+        A result the cassette cannot hold is refused with ``UnserializableValue``, and the
+        refusal is written first as the tool's ``error``, so that a replay raises it at the
+        same step and an agent that catches it replays identical.
+        """
+        assert self.writer is not None
+        key = self._args_key(args)
         obs: dict[str, Any] = {"kind": "tool", "name": tool.name, "args": key,
                                "fp": digest(["tool", tool.name, key]), "t": round(start, 3),
                                "ms": round((time.perf_counter() - t0) * 1000, 2)}
         if intent is not None:
             obs = {"kind": "outcome", "name": tool.name, "intent": intent[0], "key": intent[1],
                    "t": obs["t"], "ms": obs["ms"]}
+        refused: UnserializableValue | None = None
         if error is not None:
-            obs["error"] = error_record(error)
+            obs["error"] = self._error(error)
         else:
             value = tool.encode(result) if tool.encode else result
-            obs["result"] = _values.encode(value, where=f"result of tool {tool.name!r}")
+            try:
+                obs["result"] = _values.encode(
+                    value, where=f"result of tool {tool.name!r} (step {self.writer.next_seq})")
+            except UnserializableValue as exc:
+                refused = exc
+                obs["error"] = self._error(exc)
         self._append(obs, sync=tool.side_effect)
         with self._lock:
             self.totals["tool_calls"] += 1
-            if error is not None:
+            if error is not None or refused is not None:
                 self.totals["errors"] += 1
+        if refused is not None:
+            raise refused
 
     def effect(self, name: str, produce: Callable[[], Any]) -> Any:
+        site = effects.call_site()
+        return self.log_effect(name, produce(), site)
+
+    def log_effect(self, name: str, value: Any, site: effects.Site | None) -> Any:
+        """Write an effect line for ``value`` asked for at ``site``; returns ``value``.
+
+        A value the cassette cannot hold is refused with ``UnserializableValue``, and the
+        refusal is written first (an ``error`` in place of the value), so that a replay
+        raises it at the same point and an agent that catches it replays identical.
+        """
         assert self.writer is not None
-        value = produce()
-        self._append({"kind": "effect", "name": name,
-                            "value": _values.encode(value, where=f"effect {name!r}")})
+        obs: dict[str, Any] = {"kind": "effect", "name": name}
+        refused: UnserializableValue | None = None
+        try:
+            obs["value"] = _values.encode(value, where=f"effect {name!r}")
+        except UnserializableValue as exc:
+            refused, error = exc, error_record(exc)
+            # The message may quote the refused text (a lone surrogate); the line must still
+            # be writable as UTF-8.
+            error["message"] = error["message"].encode("utf-8", "backslashreplace").decode()
+            obs["error"] = error
+        if site is not None:
+            obs["site"] = site.record()
+        self._append(obs)
         with self._lock:
             self.totals["effects"] += 1
+            if refused is not None:
+                self.totals["errors"] += 1
+        if refused is not None:
+            raise refused
         return value
 
 
@@ -465,7 +551,8 @@ class _Record(contextlib.ContextDecorator):
 
 def record(path: str | Path = "cassettes", *, labels: dict[str, Any] | None = None,
            fsync: Fsync | str | None = None, redact_headers: tuple[str, ...] = (),
-           redact_body: tuple[str, ...] = (), prices: dict[str, Any] | None = None,
+           redact_body: tuple[str, ...] = (), redact_patterns: tuple[str, ...] = (),
+           redact_query: tuple[str, ...] = (), prices: dict[str, Any] | None = None,
            overwrite: bool = False, keyring: Keyring | None = None,
            budgets: Budgets | dict[str, Any] | None = None,
            loop_guard: LoopGuard | dict[str, Any] | bool | None = None,
@@ -478,15 +565,23 @@ def record(path: str | Path = "cassettes", *, labels: dict[str, Any] | None = No
     background group commit, ``"exit"`` only the end. ``budgets``, ``loop_guard`` and
     ``breaker`` set the harness guards (see :mod:`recorder.guards`; defaults and
     ``[tool.deja]`` in :mod:`recorder.config`); ``clock`` replaces ``time.monotonic`` for
-    the wall-clock budget (tests). ``redact_headers`` and
-    ``redact_body`` (JSON pointers) add to the secrets that never reach disk
-    (authorization, x-api-key, cookies). ``prices`` overrides the dollar price table.
+    the wall-clock budget (tests). ``prices`` overrides the dollar price table.
+
+    Secrets never reach disk (:mod:`recorder.redact`): secret headers, URL userinfo,
+    query parameters named like secrets and well-known key shapes are redacted
+    everywhere; ``redact_headers`` (names), ``redact_body`` (JSON pointers such as
+    ``/metadata/user_id``), ``redact_patterns`` (regular expressions) and
+    ``redact_query`` (parameter names) add to them, as does ``[tool.deja.redact]``. A bad
+    pattern is a ``ConfigError`` here, before anything runs.
     """
     if fsync is not None:
         Fsync.parse(fsync)
-    config.resolve(budgets=budgets, loop_guard=loop_guard, breaker=breaker, prices=prices)
+    config.resolve(budgets=budgets, loop_guard=loop_guard, breaker=breaker, prices=prices,
+                   redact_headers=tuple(redact_headers), redact_body=tuple(redact_body),
+                   redact_patterns=tuple(redact_patterns), redact_query=tuple(redact_query))
     kwargs = {"labels": labels, "fsync": fsync, "redact_headers": tuple(redact_headers),
-              "redact_body": tuple(redact_body), "prices": prices, "overwrite": overwrite,
+              "redact_body": tuple(redact_body), "redact_patterns": tuple(redact_patterns),
+              "redact_query": tuple(redact_query), "prices": prices, "overwrite": overwrite,
               "keyring": keyring, "budgets": budgets, "loop_guard": loop_guard,
               "breaker": breaker, "clock": clock}
     return _Record(path, kwargs)

@@ -5,6 +5,11 @@ Observations are grouped by a key (the request fingerprint for model and HTTP ca
 recorded order, so identical calls are served in the order they were recorded and
 concurrent calls can arrive in any order. When a call finds no entry, the first unused
 observation of the same family is what the run expected there.
+
+Effects are grouped twice: by name and call site (file and function), which is how they
+are served, and by name alone, the fallback for a call site that recorded none (and the
+only grouping for cassettes written before effects named their site). An observation
+sits in both queues; whichever serves it first marks it used, the other skips it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 
 from recorder._canonical import digest
 from recorder.cassette import Cassette
+from recorder.effects import Site
 from recorder.exchange import pretty
 
 FAMILY = {"model": "net", "http": "net", "tool": "tool", "intent": "tool", "effect": "effect"}
@@ -43,6 +49,8 @@ class Index:
     def __init__(self, cassette: Cassette) -> None:
         self._lock = threading.Lock()
         self._queues: dict[tuple[str, str], deque[dict[str, Any]]] = {}
+        # effects by (name, file, function) of their call site
+        self._sites: dict[tuple[str, str, str], deque[dict[str, Any]]] = {}
         self._order: dict[str, list[dict[str, Any]]] = {"net": [], "tool": [], "effect": []}
         self._cursor = {family: 0 for family in self._order}
         self.used: set[int] = set()
@@ -72,6 +80,10 @@ class Index:
             self._queues.setdefault(key, deque()).append(obs)
             self._order[key[0]].append(obs)
             self.total += 1
+            site = Site.parse(obs.get("site")) if key[0] == "effect" else None
+            if site is not None:
+                where = (obs["name"], site.file, site.function)
+                self._sites.setdefault(where, deque()).append(obs)
 
     def take(self, key: tuple[str, str]) -> dict[str, Any] | None:
         with self._lock:
@@ -84,6 +96,30 @@ class Index:
             if outcome is not None:
                 self.used.add(outcome["seq"])
             return obs
+
+    def take_effect(self, name: str, file: str | None,
+                    function: str | None) -> tuple[dict[str, Any] | None, bool]:
+        """The effect that answers ``name`` asked for at ``file``/``function``, and whether
+        it was recorded at another site (served by name, in recorded order)."""
+        with self._lock:
+            obs = None
+            if file is not None and function is not None:
+                obs = self._next_unused(self._sites.get((name, file, function)))
+            moved = False
+            if obs is None:
+                obs = self._next_unused(self._queues.get(("effect", name)))
+                moved = (obs is not None and file is not None
+                         and Site.parse(obs.get("site")) is not None)
+            if obs is not None:
+                self.used.add(obs["seq"])
+            return obs, moved
+
+    def _next_unused(self, queue: deque[dict[str, Any]] | None) -> dict[str, Any] | None:
+        while queue:
+            obs = queue.popleft()
+            if obs["seq"] not in self.used:
+                return obs
+        return None
 
     def pending_stop(self) -> dict[str, Any] | None:
         """The refusing control line the next call meets, once everything before it is used."""

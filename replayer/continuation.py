@@ -20,8 +20,9 @@ from typing import Any
 
 from recorder import _values, session
 from recorder.cassette import Cassette, CassetteWriter
+from recorder.effects import call_site
 from recorder.errors import NeedsAttention
-from recorder.exchange import HttpRequest, HttpResponse
+from recorder.exchange import HttpRequest, HttpResponse, Redaction
 from recorder.guards import Budgets
 from recorder.intents import Intent, Settled
 from recorder.record import RecordSession
@@ -44,6 +45,9 @@ class ContinuationSession(RecordSession):
             kwargs.setdefault("budgets", Budgets(**recorded["budgets"]))
         kwargs.setdefault("loop_guard", recorded.get("loop"))
         kwargs.setdefault("breaker", recorded.get("breaker"))
+        # ...and its redaction rules: the live steps redact (and fingerprint) as the
+        # recorded ones did, and as a replay of the whole run will.
+        kwargs.setdefault("redaction", Redaction.from_header(recorded.get("redact")))
         super().__init__(writer.path, run_id=writer.header["run"], writer=writer, **kwargs)
         self.prefix = ReplaySession(prefix)
         self.then = ReplaySession(then_replay) if then_replay is not None else None
@@ -193,22 +197,48 @@ class ContinuationSession(RecordSession):
         return await self.run_tool_async(tool, args, run, intent=value)
 
     def _then_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> Any:
+        """Serve a tool call from ``then_replay`` and log it as a live call would be.
+
+        A side effect is logged as a live one is: its intent, then its outcome pointing at
+        this run's intent seq, both forced to disk.
+        """
         assert self.then is not None
         self.before_tool(tool, args)
         obs = self.then._take_tool(tool, args)
-        value = self.then._tool_result(tool, obs) if "error" not in obs else None
-        copy = {k: v for k, v in obs.items() if k not in ("seq", "sig")}
-        self._append(copy)
-        self._count(obs)
-        if "error" in obs:
-            self.then._tool_result(tool, obs)  # raises the recorded error
-        return value
+        outcome = self.then.index.outcomes.get(obs["seq"]) if obs["kind"] == "intent" else None
+        if obs["kind"] == "intent" and outcome is None:
+            # The other run stopped inside this side effect: nothing to copy, nothing known.
+            raise self.then._unsettled(tool, obs)
+        side_effect = outcome is not None
+        line = self._append({k: v for k, v in obs.items() if k not in ("seq", "sig")},
+                            sync=side_effect)
+        if outcome is not None:
+            copy = {k: v for k, v in outcome.items() if k not in ("seq", "sig")}
+            copy["intent"] = line["seq"]
+            # The key stays the other run's (``<its run>:<its intent seq>``), not this run's
+            # ``<run>:<seq>``: the body ran once, in the other run, and presented that key to
+            # the system it changed (the copied result may well contain it). A lookup by key
+            # must find that effect; a key minted here was never sent anywhere, and checking
+            # by it would report the effect as not done and invite running it again.
+            self._append(copy, sync=True)
+            self._count(outcome)
+        else:
+            self._count(obs)
+        return self.then._tool_result(tool, obs)  # the recorded value, or its recorded error
 
     def effect(self, name: str, produce: Callable[[], Any]) -> Any:
         if self.serving:
             return self.prefix.effect(name, produce)
-        if self.then is not None:
-            value = self.then.effect(name, produce)
-            self._append({"kind": "effect", "name": name, "value": _values.encode(value)})
-            return value
-        return super().effect(name, produce)
+        site = call_site()
+        if self.then is None:
+            return self.log_effect(name, produce(), site)
+        # Served from the other run by call site, and logged as if live: with this run's
+        # call site, and the recorded value or refusal as stored there.
+        obs = self.then.take_effect(name, site)
+        line: dict[str, Any] = {"kind": "effect", "name": name}
+        line.update({k: obs[k] for k in ("value", "error") if k in obs})
+        if site is not None:
+            line["site"] = site.record()
+        self._append(line)
+        self._count(obs)
+        return self.then.effect_value(obs)

@@ -3,7 +3,7 @@
 Each editable kind is shown as a small JSON document:
 
 - ``tool`` / ``outcome``: ``{"result": ...}`` or ``{"error": {"type", "module", "message"}}``
-- ``effect``: ``{"value": ...}``
+- ``effect``: ``{"value": ...}`` (or ``{"error": {...}}`` for a refused value)
 - ``model``: the assembled message (``id``, ``content`` blocks, ``stop_reason``,
   ``usage`` ...), whether it was received as JSON or as an SSE stream
 - ``http``: ``{"status", "headers", "body"}`` (the body parsed when it is JSON)
@@ -49,7 +49,7 @@ def view(obs: dict[str, Any]) -> dict[str, Any]:
     if kind in ("tool", "outcome"):
         return {"error": obs["error"]} if "error" in obs else {"result": decode(obs.get("result"))}
     if kind == "effect":
-        return {"value": decode(obs.get("value"))}
+        return {"error": obs["error"]} if "error" in obs else {"value": decode(obs.get("value"))}
     if kind in ("model", "http") and "response" not in obs:
         raise ConfigError(f"step {obs.get('seq')} has no response to edit (the exchange failed:"
                           f" {(obs.get('error') or {}).get('message')})")
@@ -152,6 +152,13 @@ def rebuild(obs: dict[str, Any], doc: Any, prices: PriceTable | None = None) -> 
             new["result"] = encode(doc["result"], where=f"edited result of step {obs['seq']}")
         return new
     if kind == "effect":
+        if isinstance(doc, dict) and "error" in doc and "value" not in doc:
+            err, _ = doc["error"], new.pop("value", None)
+            new["error"] = {"type": str(err.get("type", "UnserializableValue")),
+                            "module": str(err.get("module", "recorder.errors")),
+                            "message": str(err.get("message", ""))}
+            return new
+        new.pop("error", None)  # a value given for a refused effect replaces the refusal
         new["value"] = encode((doc or {}).get("value"), where=f"edited step {obs['seq']}")
         return new
     response = dict(obs["response"])

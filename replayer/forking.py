@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from recorder import session as _session
-from recorder.cassette import Cassette, CassetteWriter, load
+from recorder.cassette import RESUMABLE_ENDS, Cassette, CassetteWriter, load
 from recorder.errors import ConfigError, Divergence, KeyMissing
 from recorder.keys import Keyring, load_keyring
 from recorder.record import new_run_id, portable_launch
@@ -135,7 +135,9 @@ def fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | None = 
     ring = keyring or load_keyring(create=False)
     plan = plan_fork(cassette, at, patch=patch, replace=replace, sets=sets, out=out,
                      keyring=ring)
-    other = load(then_replay, keyring=ring, allow_incomplete=True) if then_replay else None
+    # Its steps are re-signed into the fork: it must verify like the parent.
+    other = (load(then_replay, keyring=ring, require_signature=True, allow_incomplete=True)
+             if then_replay else None)
     return _Continue(lambda: start_fork(plan, then_replay=other, keyring=ring, fsync=fsync),
                      abandon_on_divergence=False)
 
@@ -172,9 +174,10 @@ def plan_resume(cassette: str | Path, *, keyring: Keyring | None = None) -> Cass
     ring = keyring or load_keyring(create=False)
     loaded = load(cassette, keyring=ring, require_signature=True, allow_torn=True,
                   allow_incomplete=True)
-    if loaded.end is not None:
+    if loaded.end is not None and loaded.end.get("status") not in RESUMABLE_ENDS:
         raise ConfigError(f"{loaded.path}: the run already ended with status "
-                          f"{loaded.end.get('status')!r}; there is nothing to resume")
+                          f"{loaded.end.get('status')!r}; there is nothing to resume (only a "
+                          "crashed or interrupted run can be resumed)")
     _key_for(loaded, ring)
     return loaded
 
@@ -197,9 +200,11 @@ def start_resume(loaded: Cassette, *, keyring: Keyring | None = None,
                     loaded.path, torn)
     writer = CassetteWriter.reopen(loaded, _key_for(loaded, ring), fsync)
     served = len(loaded.observations)
+    detail: dict[str, Any] = {"replayed": served, "torn_cut_at": torn}
+    if loaded.end is not None:  # an interrupted run: its end line was cut, kept here
+        detail["after_end"] = {k: v for k, v in loaded.end.items() if k != "seq"}
 
     def on_live(session: ContinuationSession) -> None:
-        session._append({"kind": "control", "event": "resumed",
-                         "detail": {"replayed": served, "torn_cut_at": torn}}, sync=True)
+        session._append({"kind": "control", "event": "resumed", "detail": detail}, sync=True)
 
     return ContinuationSession(loaded, writer, on_live=on_live, fsync=fsync, keyring=ring)

@@ -10,12 +10,23 @@ By default the test replays the cassette offline and fails with ``Divergence`` i
 agent's code no longer makes the recorded calls. ``pytest --deja-record`` records the
 cassette anew instead (live calls; the file is overwritten). The ``deja_session`` fixture
 gives the active session (``.mode`` is ``"record"`` or ``"replay"``).
+
+The cassette's signature is checked before the test runs: a cassette that does not
+verify fails the test; one signed with a key this machine does not have is refused too,
+unless unverified cassettes are allowed (``pytest --deja-allow-unverified``,
+``@pytest.mark.deja(path, allow_unverified=True)`` or ``DEJA_ALLOW_UNVERIFIED=1``: a CI
+job that was never given the key). Such a test is marked in its report and the session
+ends with a list of every cassette that was replayed NOT VERIFIED.
+
+The replay starts once the test's own fixtures are set up, so a fixture may set the
+environment it needs (``DEJA_OLD_KEYS``, a base URL) with ``monkeypatch``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,12 +39,37 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--deja-record", action="store_true", default=False,
                     help="Record the cassettes of @pytest.mark.deja tests anew instead of "
                          "replaying them.")
+    group.addoption("--deja-allow-unverified", action="store_true", default=False,
+                    help="Replay cassettes signed with a key this machine does not have "
+                         "(unchecked; each is listed as NOT VERIFIED at the end).")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "deja(cassette): replay the test against CASSETTE (record it with "
-                   "--deja-record)")
+        "markers", "deja(cassette, allow_unverified=False): replay the test against "
+                   "CASSETTE (record it with --deja-record)")
+    config.stash[_UNVERIFIED] = []
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Start a marked test's replay after its own fixtures (they may set the environment)."""
+    for item in items:
+        if item.get_closest_marker("deja") is not None:
+            names = getattr(item, "fixturenames", None)
+            if names is not None and "_deja_marked" not in names:
+                names.append("_deja_marked")
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    unverified = config.stash.get(_UNVERIFIED, [])
+    if not unverified:
+        return
+    terminalreporter.section("deja: cassettes replayed NOT VERIFIED", yellow=True, bold=True)
+    for nodeid, note in unverified:
+        terminalreporter.line(f"{nodeid}: {note}", yellow=True)
+    terminalreporter.line("Their signatures were not checked: these tests prove nothing about "
+                          "what was recorded. Give this machine the signing key (DEJA_KEY or "
+                          "DEJA_OLD_KEYS) to check them.", yellow=True)
 
 
 def _cassette_of(request: pytest.FixtureRequest) -> Path | None:
@@ -48,9 +84,10 @@ def _cassette_of(request: pytest.FixtureRequest) -> Path | None:
 
 
 _CONTEXT = pytest.StashKey[object]()
+_UNVERIFIED = pytest.StashKey[list[tuple[str, str]]]()
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def _deja_marked(request: pytest.FixtureRequest) -> Iterator[None]:
     cassette = _cassette_of(request)
     if cassette is None:
@@ -62,8 +99,16 @@ def _deja_marked(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     from .replay import replay
 
-    context = replay(cassette)
-    context.__enter__()
+    marker = request.node.get_closest_marker("deja")
+    allowed = (bool(marker.kwargs.get("allow_unverified"))
+               or request.config.getoption("deja_allow_unverified"))
+    context = replay(cassette, allow_unverified=True if allowed else None)
+    current = context.__enter__()
+    if not current.cassette.verified:
+        note = current.cassette.verify_note
+        request.config.stash.setdefault(_UNVERIFIED, []).append((request.node.nodeid, note))
+        request.node.user_properties.append(("deja_signature", note))
+        request.node.add_report_section("setup", "deja", f"{cassette}: {note}")
     request.node.stash[_CONTEXT] = context
     try:
         yield

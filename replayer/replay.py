@@ -33,6 +33,7 @@ from typing import Any
 
 from recorder import _values, capture, session
 from recorder.cassette import Cassette, load
+from recorder.effects import Site, call_site
 from recorder.errors import (
     BudgetExhausted,
     Cancelled,
@@ -75,6 +76,8 @@ class ReplayResult:
     verify_note: str
     recorded_status: str | None
     seconds: float
+    # What was served but deserves a look, e.g. an effect served from another call site.
+    notes: tuple[str, ...] = ()
 
     @property
     def complete(self) -> bool:
@@ -88,12 +91,15 @@ class ReplayResult:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["unused"] = list(self.unused)
+        out["notes"] = list(self.notes)
         out["identical"] = self.identical
         out["complete"] = self.complete
         return out
 
     def report(self) -> str:
         verdict = "identical" if self.identical else "DIVERGED"
+        if not self.verified:
+            verdict += " (NOT VERIFIED: what was served is unchecked)"
         lines = [f"replay of {self.run} ({self.path}): {verdict}",
                  f"  steps served: {self.steps_served}/{self.steps_recorded}"
                  f" in {self.seconds:.3f}s",
@@ -107,6 +113,7 @@ class ReplayResult:
                 lines.extend("    " + line for line in d.diff.splitlines())
         elif self.unused:
             lines.append(f"  recorded steps never requested: {list(self.unused)[:20]}")
+        lines.extend(f"  note: {note}" for note in self.notes)
         return "\n".join(lines)
 
 
@@ -172,10 +179,11 @@ class ReplaySession(session.Session):
         self.cassette = cassette
         self.path = cassette.path
         self.index = Index(cassette)
-        redact = cassette.header.get("redact") or {}
-        self.redaction = Redaction.of(redact.get("headers", ()), redact.get("body_paths", ()))
+        # Exactly the rules the recording used, so requests fingerprint the same way.
+        self.redaction = Redaction.from_header(cassette.header.get("redact"))
         self._lock = threading.Lock()
         self.divergence: DivergenceInfo | None = None
+        self.notes: list[str] = []
         self.result: ReplayResult | None = None
         self._t0 = time.perf_counter()
         self._patches: contextlib.ExitStack | None = None
@@ -214,7 +222,7 @@ class ReplaySession(session.Session):
             steps_served=len(self.index.used), steps_recorded=self.index.total,
             divergence=self.divergence, unused=unused, verified=self.cassette.verified,
             verify_note=self.cassette.verify_note, recorded_status=end.get("status"),
-            seconds=round(time.perf_counter() - self._t0, 6))
+            seconds=round(time.perf_counter() - self._t0, 6), notes=tuple(self.notes))
         return self.result
 
     # -- divergence
@@ -256,12 +264,13 @@ class ReplaySession(session.Session):
         self.raise_recorded_stop()
         kind, _provider, body = classify(request.method, request.url, request.body,
                                          self.redaction)
-        fp = fingerprint(kind, request.method, request.url, body)
+        url = self.redaction.url(request.url)
+        fp = fingerprint(kind, request.method, url, body)
         obs = self.index.take(("net", fp))
         if obs is None:
             actual: Any = body if kind == "model" else {
-                "method": request.method.upper(), "url": request.url, "body": body}
-            what = f"the agent sent a {kind} request ({request.method} {request.url})"
+                "method": request.method.upper(), "url": url, "body": body}
+            what = f"the agent sent a {kind} request ({request.method} {url})"
             raise self._diverge("net", kind, actual, what)
         return obs
 
@@ -286,7 +295,7 @@ class ReplaySession(session.Session):
 
     def _take_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> dict[str, Any]:
         self.raise_recorded_stop()
-        key = _values.args_key(args)
+        key = self.redaction.value(_values.args_key(args))
         obs = self.index.take(tool_key(tool.name, key))
         if obs is None:
             raise self._diverge("tool", "tool", {"name": tool.name, "args": key},
@@ -324,10 +333,34 @@ class ReplaySession(session.Session):
         return self._tool_result(tool, self._take_tool(tool, args))
 
     def effect(self, name: str, produce: Callable[[], Any]) -> Any:
-        obs = self.index.take(("effect", name))
+        return self.effect_value(self.take_effect(name, call_site()))
+
+    def take_effect(self, name: str, site: Site | None) -> dict[str, Any]:
+        """The recorded effect that answers ``name`` asked for at ``site``: the next one of
+        that name recorded there, else (with a note) the next of that name anywhere."""
+        obs, moved = self.index.take_effect(name, site.file if site else None,
+                                            site.function if site else None)
         if obs is None:
-            raise self._diverge("effect", "effect", {"effect": name},
+            asked: dict[str, Any] = {"effect": name}
+            if site is not None:
+                asked["site"] = site.record()
+            raise self._diverge("effect", "effect", asked,
                                 f"the agent asked for effect {name!r}")
+        at = Site.parse(obs.get("site")) if moved else None
+        if at is not None and site is not None:
+            note = (f"effect {name!r} asked for at {site} (line {site.line}) but recorded at "
+                    f"{at} (line {at.line}, seq {obs['seq']}): the order of effects changed "
+                    "(or the call moved); served in recorded order")
+            log.warning("%s: %s", self.path, note)
+            with self._lock:
+                self.notes.append(note)
+        return obs
+
+    @staticmethod
+    def effect_value(obs: dict[str, Any]) -> Any:
+        """The value of a recorded effect, or the refusal it recorded, raised again."""
+        if "error" in obs:
+            raise _rebuild_error(f"effect {obs['name']}", obs["error"])
         return _values.decode(obs.get("value"))
 
 
@@ -341,7 +374,7 @@ def _describe(cassette: Cassette, obs: dict[str, Any]) -> Any:
     if kind in ("tool", "intent"):
         return {"name": obs["name"], "args": obs["args"]}
     if kind == "effect":
-        return {"effect": obs["name"]}
+        return {"effect": obs["name"], **({"site": obs["site"]} if "site" in obs else {})}
     return {k: v for k, v in obs.items() if k not in ("sig",)}
 
 
@@ -397,17 +430,21 @@ class _Replay(contextlib.ContextDecorator):
 
 
 def replay(path: str | Path, *, keyring: Keyring | None = None, require_signature: bool = False,
-           allow_torn: bool = False, allow_incomplete: bool = False,
-           raise_on_divergence: bool = True) -> _Replay:
+           allow_unverified: bool | None = None, allow_torn: bool = False,
+           allow_incomplete: bool = False, raise_on_divergence: bool = True) -> _Replay:
     """Replay the cassette at ``path`` around a block or a decorated function.
 
-    The signature chain is verified when the key is available (``keyring``, else the
-    environment's); ``require_signature`` makes a missing key an error. A torn last line
-    is refused unless ``allow_torn``; a cassette without an end line (truncated, or a
-    crashed run) unless ``allow_incomplete``.
+    The signature chain is verified with the key the cassette names (from ``keyring``,
+    else the environment's keys). A cassette whose key is not available is refused
+    (:class:`recorder.UnverifiedCassette`) unless ``allow_unverified`` (default: the
+    ``DEJA_ALLOW_UNVERIFIED`` environment variable); its result then says ``NOT
+    VERIFIED``. ``require_signature`` refuses it even then. A torn last line is refused
+    unless ``allow_torn``; a cassette without an end line (truncated, or a crashed run)
+    unless ``allow_incomplete``.
     """
     return _Replay(path, {"keyring": keyring, "require_signature": require_signature,
-                          "allow_torn": allow_torn, "allow_incomplete": allow_incomplete,
+                          "allow_unverified": allow_unverified, "allow_torn": allow_torn,
+                          "allow_incomplete": allow_incomplete,
                           "raise_on_divergence": raise_on_divergence})
 
 

@@ -101,7 +101,7 @@ def children_of(run: str, directory: str | Path) -> list[dict[str, Any]]:
         try:
             with path.open("rb") as f:
                 header = json.loads(f.readline())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # not a cassette, or a hostile one
             continue
         parent = header.get("parent") if isinstance(header, dict) else None
         if isinstance(parent, dict) and parent.get("run") == run:

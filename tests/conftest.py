@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -43,3 +44,10 @@ def stub() -> Iterator[Callable[[dict], StubServer]]:
 
 def read_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The figures of the tamper suite (tests/test_tamper.py), when it ran."""
+    tamper = sys.modules.get("tamper")
+    for line in getattr(tamper, "SUMMARY", ()):
+        terminalreporter.write_line(line)

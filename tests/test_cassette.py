@@ -29,11 +29,11 @@ from recorder.cassette import CassetteWriter, load
 from recorder.errors import (
     ConfigError,
     CorruptCassette,
-    KeyMissing,
     SignatureError,
     TornCassette,
     UnserializableValue,
     UnsupportedFormat,
+    UnverifiedCassette,
 )
 from recorder.keys import Keyring, key_id, load_keyring
 
@@ -116,21 +116,28 @@ def test_round_trip_header_dense_seq_end_and_verified(tmp_path: Path) -> None:
         {"role": "user", "content": "question 2"}, {"role": "user", "content": "question 5"}]
 
 
-def test_load_without_key_is_unverified_with_a_note(tmp_path: Path) -> None:
+def test_without_the_key_a_cassette_is_refused_unless_unverified_is_allowed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write_cassette(tmp_path / "run.jsonl")
-    cassette = load(path, keyring=Keyring(None, {}))
+    with pytest.raises(UnverifiedCassette, match="no signing key on this machine") as info:
+        load(path, keyring=Keyring(None, {}))
+    assert key_id(KEY) in str(info.value) and "--allow-unverified" in str(info.value)
+    cassette = load(path, keyring=Keyring(None, {}), allow_unverified=True)
     assert cassette.verified is False
-    assert cassette.verify_note.startswith("not verified")
+    assert cassette.verify_note.startswith("NOT VERIFIED")
     assert key_id(KEY) in cassette.verify_note
     assert len(cassette) == 5  # still readable
+    monkeypatch.setenv("DEJA_ALLOW_UNVERIFIED", "1")  # the environment's word counts too
+    assert load(path, keyring=Keyring(None, {})).verified is False
 
 
 @pytest.mark.parametrize("keyring", [None, Keyring(None, {}), Keyring.of(b"another key")])
-def test_require_signature_without_the_key_raises_key_missing(
-        tmp_path: Path, keyring: Keyring | None) -> None:
+def test_require_signature_without_the_key_refuses_even_when_unverified_is_allowed(
+        tmp_path: Path, keyring: Keyring | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEJA_KEY", "yet another key")
     path = write_cassette(tmp_path / "run.jsonl")
-    with pytest.raises(KeyMissing, match="signature required"):
-        load(path, keyring=keyring, require_signature=True)
+    with pytest.raises(UnverifiedCassette, match="signature cannot be checked"):
+        load(path, keyring=keyring, require_signature=True, allow_unverified=True)
     assert load(path, keyring=ring(KEY), require_signature=True).verified
 
 
@@ -177,7 +184,7 @@ def test_an_edited_value_without_the_key_loads_unverified(tmp_path: Path) -> Non
     """The edit is only detectable with the key: without it the loader says so."""
     path = write_cassette(tmp_path / "run.jsonl", n=6)
     put_lines(path, _edit_value_seq2(raw_lines(path)))
-    cassette = load(path, keyring=Keyring(None, {}))
+    cassette = load(path, keyring=Keyring(None, {}), allow_unverified=True)
     assert cassette.verified is False
     assert cassette.observations[2]["response"]["body"] == "a forged answer"
 
@@ -329,9 +336,10 @@ def test_rotated_key_still_verifies_old_cassettes(
         recorder.uuid4()
 
     monkeypatch.setenv("DEJA_KEY", "new-key-2025")
-    unverified = load(path, keyring=load_keyring())
-    assert unverified.verified is False
-    assert key_id(b"old-key-2024") in unverified.verify_note
+    with pytest.raises(UnverifiedCassette) as info:  # suspect: this machine has other keys
+        load(path, keyring=load_keyring())
+    assert key_id(b"old-key-2024") in str(info.value)
+    assert key_id(b"new-key-2025") in str(info.value)
 
     if where == "env":
         monkeypatch.setenv("DEJA_OLD_KEYS", "older-key-2023, old-key-2024")
@@ -344,26 +352,33 @@ def test_rotated_key_still_verifies_old_cassettes(
     assert cassette.verify_note == f"verified with key {key_id(b'old-key-2024')}"
 
 
-def test_a_cassette_signed_with_an_unknown_key_loads_unverified(tmp_path: Path) -> None:
+def test_a_cassette_signed_with_an_unknown_key_is_suspect(tmp_path: Path) -> None:
     path = write_cassette(tmp_path / "run.jsonl", key=b"a stranger's key")
-    cassette = load(path, keyring=load_keyring())
+    with pytest.raises(UnverifiedCassette, match="not one of this machine's keys"):
+        load(path, keyring=load_keyring())
+    cassette = load(path, keyring=load_keyring(), allow_unverified=True)
     assert cassette.verified is False
     assert key_id(b"a stranger's key") in cassette.verify_note
-    with pytest.raises(KeyMissing):
-        load(path, keyring=load_keyring(), require_signature=True)
+    with pytest.raises(UnverifiedCassette):
+        load(path, keyring=load_keyring(), require_signature=True, allow_unverified=True)
 
 
-def test_a_recording_signed_with_an_unknown_key_replays_unverified(tmp_path: Path) -> None:
+def test_a_recording_signed_with_an_unknown_key_replays_only_when_allowed(
+        tmp_path: Path) -> None:
     path = tmp_path / "run.jsonl"
     with recorder.record(path, keyring=Keyring.of(b"a stranger's key")):
         recorded = recorder.uuid4()
-    with replayer.replay(path) as run:
+    with pytest.raises(UnverifiedCassette):
+        with replayer.replay(path):
+            pass
+    with replayer.replay(path, allow_unverified=True) as run:
         assert recorder.uuid4() == recorded
     assert run.result is not None
     assert run.result.identical and run.result.verified is False
-    assert run.result.verify_note.startswith("not verified")
-    with pytest.raises(KeyMissing):
-        with replayer.replay(path, require_signature=True):
+    assert run.result.verify_note.startswith("NOT VERIFIED")
+    assert "NOT VERIFIED" in run.result.report()
+    with pytest.raises(UnverifiedCassette):
+        with replayer.replay(path, require_signature=True, allow_unverified=True):
             pass
 
 
@@ -618,7 +633,7 @@ def test_golden_v1_cassette_loads_and_verifies() -> None:
     assert cassette.end is not None and cassette.end["status"] == "completed"
     tool = cassette.observations[2]
     assert tool["name"] == "get_weather" and tool["args"] == {"city": "Paris"}
-    with pytest.raises(KeyMissing):  # signed with the golden key, not this test's key
+    with pytest.raises(UnverifiedCassette):  # signed with the golden key, not this test's
         load(path, keyring=load_keyring(), require_signature=True)
 
 

@@ -106,7 +106,7 @@ def test_verify_needs_the_key(spiral_cassette: Path, tmp_path: Path) -> None:
     other = deja("verify", str(spiral_cassette),
                  env={"DEJA_KEY": "another-key", "DEJA_HOME": str(tmp_path / "h")})
     assert other.returncode == 2
-    assert "signature required" in other.stderr
+    assert "UnverifiedCassette" in other.stderr and "signature cannot be checked" in other.stderr
     rotated = deja("verify", str(spiral_cassette),
                    env={"DEJA_KEY": "another-key", "DEJA_HOME": str(tmp_path / "h"),
                         "DEJA_OLD_KEYS": os.environ["DEJA_KEY"]})
@@ -116,12 +116,21 @@ def test_verify_needs_the_key(spiral_cassette: Path, tmp_path: Path) -> None:
 def test_replay_require_signature_without_key_exits_2(spiral_cassette: Path,
                                                       tmp_path: Path) -> None:
     env = {"DEJA_KEY": "", "DEJA_HOME": str(tmp_path / "empty-home")}
-    unverified = deja("replay", str(spiral_cassette), env=env)
+    refused = deja("replay", str(spiral_cassette), env=env)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "UnverifiedCassette" in refused.stderr and "--allow-unverified" in refused.stderr
+    no_command = deja("replay", str(spiral_cassette), "--allow-unverified", env=env)
+    assert no_command.returncode == 2
+    assert "does not run the command an unverified header names" in no_command.stderr
+    unverified = deja("replay", str(spiral_cassette), "--allow-unverified",
+                      "--run-recorded-command", env=env)
     assert unverified.returncode == 0, unverified.stdout + unverified.stderr
-    assert "not verified" in unverified.stdout
-    required = deja("replay", str(spiral_cassette), "--require-signature", env=env)
+    assert "identical (NOT VERIFIED" in unverified.stdout
+    assert "WARNING" in unverified.stderr and "NOT VERIFIED" in unverified.stderr
+    required = deja("replay", str(spiral_cassette), "--require-signature",
+                    "--allow-unverified", "--run-recorded-command", env=env)
     assert required.returncode == 2
-    assert "signature required" in required.stderr
+    assert "signature cannot be checked" in required.stderr
 
 
 def test_show_lists_every_step(spiral_cassette: Path) -> None:
@@ -170,7 +179,7 @@ def test_record_refuses_to_overwrite_and_bootstrap_fails_loudly(spiral_cassette:
     proc = deja("record", "-o", str(blocker / "run.jsonl"), "--", "python", "-c",
                 "print('agent ran')")
     assert proc.returncode == 2
-    assert "could not start record" in proc.stderr
+    assert f"cannot create {blocker}" in proc.stderr  # refused before the program starts
     assert "agent ran" not in proc.stdout
 
 

@@ -31,7 +31,7 @@ import recorder
 import replayer
 from deja.cli import main as cli
 from recorder.cassette import load
-from recorder.errors import ConfigError, Divergence, KeyMissing, SignatureError
+from recorder.errors import ConfigError, Divergence, SignatureError, UnverifiedCassette
 from recorder.sse import assemble
 from recorder.stubserver import StubServer
 
@@ -626,12 +626,12 @@ def test_a_missing_key(spiral_parent: Path, tmp_path: Path,
     home = tmp_path / "empty-home"
     home.mkdir()
     env = {"DEJA_KEY": "a-different-key", "DEJA_HOME": str(home)}
-    refused(spiral_parent, ["--set", f"result={GOOD}"], "signature required", "is not available",
-            "DEJA_KEY or DEJA_OLD_KEYS", env=env)
+    refused(spiral_parent, ["--set", f"result={GOOD}"], "signature cannot be checked",
+            "not one of this machine's keys", "DEJA_KEY or DEJA_OLD_KEYS", env=env)
     assert list(home.iterdir()) == []
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    with pytest.raises(KeyMissing):
+    with pytest.raises(UnverifiedCassette):
         replayer.fork(spiral_parent, at=1, sets=[f"result={GOOD}"])
 
 
@@ -744,3 +744,46 @@ def test_fork_then_replay_another_cassette(spiral_parent: Path, stub: Any, tmp_p
     second_model = load(second).observations[3]
     assert second_model["response"] == first_model["response"]
     assert load(second).header["parent"]["step"] == 1
+
+
+@pytest.mark.parametrize(("agent", "edit"), [
+    ("tests/intent_agent.py", 'result={"i": 0, "square": 7}'),
+    ("tests/async_intent_agent.py", 'result={"invoice": "INV-7", "due": 999}'),
+], ids=["sync", "async"])
+def test_fork_then_replay_copies_side_effects_with_their_outcomes(agent: str, edit: str,
+                                                                  tmp_path: Path) -> None:
+    """--then-replay over a side-effecting tool: the fork gets the intent and its outcome
+    (pointing at the fork's own intent, under the key the body really ran with), and
+    the fork replays identical."""
+    parent = tmp_path / "parent.jsonl"
+    recorded = deja("record", "-o", str(parent), "--", "python", agent)
+    assert recorded.returncode == 0, recorded.stderr
+    out = tmp_path / "fork.jsonl"
+    forked = deja("fork", str(parent), "--at", "0", "--set", edit, "-o", str(out),
+                  "--then-replay", str(parent))
+    assert forked.returncode == 0, forked.stdout + forked.stderr
+    # after the edited first line, the fork prints what the parent printed
+    assert forked.stdout.splitlines()[1:] == recorded.stdout.splitlines()[1:]
+
+    source, lines = read_lines(parent)[1:], read_lines(out)[1:]
+    run = read_lines(out)[0]["run"]
+    intents = [line for line in lines if line["kind"] == "intent"]
+    assert [i["name"] for i in intents] == [
+        line["name"] for line in source if line["kind"] == "intent"] != []
+    for intent in intents:
+        outcome = lines[intent["seq"] + 1]
+        assert outcome["kind"] == "outcome" and outcome["intent"] == intent["seq"]
+        original = next(line for line in source if line["kind"] == "outcome"
+                        and line["name"] == intent["name"])
+        assert outcome["key"] == original["key"] != f"{run}:{intent['seq']}"
+        assert outcome.get("result") == original.get("result")
+        assert outcome.get("error") == original.get("error")
+    end = lines[-1]
+    assert end["status"] == "completed"
+    assert end["totals"]["tool_calls"] == source[-1]["totals"]["tool_calls"]
+
+    replayed = deja("replay", str(out))
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert "identical" in replayed.stdout
+    assert replayed.stdout.splitlines()[:len(forked.stdout.splitlines())] == \
+        forked.stdout.splitlines()

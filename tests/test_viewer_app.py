@@ -288,3 +288,26 @@ def test_deja_view_serves_the_app_on_localhost(corpus: Corpus, tmp_path: Path) -
     with socket.socket() as again, pytest.raises(OSError):
         again.connect(("127.0.0.1", port))
     assert f"http://127.0.0.1:{port}" in (tmp_path / "view.log").read_text()
+
+
+def test_an_unverified_run_is_refused_or_marked_not_verified(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run signed with a key this machine does not have: an error row by default; with
+    unverified runs allowed (`deja view --allow-unverified`), listed and marked on every
+    page."""
+    folder = tmp_path / "runs"
+    with recorder.record(folder / "foreign.jsonl",
+                         keyring=recorder.Keyring.of("somebody else's key")) as run:
+        recorder.uuid4()
+    refused = ok(app(monkeypatch, folder))
+    rows = table(refused, "parent")
+    assert list(rows["status"]) == ["error"]
+    assert "UnverifiedCassette" in rows["error"][0]
+
+    monkeypatch.setenv("DEJA_ALLOW_UNVERIFIED", "1")
+    listed_page = ok(app(monkeypatch, folder))
+    rows = table(listed_page, "parent")
+    assert list(rows["signed"]) == ["NOT VERIFIED"] and list(rows["status"]) == ["completed"]
+    page = ok(app(monkeypatch, folder, run=run.run_id))
+    errors = texts(page.error)
+    assert any(e.startswith("NOT VERIFIED") and "unchecked" in e for e in errors), errors

@@ -445,7 +445,8 @@ def test_validate_edit_reports_problems_and_writes_nothing(corpus: Corpus,
     assert not_editable and "editable kinds" in not_editable
     monkeypatch.setenv("DEJA_KEY", "another-key-entirely")  # the parent's key is gone
     missing = queries.validate_edit(path, 1, json.dumps({"result": GOOD}))
-    assert missing and missing.startswith("KeyMissing") and "not available" in missing
+    assert missing and missing.startswith("UnverifiedCassette")
+    assert "not one of this machine's keys" in missing
     assert sorted(p.name for p in corpus.runs.iterdir()) == before
 
 

@@ -195,7 +195,8 @@ def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | N
     if header.get("error"):
         st.warning(header["error"])
     if not header.get("verified"):
-        st.caption(header.get("verify_note") or "")
+        st.error(f"{header.get('verify_note') or 'NOT VERIFIED'}. What this page shows is "
+                 "the file as it is, unchecked.", icon="⚠️")
     widgets.lineage_panel(index, header)
     if status and status["record"] is not None:
         widgets.live_panel(header, status)

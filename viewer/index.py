@@ -15,8 +15,10 @@ say) holds it, :class:`RunIndex` builds the same index in memory instead.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import duckdb
 from recorder.cassette import load
 from recorder.errors import DejaError
 from recorder.keys import Keyring, load_keyring
+from recorder.trust import allow_unverified_from_env
 from replayer.steps import run_summary, step_row
 
 from .content import searchable_text
@@ -62,10 +65,12 @@ class RunIndex:
     """Runs and steps of one cassette directory, in DuckDB."""
 
     def __init__(self, directory: str | Path, *, db_path: str | Path | None = None,
-                 keyring: Keyring | None = None) -> None:
+                 keyring: Keyring | None = None, allow_unverified: bool | None = None) -> None:
         self.directory = Path(directory)
         self.db_path = Path(db_path) if db_path else self.directory / INDEX_NAME
         self._keyring = keyring if keyring is not None else load_keyring(create=False)
+        self.allow_unverified = (allow_unverified if allow_unverified is not None
+                                 else allow_unverified_from_env())
         self.in_memory = False
         try:
             self.con = duckdb.connect(str(self.db_path))
@@ -95,11 +100,27 @@ class RunIndex:
             self.con.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)",
                              [str(SCHEMA_VERSION)])
         self.con.execute(_SCHEMA)
+        # What a row says about a file's signature depends on the keys at hand and on
+        # whether unverified files are allowed: when either changed, every file is read
+        # again (a new key can verify a file, a removed one must stop doing so).
+        trust = json.dumps({"keys": sorted(self._keyring.accepted),
+                            "allow_unverified": self.allow_unverified})
+        row = self.con.execute("SELECT value FROM meta WHERE key = 'trust'").fetchone()
+        if row is None or row[0] != trust:
+            self.con.execute("DELETE FROM files")
+            self.con.execute("INSERT OR REPLACE INTO meta VALUES ('trust', ?)", [trust])
 
     # -- refresh
 
     def refresh(self) -> dict[str, int]:
-        """Bring the index up to date with the files; returns what it did."""
+        """Bring the index up to date with the files; returns what it did.
+
+        The index forgets what its cassettes forget: when a file is deleted, or rewritten
+        other than by appending, its old rows are deleted and the database is compacted
+        (``compacted`` in the result), so their bytes are gone from ``.index.duckdb`` and
+        its WAL. The files are readable by their owner only (0600).
+        """
+        self._private_files()
         known = {r[0]: (r[1], r[2]) for r in
                  self.con.execute("SELECT path, size, mtime_ns FROM files").fetchall()}
         seen: set[str] = set()
@@ -126,6 +147,7 @@ class RunIndex:
         gone = [p for p in known if p not in seen]
         stats["removed"] = len(gone)
         stale = [c[0] for c in changed] + gone
+        forgets = bool(stale) and self._forgets(stale, run_rows, step_rows)
         self.con.execute("BEGIN TRANSACTION")
         try:
             if stale:
@@ -140,7 +162,78 @@ class RunIndex:
         except BaseException:
             self.con.execute("ROLLBACK")
             raise
+        stats["compacted"] = 0
+        if forgets and not self.in_memory:
+            stats["compacted"] = 1
+            if not self._compact():  # another process took the file meanwhile
+                return self.refresh()
+        self._private_files()
         return stats
+
+    # -- forgetting
+
+    def _forgets(self, stale: list[str], run_rows: list[dict[str, Any]],
+                 step_rows: list[dict[str, Any]]) -> bool:
+        """Do the rows about to be replaced hold anything the new ones do not (a deleted
+        file, a rewritten one), rather than being a prefix of them (a file that grew)?"""
+        new_steps = {(r["path"], r["seq"]): hashlib.md5(r["payload"].encode("utf-8"))
+                     .hexdigest() for r in step_rows if r.get("payload") is not None}
+        new_runs = {r["path"]: _run_identity(r) for r in run_rows}
+        old_steps = self.con.execute(
+            "SELECT path, seq, md5(payload) FROM steps WHERE payload IS NOT NULL AND path IN "
+            "(SELECT unnest(?::VARCHAR[]))", [stale]).fetchall()
+        if any(new_steps.get((path, seq)) != digest for path, seq, digest in old_steps):
+            return True
+        old_runs = self.con.execute(
+            "SELECT path, run, created, labels FROM runs WHERE path IN "
+            "(SELECT unnest(?::VARCHAR[]))", [stale]).fetchall()
+        return any(path not in new_runs
+                   or new_runs[path] != _run_identity({"run": run, "created": created,
+                                                       "labels": labels})
+                   for path, run, created, labels in old_runs
+                   if (run, created, labels) != (None, None, None))
+
+    def _compact(self) -> bool:
+        """Rewrite the database with only its live rows and put it in place of the old
+        file, whose free blocks still hold deleted rows. False when the file could not be
+        opened again (another process holds it): the index then lives in memory."""
+        fresh = self.db_path.with_name(self.db_path.name + ".compact")
+        for leftover in (fresh, Path(f"{fresh}.wal")):
+            leftover.unlink(missing_ok=True)
+        name = self.con.execute("SELECT current_database()").fetchone()[0]
+        target = str(fresh).replace("'", "''")
+        self.con.execute(f"ATTACH '{target}' AS deja_compact")
+        try:
+            os.chmod(fresh, 0o600)
+            quoted = '"' + str(name).replace('"', '""') + '"'
+            self.con.execute(f"COPY FROM DATABASE {quoted} TO deja_compact")
+        finally:
+            self.con.execute("DETACH deja_compact")
+        self.con.close()
+        os.replace(fresh, self.db_path)
+        # The old file's WAL was checkpointed on close; none may be replayed onto the new one.
+        Path(f"{self.db_path}.wal").unlink(missing_ok=True)
+        try:
+            self.con = duckdb.connect(str(self.db_path))
+        except duckdb.IOException as exc:
+            log.info("index %s was taken by another process while compacting (%s); "
+                     "indexing in memory", self.db_path, exc)
+            self.con = duckdb.connect(":memory:")
+            self.in_memory = True
+            self._ensure_schema()
+            return False
+        return True
+
+    def _private_files(self) -> None:
+        """The index and its WAL are readable by their owner only."""
+        if self.in_memory:
+            return
+        for path in (self.db_path, Path(f"{self.db_path}.wal")):
+            try:
+                if path.stat().st_mode & 0o077:
+                    os.chmod(path, 0o600)
+            except FileNotFoundError:
+                continue
 
     def _append(self, table: str, columns: tuple[str, ...], rows: list[dict[str, Any]]) -> None:
         if not rows:
@@ -152,7 +245,8 @@ class RunIndex:
 
     def _read(self, path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         try:
-            cassette = load(path, keyring=self._keyring, allow_torn=True)
+            cassette = load(path, keyring=self._keyring, allow_torn=True,
+                            allow_unverified=self.allow_unverified)
         except (DejaError, OSError) as exc:
             return {"run": None, "path": str(path), "status": "error",
                     "error": f"{type(exc).__name__}: {exc}"}, []
@@ -183,6 +277,11 @@ class RunIndex:
         cur = self.con.execute("SELECT * EXCLUDE (payload, text) FROM steps WHERE run = ? "
                                "ORDER BY seq", [run])
         return _dicts(cur)
+
+
+def _run_identity(row: dict[str, Any]) -> tuple[Any, ...]:
+    """What a run row says about the file's header: a rewritten file changes it."""
+    return (row.get("run"), row.get("created"), row.get("labels"))
 
 
 def _dicts(cur: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:

@@ -60,8 +60,8 @@ __all__ = [
     "validate_edit",
 ]
 
-RUN_COLUMNS = ("name", "status", "started", "duration", "steps", "tokens", "cost", "parent",
-               "error")
+RUN_COLUMNS = ("name", "status", "signed", "started", "duration", "steps", "tokens", "cost",
+               "parent", "error")
 _BOOKKEEPING = frozenset({"fork_edit", "resumed"})  # as replayer.diff leaves them out
 
 
@@ -96,6 +96,9 @@ def _rows(cur: Any) -> list[dict[str, Any]]:
 
 def _named(row: dict[str, Any]) -> dict[str, Any]:
     row["name"] = row.get("run") or Path(row["path"]).name
+    if "verified" in row:  # never shown as fact unless its signature was checked
+        row["signed"] = ("verified" if row["verified"] else
+                         None if row.get("status") == "error" else "NOT VERIFIED")
     return row
 
 

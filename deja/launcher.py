@@ -1,0 +1,120 @@
+"""Running a recorded program as a child: signals, its lifetime, its exit status.
+
+``deja record``, ``fork``, ``resume`` and ``replay`` start the program as a child process
+and wait for it. What a user expects of such a launcher (as of ``uv run`` or ``poetry
+run``):
+
+- **The child dies with the launcher.** On Linux the child is started with a parent-death
+  signal (SIGTERM): if the launcher is killed, even with SIGKILL, the program is stopped
+  rather than left running, unrecorded, paying invoices nobody sees.
+- **Signals are passed on.** SIGTERM, SIGINT and SIGHUP sent to the launcher are sent to
+  the child, which ends its run ``interrupted`` with an end line (see ``deja.boot``); the
+  launcher waits for it and exits 128 + the signal's number, as a shell reports a
+  process killed by that signal. A child killed by a signal gives the same status.
+- **The writer lock travels with the program.** The cassette's writer lock, taken by the
+  launcher before anything is read or written, is inherited by the child
+  (``DEJA_LOCK_FD``), so it is held while either of them lives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from recorder.lock import WriterLock
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+
+
+def _find_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up here, not in the child: between fork and exec only the call itself is safe.
+_PRCTL = _find_prctl()
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class Exit:
+    """How the child ended: its status as a shell reports it, and the signal the
+    launcher received while waiting, if any."""
+
+    code: int
+    received: int | None = None
+
+    @property
+    def status(self) -> int:
+        """What the launcher exits with."""
+        return 128 + self.received if self.received is not None else self.code
+
+
+def shell_status(returncode: int) -> int:
+    """``subprocess``'s -N for a child killed by signal N becomes 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+@contextlib.contextmanager
+def _forwarding(child: subprocess.Popen[bytes], received: list[int]) -> Iterator[None]:
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    previous = {}
+    for signum in FORWARDED:
+        with contextlib.suppress(ValueError, OSError):  # not the main thread: no handlers
+            previous[signum] = signal.signal(signum, forward)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def run(argv: list[str], *, env: dict[str, str], cwd: Path | None = None,
+        lock: WriterLock | None = None) -> Exit:
+    """Run ``argv`` until it ends; pass it our signals; it dies if we die; it inherits
+    ``lock``. ``FileNotFoundError`` (and other ``OSError``) propagate when it cannot start.
+    """
+    env = dict(env)
+    env["DEJA_LAUNCHER_PID"] = str(os.getpid())
+    pass_fds: tuple[int, ...] = ()
+    if lock is not None:
+        env["DEJA_LOCK_FD"] = str(lock.fd)
+        env["DEJA_LOCK_CASSETTE"] = str(lock.cassette)
+        pass_fds = (lock.fd,)
+    child = subprocess.Popen(argv, env=env, cwd=cwd, pass_fds=pass_fds,
+                             preexec_fn=_die_with_parent if _PRCTL is not None else None)
+    if lock is not None:
+        lock.note(child=child.pid)
+    received: list[int] = []
+    with _forwarding(child, received):
+        while True:
+            try:
+                code = child.wait()
+                break
+            except KeyboardInterrupt:  # a SIGINT before our handler was in place
+                received.append(signal.SIGINT)
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signal.SIGINT)
+    return Exit(shell_status(code), received[0] if received else None)
