@@ -30,6 +30,7 @@ test: $(STAMP) chromium
 
 stress: $(STAMP)
 	DEJA_CRASH_SEEDS=200 $(BIN)/python -m pytest tests/test_crash_resume.py
+	DEJA_TAMPER=full $(BIN)/python -m pytest tests/test_tamper.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py

@@ -47,8 +47,8 @@ def summarize(provider: str, status: int, content_type: str, body: bytes) -> dic
         choice = (doc.get("choices") or [{}])[0]
         return {"message_id": doc.get("id"), "model": doc.get("model"),
                 "stop_reason": choice.get("finish_reason"),
-                "usage": {"input_tokens": usage.get("prompt_tokens", 0),
-                          "output_tokens": usage.get("completion_tokens", 0)}}
+                "usage": _usage({"input_tokens": usage.get("prompt_tokens", 0),
+                                 "output_tokens": usage.get("completion_tokens", 0)})}
     return {"message_id": doc.get("id"), "model": doc.get("model"),
             "stop_reason": doc.get("stop_reason"), "usage": _usage(doc.get("usage"))}
 
@@ -58,7 +58,9 @@ def _usage(u: Any) -> dict[str, int]:
         return {}
     keys = ("input_tokens", "output_tokens", "cache_creation_input_tokens",
             "cache_read_input_tokens")
-    return {k: int(u[k]) for k in keys if isinstance(u.get(k), int)}
+    # Counts only: a body is whatever the upstream sent, and a count that is no
+    # non-negative 64-bit integer (a string, true, 10**30) is no count at all.
+    return {k: u[k] for k in keys if type(u.get(k)) is int and 0 <= u[k] < 2**63}
 
 
 def _from_sse(text: str) -> dict[str, Any]:

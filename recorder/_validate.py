@@ -136,14 +136,28 @@ def _check_fields(obj: dict[str, Any], required: dict[str, tuple[type, ...]],
     for table in (required, optional):
         for name, types in table.items():
             if name in obj and not _is(obj[name], types):
+                value = obj[name]
+                big = isinstance(value, int) and not isinstance(value, bool)
+                got = f"{value}, beyond any number deja writes" if big else type(value).__name__
                 raise CorruptCassette(f"{path}: {what}: '{name}' must be {_kind_name(types)}, "
-                                      f"not {type(obj[name]).__name__}", path=path, seq=seq)
+                                      f"not {got}", path=path, seq=seq)
+
+
+_INT64 = range(-2**63, 2**63)  # what the index's integer columns hold
 
 
 def _is(value: Any, types: tuple[type, ...]) -> bool:
-    if isinstance(value, bool) and bool not in types:  # True is an int to Python, not to us
+    if isinstance(value, bool):  # True is an int to Python, not to us
+        return bool in types
+    if isinstance(value, int) and value not in _INT64:
         return False
     return isinstance(value, types)
+
+
+def _counts(values: Any) -> bool:
+    """Token counts and totals: numbers (or null), or objects of them one level down."""
+    return all(_is(v, _MAYBE_NUMBER) or (isinstance(v, dict) and all(
+        _is(w, _MAYBE_NUMBER) for w in v.values())) for v in values)
 
 
 def check_header(header: dict[str, Any], path: Path) -> None:
@@ -176,17 +190,19 @@ def check_line(line: dict[str, Any], path: Path, seq: int) -> None:
         if kind == "http" or "body_json" not in response:
             required["body"] = (str,)
         _check_fields(response, required, _RESPONSE, f"{what} response", path, seq)
+        shared = isinstance(response.get("headers_base"), int)  # null: the base line's
         for pair in response.get("headers") or ():
-            if pair is not None and not (isinstance(pair, list) and len(pair) == 2
-                                         and all(isinstance(p, str) for p in pair)):
+            if not ((pair is None and shared) or (isinstance(pair, list) and len(pair) == 2
+                                                  and all(isinstance(p, str) for p in pair))):
                 raise CorruptCassette(f"{path}: {what}: a response header is not a "
-                                      "[name, value] pair of strings", path=path, seq=seq)
+                                      "[name, value] pair of strings (null only with a "
+                                      "headers_base)", path=path, seq=seq)
     error = line.get("error")
     if isinstance(error, dict):
         _check_fields(error, {}, {"type": (str,), "module": (str,), "message": (str,)},
                       f"{what} error", path, seq)
-    usage = line.get("usage")
-    if isinstance(usage, dict) and not all(_is(v, _MAYBE_NUMBER) or isinstance(v, dict)
-                                           for v in usage.values()):
-        raise CorruptCassette(f"{path}: {what}: usage counts must be numbers", path=path,
-                              seq=seq)
+    for name, label in (("usage", "usage counts"), ("totals", "the totals")):
+        counts = line.get(name)
+        if isinstance(counts, dict) and not _counts(counts.values()):
+            raise CorruptCassette(f"{path}: {what}: {label} must be numbers", path=path,
+                                  seq=seq)

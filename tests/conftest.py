@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -40,6 +42,25 @@ def stub() -> Iterator[Callable[[dict], StubServer]]:
     yield start
     for server in servers:
         server.stop()
+    _collect_clients()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _collect_clients_after_module() -> Iterator[None]:
+    yield
+    _collect_clients()
+
+
+def _collect_clients() -> None:
+    """Collect the SDK clients a test left open now, quietly.
+
+    Tests make anthropic clients and drop them; their pooled connections to a stub that is
+    gone would otherwise be collected during some later test, where the socket's
+    ResourceWarning (an error in this suite) fails a test that has nothing to do with it.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        gc.collect()
 
 
 def read_lines(path: Path) -> list[dict]:
