@@ -137,6 +137,7 @@ def _builtin_source(query: frozenset[str]) -> str:
         rf"J(?<=eyJ){_word('eyJ')}(?P<c6>)[A-Za-z0-9_-]{{5,}}\.eyJ[A-Za-z0-9_-]{{5,}}"
         r"\.[A-Za-z0-9_-]*",
         rf"B(?P<p2>earer[ \t]+){token}",
+        rf"b(?P<p4>earer[ \t]+){token}",  # as some clients and logs write it
         r"""/(?<=:/)(?P<p3>/)[^\s/?#@"'<>\\]+(?P<s1>@)""",        # URL userinfo
         # the value of a query parameter (or form field) named like a secret: ?key=...
         "=(?:" + "|".join(_named(query)) + rf"){value}",
@@ -145,7 +146,7 @@ def _builtin_source(query: frozenset[str]) -> str:
 
 
 _KEEP_ANCHOR = ("c1", "c2", "c3", "c4", "c5", "c6")
-_KEEP_PREFIX = ("p1", "p2")
+_KEEP_PREFIX = ("p1", "p2", "p4")
 
 
 @functools.lru_cache(maxsize=32)

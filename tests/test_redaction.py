@@ -641,3 +641,12 @@ def test_the_index_forgets_what_its_cassettes_forget(tmp_path: Path) -> None:
         rec.close()
         stats = index.refresh()
     assert stats["indexed"] == 1 and stats["compacted"] == 0
+
+
+def test_a_bearer_token_is_redacted_whatever_the_case() -> None:
+    from recorder.redact import DEFAULT
+
+    text = "auth: bearer abcdefghijklmnopqrstuvwxyz0123 / Bearer ZYXWVUTSRQPONMLKJIHGFEDCBA98"
+    out = DEFAULT.text(text)
+    assert "abcdefghijklmnopqrstuvwxyz0123" not in out and "ZYXWVUTSRQPONMLKJIHGFEDCBA98" not in out
+    assert out == "auth: bearer [redacted] / Bearer [redacted]"
