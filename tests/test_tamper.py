@@ -50,6 +50,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import xml.etree.ElementTree as ET
@@ -634,7 +635,7 @@ def _report(failures: list[Failure], limit: int = 15) -> str:
     shown = "\n\n".join(str(f) for f in failures[:limit])
     more = ""
     if len(failures) > limit:
-        every = Path(os.environ.get("TMPDIR", "/tmp")) / "deja-tamper-failures.txt"
+        every = Path(tempfile.gettempdir()) / "deja-tamper-failures.txt"
         every.write_text("\n\n".join(str(f) for f in failures))
         more = f"\n\n... and {len(failures) - limit} more (all of them: {every})"
     return f"{len(failures)} failures:\n\n{shown}{more}"
