@@ -1,9 +1,12 @@
 """What the stub Anthropic server (:mod:`recorder.stubserver`) sends for a turn of its script.
 
-:class:`Reply` turns a successful turn into a Messages API message, as one JSON body or as the
-SSE events of a stream; :func:`stream_events` renders those events (cut short by the turn's
-``sse_error``), and :func:`scripted_error` the status, body fields and headers of an ``error``
-turn. Token counts the script leaves out are rough estimates (four characters a token).
+:func:`reply_for` turns a successful turn into a reply that renders as one JSON message or as
+the SSE events of a stream: :class:`Reply` builds it from the turn's parts (``text``,
+``tool_use``, ...), :class:`RecordedReply` sends a recorded ``message`` as it is, and
+:class:`RawStream` a recorded ``sse`` body verbatim, event by event.
+:func:`stream_events` renders the events (cut short by the turn's ``sse_error``), and
+:func:`scripted_error` the status, body fields and headers of an ``error`` turn. Token counts
+a built turn leaves out are rough estimates (four characters a token).
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import json
 import re
 import secrets
 import string
-from typing import Any
+from typing import Any, Protocol
+
+from ._stubmatch import last_user_text
+from .sse import assemble, synthesize
 
 _BASE62 = string.ascii_letters + string.digits
 
@@ -48,38 +54,6 @@ def dumps(obj: Any) -> str:
 
 def _rough_tokens(text: str) -> int:
     return max(1, len(text) // 4)
-
-
-def _block_text(block: Any) -> str:
-    if isinstance(block, str):
-        return block
-    if not isinstance(block, dict):
-        return ""
-    kind = block.get("type")
-    if kind == "text":
-        return str(block.get("text", ""))
-    if kind == "tool_result":
-        content = block.get("content")
-        if isinstance(content, str):
-            return content
-        if isinstance(content, list):
-            return "\n".join(t for t in (_block_text(b) for b in content) if t)
-    return ""
-
-
-def _last_user_text(body: dict) -> str:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return ""
-    for message in reversed(messages):
-        if isinstance(message, dict) and message.get("role") == "user":
-            content = message.get("content")
-            if isinstance(content, str):
-                return content
-            if isinstance(content, list):
-                return "\n".join(t for t in (_block_text(b) for b in content) if t)
-            return ""
-    return ""
 
 
 def input_tokens(body: dict) -> int:
@@ -120,7 +94,7 @@ class Reply:
     """A successful message reply built from a turn, renderable as JSON or SSE events."""
 
     def __init__(self, turn: dict, body: dict, script_model: str | None) -> None:
-        echo = _last_user_text(body) if _turn_uses_echo(turn) else ""
+        echo = last_user_text(body) if _turn_uses_echo(turn) else ""
         self.model = body.get("model") or script_model or "claude-stub"
         self.id = random_id("msg_")
         self.content: list[dict] = []
@@ -241,14 +215,79 @@ class Reply:
         events.append(("message_stop", {"type": "message_stop"}))
         return events
 
+    def event_bytes(self) -> list[bytes]:
+        return [_sse_bytes(name, data) for name, data in self.events()]
+
+    @property
+    def stream_error(self) -> dict | None:
+        return None
+
+
+class RecordedReply:
+    """A recorded message, sent as it is; as a stream, the events that deliver it."""
+
+    def __init__(self, message: dict) -> None:
+        self._message = message
+
+    def message(self) -> dict:
+        return copy.deepcopy(self._message)
+
+    def event_bytes(self) -> list[bytes]:
+        return _split_stream(synthesize(self._message))
+
+    @property
+    def stream_error(self) -> dict | None:
+        return None
+
+
+class RawStream:
+    """A recorded event stream, sent verbatim; as JSON, the message it assembles into."""
+
+    def __init__(self, text: str) -> None:
+        self._text = text
+        self._assembled = assemble(text)
+
+    def message(self) -> dict:
+        return {k: v for k, v in self._assembled.items() if k != "error"}
+
+    def event_bytes(self) -> list[bytes]:
+        return _split_stream(self._text)
+
+    @property
+    def stream_error(self) -> dict | None:
+        """The error event the stream carries, if any (a non-streaming request gets it)."""
+        error = self._assembled.get("error")
+        return error if isinstance(error, dict) else None
+
+
+class Answer(Protocol):
+    def message(self) -> dict: ...
+    def event_bytes(self) -> list[bytes]: ...
+    @property
+    def stream_error(self) -> dict | None: ...
+
+
+def reply_for(turn: dict, body: dict, script_model: str | None) -> Answer:
+    """The reply a successful turn sends to the request ``body``."""
+    if "sse" in turn:
+        return RawStream(turn["sse"])
+    if "message" in turn:
+        return RecordedReply(turn["message"])
+    return Reply(turn, body, script_model)
+
+
+def _split_stream(text: str) -> list[bytes]:
+    """The events of an event-stream text, each with its blank line, bytes for bytes."""
+    return [part.encode() for part in re.split(r"(?<=\n\n)|(?<=\r\n\r\n)", text) if part]
+
 
 def _sse_bytes(name: str, data: dict) -> bytes:
     return f"event: {name}\ndata: {dumps(data)}\n\n".encode()
 
 
-def stream_events(reply: Reply, turn: dict) -> list[bytes]:
+def stream_events(reply: Answer, turn: dict) -> list[bytes]:
     """The SSE events of ``reply``, each encoded; an ``sse_error`` turn cuts them short."""
-    events = [_sse_bytes(name, data) for name, data in reply.events()]
+    events = reply.event_bytes()
     sse_error = turn.get("sse_error")
     if sse_error is not None:
         cut = min(sse_error.get("after_events", 0), len(events))
@@ -297,4 +336,8 @@ def scripted_error(
     should_retry = err.get("should_retry", turn.get("should_retry"))
     if should_retry is not None:
         headers["x_should_retry"] = "true" if should_retry else "false"
+    for name, value in (err.get("headers") or {}).items():  # given headers win
+        key = name.lower().replace("-", "_")
+        headers.pop(key, None)
+        headers[name] = value
     return status, error_type, message, headers

@@ -1,59 +1,63 @@
 """The script format of the stub Anthropic server (:mod:`recorder.stubserver`), and its loader.
 
-A *script* (a dict, a JSON file, or JSON text) lists the turns to answer ``POST /v1/messages``
-with::
+A *script* (a dict, a JSON file, or JSON text) says how to answer ``POST /v1/messages``::
 
     {
       "model": "claude-sonnet-4-5",
-      "select": "sequence",
+      "select": "conversation",
+      "rules": [
+        {"when": {"tool_result_is_error": false}, "text": "Found it."},
+        {"when": {"position": 0, "first_user": "Say hi"}, "text": "hi"}
+      ],
       "turns": [
-        {"text": "Hello!", "usage": {"input_tokens": 12, "output_tokens": 3}},
         {"text": "Let me search.", "tool_use": {"name": "search", "input": {"query": "x"}}},
-        {"tool_use": [{"name": "a", "input": {}}, {"name": "b", "input": {"k": 1}}]},
-        {"thinking": "hmm", "text": "answer"},
-        {"error": {"status": 529, "type": "overloaded_error", "message": "Overloaded",
-                   "retry_after": 0}},
-        {"text": "partial", "sse_error": {"type": "overloaded_error", "after_events": 3}},
-        {"drop": "before_headers"},
-        {"text": "slow", "delay_ms": 50, "event_delay_ms": 5}
+        {"error": {"status": 529, "retry_after": 0}, "then": [{"text": "retried"}]}
       ],
       "default": {"text": "ok"}
     }
 
-Turn fields: ``text``, ``thinking``, ``tool_use`` (a dict or a list of dicts with ``name``,
-optional ``input`` and ``id``), ``stop_reason``, ``stop_sequence``, ``usage``, ``error``,
-``sse_error``, ``drop`` (``"before_headers"`` / ``"after_headers"``), ``delay_ms``,
-``event_delay_ms``, ``should_retry`` and ``then`` (below). The placeholder ``{echo}`` in
-``text`` or ``thinking`` is replaced by the text of the last user message. Keys starting with
-``_`` (and ``comment``/``description``/``name``) are ignored, so scripts can carry notes.
+Top-level keys: ``model`` (the reply's model when the request names none), ``select``
+(``"sequence"``, the default, or ``"conversation"``), ``rules``, ``turns`` and ``default``.
+Keys starting with ``_`` (and ``comment``/``description``/``name``) are notes, ignored
+everywhere.
 
-Which turn answers a request is set by ``select``:
+How an answer is chosen (:func:`recorder._stubmatch.pick`):
 
-``"sequence"`` (the default)
-    Each request takes the next turn, by a pointer shared by every client of the server.
-    Past the end of ``turns`` every request gets ``default``; with no ``default`` the server
-    answers 500 ``stub script exhausted`` (with ``x-should-retry: false``).
+1. ``rules``, in order: the first rule whose ``when`` holds answers. ``when`` conditions (all
+   given must hold): ``position`` (the number of assistant messages in the request),
+   ``first_user`` (the first user message's text equals), ``last_user`` (the last user
+   message's text equals), ``last_user_contains``, ``tool_result_contains`` (a ``tool_result``
+   of the last user message contains the string), ``tool_result_is_error`` (``true``: one of
+   those results has ``is_error: true``; ``false``: there is one and none has). A message's
+   text is its string content or its text blocks and tool results, joined by newlines.
+2. Else ``turns``: with ``"select": "conversation"`` the turn at the request's position
+   (``turns[0]`` for a new conversation, ``turns[1]`` after one assistant reply, ...); with
+   ``"sequence"`` the next turn by a pointer shared by every client of the server (reset by
+   :meth:`StubServer.load`).
+3. Else ``default``; with none, a 500 ``stub script exhausted`` with ``x-should-retry: false``.
 
-``"conversation"``
-    The request itself picks the turn: its position is the number of messages with role
-    ``assistant`` in its ``messages`` (a trailing assistant prefill counts too), so a new
-    conversation gets ``turns[0]``, the request after one assistant reply ``turns[1]``, and so
-    on. No pointer moves, so clients interleaving, a client that crashes and resumes, or one
-    replaying part of a conversation all get the same turn for the same position. Past the
-    end of ``turns``: ``default`` as-is for every request, else the exhausted 500.
+Rules and conversation turns remember nothing between requests. A failure turn among them
+(``error``, ``sse_error`` or ``drop``) with a ``then`` list is a retry sequence keyed by the
+SDK's ``x-stainless-retry-count`` header: attempt 0 gets the failure, attempt *k* the
+*k*-th entry of ``then``; the first entry that is not a failure answers every later attempt,
+and attempts past the list get ``default`` (else the exhausted 500). ``then`` needs a failure
+turn of ``rules`` or of conversation ``turns``, and its entries have no ``then`` of their own.
 
-    *Failure turns* (with ``error``, ``sse_error`` or ``drop``) are one-shot: the server counts
-    the requests at each position, serves a failure turn only to the first, and gives repeats
-    (such as the SDK's retry) the next entry of the turn's optional ``then`` list. An entry
-    that is not a failure is served to every later repeat at that position; a failure entry
-    is again served once. When ``then`` is absent or used up, repeats get ``default`` (else
-    the exhausted 500). For example ``{"error": {"status": 529}, "then": [{"text": "ok"}]}``
-    fails the first request at its position and answers ``ok`` to every retry after it.
-    ``then`` is only valid in conversation mode, on failure turns of ``turns``, and its
-    entries cannot have a ``then`` of their own.
-
-Loading a script into a running server (:meth:`StubServer.load`, ``POST /_stub/script``)
-resets the pointer, the per-position counts and ``served``.
+Turn keys. Content, built from parts: ``text``, ``thinking``, ``tool_use`` (an object or a list
+of objects with ``name``, optional ``input`` and ``id``), ``stop_reason``, ``stop_sequence``,
+``usage`` (token counts; left out, they are estimated). The placeholder ``{echo}`` in ``text``
+or ``thinking`` is replaced by the last user message's text. Or content as recorded:
+``message`` (a whole Messages API message object, sent as it is; as a stream it is rendered to
+events) or ``sse`` (a raw ``text/event-stream`` body, sent verbatim to a streaming request and
+assembled into one message for a non-streaming one, or a 529 if it holds an error event).
+Neither mixes with the built parts. Failures: ``error`` (``status``
+400-599, ``type``, ``message``, ``retry_after`` seconds, which sets ``retry-after`` and
+``retry-after-ms``, ``should_retry``, which sets ``x-should-retry``, and ``headers``, response
+headers sent as they are), ``sse_error`` (a stream cut by an error event after
+``after_events`` events; a 529 for a non-streaming request), ``drop`` (``"before_headers"`` or
+``"after_headers"``: the connection is closed). Timing: ``delay_ms`` before answering,
+``event_delay_ms`` between stream events. ``should_retry`` on the turn sets
+``x-should-retry`` on its error. ``when`` (rules only) and ``then`` as above.
 """
 
 from __future__ import annotations
@@ -61,13 +65,15 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
+
+from ._stubmatch import FAILURE_KEYS, is_failure
 
 __all__ = ["FAILURE_KEYS", "SELECT_MODES", "StubScriptError", "is_failure", "load_script"]
 
 SELECT_MODES = ("sequence", "conversation")
-FAILURE_KEYS = ("error", "sse_error", "drop")
 
 _DROP_MODES = ("before_headers", "after_headers")
 
@@ -81,15 +87,13 @@ _USAGE_KEYS = frozenset(
 )
 
 _NOTE_KEYS = frozenset({"comment", "description", "name"})
-_SCRIPT_KEYS = frozenset({"model", "select", "turns", "default"})
+_SCRIPT_KEYS = frozenset({"model", "select", "rules", "turns", "default"})
+_BUILT_KEYS = ("text", "thinking", "tool_use", "stop_reason", "stop_sequence", "usage")
 _TURN_KEYS = frozenset(
     {
-        "text",
-        "thinking",
-        "tool_use",
-        "stop_reason",
-        "stop_sequence",
-        "usage",
+        *_BUILT_KEYS,
+        "message",
+        "sse",
         "error",
         "sse_error",
         "drop",
@@ -99,18 +103,20 @@ _TURN_KEYS = frozenset(
         "then",
     }
 )
-_ERROR_KEYS = frozenset({"status", "type", "message", "retry_after", "should_retry"})
+_ERROR_KEYS = frozenset({"status", "type", "message", "retry_after", "should_retry", "headers"})
 _SSE_ERROR_KEYS = frozenset({"type", "message", "after_events", "status"})
 _TOOL_KEYS = frozenset({"name", "input", "id"})
+_WHEN_STR_KEYS = ("first_user", "last_user", "last_user_contains", "tool_result_contains")
+_WHEN_KEYS = frozenset({"position", "tool_result_is_error", *_WHEN_STR_KEYS})
+# Headers the server sets itself from the body it sends; a script cannot override them.
+_FRAMING_HEADERS = frozenset(
+    {"content-length", "content-type", "transfer-encoding", "connection", "request-id"}
+)
+_TOKEN = re.compile(r"[!#$%&'*+.^`|~0-9A-Za-z-]+")
 
 
 class StubScriptError(ValueError):
     """A stub script is malformed; the message names the bad turn and field."""
-
-
-def is_failure(turn: dict) -> bool:
-    """Whether ``turn`` fails the request (``error``, ``sse_error`` or ``drop``)."""
-    return any(key in turn for key in FAILURE_KEYS)
 
 
 def _is_note(key: Any) -> bool:
@@ -181,6 +187,28 @@ def _validate_error(where: str, err: Any) -> None:
         _check_non_negative_number(where, "error.retry_after", err["retry_after"])
     if "should_retry" in err and not isinstance(err["should_retry"], bool):
         raise StubScriptError(f"{where}: field 'error.should_retry' must be true or false")
+    if "headers" in err:
+        _validate_headers(where, err["headers"])
+
+
+def _validate_headers(where: str, headers: Any) -> None:
+    if not isinstance(headers, dict):
+        raise StubScriptError(
+            f"{where}: field 'error.headers' must be an object of header names to strings, "
+            f"got {headers!r}"
+        )
+    for name, value in headers.items():
+        if not _TOKEN.fullmatch(name):
+            raise StubScriptError(f"{where}: 'error.headers' has a bad header name {name!r}")
+        if name.lower() in _FRAMING_HEADERS:
+            raise StubScriptError(
+                f"{where}: 'error.headers' cannot set {name!r}: the server sets it from the "
+                "body it sends"
+            )
+        if not isinstance(value, str) or "\r" in value or "\n" in value:
+            raise StubScriptError(
+                f"{where}: 'error.headers.{name}' must be a one-line string, got {value!r}"
+            )
 
 
 def _validate_sse_error(where: str, err: Any) -> None:
@@ -249,14 +277,76 @@ def _validate_turn(where: str, turn: Any) -> None:
     for field in ("delay_ms", "event_delay_ms"):
         if field in turn:
             _check_non_negative_number(where, field, turn[field])
+    _validate_recorded(where, turn)
+
+
+def _validate_recorded(where: str, turn: dict) -> None:
+    """Check ``message`` and ``sse``: content as recorded, never mixed with built parts."""
+    recorded = [key for key in ("message", "sse") if key in turn]
+    if not recorded:
+        return
+    if len(recorded) > 1:
+        raise StubScriptError(f"{where}: fields 'message' and 'sse' cannot be combined")
+    key = recorded[0]
+    mixed = [k for k in (*_BUILT_KEYS, "sse_error" if key == "sse" else "") if k in turn]
+    if mixed:
+        raise StubScriptError(
+            f"{where}: field {key!r} holds the whole reply; it cannot be combined with "
+            f"{', '.join(repr(k) for k in mixed)}"
+        )
+    if key == "sse":
+        if not isinstance(turn["sse"], str) or "event:" not in turn["sse"]:
+            raise StubScriptError(
+                f"{where}: field 'sse' must be the text of an event stream ('event: ...' "
+                f"lines), got {turn['sse']!r:.60}"
+            )
+        return
+    message = turn["message"]
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        raise StubScriptError(
+            f"{where}: field 'message' must be a Messages API message object with a "
+            f"'content' list, got {message!r:.80}"
+        )
+    for i, block in enumerate(message["content"]):
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            raise StubScriptError(
+                f"{where}: 'message.content[{i}]' must be a content block with a 'type'"
+            )
+
+
+def _validate_when(where: str, when: Any) -> None:
+    if not isinstance(when, dict):
+        raise StubScriptError(
+            f"{where}: field 'when' must be an object of conditions, got {when!r}"
+        )
+    _check_keys(f"{where}: when", when, _WHEN_KEYS)
+    if "position" in when:
+        _check_non_negative_int(where, "when.position", when["position"])
+    for key in _WHEN_STR_KEYS:
+        if key in when:
+            _check_str(where, f"when.{key}", when[key])
+    if "tool_result_is_error" in when and not isinstance(when["tool_result_is_error"], bool):
+        raise StubScriptError(f"{where}: field 'when.tool_result_is_error' must be true or false")
+
+
+def _validate_rule(where: str, rule: Any) -> None:
+    if not isinstance(rule, dict):
+        raise StubScriptError(f"{where}: must be an object, got {rule!r}")
+    if "when" not in rule:
+        raise StubScriptError(f"{where}: a rule needs a 'when' object of conditions")
+    _validate_when(where, rule["when"])
+    _validate_turn(where, {k: v for k, v in rule.items() if k != "when"})
+    _validate_then(where, rule, "conversation")
 
 
 def _validate_then(where: str, turn: dict, select: str) -> None:
-    """Check the ``then`` list of a turn of ``turns`` (and each turn in it)."""
+    """Check the ``then`` list of a rule or a turn of ``turns`` (and each turn in it)."""
     if "then" not in turn:
         return
     if select != "conversation":
-        raise StubScriptError(f"{where}: field 'then' needs 'select': 'conversation'")
+        raise StubScriptError(
+            f"{where}: field 'then' needs 'select': 'conversation' (or the turn in 'rules')"
+        )
     if not is_failure(turn):
         raise StubScriptError(
             f"{where}: field 'then' applies only to a turn with "
@@ -298,9 +388,9 @@ def load_script(script: dict | str | os.PathLike) -> dict:
     """Load and validate a stub script.
 
     ``script`` is a dict, a path to a JSON file, or a string of JSON text (starting with ``{``).
-    Returns a validated deep copy that always has a ``"turns"`` list.
-    Raises :class:`StubScriptError` naming the bad turn (``turn 3``, ``turn 3: then[0]``, or
-    ``default``) and field.
+    Returns a validated deep copy that always has ``"turns"`` and ``"rules"`` lists.
+    Raises :class:`StubScriptError` naming the bad turn (``turn 3``, ``turn 3: then[0]``,
+    ``rule 1`` or ``default``) and field.
     """
     data = _read_script_source(script)
     if not isinstance(data, dict):
@@ -320,6 +410,11 @@ def load_script(script: dict | str | os.PathLike) -> dict:
         where = f"turn {index}"
         _validate_turn(where, turn)
         _validate_then(where, turn, select)
+    rules = data.setdefault("rules", [])
+    if not isinstance(rules, list):
+        raise StubScriptError(f"script: field 'rules' must be a list, got {type(rules).__name__}")
+    for index, rule in enumerate(rules):
+        _validate_rule(f"rule {index}", rule)
     default = data.get("default")
     if default is not None:
         _validate_turn("default", default)

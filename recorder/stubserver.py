@@ -6,14 +6,18 @@ at it. It speaks the wire protocol of ``POST /v1/messages``: JSON responses, SSE
 (``"stream": true``) with chunked transfer encoding, tool use, thinking blocks, and error
 responses with the real error body and retry headers. Standard library only.
 
-It answers from a *script* (a dict, a JSON file, or JSON text) of turns, one per request::
+It answers from a *script* (a dict, a JSON file, or JSON text) of turns::
 
-    {"turns": [{"text": "Hello!"}, {"tool_use": {"name": "search", "input": {"q": "x"}}}],
+    {"select": "conversation",
+     "turns": [{"text": "Hello!"}, {"tool_use": {"name": "search", "input": {"q": "x"}}}],
+     "rules": [{"when": {"tool_result_is_error": false}, "text": "Found it."}],
      "default": {"text": "ok"}}
 
-The script format, including ``"select": "conversation"`` (pick the turn by the request's
-position in its conversation instead of by a global pointer), is documented in
-:mod:`recorder._stubscript`; what a turn sends back is built by :mod:`recorder._stubreply`.
+The script format is documented in :mod:`recorder._stubscript`; which turn answers a request
+is decided by :mod:`recorder._stubmatch` from the request alone (its conversation, and the
+SDK's attempt header for retries), and what a turn sends back is built by
+:mod:`recorder._stubreply`. :func:`script_from_cassette` (:mod:`recorder._stubcassette`)
+writes a script that answers what a recorded run received.
 
 Control endpoints for other processes: ``GET /_stub/health``, ``GET /_stub/requests`` and
 ``POST /_stub/script`` (body: a script). ``POST /v1/messages/count_tokens`` answers with a rough
@@ -37,19 +41,23 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from ._stubcassette import CassetteScript, script_from_cassette
+from ._stubmatch import attempt, pick, position
 from ._stubreply import (
-    Reply,
+    Answer,
     chunk,
     dumps,
     error_body,
     input_tokens,
     random_id,
+    reply_for,
     scripted_error,
     stream_events,
 )
-from ._stubscript import StubScriptError, is_failure, load_script
+from ._stubscript import StubScriptError, load_script
 
-__all__ = ["StubScriptError", "StubServer", "load_script", "serve"]
+__all__ = ["CassetteScript", "StubScriptError", "StubServer", "load_script",
+           "script_from_cassette", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +237,8 @@ class _Handler(BaseHTTPRequestHandler):
         except StubScriptError as exc:
             self._send_error(400, "invalid_request_error", str(exc))
             return
-        self._send_json(200, {"ok": True, "turns": len(body.get("turns") or [])})
+        counts = {key: len(body.get(key) or []) for key in ("turns", "rules")}
+        self._send_json(200, {"ok": True, **counts})
 
     def _count_tokens(self, raw: bytes) -> None:
         body, problem = self._parse_json(raw)
@@ -260,10 +269,11 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(400, "invalid_request_error", problem)
             return
 
-        turn, script_model = stub._pick_turn(body)
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        turn, script_model = stub._pick_turn(body, attempt(headers))
         if turn is None:
             # Retrying cannot help, so tell the SDK not to (keeps failing tests fast).
-            self._send_error(500, "api_error", "stub script exhausted", x_should_retry="false")
+            self._send_error(500, "api_error", _exhausted(body), x_should_retry="false")
             return
 
         delay = turn.get("delay_ms")
@@ -281,9 +291,12 @@ class _Handler(BaseHTTPRequestHandler):
             self._scripted_error(turn, turn["sse_error"], 529, default_type="overloaded_error")
             return
 
-        reply = Reply(turn, body, script_model)
+        reply = reply_for(turn, body, script_model)
         if stream:
             self._stream(reply, turn)
+        elif reply.stream_error is not None:  # a recorded stream that failed, asked as JSON
+            err = reply.stream_error
+            self._scripted_error(turn, {"status": 529, **err}, 529)
         else:
             self._reply_json(reply, turn)
 
@@ -295,7 +308,7 @@ class _Handler(BaseHTTPRequestHandler):
         )
         self._send_error(status, error_type, message, **headers)
 
-    def _reply_json(self, reply: Reply, turn: dict) -> None:
+    def _reply_json(self, reply: Answer, turn: dict) -> None:
         payload = dumps(reply.message()).encode()
         self._start(
             200,
@@ -308,7 +321,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self.wfile.write(payload)
 
-    def _stream(self, reply: Reply, turn: dict) -> None:
+    def _stream(self, reply: Answer, turn: dict) -> None:
         self._start(
             200,
             "text/event-stream; charset=utf-8",
@@ -327,6 +340,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self._drop()
                 return
         self.wfile.write(b"0\r\n\r\n")
+
+
+def _exhausted(body: dict) -> str:
+    return (
+        "stub script exhausted: no rule, turn or default of the script answers this request "
+        f"(position {position(body)} of its conversation)"
+    )
 
 
 def _validate_request(body: dict) -> str | None:
@@ -357,7 +377,8 @@ class StubServer:
     ``requests`` lists every received ``POST /v1/messages`` (including invalid ones) as
     ``{"path", "headers", "body"}``; ``served`` counts the requests answered from the script
     (default turns included, the exhausted-script 500 not) since the last :meth:`load`. Which
-    turn answers a request depends on the script's ``select`` (see :mod:`recorder._stubscript`).
+    turn answers a request is decided by :func:`recorder._stubmatch.pick`; only the
+    ``"sequence"`` mode's pointer is kept between requests.
     """
 
     def __init__(
@@ -368,7 +389,6 @@ class StubServer:
         self._lock = threading.Lock()
         self._script = load_script(script)
         self._next = 0  # "sequence": index of the next turn
-        self._repeats: dict[int, int] = {}  # "conversation": requests so far at each position
         self.served = 0
         self.requests: list[dict] = []
         self._httpd: _HTTPServer | None = None
@@ -428,56 +448,32 @@ class StubServer:
     # -- script --------------------------------------------------------------------------
 
     def load(self, script: dict | str | os.PathLike) -> None:
-        """Replace the script; reset the turn pointer, the per-position counts and ``served``."""
+        """Replace the script; reset the sequence pointer and ``served``."""
         loaded = load_script(script)
         with self._lock:
             self._script = loaded
             self._next = 0
-            self._repeats = {}
             self.served = 0
 
-    def _pick_turn(self, body: dict) -> tuple[dict | None, str | None]:
+    def _pick_turn(self, body: dict, attempt_number: int = 0) -> tuple[dict | None, str | None]:
         """The turn answering a valid request (``None``: script exhausted) and the script model."""
         with self._lock:
             script = self._script
-            if script.get("select") == "conversation":
-                turn = self._conversation_turn(script, _position(body))
-            else:
-                turn = self._sequence_turn(script)
+            turn = pick(script, body, attempt_number, self._next_in_sequence)
             if turn is not None:
                 self.served += 1
             return turn, script.get("model")
 
-    def _sequence_turn(self, script: dict) -> dict | None:
-        turns = script["turns"]
+    def _next_in_sequence(self) -> dict | None:
+        turns = self._script["turns"]
         if self._next < len(turns):
             self._next += 1
             return turns[self._next - 1]
-        return script.get("default")
-
-    def _conversation_turn(self, script: dict, position: int) -> dict | None:
-        turns = script["turns"]
-        if position >= len(turns):
-            return script.get("default")
-        repeat = self._repeats.get(position, 0)
-        self._repeats[position] = repeat + 1
-        # A failure turn is served once, then its "then" list is walked: the first request at
-        # the position gets the turn, each repeat the next entry, and an entry that is not a
-        # failure (like a plain turn) answers every request that reaches it.
-        chain = [turns[position], *turns[position].get("then", ())]
-        for index, turn in enumerate(chain):
-            if index == repeat or not is_failure(turn):
-                return turn
-        return script.get("default")
+        return None
 
     def _record(self, entry: dict) -> None:
         with self._lock:
             self.requests.append(entry)
-
-
-def _position(body: dict) -> int:
-    """A request's place in its conversation: how many assistant messages it carries."""
-    return sum(1 for m in body["messages"] if isinstance(m, dict) and m.get("role") == "assistant")
 
 
 def serve(script: dict | str | os.PathLike, host: str = "127.0.0.1", port: int = 8765) -> None:
