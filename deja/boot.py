@@ -117,16 +117,39 @@ def _orphaned(env: dict[str, str]) -> bool:
 
 
 class _ExitWatch:
-    """Remembers an uncaught exception so the end line can say the run failed."""
+    """Remembers an uncaught exception so the end line can say the run failed.
 
-    def __init__(self) -> None:
+    Under a replay (``replay``, ``fork`` and ``resume`` modes) deja's own verdicts are
+    not the program's bugs and get no traceback, which would be mostly SDK frames: an
+    uncaught :class:`recorder.Divergence` is reported once, by ``deja replay`` (its
+    report holds the divergence and its diff), or here as deja's message for a fork or a
+    resume; a harness stop (:class:`recorder.errors.RunStopped`) is one line. So is a
+    signal passed on by the launcher (:class:`recorder.errors.Interrupted`), in any mode.
+    Any other exception is the program's own and prints its traceback as usual.
+    """
+
+    def __init__(self, mode: str = "record") -> None:
         self.error: BaseException | None = None
+        self._mode = mode
         self._previous = sys.excepthook
         sys.excepthook = self._hook
 
     def _hook(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        from recorder.errors import Divergence, Interrupted, RunStopped
+
         self.error = value
-        self._previous(kind, value, tb)
+        if isinstance(value, Interrupted):  # a signal deja passed on: not the program's bug
+            sys.stderr.write(f"deja: {value}; the run ends interrupted (deja resume "
+                             "continues it)\n")
+        elif self._mode == "record":
+            self._previous(kind, value, tb)
+        elif isinstance(value, Divergence):
+            if self._mode != "replay":  # deja replay prints it in its report
+                sys.stderr.write(f"deja: {type(value).__name__}: {value}\n")
+        elif isinstance(value, RunStopped):
+            sys.stderr.write(f"deja: {type(value).__name__}: {value}\n")
+        else:
+            self._previous(kind, value, tb)
 
 
 def _start_record(env: dict[str, str]) -> None:
@@ -162,8 +185,9 @@ def _start_replay(env: dict[str, str]) -> None:
     session = start(env["DEJA_CASSETTE"], allow_torn=env.get("DEJA_ALLOW_TORN") == "1",
                     allow_incomplete=env.get("DEJA_ALLOW_INCOMPLETE") == "1",
                     require_signature=env.get("DEJA_REQUIRE_SIGNATURE") == "1",
-                    allow_unverified=env.get("DEJA_ALLOW_UNVERIFIED") == "1")
+                    allow_unverified=env.get("DEJA_ALLOW_UNVERIFIED") == "1", progress=True)
     report = env.get("DEJA_REPORT")
+    _ExitWatch("replay")
 
     def finish() -> None:
         result = session.finish()
@@ -181,7 +205,8 @@ def _start_continuation(mode: str, env: dict[str, str]) -> None:
     plan = json.loads(env["DEJA_PLAN"])
     if mode == "fork":
         fork_plan = forking.plan_fork(plan["cassette"], plan["at"], patch=plan["patch"],
-                                      out=plan["out"], run_id=plan["run_id"])
+                                      out=plan["out"], run_id=plan["run_id"],
+                                      allow_torn=bool(plan.get("allow_torn")))
         then = (load(plan["then_replay"], keyring=load_keyring(create=False),
                      require_signature=True, allow_incomplete=True)
                 if plan.get("then_replay") else None)
@@ -192,12 +217,15 @@ def _start_continuation(mode: str, env: dict[str, str]) -> None:
         context = forking._Continue(lambda: forking.start_resume(loaded),
                                     abandon_on_divergence=True)
     session = context.__enter__()
-    watch = _ExitWatch()
+    # gone once the recorded steps are served and the run goes live
+    session.prefix.show_progress(f"{mode}: replaying the recorded steps")
+    watch = _ExitWatch(mode)
     report = env["DEJA_REPORT"]
 
     def finish() -> None:
         from recorder.errors import Divergence
 
+        session.prefix.stop_progress()
         error = watch.error
         if isinstance(error, Divergence) and mode == "resume":
             session.abandon()  # the log stays resumable by a fixed agent

@@ -28,6 +28,7 @@ from recorder.intents import Intent, Settled
 from recorder.record import RecordSession
 
 from .replay import ReplaySession
+from .steps import totals_of
 
 log = logging.getLogger("deja.replayer")
 
@@ -95,6 +96,7 @@ class ContinuationSession(RecordSession):
         if self.live:
             return
         self.live = True
+        self.prefix.stop_progress()
         log.info("run %s: recorded prefix served (%d steps); going live", self.run_id,
                  len(self.prefix.index.used))
         if self._on_live is not None:
@@ -104,7 +106,13 @@ class ContinuationSession(RecordSession):
                  error: BaseException | None = None) -> dict[str, Any]:
         if not self.live and self.prefix.index.remaining == 0:
             self.go_live()
-        return super().end_line(status, error)
+        end = super().end_line(status, error)
+        # What of the totals was replayed from the prefix (replayer.steps counts the same)
+        replayed = totals_of(self.prefix.cassette.observations)
+        end["totals"]["replayed"] = {k: replayed[k] for k in (
+            "model_calls", "http_calls", "tool_calls", "effects", "input_tokens",
+            "output_tokens", "cost_usd")}
+        return end
 
     # -- calls
 

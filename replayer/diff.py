@@ -1,6 +1,11 @@
 """Compare two runs step by step: where they part, and how each changed step differs.
 
-Steps are aligned by ``seq``. Each step is reduced to what it means (request, response
+Steps are those of :mod:`replayer.steps` and are named by their ``seq``; the headline
+counts are step counts (the end line is compared too, but is no step). The two runs are
+aligned step by step with the bookkeeping control lines (``fork_edit``, ``resumed``) left
+out, since a fork or a resumed run has them where the other run has none: after a fork
+step, a fork's seqs run one ahead of its parent's, and a changed step is named by both
+(``step 3 (A's 2)``). Each step is reduced to what it means (request, response
 message, tool args and result, tokens, cost), leaving out what differs between any two
 runs (message and request ids, timestamps, latencies, signatures), so two recordings of
 the same behaviour compare equal. Changed fields are listed as JSON-pointer paths with the
@@ -19,6 +24,8 @@ from recorder._canonical import decode_body
 from recorder._values import decode
 from recorder.cassette import Cassette
 from recorder.sse import assemble
+
+from .steps import is_bookkeeping, step_count
 
 _VOLATILE_MESSAGE_KEYS = ("id",)
 
@@ -41,6 +48,17 @@ def _response_message(obs: dict[str, Any]) -> Any:
     return {"status": response["status"], "message": message}
 
 
+def _run_named(value: Any, run: str) -> Any:
+    """``value`` with its run's id, which differs between any two runs, as ``RUN``."""
+    if isinstance(value, str):
+        return value.replace(run, "RUN") if run else value
+    if isinstance(value, list):
+        return [_run_named(v, run) for v in value]
+    if isinstance(value, dict):
+        return {k: _run_named(v, run) for k, v in value.items()}
+    return value
+
+
 def meaning(cassette: Cassette, obs: dict[str, Any]) -> dict[str, Any]:
     """What a step says, without the parts that differ between any two runs."""
     kind = obs.get("kind")
@@ -58,15 +76,15 @@ def meaning(cassette: Cassette, obs: dict[str, Any]) -> dict[str, Any]:
                    result=decode(obs.get("result")), error=obs.get("error"))
     elif kind == "effect":
         out.update(name=obs.get("name"), value=obs.get("value"))
-    elif kind == "control":
-        out.update(event=obs.get("event"), detail=obs.get("detail"))
+    elif kind == "control":  # a harness message names its run: the same words in any run
+        out.update(event=obs.get("event"), detail=_run_named(obs.get("detail"), cassette.run))
     elif kind == "end":
         totals = dict(obs.get("totals") or {})
         totals.pop("duration_s", None)
+        totals.pop("replayed", None)  # how the run was made, not what it did
         if isinstance(totals.get("observations"), int):  # counted as compared: no bookkeeping
             totals["observations"] -= sum(1 for o in cassette.observations
-                                          if o.get("kind") == "control"
-                                          and o.get("event") in _BOOKKEEPING)
+                                          if is_bookkeeping(o))
         out.update(status=obs.get("status"), totals=totals)
     return out
 
@@ -81,7 +99,8 @@ class FieldChange:
 
 @dataclass(frozen=True)
 class StepDiff:
-    """One differing step; ``seq`` is B's (A's when B has no such step), ``seq_a`` A's."""
+    """One differing step; ``seq`` is B's (A's when B has no such step), ``seq_a`` A's.
+    Both are ``seq`` values: the step numbers ``deja show`` prints."""
 
     seq: int
     kind_a: str | None
@@ -91,6 +110,9 @@ class StepDiff:
 
     @property
     def label(self) -> str:
+        if "end" in (self.kind_a, self.kind_b) and self.kind_a in ("end", None) \
+                and self.kind_b in ("end", None):
+            return "the end line"
         if self.seq_a is None or self.seq_a == self.seq:
             return f"step {self.seq}"
         return f"step {self.seq} (A's {self.seq_a})"
@@ -98,7 +120,13 @@ class StepDiff:
 
 @dataclass(frozen=True)
 class RunDiff:
-    """The result of comparing run A with run B."""
+    """The result of comparing run A with run B.
+
+    ``steps_a``/``steps_b`` are step counts (:func:`replayer.steps.step_count`);
+    ``first_divergence`` is the seq of the first differing step (B's, or A's when B has
+    no such step; ``None``: the runs are the same), ``same_prefix`` the number of steps
+    before it.
+    """
 
     run_a: str
     run_b: str
@@ -125,13 +153,10 @@ def _pointer_get(doc: Any, pointer: str) -> Any:
         return None
 
 
-_BOOKKEEPING = frozenset({"fork_edit", "resumed"})
-
-
-def _steps(c: Cassette) -> list[dict[str, Any]]:
-    """The steps compared: bookkeeping control lines (fork_edit, resumed) left out."""
-    steps = [o for o in c.observations
-             if not (o.get("kind") == "control" and o.get("event") in _BOOKKEEPING)]
+def aligned(c: Cassette) -> list[dict[str, Any]]:
+    """What is compared, in order: the steps without the bookkeeping control lines
+    (fork_edit, resumed), then the end line. Two runs are aligned position by position."""
+    steps = [o for o in c.observations if not is_bookkeeping(o)]
     return steps + ([c.end] if c.end else [])
 
 
@@ -151,7 +176,7 @@ def _stable_ids(value: Any, ids: dict[str, str]) -> Any:
 
 
 def compare(a: Cassette, b: Cassette) -> RunDiff:
-    steps_a, steps_b = _steps(a), _steps(b)
+    steps_a, steps_b = aligned(a), aligned(b)
     diffs: list[StepDiff] = []
     first: int | None = None
     ids_a: dict[str, str] = {}
@@ -161,8 +186,6 @@ def compare(a: Cassette, b: Cassette) -> RunDiff:
         mb = _stable_ids(meaning(b, steps_b[i]), ids_b) if i < len(steps_b) else None
         if ma == mb:
             continue
-        if first is None:
-            first = i
         if ma is None or mb is None:
             changes = (FieldChange("", "missing" if mb is None else "added", ma, mb),)
         elif ma["kind"] != mb["kind"]:
@@ -173,10 +196,13 @@ def compare(a: Cassette, b: Cassette) -> RunDiff:
                                         _pointer_get(mb, op["path"])) for op in patch)
         seq = (steps_b[i] if i < len(steps_b) else steps_a[i])["seq"]
         seq_a = steps_a[i]["seq"] if i < len(steps_a) else None
+        if first is None:
+            first = seq
         diffs.append(StepDiff(seq, (ma or {}).get("kind"), (mb or {}).get("kind"), changes,
                               seq_a))
-    same_prefix = first if first is not None else min(len(steps_a), len(steps_b))
-    return RunDiff(a.run, b.run, len(steps_a), len(steps_b), same_prefix, first, tuple(diffs))
+    count_a, count_b = step_count(a), step_count(b)
+    same_prefix = first if first is not None else min(count_a, count_b)
+    return RunDiff(a.run, b.run, count_a, count_b, same_prefix, first, tuple(diffs))
 
 
 def _pair(a: Any, b: Any, width: int = 70) -> tuple[str, str]:
@@ -205,7 +231,7 @@ def render(diff: RunDiff, *, max_changes: int = 12) -> str:
         lines.append("step 0: identical")
     elif diff.same_prefix:
         lines.append(f"steps 0-{diff.same_prefix - 1}: identical ({diff.same_prefix} steps)")
-    lines.append(f"first divergence: step {diff.first_divergence}")
+    lines.append(f"first divergence: {diff.steps[0].label}")
     only = [s for s in diff.steps if s.changes and s.changes[0].op in ("missing", "added")]
     for step in diff.steps:
         if step in only:

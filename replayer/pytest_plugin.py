@@ -6,10 +6,25 @@
     def test_agent_handles_malformed_search():
         assert run_agent() == "gave up cleanly"
 
-By default the test replays the cassette offline and fails with ``Divergence`` if the
-agent's code no longer makes the recorded calls. ``pytest --deja-record`` records the
-cassette anew instead (live calls; the file is overwritten). The ``deja_session`` fixture
-gives the active session (``.mode`` is ``"record"`` or ``"replay"``).
+By default the test replays the cassette offline; when the agent's code no longer makes
+the recorded calls the test fails with deja's report (the step, the reason, the diff of
+the recorded and the replayed request), not a traceback through the SDK.
+
+Recording follows one rule: a flag never overwrites what it was not asked to.
+
+- ``pytest --deja-record`` records the cassettes that do not exist yet (new tests) and
+  replays the others.
+- ``pytest --deja-rerecord`` records every marked cassette anew (live calls; the file is
+  overwritten), except those marked ``record=False``.
+- ``@pytest.mark.deja(path, record=False)`` is a cassette no flag ever writes: an
+  incident, kept as it happened. It always replays; a missing one fails the test.
+
+A cassette recorded by the plugin stores the test itself as its command, ``python -m
+pytest <the test's node id>`` (no deja flags), and the directory pytest ran in, so
+``deja replay``, ``deja fork`` and ``deja resume`` run that one test again. Under them
+(a session started from outside) the test runs in that session and the marker adds
+nothing. The ``deja_session`` fixture gives the active session (``.mode`` is ``"record"``
+or ``"replay"``).
 
 The cassette's signature is checked before the test runs: a cassette that does not
 verify fails the test; one signed with a key this machine does not have is refused too,
@@ -24,6 +39,7 @@ environment it needs (``DEJA_OLD_KEYS``, a base URL) with ``monkeypatch``.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,14 +47,18 @@ from typing import Any
 import pytest
 
 from recorder import session as _session
-from recorder.record import record
+from recorder.errors import Divergence
+from recorder.record import RecordSession
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("deja")
     group.addoption("--deja-record", action="store_true", default=False,
-                    help="Record the cassettes of @pytest.mark.deja tests anew instead of "
-                         "replaying them.")
+                    help="Record the cassettes of @pytest.mark.deja tests that do not exist "
+                         "yet (new tests); the others replay.")
+    group.addoption("--deja-rerecord", action="store_true", default=False,
+                    help="Record every @pytest.mark.deja cassette anew (live calls, files "
+                         "overwritten), except those marked record=False.")
     group.addoption("--deja-allow-unverified", action="store_true", default=False,
                     help="Replay cassettes signed with a key this machine does not have "
                          "(unchecked; each is listed as NOT VERIFIED at the end).")
@@ -46,9 +66,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "deja(cassette, allow_unverified=False): replay the test against "
-                   "CASSETTE (record it with --deja-record)")
+        "markers", "deja(cassette, allow_unverified=False, record=True): replay the test "
+                   "against CASSETTE (--deja-record records it if it does not exist, "
+                   "--deja-rerecord anew; record=False: never recorded by a flag)")
     config.stash[_UNVERIFIED] = []
+    # A session started from outside (deja replay/fork/resume of a recorded test): the
+    # tests run in it.
+    config.stash[_OUTER] = _session.active()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -83,19 +107,60 @@ def _cassette_of(request: pytest.FixtureRequest) -> Path | None:
     return path if path.is_absolute() else Path(request.config.rootpath) / path
 
 
+def _recordable(request: pytest.FixtureRequest) -> bool:
+    """The marker's ``record=``: False for a cassette no flag may write."""
+    value = request.node.get_closest_marker("deja").kwargs.get("record", True)
+    if not isinstance(value, bool):
+        raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.deja(record=...) is "
+                                f"True or False, not {value!r}")
+    return value
+
+
+def _should_record(request: pytest.FixtureRequest, cassette: Path) -> bool:
+    """Whether this run records ``cassette`` (see the module docstring for the rule)."""
+    rerecord = request.config.getoption("deja_rerecord")
+    new = request.config.getoption("deja_record") or rerecord
+    if not _recordable(request):
+        if not cassette.exists() and new:
+            pytest.fail(f"{cassette} does not exist, and the test is marked record=False (a "
+                        "cassette no flag records, such as an incident): restore the file "
+                        "(e.g. from version control) or drop record=False", pytrace=False)
+        return False
+    return rerecord or (new and not cassette.exists())
+
+
+def command_for(item: pytest.Item) -> list[str]:
+    """The command that runs ``item`` alone: ``python -m pytest <file>::<test>``. The file
+    is absolute here; the cassette's header stores it relative to the directory pytest
+    ran in, as ``deja record`` stores any command."""
+    _file, _, rest = item.nodeid.partition("::")
+    target = f"{Path(str(item.path)).resolve()}" + (f"::{rest}" if rest else "")
+    return [sys.executable, "-m", "pytest", target]
+
+
 _CONTEXT = pytest.StashKey[object]()
+_RECORDING = pytest.StashKey[RecordSession]()
 _UNVERIFIED = pytest.StashKey[list[tuple[str, str]]]()
+_OUTER = pytest.StashKey[object]()
 
 
 @pytest.fixture
 def _deja_marked(request: pytest.FixtureRequest) -> Iterator[None]:
     cassette = _cassette_of(request)
-    if cassette is None:
+    outer = request.config.stash.get(_OUTER, None)
+    if cassette is None or (outer is not None and _session.active() is outer):
         yield
         return
-    if request.config.getoption("deja_record"):
-        with record(cassette, overwrite=True):
+    if _should_record(request, cassette):
+        cassette.parent.mkdir(parents=True, exist_ok=True)
+        rec = RecordSession(cassette, argv=command_for(request.node), overwrite=True).start()
+        request.node.stash[_RECORDING] = rec
+        try:
             yield
+        finally:  # normally closed at the end of the test's call, with its outcome
+            if request.node.stash.get(_RECORDING, None) is not None:
+                del request.node.stash[_RECORDING]
+                rec.close()
         return
     from .replay import replay
 
@@ -120,22 +185,50 @@ def _deja_marked(request: pytest.FixtureRequest) -> Iterator[None]:
             context.__exit__(None, None, None)
 
 
+def _finish_replay(context: Any, exc: BaseException | None) -> None:
+    """End the replay; a divergence fails the test with deja's report as its message
+    (no traceback: its frames would be the SDK's), the diff shown once."""
+    try:
+        context.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
+    except Divergence:
+        pass  # the result holds it
+    result = context.result
+    if result is None or result.divergence is None:
+        return
+    message = result.report()
+    if exc is not None and not isinstance(exc, Divergence):
+        message += f"\n  then the test failed: {type(exc).__name__}: {exc}"
+    message += ("\n  The agent's code or inputs changed since the cassette was recorded: "
+                "fix the agent, re-record with pytest --deja-rerecord (not for a record=False "
+                "cassette), or fork the run at this step (deja fork) to test the change.")
+    pytest.fail(message, pytrace=False)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    """Finish a replay inside the test's call, so that a divergence fails the test."""
+    """Finish a replay (or a recording) inside the test's call, so that a divergence
+    fails the test and a recording ends with the test's outcome."""
+    error: BaseException | None = None
     try:
         result = yield
-    except BaseException as exc:
-        context = item.stash.get(_CONTEXT, None)
-        if context is not None:
-            del item.stash[_CONTEXT]
-            context.__exit__(type(exc), exc, exc.__traceback__)  # type: ignore[attr-defined]
-        raise
+    except BaseException as exc:  # noqa: BLE001 - raised again below, once the replay ended
+        error = exc
+    # Outside the except block: a divergence's failure carries no chained traceback.
+    _end_of_call(item, error)
+    if error is not None:
+        raise error
+    return result
+
+
+def _end_of_call(item: pytest.Item, error: BaseException | None) -> None:
+    rec = item.stash.get(_RECORDING, None)
+    if rec is not None:
+        del item.stash[_RECORDING]
+        rec.close(error=error)
     context = item.stash.get(_CONTEXT, None)
     if context is not None:
         del item.stash[_CONTEXT]
-        context.__exit__(None, None, None)  # type: ignore[attr-defined]
-    return result
+        _finish_replay(context, error)
 
 
 @pytest.fixture

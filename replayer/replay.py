@@ -55,6 +55,7 @@ from recorder.exchange import (
 from recorder.keys import Keyring, load_keyring
 
 from ._match import Index, tool_key, unified
+from .steps import describe_split, describe_totals, run_totals, step_count
 
 log = logging.getLogger("deja.replayer")
 
@@ -64,7 +65,16 @@ _STOP_ERRORS = {"budget_exhausted": BudgetExhausted, "cancelled": Cancelled,
 
 @dataclass(frozen=True)
 class ReplayResult:
-    """What a replay found."""
+    """What a replay found.
+
+    ``steps_recorded`` is the cassette's step count (:mod:`replayer.steps`: every
+    observation line but the end line) and ``steps_served`` how many of them the replay
+    went through: the calls served from the cassette, the lines made inside a served
+    tool, and the control lines the run reached. ``seconds`` is the time spent serving,
+    from the first call the program made to the last one answered (the interpreter's
+    start-up and the program's imports are not in it). ``totals`` is the recorded run's
+    :func:`replayer.steps.run_totals`.
+    """
 
     path: str
     run: str
@@ -78,6 +88,7 @@ class ReplayResult:
     seconds: float
     # What was served but deserves a look, e.g. an effect served from another call site.
     notes: tuple[str, ...] = ()
+    totals: dict[str, Any] | None = None
 
     @property
     def complete(self) -> bool:
@@ -105,6 +116,9 @@ class ReplayResult:
                  f" in {self.seconds:.3f}s",
                  f"  signature: {self.verify_note}",
                  f"  recorded end status: {self.recorded_status or 'none (no end line)'}"]
+        if self.totals is not None:
+            lines.append(f"  recorded: {describe_totals(self.totals['all'])}")
+            lines.extend(f"    {line}" for line in describe_split(self.totals))
         if self.divergence is not None:
             d = self.divergence
             step = d.step if d.step is not None else "end"
@@ -185,7 +199,9 @@ class ReplaySession(session.Session):
         self.divergence: DivergenceInfo | None = None
         self.notes: list[str] = []
         self.result: ReplayResult | None = None
-        self._t0 = time.perf_counter()
+        self._first: float | None = None  # the first call asked for
+        self._last: float | None = None  # the last one answered
+        self._progress: Any = None
         self._patches: contextlib.ExitStack | None = None
 
     def start(self) -> ReplaySession:
@@ -200,9 +216,42 @@ class ReplaySession(session.Session):
             raise
         return self
 
+    def show_progress(self, label: str = "replaying") -> None:
+        """Draw a progress bar on stderr while the steps are served, if it is a terminal
+        (see :mod:`replayer._progress`); it goes at :meth:`stop_progress` or ``finish``."""
+        from ._progress import ReplayProgress
+
+        self._progress = ReplayProgress.on_terminal(label, self.index.total)
+
+    def stop_progress(self) -> None:
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.close()
+
+    def _tick(self, served: bool = True) -> None:
+        """A call was asked for (``served=False``) or answered: timing and progress."""
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = now
+        if served:
+            self._last = now
+            progress = self._progress
+            if progress is not None:
+                progress.update(len(self.index.used))
+
+    def _steps_served(self, unused: tuple[int, ...]) -> int:
+        """The steps the replay went through (see :class:`ReplayResult`)."""
+        used = self.index.used
+        tracked = used.union(unused)
+        reached = max(used, default=-1)
+        return sum(1 for obs in self.cassette.observations
+                   if obs["seq"] in used or (obs["seq"] not in tracked
+                                             and (not unused or obs["seq"] < reached)))
+
     def finish(self) -> ReplayResult:
         if self.result is not None:
             return self.result
+        self.stop_progress()
         try:
             if self._patches is not None:
                 self._patches.close()
@@ -217,17 +266,20 @@ class ReplaySession(session.Session):
                        "step(s) were never requested",
                 expected=_describe(self.cassette, first), actual=None, diff="")
         end = self.cassette.end or {}
+        serving = (self._last or self._first or 0.0) - (self._first or 0.0)
         self.result = ReplayResult(
             path=str(self.path), run=self.cassette.run,
-            steps_served=len(self.index.used), steps_recorded=self.index.total,
+            steps_served=self._steps_served(unused), steps_recorded=step_count(self.cassette),
             divergence=self.divergence, unused=unused, verified=self.cassette.verified,
             verify_note=self.cassette.verify_note, recorded_status=end.get("status"),
-            seconds=round(time.perf_counter() - self._t0, 6), notes=tuple(self.notes))
+            seconds=round(serving, 6), notes=tuple(self.notes),
+            totals=run_totals(self.cassette))
         return self.result
 
     # -- divergence
 
     def _diverge(self, family: str, kind: str, actual: Any, what: str) -> Divergence:
+        self._tick()
         expected = self.index.expected(family)
         if expected is None:
             info = DivergenceInfo(step=None, kind=kind, reason=f"{what}, but the recording "
@@ -248,9 +300,11 @@ class ReplaySession(session.Session):
 
     def raise_recorded_stop(self) -> None:
         """Raise the harness decision recorded at this point of the run, if there is one."""
+        self._tick(served=False)
         stop = self.index.pending_stop()
         if stop is None:
             return
+        self._tick()
         detail = dict(stop.get("detail") or {})
         message = detail.pop("message", None) or (
             f"the recorded run was stopped here: {stop['event']} "
@@ -272,6 +326,7 @@ class ReplaySession(session.Session):
                 "method": request.method.upper(), "url": url, "body": body}
             what = f"the agent sent a {kind} request ({request.method} {url})"
             raise self._diverge("net", kind, actual, what)
+        self._tick()
         return obs
 
     @staticmethod
@@ -300,6 +355,7 @@ class ReplaySession(session.Session):
         if obs is None:
             raise self._diverge("tool", "tool", {"name": tool.name, "args": key},
                                 f"the agent called tool {tool.name!r}")
+        self._tick()
         return obs
 
     def _tool_result(self, tool: session.ToolSpec, obs: dict[str, Any]) -> Any:
@@ -338,6 +394,7 @@ class ReplaySession(session.Session):
     def take_effect(self, name: str, site: Site | None) -> dict[str, Any]:
         """The recorded effect that answers ``name`` asked for at ``site``: the next one of
         that name recorded there, else (with a note) the next of that name anywhere."""
+        self._tick(served=False)
         obs, moved = self.index.take_effect(name, site.file if site else None,
                                             site.function if site else None)
         if obs is None:
@@ -346,6 +403,7 @@ class ReplaySession(session.Session):
                 asked["site"] = site.record()
             raise self._diverge("effect", "effect", asked,
                                 f"the agent asked for effect {name!r}")
+        self._tick()
         at = Site.parse(obs.get("site")) if moved else None
         if at is not None and site is not None:
             note = (f"effect {name!r} asked for at {site} (line {site.line}) but recorded at "
@@ -448,7 +506,11 @@ def replay(path: str | Path, *, keyring: Keyring | None = None, require_signatur
                           "raise_on_divergence": raise_on_divergence})
 
 
-def start(path: str | Path, **kwargs: Any) -> ReplaySession:
-    """Start a replay without a ``with`` block (used by the ``deja replay`` bootstrap)."""
+def start(path: str | Path, *, progress: bool = False, **kwargs: Any) -> ReplaySession:
+    """Start a replay without a ``with`` block (used by the ``deja replay`` bootstrap);
+    ``progress`` draws a bar on stderr when it is a terminal (:meth:`show_progress`)."""
     keyring = kwargs.pop("keyring", None) or load_keyring(create=False)
-    return ReplaySession(load(path, keyring=keyring, **kwargs)).start()
+    replay_session = ReplaySession(load(path, keyring=keyring, **kwargs)).start()
+    if progress:
+        replay_session.show_progress()
+    return replay_session

@@ -1,12 +1,27 @@
 """A cassette as rows: one flat row per step and one summary per run.
 
-``deja show``, ``deja ls`` (through the DuckDB index) and the viewer all read runs in
-this shape, so a step looks the same everywhere.
+This module is the one definition of what a run counts. ``deja show``, ``deja ls`` and
+the viewer (through the DuckDB index), ``deja verify``, ``deja diff`` and a replay's
+report all count with it, so a run has the same number of steps, calls, tokens and
+dollars everywhere:
+
+- A **step** is one observation line: every line after the header that has a ``seq``,
+  except the end line. A run of ``n`` steps has seqs ``0 .. n-1``; its end line (seq
+  ``n``) closes the run and is not a step. Control lines (a harness decision, a fork's
+  ``fork_edit``, a ``resumed`` marker) and lines made inside a tool's body are steps.
+- **Totals** are summed from the steps, never taken from the end line (a crashed run has
+  none): ``model_calls`` (``model`` lines), ``http_calls``, ``tool_calls`` (``tool`` and
+  ``outcome`` lines), ``effects``, ``input_tokens``/``output_tokens`` (their usage),
+  ``cost_usd`` and ``errors`` (steps with an error).
+- A fork or a resumed run is split at :func:`live_from`, the first step the run made
+  itself: before it, steps **replayed** (copied from the parent up to the edited step, or
+  recorded by earlier attempts before the last ``resumed`` line); from it on, **live**.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -68,21 +83,114 @@ def step_rows(cassette: Cassette) -> list[dict[str, Any]]:
     return [step_row(obs) for obs in cassette.observations]
 
 
+# Control lines that only mark how the log was made; they stand for nothing the agent did.
+BOOKKEEPING = frozenset({"fork_edit", "resumed"})
+
+
+def is_bookkeeping(obs: dict[str, Any]) -> bool:
+    return obs.get("kind") == "control" and obs.get("event") in BOOKKEEPING
+
+
+def step_count(cassette: Cassette) -> int:
+    """The number of steps: observation lines, the end line excepted (see the module)."""
+    return len(cassette.observations)
+
+
+def totals_of(observations: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Steps, calls, tokens, cost and errors of ``observations`` (see the module)."""
+    t: dict[str, Any] = dict.fromkeys(("steps", "model_calls", "http_calls", "tool_calls",
+                                       "effects", "input_tokens", "output_tokens", "errors"), 0)
+    cost = 0.0
+    for obs in observations:
+        kind = obs.get("kind")
+        t["steps"] += 1
+        if kind == "model":
+            t["model_calls"] += 1
+        elif kind == "http":
+            t["http_calls"] += 1
+        elif kind in ("tool", "outcome"):
+            t["tool_calls"] += 1
+        elif kind == "effect":
+            t["effects"] += 1
+        usage = obs.get("usage") or {}
+        t["input_tokens"] += usage.get("input_tokens") or 0
+        t["output_tokens"] += usage.get("output_tokens") or 0
+        cost += obs.get("cost_usd") or 0.0
+        if step_error(obs):
+            t["errors"] += 1
+    t["cost_usd"] = round(cost, 8)
+    return t
+
+
+def live_from(cassette: Cassette) -> int:
+    """The seq of the first step this run made itself (0 for a run recorded from scratch).
+
+    A fork's steps up to the edited one and its ``fork_edit`` line come from the parent;
+    a resumed run's steps before its last ``resumed`` line were recorded by earlier
+    attempts and replayed by the last one.
+    """
+    start = 0
+    parent = cassette.header.get("parent")
+    if isinstance(parent, dict) and isinstance(parent.get("step"), int):
+        start = parent["step"] + 1
+    for obs in cassette.observations:
+        if obs.get("kind") == "control" and obs.get("event") == "fork_edit":
+            start = max(start, obs["seq"] + 1)
+        elif obs.get("kind") == "control" and obs.get("event") == "resumed":
+            start = max(start, obs["seq"])
+    return start
+
+
+def run_totals(cassette: Cassette) -> dict[str, Any]:
+    """The run's totals: ``all`` (:func:`totals_of` every step) and, for a fork or a
+    resumed run, ``replayed`` and ``live`` split at ``live_from``, with ``replayed_from``
+    saying where the replayed part came from. For any other run those three are None."""
+    start = live_from(cassette)
+    steps = cassette.observations
+    out: dict[str, Any] = {"all": totals_of(steps), "live_from": start, "replayed_from": None,
+                           "replayed": None, "live": None}
+    if start:
+        parent = cassette.header.get("parent")
+        out.update(
+            replayed_from=(f"parent {parent.get('run')}" if isinstance(parent, dict)
+                           and parent.get("run") else "earlier attempts"),
+            replayed=totals_of(o for o in steps if o["seq"] < start),
+            live=totals_of(o for o in steps if o["seq"] >= start))
+    return out
+
+
+def describe_totals(t: dict[str, Any]) -> str:
+    """``5 model calls, 4 tool calls, 2873 in / 310 out tokens, $0.012345`` (one line)."""
+    def calls(n: int, what: str) -> str:
+        return f"{n} {what} call" + ("" if n == 1 else "s")
+
+    parts = [calls(t["model_calls"], "model"), calls(t["tool_calls"], "tool")]
+    if t.get("http_calls"):
+        parts.append(calls(t["http_calls"], "HTTP"))
+    parts.append(f"{t['input_tokens']} in / {t['output_tokens']} out tokens")
+    return ", ".join(parts) + f", ${t['cost_usd']:.6f}"
+
+
+def describe_split(totals: dict[str, Any]) -> list[str]:
+    """Two lines telling the replayed part of a fork or a resumed run from its live part
+    (none for another run); ``totals`` is what :func:`run_totals` returns."""
+    if not totals.get("replayed"):
+        return []
+    start, steps = totals["live_from"], totals["all"]["steps"]
+    live = f"steps {start}-{steps - 1}" if steps > start else "no steps yet"
+    return [f"replayed from {totals['replayed_from']} (steps 0-{start - 1}): "
+            f"{describe_totals(totals['replayed'])}",
+            f"live ({live}): {describe_totals(totals['live'])}"]
+
+
 def run_summary(cassette: Cassette) -> dict[str, Any]:
-    """Run-level facts: from the end line when there is one, else summed from the steps."""
+    """Run-level facts. The counts are :func:`totals_of` the steps (the end line of a run
+    gives only its status and duration); a fork or resumed run adds ``replayed`` and
+    ``live`` totals split at ``live_from``."""
     header, end = cassette.header, cassette.end
-    rows = step_rows(cassette)
-    totals = {
-        "steps": len(rows),
-        "model_calls": sum(1 for r in rows if r["kind"] == "model"),
-        "tool_calls": sum(1 for r in rows if r["kind"] == "tool"),
-        "input_tokens": sum(r["input_tokens"] or 0 for r in rows),
-        "output_tokens": sum(r["output_tokens"] or 0 for r in rows),
-        "cost_usd": round(sum(r["cost_usd"] or 0.0 for r in rows), 8),
-        "errors": sum(1 for r in rows if r["error"]),
-    }
+    totals = run_totals(cassette)
     parent = header.get("parent") or {}
-    models = sorted({r["name"] for r in rows if r["kind"] == "model"})
+    models = sorted({step_name(o) for o in cassette.observations if o.get("kind") == "model"})
     return {
         "run": header.get("run"), "path": str(cassette.path), "created": header.get("created"),
         "status": (end or {}).get("status") or ("torn" if cassette.torn_offset is not None
@@ -90,7 +198,10 @@ def run_summary(cassette: Cassette) -> dict[str, Any]:
         "parent_run": parent.get("run"), "parent_step": parent.get("step"),
         "duration_s": ((end or {}).get("totals") or {}).get("duration_s"),
         "models": models, "labels": header.get("labels") or {},
-        "verified": cassette.verified, "verify_note": cassette.verify_note, **totals,
+        "verified": cassette.verified, "verify_note": cassette.verify_note,
+        **totals["all"], "live_from": totals["live_from"],
+        "replayed_from": totals["replayed_from"], "replayed": totals["replayed"],
+        "live": totals["live"],
     }
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import anthropic
 import pytest
 from click.testing import CliRunner, Result
-from conftest import MODEL, read_lines
+from conftest import MODEL, _collect_clients, read_lines
 
 import recorder
 from deja.cli import main as cli
@@ -57,6 +57,7 @@ def record(path: Path, **kwargs: Any) -> Path:
     """One run against a fresh stub: new message ids, tool-use ids and timings each time."""
     with StubServer(SCRIPT) as server, recorder.record(path):
         agent(server.url, **kwargs)
+    _collect_clients()  # the agent's client, with its pooled connection to a stopped stub
     return path
 
 
@@ -84,10 +85,10 @@ def test_the_same_run_recorded_twice_is_the_same(run_a: Path, tmp_path: Path) ->
     result = diff(run_a, run_b)
     assert result.exit_code == 0, result.output
     assert "same: every step means the same in both runs" in result.output
-    assert "(6 steps)" in result.output  # 3 model calls, 2 tool calls and the end line
+    assert "(5 steps)" in result.output  # 3 model calls and 2 tool calls; the end line is none
     data = json.loads(diff(run_a, run_b, "--json").output)
     assert data["same"] is True and data["first_divergence"] is None
-    assert data["same_prefix"] == data["steps_a"] == data["steps_b"] == 6
+    assert data["same_prefix"] == data["steps_a"] == data["steps_b"] == 5
     assert data["steps"] == []
 
 
@@ -128,7 +129,7 @@ def test_a_run_that_stops_early_has_steps_only_in_a(run_a: Path, tmp_path: Path)
 
     data = json.loads(diff(run_a, short, "--json").output)
     assert data["first_divergence"] == 2 and data["same_prefix"] == 2
-    assert data["steps_a"] == 6 and data["steps_b"] == 3
+    assert data["steps_a"] == 5 and data["steps_b"] == 2
     only_a = [s for s in data["steps"] if s["kind_b"] is None]
     assert [s["seq"] for s in only_a] == [3, 4, 5]
     assert all(s["changes"][0]["op"] == "missing" for s in only_a)
@@ -203,3 +204,30 @@ def test_an_unreadable_cassette_exits_2(run_a: Path, tmp_path: Path) -> None:
     result = diff(run_a, tampered)
     assert result.exit_code == 2
     assert "signature check failed at seq 0" in result.output
+
+
+def test_two_runs_stopped_by_the_same_guard_are_the_same(tmp_path: Path) -> None:
+    """The harness's control line names its run; two runs stopped alike still compare the
+    same, and a different decision still differs."""
+    looping = {"select": "conversation", "default": {
+        "text": "Again.", "tool_use": {"name": "find", "input": {"query": "session refresh"}}}}
+    paths = []
+    for name in ("a.jsonl", "b.jsonl"):
+        with StubServer(looping) as server, recorder.record(tmp_path / name):
+            with pytest.raises(recorder.LoopDetected):
+                agent(server.url, max_turns=10)
+        _collect_clients()
+        paths.append(tmp_path / name)
+    controls = [next(line for line in read_lines(p) if line.get("kind") == "control")
+                for p in paths]
+    runs = [read_lines(p)[0]["run"] for p in paths]
+    assert runs[0] in controls[0]["detail"]["message"] and runs[1] in controls[1]["detail"][
+        "message"]
+    result = diff(*paths)
+    assert result.exit_code == 0, result.output
+    with StubServer(looping) as server, recorder.record(tmp_path / "c.jsonl",
+                                                        loop_guard={"repeats": 4}):
+        with pytest.raises(recorder.LoopDetected):
+            agent(server.url, max_turns=10)
+    _collect_clients()
+    assert diff(paths[0], tmp_path / "c.jsonl").exit_code == 1
