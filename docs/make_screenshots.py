@@ -1,4 +1,5 @@
-"""The README's screenshots of the viewer: docs/viewer-run.png and docs/viewer-diff.png.
+"""The README's screenshots of the viewer, 1400 px wide: docs/viewer-run.png,
+viewer-step.png, viewer-diff.png and viewer-fork.png.
 
     .venv/bin/python docs/make_screenshots.py [--out docs]
 
@@ -10,26 +11,44 @@ the viewer tests' corpus is recorded against the stub model (``build_corpus`` of
 tests/test_viewer_queries.py: a streamed run with thinking, a tool call, non-ASCII text
 and an image; the retry-spiral agent and a fork of it with the search result fixed), then
 ``deja view runs`` serves it and headless Chromium, driven by Playwright as in
-tests/test_viewer_browser.py, takes the pictures:
+tests/test_viewer_browser.py (which runs this script), takes the pictures:
 
-- viewer-run.png: the streamed run, its header and timeline, step 0 opened (the
-  conversation: system prompt, the user's message with its image, the thinking and the
-  tool call of the reply);
-- viewer-diff.png: the fork against its parent, the first divergence opened.
+- viewer-run.png: the streamed run: its header, timeline, cumulative tokens and cost and
+  the waterfall of its steps;
+- viewer-step.png: its step 0 opened as a conversation: system prompt, the user's
+  message with its image, the thinking and the tool call of the reply;
+- viewer-diff.png: the fork against its parent, the first divergence opened;
+- viewer-fork.png: the spiral's tool step forked with a fixed search result against the
+  stub model, the fork finished, the edit kept for another try.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import secrets
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-MAX_BYTES = 300_000
+MAX_BYTES = 400_000
+WIDTH = 1400
+NAMES = ("viewer-run.png", "viewer-step.png", "viewer-diff.png", "viewer-fork.png")
+
+
+def _box(locator: Any) -> dict[str, float]:
+    box = locator.bounding_box()
+    assert box is not None, locator
+    return box
+
+
+def _clip(top: float, bottom: float) -> dict[str, float]:
+    return {"x": 0, "y": max(0.0, top), "width": WIDTH, "height": bottom - max(0.0, top)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,8 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop("DEJA_OLD_KEYS", None)
         # Imported here: the corpus module reads the environment set just above.
         from playwright.sync_api import expect
-        from test_viewer_browser import chromium_missing, chromium_page, serve_viewer, shot
-        from test_viewer_queries import build_corpus
+        from test_viewer_browser import (
+            button,
+            chromium_missing,
+            chromium_page,
+            serve_viewer,
+            shot,
+        )
+        from test_viewer_queries import AFTER_FORK, GOOD, build_corpus
+
+        from recorder.stubserver import StubServer
 
         missing = chromium_missing()
         if missing:
@@ -53,31 +80,60 @@ def main(argv: list[str] | None = None) -> int:
         corpus = build_corpus(work / "corpus")
         args.out.mkdir(parents=True, exist_ok=True)
         rich, spiral, fixed = (corpus.ids[k] for k in ("rich", "spiral", "fixed"))
-        with serve_viewer(Path("runs"), work / "view.log", cwd=corpus.project) as base:
-            # A tall window, cut below the conversation: the page scrolls inside itself,
-            # so a full-page screenshot would stop at the window's height.
-            with chromium_page({"width": 1280, "height": 2400}) as page:
-                page.goto(f"{base}/?run={rich}&step=0")
+        out = {name: args.out / name for name in NAMES}
+        with serve_viewer(Path("runs"), work / "view.log", cwd=corpus.project) as base, \
+                StubServer(AFTER_FORK) as model:
+            # A tall window: the page scrolls inside itself, so a full-page screenshot
+            # would stop at the window's height; each picture is a clip of it.
+            with chromium_page({"width": WIDTH, "height": 2600}) as page:
+                page.goto(f"{base}/?run={rich}&file=rich.jsonl")
                 page.screenshot(path=str(work / "warm-up.png"))  # the first can be blank
+                expect(page.get_by_test_id("stVegaLiteChart")).to_have_count(3)
+                drawn = page.get_by_test_id("stVegaLiteChart").last.locator("canvas, svg")
+                expect(drawn.first).to_be_visible()
+                shot(page, work / "settle.png")  # every chart drawn at its final size
+                waterfall = _box(page.get_by_test_id("stVegaLiteChart").last)
+                shot(page, out["viewer-run.png"],
+                     clip=_clip(0, waterfall["y"] + waterfall["height"] + 24))
+
+                page.goto(f"{base}/?run={rich}&file=rich.jsonl&step=0")
                 expect(page.get_by_text("Step 0: model claude-haiku-4-5")).to_be_visible()
                 expect(page.get_by_test_id("stChatMessage").last).to_contain_text("stop: tool_use")
                 expect(page.get_by_test_id("stImage")).to_be_visible()
-                bottom = page.get_by_test_id("stChatMessage").last.bounding_box()
-                assert bottom is not None
-                shot(page, args.out / "viewer-run.png",
-                     clip={"x": 0, "y": 0, "width": 1280,
-                           "height": bottom["y"] + bottom["height"] + 24})
-            with chromium_page({"width": 1280, "height": 960}) as page:
-                page.goto(f"{base}/?a={spiral}&b={fixed}")
+                top = _box(page.get_by_role("heading", name="Step 0: model claude-haiku-4-5"))
+                bottom = _box(page.get_by_test_id("stChatMessage").last)
+                shot(page, out["viewer-step.png"],
+                     clip=_clip(top["y"] - 24, bottom["y"] + bottom["height"] + 24))
+            with chromium_page({"width": WIDTH, "height": 4000}) as page:
+                page.goto(f"{base}/?run={spiral}&file=spiral.jsonl&step=1")
+                editor = page.get_by_label("Edited document (JSON)")
+                editor.fill(json.dumps({"result": GOOD}))
+                editor.press("Control+Enter")
+                expect(page.get_by_text("The edit is valid.")).to_be_visible()
+                target = page.get_by_label(re.compile("^Live target"))
+                target.fill(model.url)
+                target.press("Enter")
+                expect(target).to_have_value(model.url)
+                button(page, "Fork").click()
+                expect(page.get_by_text(re.compile(r"Fork of step 1 finished: run r_\w+"))
+                       ).to_be_visible(timeout=90_000)
+                expect(editor).to_have_value(json.dumps({"result": GOOD}))
+                # From the step picker (the finished fork is listed under it) to the button.
+                top = _box(page.get_by_text("Open step", exact=True))
+                bottom = _box(button(page, "Fork"))
+                shot(page, out["viewer-fork.png"],
+                     clip=_clip(top["y"] - 24, bottom["y"] + bottom["height"] + 24))
+            with chromium_page({"width": WIDTH, "height": 1000}) as page:
+                page.goto(f"{base}/?a={spiral}&a_file=spiral.jsonl&b={fixed}&b_file=fixed.jsonl")
                 expect(page.get_by_text("First divergence: step 1", exact=True)).to_be_visible()
                 expect(page.get_by_test_id("stExpander").filter(has_text="▶ first divergence")
                        ).to_contain_text("/result")
-                shot(page, args.out / "viewer-diff.png")
-    for name in ("viewer-run.png", "viewer-diff.png"):
-        size = (args.out / name).stat().st_size
-        sys.stdout.write(f"{args.out / name}: {size:,} bytes\n")
+                shot(page, out["viewer-diff.png"])
+    for name, path in out.items():
+        size = path.stat().st_size
+        sys.stdout.write(f"{path}: {size:,} bytes\n")
         if size > MAX_BYTES:
-            sys.stderr.write(f"  over {MAX_BYTES:,} bytes: make the viewport smaller\n")
+            sys.stderr.write(f"  {name} is over {MAX_BYTES:,} bytes: make the clip smaller\n")
             return 1
     return 0
 

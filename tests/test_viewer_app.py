@@ -89,13 +89,26 @@ def test_runs_page_lists_every_run_and_the_unreadable_one(corpus: Corpus,
     assert any("tampered.jsonl" in e and "signature check failed" in e for e in texts(at.error))
     spiral = runs[runs["name"] == corpus.ids["spiral"]].iloc[0]
     assert spiral["status"] == "stopped" and spiral["steps"] > 0
+    assert spiral["file"] == "spiral.jsonl" and spiral["labels"] == "case=spiral"
+    caption = texts(at.caption)[0]
+    assert caption == f"Every run recorded in the folder `{corpus.runs}`, newest first"
+    # An empty cell (a run without a parent, an error) reads "—", never "None".
+    assert at.dataframe[0].proto.placeholder == "—"
 
 
 def test_filters_narrow_the_runs(corpus: Corpus, monkeypatch: pytest.MonkeyPatch) -> None:
     at = ok(app(monkeypatch, corpus.runs))
-    at.text_input(key="f_text").input("grüße, 東京").run()
+    at.text_input(key="q").input("grüße, 東京").run()
     assert listed(ok(at)) == {corpus.ids["rich"]}
-    at.text_input(key="f_text").input("").run()
+    # The search is bound to the URL (?q=...): a reload, or a shared link, restores it.
+    reloaded = ok(app(monkeypatch, corpus.runs, q="東京"))
+    assert reloaded.text_input(key="q").value == "東京"
+    assert listed(reloaded) == {corpus.ids["rich"]}
+    reloaded.button(key="open_run_btn").click().run()  # a run, then back: the same search
+    assert ok(reloaded).query_params["run"] == corpus.ids["rich"]
+    reloaded.button(key="back").click().run()
+    assert ok(reloaded).title[0].value == "Runs" and listed(reloaded) == {corpus.ids["rich"]}
+    at.text_input(key="q").input("").run()
     at.multiselect(key="f_status").select("exhausted").run()
     assert listed(ok(at)) == {corpus.ids["budget"]}
     at.multiselect(key="f_status").unselect("exhausted").run()
@@ -117,11 +130,17 @@ def test_run_page_shows_totals_timeline_and_charts(corpus: Corpus,
     assert list(timeline["name"]) == ["claude-haiku-4-5", "weather", "claude-haiku-4-5"]
     assert timeline["tokens"].sum() == 352
     assert metrics["Cost"] == f"${timeline['cost'].sum():,.6f}"
-    assert len(at.get("vega_lite_chart")) == 2  # tokens and cost per step
+    charts = [json.loads(c.proto.spec) for c in at.get("vega_lite_chart")]
+    assert len(charts) == 3  # tokens so far, cost so far, the waterfall
+    assert [c["encoding"]["y"]["field"] for c in charts[:2]] == ["tokens", "cost"]
+    assert charts[2]["encoding"]["x"]["field"] == "start_ms"
+    assert charts[2]["encoding"]["x2"]["field"] == "drawn_end_ms"
     assert not at.chat_message  # no step opened: no payload loaded
     budget = ok(app(monkeypatch, corpus.runs, run=corpus.ids["budget"]))
     marks = list(table(budget, "mark")["mark"])
     assert "⚑ budget_exhausted" in marks
+    # One model call: the usage chart still draws a line, from 0 to the call's end.
+    assert len(budget.get("vega_lite_chart")) == 3
 
 
 def test_opening_a_step_renders_its_conversation(corpus: Corpus,
@@ -155,7 +174,8 @@ def test_diff_page_highlights_the_first_divergence(corpus: Corpus,
     assert any(f"Forked from run **{corpus.ids['spiral']}** at step 1" in i
                for i in texts(at.info))
     at.button(key="diff_parent").click().run()
-    assert ok(at).query_params == {"a": corpus.ids["spiral"], "b": corpus.ids["fixed"]}
+    assert ok(at).query_params == {"a": corpus.ids["spiral"], "a_file": "spiral.jsonl",
+                                   "b": corpus.ids["fixed"], "b_file": "fixed.jsonl"}
     assert at.title[0].value == "Diff"
     assert "First divergence: step 1" in texts(at.error)
     assert "Steps 0-0: identical (1 steps)" in [e.label for e in at.expander]
@@ -169,18 +189,24 @@ def test_diff_page_highlights_the_first_divergence(corpus: Corpus,
 def test_fork_button_launches_a_fork_that_completes(corpus: Corpus, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     project = tmp_path / "project"
-    shutil.copytree(corpus.project, project, ignore=shutil.ignore_patterns(".index.duckdb*"))
+    shutil.copytree(corpus.project, project)
     runs = project / "runs"
     spiral = corpus.ids["spiral"]
     with StubServer(AFTER_FORK) as live:
         at = ok(app(monkeypatch, runs, run=spiral, step="1"))
         assert at.text_area[0].label == "Edited document (JSON)"
+        # The live target defaults to where the run went (its model request URL).
+        recorded = load(runs / "spiral.jsonl").observations[0]["url"]
+        assert recorded.endswith("/v1/messages")
+        assert at.text_input(key=f"live_url:{runs / 'spiral.jsonl'}").value == \
+            recorded.removesuffix("/v1/messages")
         at.text_area[0].input('{"result": "unterminated').run()
         assert any("not valid JSON" in e for e in texts(ok(at).error))
         assert at.button(key="fork_btn").disabled
         at.text_area[0].input(json.dumps({"result": GOOD})).run()
         assert "The edit is valid." in texts(ok(at).success)
-        at.text_input(key="live_url").input(live.url).run()
+        target = f"live_url:{runs / 'spiral.jsonl'}"
+        at.text_input(key=target).input(live.url).run()
         ok(at.button(key="fork_btn").click().run())
         deadline = time.monotonic() + 90
         while not any("finished" in s for s in texts(at.success)):
@@ -189,17 +215,68 @@ def test_fork_button_launches_a_fork_that_completes(corpus: Corpus, tmp_path: Pa
             time.sleep(0.3)
             ok(at.run())
         assert len(live.requests) == 1
+        # The edit and the target outlast the fork: the user can try a variation at once.
+        assert at.text_area[0].value == json.dumps({"result": GOOD})
+        assert at.text_input(key=target).value == live.url
+        assert "The edit is valid." in texts(at.success)
+        assert not at.button(key="fork_btn").disabled
     [fork_file] = [p for p in runs.glob("spiral-fork1-*.jsonl")]
     fork = load(fork_file)
     assert fork.header["parent"]["run"] == spiral and fork.end["status"] == "completed"
     runs_page = ok(app(monkeypatch, runs))
     assert fork.run in listed(runs_page)
     at.button(key=f"open_fork:{fork_file}").click().run()
-    assert ok(at).query_params == {"run": fork.run}
+    assert ok(at).query_params == {"run": fork.run, "file": fork_file.name}
     assert any(f"Forked from run **{spiral}** at step 1" in i for i in texts(at.info))
     at.button(key="open_parent").click().run()
-    assert ok(at).query_params == {"run": spiral}
+    assert ok(at).query_params == {"run": spiral, "file": "spiral.jsonl"}
     assert any(fork.run in b.label for b in at.button)  # the parent lists its new fork
+
+
+def test_a_failed_fork_says_why_in_one_line_with_the_log_below(
+        corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    project = tmp_path / "project"
+    shutil.copytree(corpus.project, project)
+    runs = project / "runs"
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    at = ok(app(monkeypatch, runs, run=corpus.ids["spiral"], step="1"))
+    at.text_area[0].input(json.dumps({"result": GOOD})).run()
+    at.text_input(key=f"live_url:{runs / 'spiral.jsonl'}").input(dead).run()
+    ok(at.button(key="fork_btn").click().run())
+    deadline = time.monotonic() + 90
+    while not any("failed" in e for e in texts(at.error)):
+        assert time.monotonic() < deadline, texts(at.info) + texts(at.success)
+        time.sleep(0.3)
+        ok(at.run())
+    [failed] = [e for e in texts(at.error) if "Fork of step 1" in e]
+    assert failed == f"Fork of step 1 failed: connection refused to {dead}"
+    [log] = [e for e in at.expander if e.label.startswith("Full log (exit status ")]
+    assert "Traceback" in log.code[0].value and "APIConnectionError" in log.code[0].value
+    assert at.text_area[0].value == json.dumps({"result": GOOD})  # kept for another try
+
+
+def test_two_copies_of_one_run_are_told_apart_by_file(
+        corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    shutil.copy(corpus.path("spiral"), runs / "spiral.jsonl")
+    shutil.copy(corpus.path("spiral"), runs / "spiral-copy.jsonl")  # the same run id
+    spiral = corpus.ids["spiral"]
+    at = ok(app(monkeypatch, runs))
+    rows = table(at, "parent")
+    assert list(rows["name"]) == [spiral, spiral]
+    assert sorted(rows["file"]) == ["spiral-copy.jsonl", "spiral.jsonl"]
+    at.selectbox(key="open_run").select("spiral-copy.jsonl").run()
+    at.button(key="open_run_btn").click().run()
+    assert ok(at).query_params == {"run": spiral, "file": "spiral-copy.jsonl"}
+    assert any(str(runs / "spiral-copy.jsonl") in c for c in texts(at.caption))
+    other = ok(app(monkeypatch, runs, run=spiral, file="spiral.jsonl"))
+    assert any(f"`{runs / 'spiral.jsonl'}`" in c for c in texts(other.caption))
+    diffed = ok(app(monkeypatch, runs, a=spiral, a_file="spiral.jsonl", b=spiral,
+                    b_file="spiral-copy.jsonl"))
+    assert "Same: every step means the same in both runs." in texts(diffed.success)
 
 
 def test_cancel_button_stops_a_live_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

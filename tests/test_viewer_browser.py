@@ -1,10 +1,12 @@
 """The viewer end to end in a real browser: `deja view` served on localhost, driven in
 headless Chromium (Debian's /usr/bin/chromium) with Playwright.
 
-One test walks what a person does: open the viewer, open a run, open a tool step, fork
-it with an edited tool result against a live stub model, watch the fork finish, open its
-diff against the parent, and cancel a live run. Every stage leaves a screenshot under the
-test's tmp_path; the assertions are on the page's text, never on pixels. Nothing is
+One test walks what a person does: open the viewer, search, open a run, open a tool
+step, fork it with an edited tool result against a live stub model, watch the fork
+finish (the edit stays, for a variation), open its diff against the parent, and cancel a
+live run. Every stage leaves a screenshot under the test's tmp_path; the assertions are
+on the page's text, never on pixels. Another runs ``docs/make_screenshots.py``, which
+takes the README's pictures of the run, step, diff and fork pages the same way. Nothing is
 mocked: `deja record`, `deja view`, `deja fork`, the index and the signatures are real.
 
 The helpers (:func:`serve_viewer`, :func:`chromium_page`, :func:`shot`) are used by
@@ -18,6 +20,7 @@ import json
 import os
 import re
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -34,12 +37,14 @@ from test_viewer_queries import AFTER_FORK, FOUND, GOOD, SPIRAL, SPIRAL_SCRIPT
 from recorder.cassette import load
 from recorder.stubserver import StubServer
 
+ROOT = Path(__file__).resolve().parent.parent
+SCREENSHOTS = ("viewer-run.png", "viewer-step.png", "viewer-diff.png", "viewer-fork.png")
 CHROMIUM = Path("/usr/bin/chromium")
 # As root, in a closed network: no sandbox, no GPU, no background connections.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update",
                  "--disable-sync"]
-VIEWPORT = {"width": 1280, "height": 800}
+VIEWPORT = {"width": 1400, "height": 800}
 WAIT_MS = 30_000  # one page or widget update; generous, but bounded
 
 # A live run that stops between its first model call and its next tool call until the
@@ -241,12 +246,36 @@ def test_viewer_in_chromium_fork_diff_and_cancel(tmp_path: Path) -> None:
         expect(page.get_by_text("1 run(s)")).to_be_visible()
         expect(grid(page)).to_contain_text(spiral)
         expect(grid(page)).to_contain_text("stopped")
+        expect(grid(page)).to_contain_text("spiral.jsonl")  # the file column
+        expect(grid(page)).not_to_contain_text("None")  # empty cells are "—"
+        expect(page.get_by_text(f"Every run recorded in the folder {runs}, newest first")
+               ).to_be_visible()
+        # No developer toolbar: no Deploy button (client.toolbarMode = viewer).
+        expect(page.get_by_test_id("stAppDeployButton")).to_have_count(0)
+        expect(page.get_by_role("button", name="Deploy")).to_have_count(0)
+        # The search is kept in the URL: a reload restores it.
+        search = page.get_by_label("Search messages and tool content")
+        search.fill("session refresh")
+        search.press("Enter")
+        expect(page.get_by_text("1 run(s)")).to_be_visible()
+        page.wait_for_url(re.compile(r"[?&]q=session(\+|%20)refresh"))
+        page.reload()
+        expect(page.get_by_label("Search messages and tool content")).to_have_value(
+            "session refresh")
+        expect(grid(page)).to_contain_text(spiral)
+        search = page.get_by_label("Search messages and tool content")
+        search.fill("no such words anywhere")
+        search.press("Enter")
+        expect(page.get_by_text("0 run(s)")).to_be_visible()
+        search.fill("")
+        search.press("Enter")
+        expect(page.get_by_text("1 run(s)")).to_be_visible()
         shot(page, shots / "01-runs.png")
 
         # 2. Open the run: its header and timeline.
         button(page, "Open").click()
         expect(page.get_by_role("heading", name=f"Run {spiral}")).to_be_visible()
-        assert f"run={spiral}" in page.url
+        assert f"run={spiral}" in page.url and "file=spiral.jsonl" in page.url
         expect(page.get_by_test_id("stMetric").filter(has_text="Status")).to_contain_text(
             "stopped")
         expect(page.get_by_role("heading", name="Timeline")).to_be_visible()
@@ -275,6 +304,8 @@ def test_viewer_in_chromium_fork_diff_and_cancel(tmp_path: Path) -> None:
         editor.press("Control+Enter")
         expect(page.get_by_text("The edit is valid.")).to_be_visible()
         target = page.get_by_label(re.compile("^Live target"))
+        recorded = load(spiral_path).observations[0]["url"].removesuffix("/v1/messages")
+        expect(target).to_have_value(recorded)  # where the run went, by default
         target.fill(fork_model.url)
         target.press("Enter")
         expect(target).to_have_value(fork_model.url)
@@ -288,12 +319,18 @@ def test_viewer_in_chromium_fork_diff_and_cancel(tmp_path: Path) -> None:
         assert fork_cassette.run == fork and fork_cassette.end["status"] == "completed"
         assert fork_cassette.header["parent"]["run"] == spiral
         assert len(fork_model.requests) == 1  # only the step after the fork went live
+        # The edit and the target stay: the user can try a variation at once.
+        expect(editor).to_have_value(json.dumps({"result": GOOD}))
+        expect(target).to_have_value(fork_model.url)
+        expect(page.get_by_text("The edit is valid.")).to_be_visible()
+        expect(button(page, "Fork")).to_be_enabled()
         shot(page, shots / "05-fork-finished.png")
 
         # 5. The fork's diff against its parent: the first divergent step is shown.
         button(page, "Diff fork against parent").click()
         expect(page.get_by_role("heading", name="Diff", exact=True)).to_be_visible()
         assert f"a={spiral}" in page.url and f"b={fork}" in page.url
+        assert "a_file=spiral.jsonl" in page.url and f"b_file={fork_path.name}" in page.url
         expect(page.get_by_text("First divergence: step 1", exact=True)).to_be_visible()
         expect(page.get_by_text("Steps 0-0: identical (1 steps)", exact=True)).to_be_visible()
         expect(page.get_by_text(re.compile(r"▶ first divergence · Step 1: A seq 1 tool"))
@@ -345,3 +382,20 @@ def test_viewer_in_chromium_fork_diff_and_cancel(tmp_path: Path) -> None:
     assert load(live_path).end["status"] == "cancelled"
     taken = sorted(shots.glob("[0-9][1-9]-*.png"))  # all but the warm-up
     assert len(taken) == 9 and all(p.stat().st_size > 20_000 for p in taken)  # not blank
+
+
+def test_the_readme_screenshots_are_made_in_chromium(tmp_path: Path) -> None:
+    """docs/make_screenshots.py, as `make` would run it: the run, step, diff and fork pages,
+    1400 px wide, each a real picture (not blank) and small enough for the README."""
+    missing = chromium_missing()
+    if missing:
+        pytest.fail(missing)
+    out = tmp_path / "docs"
+    made = subprocess.run([sys.executable, str(ROOT / "docs" / "make_screenshots.py"),
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stdout + made.stderr
+    for name in SCREENSHOTS:
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and 20_000 < len(data) <= 400_000, name
+        width, height = struct.unpack(">II", data[16:24])
+        assert width == 1400 and height >= 400, (name, width, height)

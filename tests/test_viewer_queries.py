@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import warnings
@@ -35,7 +36,7 @@ from recorder.errors import ConfigError
 from recorder.progress import Progress, cancel_path
 from recorder.stubserver import StubServer
 from viewer import queries
-from viewer.index import RunIndex
+from viewer.index import RunIndex, index_path
 
 ROOT = Path(__file__).resolve().parent.parent
 SPIRAL = ROOT / "examples" / "retry_spiral.py"
@@ -453,7 +454,7 @@ def test_validate_edit_reports_problems_and_writes_nothing(corpus: Corpus,
 def test_launch_fork_creates_a_fork_that_names_its_parent(corpus: Corpus, tmp_path: Path
                                                           ) -> None:
     project = tmp_path / "project"
-    shutil.copytree(corpus.project, project, ignore=shutil.ignore_patterns(".index.duckdb*"))
+    shutil.copytree(corpus.project, project)
     parent = project / "runs" / "spiral.jsonl"
     with StubServer(AFTER_FORK) as live:
         launched = queries.launch_fork(parent, 1, json.dumps({"result": GOOD}),
@@ -480,7 +481,8 @@ def test_an_index_of_the_older_layout_is_rebuilt(corpus: Corpus, tmp_path: Path)
     runs = tmp_path / "runs"
     runs.mkdir()
     shutil.copy(corpus.path("rich"), runs / "rich.jsonl")
-    con = duckdb.connect(str(runs / ".index.duckdb"))  # schema 1: steps without text
+    index_path(runs).parent.mkdir(parents=True, exist_ok=True)
+    con = duckdb.connect(str(index_path(runs)))  # schema 1: steps without text
     con.execute("CREATE TABLE meta (key VARCHAR PRIMARY KEY, value VARCHAR);"
                 "INSERT INTO meta VALUES ('schema', '1');"
                 "CREATE TABLE files (path VARCHAR PRIMARY KEY, size BIGINT, mtime_ns BIGINT,"
@@ -499,3 +501,122 @@ def test_the_queries_never_import_streamlit() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, timeout=60, check=True)
     assert json.loads(out.stdout) is False
+
+
+def test_the_index_lives_under_deja_home_not_in_the_cassette_folder(
+        corpus: Corpus, tmp_path: Path, deja_home: Path) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    shutil.copy(corpus.path("rich"), runs / "rich.jsonl")
+    (runs / ".index.duckdb").write_bytes(b"an index an older deja left here")
+    (runs / ".index.duckdb.wal").write_bytes(b"and its WAL")
+    with RunIndex(runs) as idx:
+        assert idx.refresh()["indexed"] == 1
+        assert idx.db_path == index_path(runs)
+    db = index_path(runs)
+    assert db.parent == deja_home / "index"
+    assert db.name.startswith("runs-") and db.suffix == ".duckdb"
+    assert stat.S_IMODE(db.parent.stat().st_mode) == 0o700
+    assert stat.S_IMODE(db.stat().st_mode) == 0o600
+    assert sorted(p.name for p in runs.iterdir()) == ["rich.jsonl"]  # nothing else, ever
+    # Another folder of the same name, or the same folder by another path, is told apart.
+    other = tmp_path / "elsewhere" / "runs"
+    assert index_path(other) != db and index_path(other).name.startswith("runs-")
+    assert index_path(tmp_path / "." / "runs") == db
+    # Incremental: a second refresh reads nothing again.
+    with RunIndex(runs) as idx:
+        assert idx.refresh() == {"indexed": 0, "unchanged": 1, "removed": 0, "errors": 0,
+                                 "compacted": 0}
+
+
+def test_refresh_reports_its_progress(corpus: Corpus, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for stem in ("spiral", "rich", "big"):
+        shutil.copy(corpus.path(stem), runs / f"{stem}.jsonl")
+    calls: list[tuple[int, int]] = []
+    with RunIndex(runs) as idx:
+        idx.refresh(progress=lambda done, total: calls.append((done, total)))
+        assert calls == [(0, 3), (1, 3), (2, 3), (3, 3)]
+        calls.clear()
+        shutil.copy(corpus.path("torn"), runs / "torn.jsonl")
+        idx.refresh(progress=lambda done, total: calls.append((done, total)))
+        assert calls == [(0, 1), (1, 1)]  # only the new file
+        calls.clear()
+        idx.refresh(progress=lambda done, total: calls.append((done, total)))
+        assert calls == []  # nothing to read: no bar
+
+
+def test_runs_are_told_apart_by_file_and_show_their_labels(corpus: Corpus,
+                                                           tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    shutil.copy(corpus.path("spiral"), runs / "spiral.jsonl")
+    shutil.copy(corpus.path("spiral"), runs / "copy.jsonl")  # a copied file: the same id
+    with RunIndex(runs) as idx:
+        idx.refresh()
+        rows = queries.list_runs(idx)
+        assert [r["name"] for r in rows] == [corpus.ids["spiral"]] * 2
+        assert sorted(r["file"] for r in rows) == ["copy.jsonl", "spiral.jsonl"]
+        assert {r["labels"] for r in rows} == {"case=spiral"}
+        assert "file" in queries.RUN_COLUMNS and "labels" in queries.RUN_COLUMNS
+        assert queries.run_header(idx, "copy.jsonl")["path"] == str(runs / "copy.jsonl")
+        assert queries.run_header(idx, "spiral.jsonl")["path"] == str(runs / "spiral.jsonl")
+        assert queries.run_header(idx, "copy.jsonl")["labels"] == {"case": "spiral"}
+        assert len(queries.run_steps(idx, str(runs / "copy.jsonl"))) == len(
+            load(runs / "copy.jsonl").observations)
+
+
+def test_a_run_without_an_end_line_is_running_crashed_or_incomplete(
+        corpus: Corpus, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    live = recorder.start(runs / "live.jsonl")  # holds the writer lock until closed
+    try:
+        recorder.value("note", lambda: "first")
+        cut = runs / "cut.jsonl"  # a copy of the live file: nobody writes it
+        cut.write_bytes((runs / "live.jsonl").read_bytes())
+        with RunIndex(runs) as idx:
+            idx.refresh()
+            status = {r["file"]: r["status"] for r in queries.list_runs(idx)}
+        assert status == {"live.jsonl": "running", "cut.jsonl": "incomplete"}
+        assert queries.writer_state(runs / "live.jsonl", live.run_id) == "running"
+    finally:
+        live.close()
+    assert queries.writer_state(runs / "live.jsonl", live.run_id) is None
+    # A status record that says running, left by a process that is gone: crashed.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    Progress("r_gone", {}).update(pid=int(dead.stdout), force=True)
+    assert queries.writer_state(runs / "nobody.jsonl", "r_gone") == "crashed"
+    Progress("r_here", {})  # this process: alive
+    assert queries.writer_state(runs / "nobody.jsonl", "r_here") == "running"
+
+
+def test_usage_over_time_and_the_waterfall(corpus: Corpus, index: RunIndex) -> None:
+    budget = queries.run_steps(index, corpus.ids["budget"])  # one model call
+    usage = queries.usage_over_time(budget)
+    assert len(usage) == 2 and usage[0] == {"time_s": 0.0, "seq": None, "tokens": 0,
+                                            "cost": 0.0}
+    [model] = [s for s in budget if s["kind"] == "model"]
+    assert usage[1]["tokens"] == model["tokens"] == 450
+    assert usage[1]["cost"] == pytest.approx(model["cost"]) and usage[1]["cost"] > 0
+    assert usage[1]["time_s"] == pytest.approx((model["start_ms"] + model["latency_ms"]) / 1000)
+    rich = queries.run_steps(index, corpus.ids["rich"])
+    assert rich[0]["start_ms"] == 0.0
+    starts = [s["start_ms"] for s in rich]
+    assert starts == sorted(starts)
+    bars = queries.waterfall(rich)
+    assert [b["step"] for b in bars] == ["0 · model · claude-haiku-4-5", "1 · tool · weather",
+                                         "2 · model · claude-haiku-4-5"]
+    assert all(b["end_ms"] == pytest.approx(b["start_ms"] + b["duration_ms"]) for b in bars)
+    assert bars[1]["start_ms"] >= bars[0]["end_ms"] - 1  # the tool ran after the call
+    cumulative = queries.usage_over_time(rich)
+    assert [p["tokens"] for p in cumulative] == [0, 160, 352]
+    assert queries.usage_over_time(queries.run_steps(index, corpus.ids["torn"])) == []
+
+
+def test_the_live_target_defaults_to_where_the_run_went(corpus: Corpus) -> None:
+    url = load(corpus.path("spiral")).observations[0]["url"]
+    assert url.startswith("http://127.0.0.1:") and url.endswith("/v1/messages")
+    assert queries.recorded_base_url(corpus.path("spiral")) == url.removesuffix("/v1/messages")
+    assert queries.recorded_base_url(corpus.path("big")) is None  # no model call

@@ -1,9 +1,11 @@
 """The deja viewer: runs, a run's timeline and steps, diffs, forks and live runs.
 
 Start it with ``deja view [DIR]`` (``streamlit run viewer/app.py -- DIR``; the directory
-may also come from ``DEJA_VIEW_DIR``). The page is in the URL: ``?run=R&step=N`` opens a
-run and one of its steps, ``?a=R1&b=R2`` compares two runs, nothing lists the runs; a
-reload or a shared link restores the view. This script only lays out: every question is
+may also come from ``DEJA_VIEW_DIR``). The page is in the URL: ``?run=R&file=F&step=N``
+opens run R (the cassette file F in the folder: a copied cassette keeps its run id, so the
+file is what tells two copies apart) and one of its steps, ``?a=R1&a_file=F1&b=R2&b_file=F2``
+compares two runs, nothing lists the runs (``?q=words`` keeps the search); a reload or a
+shared link restores the view. This script only lays out: every question is
 a function of :mod:`viewer.queries`.
 """
 
@@ -16,6 +18,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import altair as alt
 import duckdb
 import pandas as pd
 import streamlit as st
@@ -26,8 +29,9 @@ from viewer.index import RunIndex
 
 log = logging.getLogger("deja.viewer")
 
-STEP_COLUMNS = ["seq", "kind", "name", "status", "latency_ms", "tokens", "cost", "mark",
-                "error"]
+STEP_COLUMNS = ["seq", "kind", "name", "status", "start_ms", "latency_ms", "tokens", "cost",
+                "mark", "error"]
+EMPTY = "—"  # what a cell without a value shows
 
 
 def directory() -> Path:
@@ -67,7 +71,7 @@ def _int(value: Any) -> int | None:
 
 def runs_page(index: RunIndex) -> None:
     st.title("Runs")
-    st.caption(f"cassettes in `{index.directory}`")
+    st.caption(f"Every run recorded in the folder `{index.directory}`, newest first")
     options = queries.filter_options(index)
     with st.sidebar:
         st.header("Filters")
@@ -85,14 +89,13 @@ def runs_page(index: RunIndex) -> None:
                                      format="%.4f", key="f_min_cost")
         max_cost = right.number_input("Max cost ($)", min_value=0.0, value=None, step=0.01,
                                       format="%.4f", key="f_max_cost")
-    text = st.text_input("Search messages and tool content", key="f_text",
+    text = st.text_input("Search messages and tool content", key="q", bind="query-params",
                          placeholder="words from a prompt, a reply, a tool argument or result")
     filters = {"status": status, "model": model, "tool": tool, "since": since, "until": until,
                "min_tokens": min_tokens, "max_tokens": max_tokens, "min_cost": min_cost,
                "max_cost": max_cost, "text": text or None}
     rows = queries.list_runs(index, **filters)
-    running = [r for r in rows if r["status"] == "incomplete"
-               and queries.live(r["run"])["running"]]
+    running = [r for r in rows if r["status"] == "running"]
 
     @st.fragment(run_every=2 if running else None)
     def table() -> None:
@@ -109,7 +112,8 @@ def runs_table(rows: list[dict[str, Any]]) -> None:
     st.caption(f"{len(rows)} run(s)")
     frame = pd.DataFrame([{c: r.get(c) for c in queries.RUN_COLUMNS} for r in rows],
                          columns=list(queries.RUN_COLUMNS))
-    st.dataframe(frame, hide_index=True, key="runs_table", column_config={
+    st.dataframe(frame, hide_index=True, key="runs_table", placeholder=EMPTY, column_config={
+        "name": st.column_config.TextColumn("run", width="medium"),
         "cost": st.column_config.NumberColumn("cost", format="$%.6f"),
         "duration": st.column_config.NumberColumn("duration (s)", format="%.3f"),
         "error": st.column_config.TextColumn("error", width="large")})
@@ -120,15 +124,23 @@ def runs_table(rows: list[dict[str, Any]]) -> None:
             st.error(f"`{r['name']}`: {r['error']}")
     if not rows:
         return
-    names = [r["name"] for r in rows]
+    by_file = {r["file"]: r for r in rows}
+    files = list(by_file)
+
+    def label(file: str) -> str:
+        row = by_file[file]
+        return row["name"] if row["name"] == file else f"{row['name']} · {file}"
+
     left, right = st.columns([4, 1], vertical_alignment="bottom")
-    pick = left.selectbox("Open a run", names, key="open_run")
-    right.button("Open", key="open_run_btn", on_click=widgets.go, kwargs={"run": pick})
-    if len(names) > 1:
+    pick = left.selectbox("Open a run", files, key="open_run", format_func=label)
+    right.button("Open", key="open_run_btn", on_click=widgets.go,
+                 kwargs=widgets.run_params(by_file[pick]))
+    if len(files) > 1:
         left, mid, right = st.columns([2, 2, 1], vertical_alignment="bottom")
-        a = left.selectbox("Compare run A", names, key="diff_a")
-        b = mid.selectbox("with run B", names, index=1, key="diff_b")
-        right.button("Diff", key="diff_btn", on_click=widgets.go, kwargs={"a": a, "b": b})
+        a = left.selectbox("Compare run A", files, key="diff_a", format_func=label)
+        b = mid.selectbox("with run B", files, index=1, key="diff_b", format_func=label)
+        right.button("Diff", key="diff_btn", on_click=widgets.go,
+                     kwargs=widgets.diff_params(by_file[a], by_file[b]))
 
 
 # ---------------------------------------------------------------------- one run
@@ -163,7 +175,8 @@ def run_page(index: RunIndex, run: str) -> None:
 
 
 def live_state(header: dict[str, Any]) -> dict[str, Any]:
-    status = queries.live(header["run"]) if header["status"] == "incomplete" else None
+    unfinished = header["status"] in ("running", "crashed", "incomplete", "torn")
+    status = queries.live(header["run"]) if unfinished and header["run"] else None
     forks = [f for f in st.session_state.get("forks", [])
              if str(f.parent) == header["path"] and f.process.poll() is None]
     return {"live": status, "poll": bool(status and status["running"]) or ending(status)
@@ -200,32 +213,50 @@ def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | N
     widgets.lineage_panel(index, header)
     if status and status["record"] is not None:
         widgets.live_panel(header, status)
-    steps = queries.run_steps(index, header["name"])
+    steps = queries.run_steps(index, header["path"])
     st.subheader("Timeline")
     frame = pd.DataFrame(steps, columns=STEP_COLUMNS) if steps else pd.DataFrame(
         columns=STEP_COLUMNS)
-    st.dataframe(frame[STEP_COLUMNS], hide_index=True, key="timeline", column_config={
-        "cost": st.column_config.NumberColumn("cost", format="$%.6f"),
-        "latency_ms": st.column_config.NumberColumn("latency (ms)", format="%.2f")})
+    st.dataframe(frame[STEP_COLUMNS], hide_index=True, key="timeline", placeholder=EMPTY,
+                 column_config={
+                     "cost": st.column_config.NumberColumn("cost", format="$%.6f"),
+                     "start_ms": st.column_config.NumberColumn("start (ms)", format="%.2f"),
+                     "latency_ms": st.column_config.NumberColumn("latency (ms)",
+                                                                 format="%.2f")})
     charts(steps)
     step_panel(index, header, steps)
 
 
 def charts(steps: list[dict[str, Any]]) -> None:
-    model = [s for s in steps if s["tokens"] is not None]
-    if not model:
+    """Cumulative tokens and cost over the run's time, and every step as a bar from its
+    start to its end (a waterfall, as trace viewers draw a trajectory)."""
+    usage = queries.usage_over_time(steps)
+    if usage:
+        frame = pd.DataFrame(usage)
+        left, right = st.columns(2)
+        for col, field, title, fmt in ((left, "tokens", "Tokens so far", ",d"),
+                                       (right, "cost", "Cost so far ($)", "$,.6f")):
+            with col:
+                st.caption(title)
+                chart = alt.Chart(frame).mark_line(point=True, interpolate="step-after").encode(
+                    x=alt.X("time_s:Q", title="time since the run began (s)"),
+                    y=alt.Y(f"{field}:Q", title=None, axis=alt.Axis(format=fmt, tickCount=4)),
+                    tooltip=["seq", "time_s", field])
+                st.altair_chart(chart, width="stretch", height=200)
+    bars = queries.waterfall(steps)
+    if not bars:
         return
-    seqs = [s["seq"] for s in model]
-    left, right = st.columns(2)
-    with left:
-        st.caption("Tokens per step")
-        st.bar_chart(pd.DataFrame({"input": [s["input_tokens"] or 0 for s in model],
-                                   "output": [s["output_tokens"] or 0 for s in model]},
-                                  index=pd.Index(seqs, name="step")))
-    with right:
-        st.caption("Cost per step ($)")
-        st.line_chart(pd.DataFrame({"cost": [s["cost"] or 0.0 for s in model]},
-                                   index=pd.Index(seqs, name="step")))
+    st.caption("Steps over time: start and duration (ms)")
+    frame = pd.DataFrame(bars)
+    span = max(frame["end_ms"].max(), 1.0)
+    frame["drawn_end_ms"] = frame[["end_ms"]].max(axis=1).clip(  # a 0.1 ms step stays visible
+        lower=frame["start_ms"] + span * 0.004)
+    chart = alt.Chart(frame).mark_bar().encode(
+        x=alt.X("start_ms:Q", title="ms since the run began"), x2="drawn_end_ms:Q",
+        y=alt.Y("step:N", sort=None, title=None, axis=alt.Axis(labelLimit=280)),
+        color=alt.Color("kind:N", legend=alt.Legend(orient="right", title=None)),
+        tooltip=["step", "start_ms", "duration_ms"])
+    st.altair_chart(chart.properties(height=alt.Step(24)), width="stretch")
 
 
 def step_panel(index: RunIndex, header: dict[str, Any], steps: list[dict[str, Any]]) -> None:
@@ -279,21 +310,23 @@ def diff_page(index: RunIndex, a: str, b: str) -> None:
     for col, side, tag in ((left, view.a, "A"), (right, view.b, "B")):
         col.markdown(f"**{tag}: {side['name']}** · {side['steps']} steps")
         col.button(f"Open {tag}", key=f"open_{tag}", on_click=widgets.go,
-                   kwargs={"run": side["name"]})
+                   kwargs=widgets.run_params(side))
     result = view.result
     if result.same:
         st.success("Same: every step means the same in both runs.")
         return
-    prefix = result.same_prefix
+    prefix = view.same_prefix
     if prefix:
         with st.expander(f"Steps 0-{prefix - 1}: identical ({prefix} steps)"):
-            st.dataframe(_aligned_frame(view.rows[:prefix]), hide_index=True)
+            st.dataframe(_aligned_frame(view.rows[:prefix]), hide_index=True,
+                         placeholder=EMPTY)
     st.error(f"First divergence: step {result.first_divergence}")
     rest = view.rows[prefix:]
     frame = _aligned_frame(rest)
     st.dataframe(frame.style.apply(
         lambda row: ["background-color: rgba(255, 75, 75, 0.25)" if row["first"] else ""
-                     for _ in row], axis=1), hide_index=True, key="diff_table")
+                     for _ in row], axis=1), hide_index=True, key="diff_table",
+                 placeholder=EMPTY)
     for row in rest:
         changes = view.changes.get(row["step"])
         if not changes:
@@ -302,7 +335,8 @@ def diff_page(index: RunIndex, a: str, b: str) -> None:
                  f"B seq {row['seq_b']} {row['kind_b'] or '(absent)'}")
         with st.expander(("▶ first divergence · " if row["first"] else "") + label,
                          expanded=row["first"]):
-            st.dataframe(pd.DataFrame(widgets.changes_table(changes)), hide_index=True)
+            st.dataframe(pd.DataFrame(widgets.changes_table(changes)), hide_index=True,
+                         placeholder=EMPTY)
     with st.expander("As text (deja diff)"):
         st.code(view.text, language=None)
 
@@ -329,10 +363,11 @@ def main() -> None:
         return
     index = open_index(folder)
     params = st.query_params
-    if params.get("a") and params.get("b"):
-        diff_page(index, params["a"], params["b"])
-    elif params.get("run"):
-        run_page(index, params["run"])
+    a, b = params.get("a_file") or params.get("a"), params.get("b_file") or params.get("b")
+    if a and b:
+        diff_page(index, a, b)
+    elif ref := params.get("file") or params.get("run"):
+        run_page(index, ref)
     else:
         runs_page(index)
 

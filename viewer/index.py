@@ -1,10 +1,12 @@
 """The DuckDB index over a directory of cassettes: a cache, never the truth.
 
-``DIR/.index.duckdb`` holds one row per run and one per step, refreshed incrementally:
-a file is re-read only when its size or modification time changed. A step row keeps the
-expanded observation (``payload``) and the words a text search should find (``text``:
-messages, thinking, tool inputs and results; see :func:`viewer.content.searchable_text`).
-An index of an older layout is rebuilt.
+The index of ``DIR`` lives under ``$DEJA_HOME/index/`` (see :func:`index_path`), not in
+``DIR``: a cassette folder is often committed, and its index (a database of every payload,
+and its WAL) has no place in a repository. It holds one row per run and one per step,
+refreshed incrementally: a file is re-read only when its size or modification time
+changed. A step row keeps the expanded observation (``payload``) and the words a text
+search should find (``text``: messages, thinking, tool inputs and results; see
+:func:`viewer.content.searchable_text`). An index of an older layout is rebuilt.
 Delete the index at any time; the next refresh rebuilds it from the files. A file that
 cannot be read (torn, tampered, unknown format) becomes a run row with ``status = 'error'``
 and the reason, and the rest of the directory is indexed as usual.
@@ -19,6 +21,8 @@ import hashlib
 import json
 import logging
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,7 @@ import duckdb
 
 from recorder.cassette import load
 from recorder.errors import DejaError
-from recorder.keys import Keyring, load_keyring
+from recorder.keys import Keyring, deja_home, load_keyring
 from recorder.trust import allow_unverified_from_env
 from replayer.steps import run_summary, step_row
 
@@ -34,7 +38,7 @@ from .content import searchable_text
 
 log = logging.getLogger("deja.viewer")
 
-INDEX_NAME = ".index.duckdb"
+LEGACY_NAME = ".index.duckdb"  # where deja kept the index before: inside DIR itself
 SCHEMA_VERSION = 2  # 2: steps.text, the searchable words of each step
 
 _SCHEMA = """
@@ -60,6 +64,34 @@ _RUN_COLUMNS = ("run", "path", "status", "created", "steps", "model_calls", "too
 _STEP_COLUMNS = ("run", "path", "seq", "kind", "name", "status", "input_tokens",
                  "output_tokens", "cost_usd", "ms", "error", "payload", "text")
 
+Progress = Callable[[int, int], None]
+"""``progress(done, total)``: ``total`` files to (re)read, ``done`` of them read so far."""
+
+
+def index_dir() -> Path:
+    """Where the indexes live: ``$DEJA_HOME/index`` (default ``~/.deja/index``)."""
+    return deja_home() / "index"
+
+
+def index_path(directory: str | Path) -> Path:
+    """The index of ``directory``: ``$DEJA_HOME/index/<name>-<hash>.duckdb``.
+
+    ``<name>`` is the folder's own name (for a person listing the cache), ``<hash>`` the
+    first 16 hex digits of the SHA-256 of its resolved path, so two folders of the same
+    name, or one reached by two paths, never share or split an index.
+    """
+    resolved = Path(directory).resolve()
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", resolved.name).strip("._") or "root"
+    digest = hashlib.sha256(str(resolved).encode("utf-8", "surrogateescape")).hexdigest()
+    return index_dir() / f"{name[:40]}-{digest[:16]}.duckdb"
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` with mode 0700; one made more open is closed to others."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o700)
+
 
 class RunIndex:
     """Runs and steps of one cassette directory, in DuckDB."""
@@ -67,19 +99,43 @@ class RunIndex:
     def __init__(self, directory: str | Path, *, db_path: str | Path | None = None,
                  keyring: Keyring | None = None, allow_unverified: bool | None = None) -> None:
         self.directory = Path(directory)
-        self.db_path = Path(db_path) if db_path else self.directory / INDEX_NAME
+        self.db_path = Path(db_path) if db_path else index_path(self.directory)
         self._keyring = keyring if keyring is not None else load_keyring(create=False)
         self.allow_unverified = (allow_unverified if allow_unverified is not None
                                  else allow_unverified_from_env())
         self.in_memory = False
         try:
+            if db_path is None:
+                self._forget_legacy()
+                _private_dir(self.db_path.parent)
             self.con = duckdb.connect(str(self.db_path))
+        except OSError as exc:  # $DEJA_HOME read-only or full: the index still works
+            log.warning("index %s cannot be created (%s); indexing in memory",
+                        self.db_path, getattr(exc, "strerror", None) or exc)
+            self.con = duckdb.connect(":memory:")
+            self.in_memory = True
         except duckdb.IOException as exc:
             log.info("index %s is held by another process (%s); indexing in memory",
                      self.db_path, exc)
             self.con = duckdb.connect(":memory:")
             self.in_memory = True
         self._ensure_schema()
+
+    def _forget_legacy(self) -> None:
+        """Remove an index an older deja left inside the cassette folder (a cache: the
+        new one is rebuilt from the files), so its payloads do not linger there."""
+        for leftover in (self.directory / LEGACY_NAME,
+                         self.directory / f"{LEGACY_NAME}.wal"):
+            try:
+                leftover.unlink()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("cannot remove the old index %s (%s); delete it by hand",
+                            leftover, exc.strerror or exc)
+            else:
+                log.info("removed the old index %s (the index now lives in %s)",
+                         leftover, self.db_path)
 
     def __enter__(self) -> RunIndex:
         return self
@@ -112,13 +168,17 @@ class RunIndex:
 
     # -- refresh
 
-    def refresh(self) -> dict[str, int]:
+    def refresh(self, progress: Progress | None = None) -> dict[str, int]:
         """Bring the index up to date with the files; returns what it did.
+
+        ``progress(done, total)``, when given, is called once with ``done = 0`` before
+        the first of ``total`` new or changed files is read, then after each (not at all
+        when nothing changed), so that a command can draw a progress bar.
 
         The index forgets what its cassettes forget: when a file is deleted, or rewritten
         other than by appending, its old rows are deleted and the database is compacted
-        (``compacted`` in the result), so their bytes are gone from ``.index.duckdb`` and
-        its WAL. The files are readable by their owner only (0600).
+        (``compacted`` in the result), so their bytes are gone from the database and its
+        WAL. The index's folder is its owner's only (0700), its files too (0600).
         """
         self._private_files()
         known = {r[0]: (r[1], r[2]) for r in
@@ -128,6 +188,7 @@ class RunIndex:
         run_rows: list[dict[str, Any]] = []
         step_rows: list[dict[str, Any]] = []
         changed: list[tuple[str, int, int, str | None]] = []
+        todo: list[tuple[Path, os.stat_result]] = []
         for path in sorted(self.directory.glob("*.jsonl")):
             key = str(path)
             try:
@@ -138,12 +199,18 @@ class RunIndex:
             if known.get(key) == (st.st_size, st.st_mtime_ns):
                 stats["unchanged"] += 1
                 continue
+            todo.append((path, st))
+        if progress is not None and todo:
+            progress(0, len(todo))
+        for done, (path, st) in enumerate(todo, 1):
             run_row, steps = self._read(path)
             stats["indexed"] += 1
             stats["errors"] += run_row["error"] is not None
             run_rows.append(run_row)
             step_rows.extend(steps)
-            changed.append((key, st.st_size, st.st_mtime_ns, run_row["run"]))
+            changed.append((str(path), st.st_size, st.st_mtime_ns, run_row["run"]))
+            if progress is not None:
+                progress(done, len(todo))
         gone = [p for p in known if p not in seen]
         stats["removed"] = len(gone)
         stale = [c[0] for c in changed] + gone
@@ -166,7 +233,7 @@ class RunIndex:
         if forgets and not self.in_memory:
             stats["compacted"] = 1
             if not self._compact():  # another process took the file meanwhile
-                return self.refresh()
+                return self.refresh(progress)
         self._private_files()
         return stats
 

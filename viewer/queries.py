@@ -16,11 +16,11 @@ from datetime import UTC, date, datetime, time, timedelta
 from pathlib import Path
 from typing import Any
 
-from recorder.cassette import Cassette
+from recorder import lock
 from recorder.errors import ConfigError
 from recorder.progress import cancel_requested, read_status, request_cancel
-from replayer.diff import FieldChange, RunDiff, compare, render
-from replayer.steps import step_name, step_status
+from replayer.diff import FieldChange, RunDiff, aligned, compare, render
+from replayer.steps import run_summary, step_name, step_status
 
 from .index import RunIndex
 from .step import (
@@ -32,6 +32,7 @@ from .step import (
     fork_state,
     launch_fork,
     load_cassette,
+    recorded_base_url,
     step_detail,
     validate_edit,
 )
@@ -48,21 +49,25 @@ __all__ = [
     "filter_options",
     "fork_document",
     "fork_state",
+    "labels_text",
     "launch_fork",
     "lineage",
     "list_runs",
     "live",
     "load_cassette",
+    "recorded_base_url",
     "run_header",
     "run_path",
     "run_steps",
     "step_detail",
+    "usage_over_time",
     "validate_edit",
+    "waterfall",
+    "writer_state",
 ]
 
-RUN_COLUMNS = ("name", "status", "signed", "started", "duration", "steps", "tokens", "cost",
-               "parent", "error")
-_BOOKKEEPING = frozenset({"fork_edit", "resumed"})  # as replayer.diff leaves them out
+RUN_COLUMNS = ("name", "file", "status", "signed", "started", "duration", "steps", "tokens",
+               "cost", "parent", "labels", "error")
 
 
 # ---------------------------------------------------------------------- runs
@@ -95,11 +100,49 @@ def _rows(cur: Any) -> list[dict[str, Any]]:
 
 
 def _named(row: dict[str, Any]) -> dict[str, Any]:
+    """A run row as the pages show it: ``name`` (the run id, or the file name of a file
+    that could not be read), ``file`` (two copies of one run share their id, never their
+    file), ``signed`` and, for a run without an end line, its
+    writer's state (:func:`writer_state`)."""
     row["name"] = row.get("run") or Path(row["path"]).name
+    row["file"] = Path(row["path"]).name
+    if row.get("status") in ("incomplete", "torn"):
+        row["status"] = writer_state(row["path"], row.get("run")) or row["status"]
     if "verified" in row:  # never shown as fact unless its signature was checked
         row["signed"] = ("verified" if row["verified"] else
                          None if row.get("status") == "error" else "NOT VERIFIED")
     return row
+
+
+def labels_text(labels: str | dict[str, Any] | None) -> str | None:
+    """A run's labels as ``key=value, ...`` (None when it has none)."""
+    if isinstance(labels, str):
+        try:
+            labels = json.loads(labels)
+        except ValueError:
+            return labels
+    if not isinstance(labels, dict) or not labels:
+        return None
+    return ", ".join(f"{k}={v}" for k, v in sorted(labels.items()))
+
+
+def writer_state(path: str | Path, run: str | None) -> str | None:
+    """What became of a run without an end line: ``running`` while a process writes it
+    (it holds the cassette's writer lock, or its status record says running and names a
+    live process here; a record whose artefacts name other files is another copy's),
+    ``crashed`` when the record says running but that process is gone; None when
+    nothing says either (a copied or cut file: it stays ``incomplete``).
+    """
+    if lock.holder_of(path) is not None:
+        return "running"
+    record = read_status(run) if run else None
+    if record is None or record.get("ended") or record.get("status") != "running":
+        return None
+    artefacts = [Path(str(a)).name for a in record.get("artefacts") or []]
+    if artefacts and Path(path).name not in artefacts:  # a copy: another file is written
+        return None
+    alive = _alive(record)
+    return "running" if alive else "crashed" if alive is False else None
 
 
 _RUN_SELECT = """
@@ -127,7 +170,10 @@ def list_runs(index: RunIndex, *, status: str | list[str] | None = None,
     and ``until`` bound the start time (a date includes its whole day; times are UTC);
     token and cost bounds are inclusive; ``text`` finds runs with a step whose messages,
     thinking, tool inputs or results contain it, case-insensitively. Rows have ``name``
-    (the run id, or the file name of an unreadable file) and :data:`RUN_COLUMNS`.
+    (the run id, or the file name of an unreadable file), ``file`` (the cassette's file
+    name: two copies of a run share an id, never a file), ``labels`` as ``k=v, ...``
+    text, a ``status`` of ``running`` or ``crashed`` for a run without an end line when
+    its writer says so (:func:`writer_state`), and :data:`RUN_COLUMNS`.
     """
     where: list[str] = []
     args: list[Any] = []
@@ -163,7 +209,10 @@ def list_runs(index: RunIndex, *, status: str | list[str] | None = None,
     sql = _RUN_SELECT + (" WHERE " + " AND ".join(where) if where else "")
     sql += " ORDER BY r.created DESC NULLS LAST, r.path LIMIT ?"
     args.append(int(limit))
-    return [_named(row) for row in _rows(index.con.execute(sql, args))]
+    rows = [_named(row) for row in _rows(index.con.execute(sql, args))]
+    for row in rows:
+        row["labels"] = labels_text(row.get("labels"))
+    return rows
 
 
 def filter_options(index: RunIndex) -> dict[str, list[str]]:
@@ -183,7 +232,7 @@ def _find(index: RunIndex, run: str) -> dict[str, Any] | None:
     """The run row named ``run``: a run id, a cassette path or a file name."""
     rows = _rows(index.con.execute(
         _RUN_SELECT + " WHERE r.run = ? OR r.path = ? OR ends_with(r.path, ?) "
-        "ORDER BY r.run = ? DESC, r.created DESC NULLS LAST",
+        "ORDER BY r.run = ? DESC, r.created DESC NULLS LAST, r.path",
         [run, run, run, run]))
     for row in rows:
         if row["run"] == run or row["path"] == run or Path(row["path"]).name == run:
@@ -197,22 +246,15 @@ def run_path(index: RunIndex, run: str) -> Path | None:
 
 
 def run_header(index: RunIndex, run: str) -> dict[str, Any] | None:
-    """The run's facts and totals; the totals are the sums of its step rows."""
+    """The run's facts and totals (steps, calls, tokens, cost), as
+    :func:`replayer.steps.run_summary` counts them when the file is indexed."""
     row = _find(index, run)
     if row is None:
         return None
-    totals = _rows(index.con.execute(
-        """SELECT count(*) AS steps,
-                  count(*) FILTER (WHERE kind = 'model') AS model_calls,
-                  count(*) FILTER (WHERE kind = 'tool') AS tool_calls,
-                  count(*) FILTER (WHERE error IS NOT NULL) AS errors,
-                  CAST(coalesce(sum(input_tokens), 0) AS BIGINT) AS input_tokens,
-                  CAST(coalesce(sum(output_tokens), 0) AS BIGINT) AS output_tokens,
-                  coalesce(sum(cost_usd), 0.0) AS cost, coalesce(sum(ms), 0.0) AS ms
-           FROM steps WHERE path = ?""", [row["path"]]))[0]
-    totals["tokens"] = totals["input_tokens"] + totals["output_tokens"]
-    totals["cost"] = round(totals["cost"], 8)
-    row.update(totals)
+    for name in ("steps", "model_calls", "tool_calls", "errors", "input_tokens",
+                 "output_tokens", "tokens"):
+        row[name] = row.get(name) or 0
+    row["cost"] = round(row.get("cost") or 0.0, 8)
     row["labels"] = json.loads(row["labels"]) if row.get("labels") else {}
     row["models"] = [m for m in (row.get("models") or "").split(",") if m]
     return row
@@ -235,8 +277,11 @@ def run_steps(index: RunIndex, run: str) -> list[dict[str, Any]]:
                   cost_usd AS cost, ms AS latency_ms, error,
                   coalesce(TRY_CAST(json_extract(payload, '$.edited') AS BOOLEAN), false)
                       AS edited,
-                  json_extract_string(payload, '$.within') AS within
+                  json_extract_string(payload, '$.within') AS within,
+                  TRY_CAST(json_extract(payload, '$.t') AS DOUBLE) AS t
            FROM steps WHERE path = ? ORDER BY seq""", [str(path)]))
+    starts = [r["t"] for r in rows if r["t"] is not None]
+    origin = min(starts) if starts else None
     for row in rows:
         marks = []
         if row["kind"] == "control":
@@ -248,7 +293,38 @@ def run_steps(index: RunIndex, run: str) -> list[dict[str, Any]]:
         if row["error"]:
             marks.append("✗ error")
         row["mark"] = " ".join(marks)
+        t = row.pop("t")
+        row["start_ms"] = None if t is None or origin is None else round((t - origin) * 1000, 3)
     return rows
+
+
+def usage_over_time(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Cumulative tokens and cost over the run's time: a point at its start (0, 0, 0),
+    then one where each step that used tokens or cost ended (``time_s`` since the run's
+    first step began). Two points for a one-call run, so it draws as a line."""
+    timed = sorted((s for s in steps if s.get("start_ms") is not None),
+                   key=lambda s: s["start_ms"] + (s.get("latency_ms") or 0))
+    points = [{"time_s": 0.0, "seq": None, "tokens": 0, "cost": 0.0}]
+    tokens, cost = 0, 0.0
+    for step in timed:
+        if step.get("tokens") is None and step.get("cost") is None:
+            continue
+        tokens += step.get("tokens") or 0
+        cost += step.get("cost") or 0.0
+        end = (step["start_ms"] + (step.get("latency_ms") or 0)) / 1000
+        points.append({"time_s": round(end, 6), "seq": step["seq"], "tokens": tokens,
+                       "cost": round(cost, 8)})
+    return points if len(points) > 1 else []
+
+
+def waterfall(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each step's start offset and duration (ms since the run's first step began), as a
+    trace viewer draws a trajectory: one bar per step, in order."""
+    return [{"seq": s["seq"], "step": f"{s['seq']} · {s['kind']} · {s['name']}",
+             "kind": s["kind"], "start_ms": s["start_ms"],
+             "end_ms": s["start_ms"] + (s.get("latency_ms") or 0.0),
+             "duration_ms": s.get("latency_ms") or 0.0}
+            for s in steps if s.get("start_ms") is not None]
 
 
 # ---------------------------------------------------------------------- diff and lineage
@@ -269,11 +345,10 @@ class DiffView:
     def first_divergence(self) -> int | None:
         return self.result.first_divergence
 
-
-def _aligned(cassette: Cassette) -> list[dict[str, Any]]:
-    steps = [o for o in cassette.observations
-             if not (o.get("kind") == "control" and o.get("event") in _BOOKKEEPING)]
-    return steps + ([cassette.end] if cassette.end else [])
+    @property
+    def same_prefix(self) -> int:
+        """How many aligned rows come before the first divergent one."""
+        return next((i for i, row in enumerate(self.rows) if row["first"]), len(self.rows))
 
 
 def _side(obs: dict[str, Any] | None) -> dict[str, Any]:
@@ -294,7 +369,7 @@ def diff(source: RunIndex | None, a: str | Path, b: str | Path) -> DiffView:
         paths.append(path)
     ca, cb = load_cassette(paths[0]), load_cassette(paths[1])
     result = compare(ca, cb)
-    steps_a, steps_b = _aligned(ca), _aligned(cb)
+    steps_a, steps_b = aligned(ca), aligned(cb)
     pending = list(result.steps)
     rows: list[dict[str, Any]] = []
     changes: dict[int, tuple[FieldChange, ...]] = {}
@@ -309,10 +384,10 @@ def diff(source: RunIndex | None, a: str | Path, b: str | Path) -> DiffView:
             same = False
         rows.append({"step": i, **{f"{k}_a": v for k, v in left.items()},
                      **{f"{k}_b": v for k, v in right.items()}, "same": same,
-                     "first": i == result.first_divergence,
+                     "first": key == result.first_divergence and not same,
                      "changed": ", ".join(c.path or "/" for c in changes.get(i, ()))})
-    side = [{"name": c.run, "run": c.run, "path": str(p), "steps": len(s)}
-            for c, p, s in ((ca, paths[0], steps_a), (cb, paths[1], steps_b))]
+    side = [{"name": c.run, "run": c.run, "path": str(p), "steps": run_summary(c)["steps"]}
+            for c, p in ((ca, paths[0]), (cb, paths[1]))]
     return DiffView(side[0], side[1], result, render(result), rows, changes)
 
 

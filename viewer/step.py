@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
+from urllib.parse import urlsplit
 
 from recorder.cassette import Cassette, load
 from recorder.errors import ConfigError, DejaError
@@ -199,6 +201,73 @@ class LaunchedFork(NamedTuple):
     log: Path  # the process's stdout and stderr
     parent: Path
     seq: int
+    live_url: str | None = None  # its ANTHROPIC_BASE_URL, when the viewer set one
+
+
+_MESSAGES_PATH = "/v1/messages"
+
+
+def recorded_base_url(path: str | Path) -> str | None:
+    """The Anthropic base URL the run called, from its first Anthropic model step: the
+    request URL without ``/v1/messages`` (scheme, host, port and any path prefix, never
+    user info or a query), e.g. ``http://127.0.0.1:8765``. None when it made no such
+    call. A fork's live target defaults to it: the steps after the fork go where the
+    run went."""
+    for obs in load_cassette(path).observations:
+        if obs.get("kind") != "model" or obs.get("provider", "anthropic") != "anthropic":
+            continue
+        parts = urlsplit(str(obs.get("url") or ""))
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            continue
+        host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+        port = f":{parts.port}" if parts.port else ""
+        prefix = parts.path
+        if prefix.endswith(_MESSAGES_PATH):
+            prefix = prefix[:-len(_MESSAGES_PATH)]
+        elif "/v1/" in prefix:  # another endpoint (count_tokens, batches): its prefix
+            prefix = prefix[:prefix.index("/v1/")]
+        return f"{parts.scheme}://{host}{port}{prefix.rstrip('/')}"
+    return None
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Z]\w*(?:Error|Exception|Divergence|"
+                             r"Exhausted|Detected|Open|Cancelled|Locked|Cassette)\b:?.*$")
+
+
+def _origin(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}" if parts.scheme else url
+
+
+def fork_failure(launched: LaunchedFork, log: str, returncode: int | None) -> str:
+    """Why a fork process failed, in one line: from the step that failed in the fork's
+    cassette when there is one (``connection refused to http://127.0.0.1:9``), else the
+    error its log ends with (deja's own message, or the last exception of a traceback),
+    else its exit status."""
+    try:
+        observations = load_cassette(launched.path).observations if launched.path.exists() \
+            else []
+    except (DejaError, OSError):
+        observations = []
+    for obs in reversed(observations):
+        err = obs.get("error")
+        if obs.get("kind") in ("model", "http") and isinstance(err, dict):
+            where = _origin(str(obs.get("url") or launched.live_url or ""))
+            text = f"{err.get('type')}: {err.get('message')}"
+            if "refused" in text.lower():
+                return f"connection refused to {where}"
+            return f"{text} ({obs['kind']} step {obs.get('seq')} to {where})"
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    for line in reversed(lines):
+        if line.startswith("Error: "):  # deja's own message (click's prefix)
+            return line.removeprefix("Error: ")
+    errors = [line for line in lines if _EXCEPTION_LINE.match(line)]
+    if errors:
+        last = errors[-1]
+        if "refused" in " ".join(errors).lower() and launched.live_url:
+            return f"connection refused to {_origin(launched.live_url)} ({last})"
+        return last
+    return f"the fork exited with status {returncode}"
 
 
 def launch_fork(path: str | Path, seq: int, document: Any, *, live_url: str | None = None,
@@ -226,11 +295,12 @@ def launch_fork(path: str | Path, seq: int, document: Any, *, live_url: str | No
             [sys.executable, "-m", "deja", "fork", str(path), "--at", str(seq), option,
              str(edit_file), "-o", str(out)],
             stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-    return LaunchedFork(out, process, log, path, seq)
+    return LaunchedFork(out, process, log, path, seq, live_url or None)
 
 
-def fork_state(launched: LaunchedFork, tail: int = 4000) -> dict[str, Any]:
-    """How a launched fork is doing: running or its exit status, its run id, its log."""
+def fork_state(launched: LaunchedFork, tail: int = 200_000) -> dict[str, Any]:
+    """How a launched fork is doing: running or its exit status, its run id, its log
+    (the last ``tail`` characters), and for a failed one ``reason``, in one line."""
     code = launched.process.poll()
     run = None
     if launched.path.exists():
@@ -244,6 +314,8 @@ def fork_state(launched: LaunchedFork, tail: int = 4000) -> dict[str, Any]:
         log = launched.log.read_text(encoding="utf-8", errors="replace")[-tail:]
     except FileNotFoundError:
         log = ""
+    failed = code is not None and (code != 0 or not launched.path.exists())
     return {"running": code is None, "returncode": code, "run": run,
             "exists": launched.path.exists(), "log": log,
+            "reason": fork_failure(launched, log, code) if failed else None,
             "progress": read_status(run) if run else None}

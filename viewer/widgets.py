@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import streamlit as st
+from streamlit.errors import StreamlitAPIException
 
 from recorder.errors import DejaError
 
@@ -30,9 +32,24 @@ def go(**params: Any) -> None:
     refreshing body) would otherwise rerun only that fragment, and the URL would change
     with the old page still shown.
     """
-    st.query_params.clear()
+    for name in list(st.query_params):
+        try:
+            del st.query_params[name]
+        except StreamlitAPIException:  # bound to a widget (the search box): it stays, so
+            continue                   # "All runs" comes back to the same search
     st.query_params.update({k: str(v) for k, v in params.items() if v is not None})
     st.rerun()
+
+
+def run_params(row: dict[str, Any]) -> dict[str, Any]:
+    """The URL of a run's page: its id, and its file (what tells two copies apart)."""
+    return {"run": row.get("run"), "file": Path(row["path"]).name if row.get("path") else None}
+
+
+def diff_params(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """The URL of the diff of run rows ``a`` and ``b``."""
+    pa, pb = run_params(a), run_params(b)
+    return {"a": pa["run"], "a_file": pa["file"], "b": pb["run"], "b_file": pb["file"]}
 
 
 def money(value: Any) -> str:
@@ -192,26 +209,27 @@ def changes_table(changes: Any) -> list[dict[str, str]]:
 
 
 def lineage_panel(index: RunIndex, header: dict[str, Any]) -> None:
-    info = queries.lineage(index, header["name"]) or {}
+    info = queries.lineage(index, header["path"]) or {}
     parent = info.get("parent")
     if parent:
         where = "" if parent["indexed"] else " (not in this directory)"
         st.info(f"Forked from run **{parent['run']}** at step {parent['step']}{where}.")
         left, right = st.columns(2)
         left.button(f"Open parent {parent['run']}", key="open_parent", on_click=go,
-                    kwargs={"run": parent["run"]}, disabled=not parent["indexed"])
+                    kwargs=run_params(parent), disabled=not parent["indexed"])
         right.button("Diff against parent", key="diff_parent", on_click=go,
-                     kwargs={"a": parent["run"], "b": header["name"]},
+                     kwargs=diff_params(parent, header) if parent["indexed"] else {},
                      disabled=not parent["indexed"])
     children = info.get("children") or []
     if children:
         st.markdown(f"**Forks of this run** ({len(children)})")
         for child in children:
             left, right = st.columns([3, 1])
-            left.button(f"{child['name']} · forked at step {child['step']} · {child['status']}",
-                        key=f"child:{child['path']}", on_click=go, kwargs={"run": child["name"]})
+            left.button(f"{child['name']} · {child['file']} · forked at step {child['step']} · "
+                        f"{child['status']}", key=f"child:{child['path']}", on_click=go,
+                        kwargs=run_params(child))
             right.button("Diff", key=f"childdiff:{child['path']}", on_click=go,
-                         kwargs={"a": header["name"], "b": child["name"]})
+                         kwargs=diff_params(header, child))
 
 
 def _cancel(run: str) -> None:
@@ -252,25 +270,48 @@ def live_panel(header: dict[str, Any], status: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------- fork
 
 
+def _kept(store: str, key: str, widget: str, default: str) -> None:
+    """Seed the widget ``widget`` from what was last typed into it (kept under
+    ``store[key]``, which Streamlit's widget bookkeeping never clears), else ``default``.
+
+    A fork reruns the page many times while it runs; the edit, and the live target, must
+    outlast all of it, so that the user can try a variation when it ends."""
+    kept = st.session_state.setdefault(store, {})
+    value = kept.get(key) or default
+    if not st.session_state.get(widget):  # gone, or emptied by a redraw: put it back
+        st.session_state[widget] = value
+
+
+def _keep(store: str, key: str, widget: str) -> None:
+    """Callback: remember what the user typed (an emptied box keeps the last value)."""
+    value = st.session_state.get(widget)
+    if value:
+        st.session_state.setdefault(store, {})[key] = value
+
+
 def fork_editor(header: dict[str, Any], detail: queries.StepDetail) -> None:
     st.subheader(f"Fork at step {detail.seq}")
     st.caption("Edit what this step returned and run the agent again: the steps before it "
                "replay from this run, this step serves your edit, the rest goes live. The "
                "edit is the whole document, or an RFC 6902 patch (a JSON list).")
-    key = f"doc:{header['path']}:{detail.seq}"
+    key = f"{header['path']}:{detail.seq}"
+    widget = f"doc:{key}"
     try:
         original = queries.document_text(queries.fork_document(header["path"], detail.seq))
     except DejaError as exc:
         st.error(str(exc))
         return
-    if key not in st.session_state:
-        st.session_state[key] = original
-    text = st.text_area("Edited document (JSON)", key=key, height=260)
-    st.button("Reset", key="fork_reset", on_click=st.session_state.__setitem__,
-              args=(key, original))
+    _kept("fork_edits", key, widget, original)
+    text = st.text_area("Edited document (JSON)", key=widget, height=260, on_change=_keep,
+                        args=("fork_edits", key, widget))
+    st.button("Reset", key="fork_reset", on_click=_reset, args=(key, widget, original))
+    target = f"live_url:{header['path']}"
+    _kept("live_urls", header["path"], target, os.environ.get("ANTHROPIC_BASE_URL")
+          or queries.recorded_base_url(header["path"]) or "")
     live_url = st.text_input("Live target: the model API the steps after the fork call "
-                             "(ANTHROPIC_BASE_URL)", key="live_url",
-                             value=os.environ.get("ANTHROPIC_BASE_URL", ""))
+                             "(ANTHROPIC_BASE_URL; by default where this run went)",
+                             key=target, on_change=_keep,
+                             args=("live_urls", header["path"], target))
     check_key = (header["path"], detail.seq, text)
     cache = st.session_state.setdefault("edit_checks", {})
     if check_key not in cache:
@@ -293,6 +334,11 @@ def fork_editor(header: dict[str, Any], detail: queries.StepDetail) -> None:
         st.rerun()
 
 
+def _reset(key: str, widget: str, original: str) -> None:
+    st.session_state.setdefault("fork_edits", {})[key] = original
+    st.session_state[widget] = original
+
+
 def forks_panel(header: dict[str, Any]) -> None:
     """The forks started from this run in this session, with their progress."""
     mine = [f for f in st.session_state.get("forks", []) if str(f.parent) == header["path"]]
@@ -304,14 +350,16 @@ def forks_panel(header: dict[str, Any]) -> None:
             st.info(f"⏳ Fork of step {launched.seq} running: {name} · "
                     f"{progress.get('step', 'starting')}")
             continue
-        if state["returncode"] == 0 and state["exists"]:
+        if state["reason"] is None:
             st.success(f"✔ Fork of step {launched.seq} finished: run {name}")
         else:
-            st.error(f"Fork of step {launched.seq} exited with status {state['returncode']}")
-            st.code(state["log"] or "(no output)", language=None, wrap_lines=True)
+            st.error(f"Fork of step {launched.seq} failed: {state['reason']}")
+            with st.expander(f"Full log (exit status {state['returncode']})"):
+                st.code(state["log"] or "(no output)", language=None, wrap_lines=True)
         if state["exists"] and state["run"]:
             left, right = st.columns(2)
+            fork = {"run": state["run"], "path": str(launched.path)}
             left.button(f"Open fork {name}", key=f"open_fork:{launched.path}", on_click=go,
-                        kwargs={"run": state["run"]})
+                        kwargs=run_params(fork))
             right.button("Diff fork against parent", key=f"diff_fork:{launched.path}",
-                         on_click=go, kwargs={"a": header["name"], "b": state["run"]})
+                         on_click=go, kwargs=diff_params(header, fork))
