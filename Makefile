@@ -3,7 +3,7 @@
 #   make test    the whole test suite
 #   make bench   benchmarks, side by side with vcrpy
 PYTHON ?= python3
-VENV   := .venv
+VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.deja-installed
 
@@ -39,4 +39,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) cassettes/demo cassettes/.index.duckdb .pytest_cache
+	rm -rf $(VENV) cassettes/demo .deja/index .pytest_cache

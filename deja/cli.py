@@ -30,12 +30,33 @@ def _fail(exc: Exception) -> NoReturn:
     raise BadInput(f"{type(exc).__name__}: {exc}") from exc
 
 
+class RunsCommand(click.Command):
+    """A command that runs a program given after ``--``: a mistyped deja option is
+    click's usual "No such option", never the program to run, and the error says where
+    the program's own options go."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            raise click.UsageError(
+                f"{exc.format_message()}\n(a program's own options go after --: "
+                f"deja {self.name} ... -- python agent.py --its-option)", ctx) from None
+
+
 def _allow_unverified_option(func: Any) -> Any:
     return click.option(
         "--allow-unverified", is_flag=True,
         help="Use a cassette whose signature cannot be checked here (signed with a key "
              "this machine does not have; also DEJA_ALLOW_UNVERIFIED=1). Its output says "
              "NOT VERIFIED.")(func)
+
+
+def _cwd_option(func: Any) -> Any:
+    return click.option(
+        "--cwd", type=click.Path(path_type=Path, file_okay=False, exists=True),
+        help="Run the command in this directory (default: the directory it was recorded "
+             "in, found from where the cassette lies; with -- CMD, this one).")(func)
 
 
 def _load(cassette: Path, **options: Any) -> Any:
@@ -91,7 +112,7 @@ def main() -> None:
     """
 
 
-@main.command(context_settings={"ignore_unknown_options": True})
+@main.command(cls=RunsCommand, context_settings={"allow_interspersed_args": False})
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path),
               default=Path("cassettes"), show_default=True,
               help="Cassette file, or a directory to create <run id>.jsonl in.")
@@ -197,7 +218,7 @@ def _header_run(path: Path) -> str | None:
     return header.get("run") if isinstance(header, dict) else None
 
 
-@main.command(context_settings={"ignore_unknown_options": True})
+@main.command(cls=RunsCommand)
 @click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--require-signature", is_flag=True,
@@ -210,10 +231,13 @@ def _header_run(path: Path) -> str | None:
 @click.option("--allow-torn", is_flag=True, help="Replay the intact part of a torn cassette.")
 @click.option("--allow-incomplete", is_flag=True,
               help="Replay a cassette without an end line (a crashed run).")
-@click.option("--json", "as_json", is_flag=True, help="Print the replay result as JSON.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the replay result as JSON on stdout (the program's own output "
+                   "goes to stderr).")
+@_cwd_option
 def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
            allow_unverified: bool, run_recorded_command: bool, allow_torn: bool,
-           allow_incomplete: bool, as_json: bool) -> None:
+           allow_incomplete: bool, as_json: bool, cwd: Path | None) -> None:
     """Replay a recorded run offline: deja replay CASSETTE [-- CMD ...].
 
     Runs the recorded command (or CMD) with every observation served from the cassette
@@ -240,7 +264,7 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
     argv = list(command) or recorded
     if not argv:
         raise BadInput(f"{cassette} records no command; give one after --")
-    cwd = _recorded_cwd(cassette, loaded.header.get("cwd")) if not command else None
+    cwd = _where_to_run(cassette, loaded.header, argv, given=bool(command), cwd=cwd)
     with tempfile.TemporaryDirectory(prefix="deja-replay-") as tmp:
         report = Path(tmp) / "report.json"
         env = child_env("replay", cassette=str(cassette.resolve()), report=str(report),
@@ -249,7 +273,8 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
                         require_signature="1" if require_signature else None,
                         allow_unverified=None if loaded.verified else "1")
         try:
-            ended = launcher.run(_python_argv(argv), env=env, cwd=cwd)
+            ended = launcher.run(_python_argv(argv), env=env, cwd=cwd,
+                                 stdout=sys.stderr.fileno() if as_json else None)
         except OSError as exc:
             raise BadInput(f"cannot run {argv[0]!r}: {exc.strerror or exc}") from None
         if ended.received is not None:
@@ -266,15 +291,34 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
     sys.exit(0 if result["identical"] else EXIT_DIVERGED)
 
 
-def _recorded_cwd(cassette: Path, cwd: str | None) -> Path | None:
-    """The directory the run was recorded in (relative to the cassette), if it exists here."""
-    if not cwd:
-        return None
-    path = Path(cwd) if Path(cwd).is_absolute() else (cassette.resolve().parent / cwd)
-    return path.resolve() if path.is_dir() else None
+def _where_to_run(cassette: Path, header: dict[str, Any], argv: list[str], *, given: bool,
+                  cwd: Path | None) -> Path | None:
+    """The directory to run a recorded (or given) command in; a command that cannot start
+    there exits 2 (it is not a divergence), naming the directory and what to do."""
+    from recorder.errors import ConfigError
+    from recorder.record import launch_dir, startable
+
+    advice = (f"give the project directory with --cwd DIR, or the command after --: "
+              f"deja {click.get_current_context().info_name} {cassette} -- {' '.join(argv)}")
+    if cwd is None and not given:
+        try:
+            cwd = launch_dir(cassette, header)
+        except ConfigError as exc:
+            raise BadInput(f"the recorded command ({' '.join(argv)}) cannot be run: {exc}; "
+                           f"{advice}") from None
+    why = startable(argv, cwd or Path.cwd())
+    if why is not None:
+        what = "the command" if given else "the recorded command"
+        raise BadInput(f"{what} ({' '.join(argv)}) cannot start in {cwd or Path.cwd()}: {why}. "
+                       "Nothing was run. " + ("Check the command" if given else advice))
+    return cwd
 
 
 def _replay_report(result: dict[str, Any], code: int) -> str:
+    """The one report of a replay: the child printed no traceback for a divergence, so
+    this is where the user reads it (and its diff), once."""
+    from replayer.steps import describe_split, describe_totals
+
     verdict = "identical" if result["identical"] else "DIVERGED"
     if not result.get("verified"):
         verdict += " (NOT VERIFIED: what was served is unchecked)"
@@ -285,11 +329,19 @@ def _replay_report(result: dict[str, Any], code: int) -> str:
              f"  signature:  {result['verify_note']}",
              f"  recorded:   {result['recorded_status'] or 'no end line'}; "
              f"program exit status {code}"]
+    totals = result.get("totals")
+    if totals:
+        lines.append(f"  totals:     {describe_totals(totals['all'])}")
+        lines.extend(f"              {line}" for line in describe_split(totals))
     d = result.get("divergence")
     if d:
         step = d["step"] if d["step"] is not None else "end"
         lines.append(f"  divergence: step {step} ({d['kind']}): {d['reason']}")
         lines.extend("    " + line for line in (d.get("diff") or "").splitlines())
+        lines.append("  next:       the agent's code or inputs changed since the run was "
+                     "recorded: fix it, record the run again"
+                     + (f", or fork it at this step (deja fork {result['path']} --at {step} "
+                        "...) to test the change" if d["step"] is not None else ""))
     lines.extend(f"  note:       {note}" for note in result.get("notes") or ())
     return "\n".join(lines)
 
@@ -309,8 +361,10 @@ def verify(cassette: Path, allow_torn: bool, allow_incomplete: bool) -> None:
     """
     c = _load(cassette, require_signature=True, allow_torn=allow_torn,
               allow_incomplete=allow_incomplete)
+    from replayer.steps import step_count
+
     end = c.end["status"] if c.end else "no end line (incomplete run)"
-    click.echo(f"ok: {cassette}: run {c.run}, {len(c)} observations, {c.verify_note}, "
+    click.echo(f"ok: {cassette}: run {c.run}, {step_count(c)} steps, {c.verify_note}, "
                f"end: {end}")
 
 
@@ -324,7 +378,13 @@ def show(cassette: Path, as_json: bool, allow_unverified: bool) -> None:
     The signature is checked first; a cassette signed with a key this machine does not
     have is refused unless --allow-unverified, and then marked NOT VERIFIED.
     """
-    from replayer.steps import children_of, run_summary, step_rows
+    from replayer.steps import (
+        children_of,
+        describe_split,
+        describe_totals,
+        run_summary,
+        step_rows,
+    )
 
     c = _load(cassette, allow_torn=True, allow_unverified=allow_unverified)
     _warn_unverified(c)
@@ -341,9 +401,12 @@ def show(cassette: Path, as_json: bool, allow_unverified: bool) -> None:
         click.echo(f"  forked from {summary['parent_run']} at step {summary['parent_step']}")
     for child in children:
         click.echo(f"  fork {child['run']} at step {child['step']}: {child['path']}")
-    click.echo(f"  {summary['model_calls']} model calls, {summary['tool_calls']} tool calls, "
-               f"{summary['input_tokens']} in / {summary['output_tokens']} out tokens, "
-               f"${summary['cost_usd']:.6f}; {summary['verify_note']}")
+    click.echo(f"  {summary['steps']} steps: {describe_totals(summary)}; "
+               f"{summary['verify_note']}")
+    split = {"all": summary, **{k: summary[k] for k in ("live_from", "replayed_from",
+                                                          "replayed", "live")}}
+    for line in describe_split(split):
+        click.echo(f"    {line}")
     for row in rows:
         row["tokens"] = (f"{row['input_tokens']}/{row['output_tokens']}"
                          if row["input_tokens"] is not None else None)
@@ -358,18 +421,33 @@ def show(cassette: Path, as_json: bool, allow_unverified: bool) -> None:
 def ls_(directory: Path, as_json: bool, allow_unverified: bool) -> None:
     """List the runs in a cassette directory (default: cassettes).
 
-    Reads the DuckDB index DIR/.index.duckdb, refreshed from the files first; delete it
-    at any time and it is rebuilt. A cassette that does not verify is an error row with
-    the reason; with --allow-unverified, one signed with a key this machine does not
-    have is listed, marked NOT VERIFIED.
+    Reads the DuckDB index of DIR (kept under $DEJA_HOME/index/, never in DIR), refreshed
+    from the files first; delete it at any time and it is rebuilt. Indexing many files
+    shows a progress bar when stderr is a terminal. A run without an end line is
+    `running` while a process writes it, `crashed` when its status record says running
+    but that process is gone, else `incomplete`. A cassette that does not verify is an
+    error row with the reason; with --allow-unverified, one signed with a key this
+    machine does not have is listed, marked NOT VERIFIED.
     """
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from viewer.console import indexing_progress
     from viewer.index import RunIndex
+    from viewer.queries import labels_text, writer_state
 
     if not directory.is_dir():
         raise BadInput(f"no directory {directory}")
-    with RunIndex(directory, allow_unverified=allow_unverified or None) as index:
-        index.refresh()
+    with RunIndex(directory, allow_unverified=allow_unverified or None) as index, \
+            indexing_progress() as progress:
+        index.refresh(progress=progress)
         runs = index.runs()
+    for run in runs:
+        run["file"] = Path(run["path"]).name
+        run["labels"] = json.loads(run["labels"]) if run.get("labels") else {}
+        if run.get("status") in ("incomplete", "torn"):
+            run["status"] = writer_state(run["path"], run.get("run")) or run["status"]
     if as_json:
         click.echo(json.dumps(runs, indent=2, default=str))
         return
@@ -385,11 +463,29 @@ def ls_(directory: Path, as_json: bool, allow_unverified: bool) -> None:
         run["parent"] = (f"{run['parent_run']}@{run['parent_step']}" if run.get("parent_run")
                          else None)
         run["forks"] = forks.get(run["run"] or "") or None
-        run["run"] = run["run"] or Path(run["path"]).name
+        run["labels"] = labels_text(run["labels"])
+        run["run"] = run["run"] or run["file"]
         run["signed"] = ("verified" if run.get("verified") else
                          "NOT VERIFIED" if run.get("status") != "error" else None)
-    _print_table(runs, ["run", "status", "signed", "created", "steps", "tokens", "cost_usd",
-                        "duration_s", "parent", "forks", "error"], title=f"runs in {directory}")
+    # A run id is never wrapped; short values (a status, a count) keep their width, the
+    # long ones (file, time, parent, labels, error) fold. A column empty for every run is
+    # left out.
+    cells = [{c: "" if run.get(c) is None else _fmt(run.get(c)) for c in
+              ("run", "file", "status", "signed", "created", "steps", "tokens", "cost_usd",
+               "duration_s", "parent", "forks", "labels", "error")} for run in runs]
+    columns = [c for c in cells[0] if c in ("run", "file", "status")
+               or any(row[c] for row in cells)]
+    width = max(100, shutil.get_terminal_size((120, 20)).columns)
+    widest = {c: max(len(c), *(len(row[c]) for row in cells)) for c in columns}
+    keep = {c: w for c, w in widest.items() if w <= 12 or c == "run"}
+    if sum(keep.values()) + 8 * (len(columns) - len(keep)) + 3 * len(columns) > width:
+        keep = {"run": widest["run"]}  # too narrow for all: only the run id keeps its width
+    table = Table(title=f"runs in {directory}", header_style="bold", box=box.SIMPLE_HEAD)
+    for col in columns:
+        table.add_column(col, no_wrap=col == "run", overflow="fold", min_width=keep.get(col))
+    for row in cells:
+        table.add_row(*(row[c] for c in columns))
+    Console(width=width).print(table)
 
 
 @main.command()
@@ -404,17 +500,26 @@ def view(directory: Path, port: int, allow_unverified: bool) -> None:
     Serves the viewer on http://127.0.0.1:PORT: every run with filters and text search;
     a run's totals, timeline and steps (the conversation, tool calls, raw JSON); diffs;
     forks from an edited step; live runs with a cancel button. Stop it with Ctrl-C.
+    The folder is indexed first (the index lives under $DEJA_HOME/index/), with a
+    progress bar when stderr is a terminal and there are many files to read.
     """
     import signal
 
     import viewer
+    from viewer.console import indexing_progress
+    from viewer.index import RunIndex
 
     if not directory.is_dir():
         raise BadInput(f"no directory {directory}")
+    # Indexed here first, with a progress bar on a terminal, so the first page is quick.
+    with RunIndex(directory, allow_unverified=allow_unverified or None) as index, \
+            indexing_progress() as progress:
+        index.refresh(progress=progress)
     app = Path(viewer.__file__).resolve().parent / "app.py"
     argv = [sys.executable, "-m", "streamlit", "run", str(app),
             "--server.address", "127.0.0.1", "--server.port", str(port),
             "--server.headless", "true", "--browser.gatherUsageStats", "false",
+            "--client.toolbarMode", "viewer",  # no Deploy button, no developer menu
             "--", str(directory)]
     click.echo(f"deja view: {directory} at http://127.0.0.1:{port} (Ctrl-C stops it)", err=True)
     env = dict(os.environ)
@@ -435,16 +540,39 @@ def view(directory: Path, port: int, allow_unverified: bool) -> None:
 
 def _writer_lock(path: Path, run: str | None, what: str) -> Any:
     """Take ``path``'s writer lock for the whole command (refused: exit 2, naming who has it)."""
-    from recorder import lock
-    from recorder.errors import DejaError
+    import time
 
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return lock.acquire(path, run=run, what=what)
-    except OSError as exc:
-        raise BadInput(f"cannot create {path.parent}: {exc.strerror or exc}") from None
-    except DejaError as exc:
-        _fail(exc)
+    from recorder import lock
+    from recorder.errors import CassetteLocked, DejaError
+
+    deadline = None
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return lock.acquire(path, run=run, what=what)
+        except OSError as exc:
+            raise BadInput(f"cannot create {path.parent}: {exc.strerror or exc}") from None
+        except CassetteLocked as exc:
+            # A launcher killed outright leaves its program closing the run (its
+            # parent-death signal): wait for that, never for a live run.
+            if not _orphaned_holder(exc.holder) or (deadline and time.monotonic() > deadline):
+                _fail(exc)
+            if deadline is None:
+                deadline = time.monotonic() + 15
+                click.echo(f"deja: waiting for pid {exc.holder.get('child')}, whose launcher "
+                           "was killed, to close the run", err=True)
+            time.sleep(0.1)
+        except DejaError as exc:
+            _fail(exc)
+
+
+def _orphaned_holder(holder: dict[str, Any]) -> bool:
+    """The lock is held by a program whose launcher (on this host) is gone."""
+    import socket
+
+    if holder.get("host") != socket.gethostname() or not holder.get("child"):
+        return False
+    return _pid_gone(holder.get("pid"))
 
 
 def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
@@ -487,7 +615,7 @@ def _read_json_file(path: Path, what: str) -> Any:
         raise BadInput(f"{what} {path}: {exc}") from None
 
 
-@main.command(context_settings={"ignore_unknown_options": True})
+@main.command(cls=RunsCommand)
 @click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--at", "at", type=int, required=True, help="The step (seq) to edit.")
@@ -505,9 +633,14 @@ def _read_json_file(path: Path, what: str) -> Any:
                    "going live.")
 @click.option("--show-document", is_flag=True,
               help="Print the editable document of step --at and exit.")
+@click.option("--allow-torn", is_flag=True,
+              help="Fork a parent whose last line is torn (a crash mid-write) from its "
+                   "intact lines.")
+@_cwd_option
 def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...],
          patch_file: Path | None, replace_file: Path | None, output: Path | None,
-         then_replay: Path | None, show_document: bool) -> None:
+         then_replay: Path | None, show_document: bool, allow_torn: bool,
+         cwd: Path | None) -> None:
     """Re-run a recorded run with step N edited: deja fork CASSETTE --at N --set ... [-- CMD].
 
     Steps before N replay from the parent (its signature must verify), step N is the
@@ -526,13 +659,15 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
     replace = _read_json_file(replace_file, "replacement file") if replace_file else None
     try:
         if show_document:
-            parent = _load(cassette, require_signature=True, allow_incomplete=True)
+            parent = _load(cassette, require_signature=True, allow_incomplete=True,
+                           allow_torn=allow_torn)
             if not 0 <= at < len(parent.observations):
                 raise BadInput(f"step {at} is out of range 0-{len(parent.observations) - 1}")
             click.echo(json.dumps(edit.view(parent.observations[at]), indent=2,
                                   ensure_ascii=False))
             return
-        plan = plan_fork(cassette, at, patch=patch, replace=replace, sets=sets, out=output)
+        plan = plan_fork(cassette, at, patch=patch, replace=replace, sets=sets, out=output,
+                         allow_torn=allow_torn)
     except DejaError as exc:
         _fail(exc)
     if then_replay is not None:  # its steps are re-signed into the fork: it must verify
@@ -540,26 +675,42 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
     argv = list(command) or list(plan.parent.header.get("argv") or [])
     if not argv:
         raise BadInput(f"{cassette} records no command; give one after --")
-    cwd = None if command else _recorded_cwd(cassette, plan.parent.header.get("cwd"))
+    cwd = _where_to_run(cassette, plan.parent.header, argv, given=bool(command), cwd=cwd)
     lock = _writer_lock(plan.out, plan.run_id, "deja fork")
     try:
         code = _launch("fork", argv, plan.out, cwd, lock=lock, plan={
             "cassette": str(cassette.resolve()), "at": at, "patch": plan.patch,
-            "out": str(plan.out.resolve()), "run_id": plan.run_id,
+            "out": str(plan.out.resolve()), "run_id": plan.run_id, "allow_torn": allow_torn,
             "then_replay": str(then_replay.resolve()) if then_replay else None})
     finally:
         lock.release()
     if _header_run(plan.out) == plan.run_id:
         click.echo(f"deja: forked run {plan.run_id} from {plan.parent.run} at step {at} "
                    f"-> {plan.out}", err=True)
+        _echo_split(plan.out)
         click.echo(f"deja: compare them with: deja diff {cassette} {plan.out}", err=True)
     sys.exit(code)
 
 
-@main.command(context_settings={"ignore_unknown_options": True})
+def _echo_split(path: Path) -> None:
+    """What a fork or a resumed run replayed and what it spent live, on stderr."""
+    from recorder.cassette import load
+    from recorder.errors import DejaError
+    from replayer.steps import describe_split, run_totals
+
+    try:
+        written = load(path, allow_torn=True, allow_incomplete=True)
+    except DejaError:  # what went wrong was said above
+        return
+    for line in describe_split(run_totals(written)):
+        click.echo(f"deja:   {line}", err=True)
+
+
+@main.command(cls=RunsCommand)
 @click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-def resume(cassette: Path, command: tuple[str, ...]) -> None:
+@_cwd_option
+def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
     """Continue a crashed run: deja resume CASSETTE [-- CMD ...].
 
     Replays everything recorded (no live call, no side effect repeated), cuts a torn last
@@ -585,7 +736,7 @@ def resume(cassette: Path, command: tuple[str, ...]) -> None:
         argv = list(command) or list(loaded.header.get("argv") or [])
         if not argv:
             raise BadInput(f"{cassette} records no command; give one after --")
-        cwd = None if command else _recorded_cwd(cassette, loaded.header.get("cwd"))
+        cwd = _where_to_run(cassette, loaded.header, argv, given=bool(command), cwd=cwd)
         code = _launch("resume", argv, cassette, cwd, lock=lock,
                        plan={"cassette": str(cassette.resolve())})
     finally:
@@ -597,6 +748,7 @@ def resume(cassette: Path, command: tuple[str, ...]) -> None:
         status = None
     click.echo(f"deja: resumed run {loaded.run}: replayed {len(loaded.observations)} steps; "
                f"end status {status or 'none (still unfinished)'}", err=True)
+    _echo_split(cassette)
     sys.exit(code)
 
 
@@ -632,31 +784,87 @@ def diff(cassette_a: Path, cassette_b: Path, as_json: bool, allow_unverified: bo
     sys.exit(0 if result.same else EXIT_DIVERGED)
 
 
+def _run_of(target: str) -> tuple[str, Path | None]:
+    """The run id a RUN-or-CASSETTE argument names, and the cassette when one was given."""
+    path = Path(target)
+    if path.suffix == ".jsonl" or os.sep in target or path.is_file():
+        if not path.is_file():
+            from recorder.cassette import _not_found
+
+            raise BadInput(f"CassetteNotFound: {_not_found(path)}")
+        run = _header_run(path)
+        if run is None:
+            raise BadInput(f"{path} is not a deja cassette (its first line names no run)")
+        return run, path
+    return target, None
+
+
+def _status_from_cassette(path: Path) -> dict[str, Any]:
+    """What a cassette says about its run when there is no status record (another
+    machine's run, or another DEJA_HOME): its end line, or who is still writing it."""
+    from recorder import lock
+    from replayer.steps import run_summary
+
+    c = _load(path, allow_torn=True, allow_incomplete=True)
+    summary = run_summary(c)
+    holder = lock.holder_of(path)
+    status = c.end["status"] if c.end else ("running" if holder else "crashed")
+    record = {"run_id": c.run, "status": status, "source": "cassette",
+              "artefacts": [str(path)], "steps": summary.get("steps"),
+              "tokens": (summary.get("input_tokens") or 0) + (summary.get("output_tokens") or 0),
+              "spend_usd": summary.get("cost_usd"),
+              "verified": c.verified}
+    if c.end:
+        record.update(ended=True, totals=c.end.get("totals"))
+    if holder:
+        record["pid"] = holder.get("pid")
+    return record
+
+
 @main.command()
-@click.argument("run")
+@click.argument("run", metavar="RUN|CASSETTE")
 @click.option("--json", "as_json", is_flag=True, help="Print the status record as JSON.")
 def status(run: str, as_json: bool) -> None:
-    """Show what run RUN is doing: status, turn, step, elapsed, budgets, tokens, spend.
+    """Show what a run is doing: status, turn, step, elapsed, budgets, tokens, spend.
 
-    Reads the run's status record ($DEJA_HOME/runs/RUN.json), which the recorder updates
-    at every step; for a finished run it shows the end status and totals.
+    Give the run id or its cassette. Reads the run's status record ($DEJA_HOME/runs/RUN.json),
+    which the recorder updates at every step; for a finished run it shows the end status
+    and totals. A run whose process is gone without closing it shows as crashed. Without a
+    status record (a cassette from elsewhere), the cassette itself says how the run ended.
     """
     from recorder.progress import read_status
 
+    run, cassette = _run_of(run)
     record = read_status(run)
+    if record is None and cassette is not None:
+        record = _status_from_cassette(cassette)
     if record is None:
         raise BadInput(f"no status for run {run!r} (runs record theirs under "
-                       "$DEJA_HOME/runs; is DEJA_HOME the same as the recording's?)")
+                       "$DEJA_HOME/runs; is DEJA_HOME the same as the recording's? Give "
+                       "the cassette instead: deja status CASSETTE)")
     gone = _process_gone(record)
+    if gone:  # the record is stale: say what happened, keep what it last said
+        record.update(status="crashed", last_recorded_status=record["status"],
+                      process_alive=False)
     if as_json:
-        if gone:
-            record["process_alive"] = False
         click.echo(json.dumps(record, indent=2))
         return
 
     def limit(value: Any, cap: Any, unit: str = "") -> str:
         return f"{value}{unit}" + (f" / {cap}{unit}" if cap is not None else "")
 
+    artefact = next(iter(record.get("artefacts") or []), "CASSETTE")
+    if record.get("source") == "cassette":
+        lines = [f"run {record['run_id']}: {record['status']} (from the cassette; no status "
+                 "record here)",
+                 f"  steps:    {record.get('steps')}",
+                 f"  tokens:   {record.get('tokens')}",
+                 f"  spend:    {record.get('spend_usd')} USD",
+                 f"  artefacts: {artefact}"]
+        if record["status"] == "crashed":
+            lines.append(f"  resume:   deja resume {artefact}")
+        click.echo("\n".join(lines))
+        return
     lines = [f"run {record['run_id']}: {record['status']}",
              f"  step:     {record.get('step')}",
              f"  turn:     {limit(record.get('turn'), record.get('turn_limit'))}",
@@ -666,9 +874,8 @@ def status(run: str, as_json: bool) -> None:
              f"  artefacts: {', '.join(record.get('artefacts') or []) or '-'}",
              f"  updated:  {record.get('updated')} (pid {record.get('pid')})"]
     if gone:
-        artefact = next(iter(record.get("artefacts") or []), "CASSETTE")
-        lines[0] += (f" (but its process, pid {record.get('pid')}, is gone: the run crashed; "
-                     f"resume it with: deja resume {artefact})")
+        lines[0] += (f": its process (pid {record.get('pid')}) is gone without closing the "
+                     f"run, last seen running. Resume it with: deja resume {artefact}")
     elif record.get("status") == "running":
         lines.append(f"  cancel:   {record.get('cancel')}")
     click.echo("\n".join(lines))
@@ -680,14 +887,19 @@ def _process_gone(record: dict[str, Any]) -> bool:
 
     if record.get("status") != "running" or record.get("host") != socket.gethostname():
         return False
+    return _pid_gone(record.get("pid"))
+
+
+def _pid_gone(pid: Any) -> bool:
+    """Process ``pid`` of this host has exited (a zombie nobody has reaped yet included)."""
     try:
-        pid = int(record.get("pid") or 0)
+        pid = int(pid or 0)
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except (OSError, ValueError):
+    except (OSError, ValueError, TypeError):
         return False
-    try:  # a zombie nobody has reaped yet is gone too
+    try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return False
@@ -695,10 +907,10 @@ def _process_gone(record: dict[str, Any]) -> bool:
 
 
 @main.command()
-@click.argument("run")
+@click.argument("run", metavar="RUN|CASSETTE")
 @click.option("--reason", default="", help="Why; recorded in the run's control line.")
 def cancel(run: str, reason: str) -> None:
-    """Ask run RUN to stop at its next boundary, with status cancelled.
+    """Ask a run (its id or its cassette) to stop at its next boundary, status cancelled.
 
     Sets a flag that the recorder reads before each call and after each write; the run
     never stops mid-action. Any process with the same DEJA_HOME can cancel.
@@ -706,9 +918,13 @@ def cancel(run: str, reason: str) -> None:
     from recorder.errors import ConfigError
     from recorder.progress import read_status, request_cancel
 
+    run, _ = _run_of(run)
     record = read_status(run)
     if record is None:
         raise BadInput(f"no run {run!r} under $DEJA_HOME/runs")
+    if _process_gone(record):
+        raise BadInput(f"run {run} is not running: its process (pid {record.get('pid')}) is "
+                       "gone (it crashed); there is nothing to cancel")
     if record.get("ended"):
         raise BadInput(f"run {run} already ended with status {record.get('status')!r}")
     try:
@@ -719,28 +935,75 @@ def cancel(run: str, reason: str) -> None:
                "boundary")
 
 
+def _stub_script_from(cassette: Path, allow_unverified: bool) -> Any:
+    """The stub script answering what the run of ``cassette`` received (exit 2 if none)."""
+    from recorder.stubserver import StubScriptError, load_script, script_from_cassette
+
+    loaded = _load(cassette, allow_unverified=allow_unverified)
+    _warn_unverified(loaded)
+    try:
+        made = script_from_cassette(loaded)
+        load_script(made.script)  # what is written or served must load as it is
+    except StubScriptError as exc:
+        _fail(exc)
+    for why in made.skipped:
+        click.echo(f"deja stub: {cassette}: left out {why}", err=True)
+    return made
+
+
 @main.command()
 @click.option("--script", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-              required=True, help="JSON script of turns to answer with.")
+              help="JSON script of turns to answer with.")
+@click.option("--from", "from_cassette", type=click.Path(path_type=Path, dir_okay=False),
+              metavar="CASSETTE",
+              help="Answer what this recorded run received: each model call of the cassette, "
+                   "at the same place in the same conversation, with its recorded response.")
+@click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False),
+              help="With --from: write the script to this file and exit instead of serving.")
+@_allow_unverified_option
 @click.option("--port", type=int, default=8765, show_default=True,
               help="Port on 127.0.0.1 (0 picks a free one).")
 @click.option("--ready-file", type=click.Path(path_type=Path, dir_okay=False),
               help="Write the base URL to this file once the server listens.")
-def stub(script: Path, port: int, ready_file: Path | None) -> None:
+def stub(script: Path | None, from_cassette: Path | None, output: Path | None,
+         allow_unverified: bool, port: int, ready_file: Path | None) -> None:
     """Serve a stub Anthropic Messages API on 127.0.0.1, answering from a script.
 
-    Point an agent at it with ANTHROPIC_BASE_URL=http://127.0.0.1:PORT. Stop with Ctrl-C.
+    --script FILE serves a script; --from CASSETTE serves what a recorded run received, and
+    --from CASSETTE -o FILE writes that script instead. Point an agent at the server with
+    ANTHROPIC_BASE_URL=http://127.0.0.1:PORT. Stop with Ctrl-C.
     """
     import signal
     import threading
 
     from recorder.stubserver import StubScriptError, StubServer
 
+    if (script is None) == (from_cassette is None):
+        raise BadInput("give either --script FILE or --from CASSETTE")
+    if output is not None and from_cassette is None:
+        raise BadInput("-o/--output writes the script made --from a cassette; add --from "
+                       "CASSETTE, or serve a script with --script FILE")
+    source: Any = script
+    what = str(script)
+    if from_cassette is not None:
+        made = _stub_script_from(from_cassette, allow_unverified)
+        if output is not None:
+            tmp = output.with_name(output.name + ".tmp")
+            try:
+                tmp.write_text(made.text(), encoding="utf-8")
+                os.replace(tmp, output)
+            except OSError as exc:
+                _fail(exc)
+            click.echo(f"deja stub: wrote {output}: {len(made.script['rules'])} rules answering "
+                       f"{made.calls} model calls of run {made.run}; serve it with deja stub "
+                       f"--script {output}", err=True)
+            return
+        source, what = made.script, f"the model calls of run {made.run} ({from_cassette})"
     try:
-        server = StubServer(script, port=port).start()
+        server = StubServer(source, port=port).start()
     except (StubScriptError, OSError) as exc:
         _fail(exc)
-    click.echo(f"deja stub: serving {script} at {server.url}", err=True)
+    click.echo(f"deja stub: serving {what} at {server.url}", err=True)
     if ready_file is not None:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(server.url)

@@ -92,9 +92,10 @@ def _forwarding(child: subprocess.Popen[bytes], received: list[int]) -> Iterator
 
 
 def run(argv: list[str], *, env: dict[str, str], cwd: Path | None = None,
-        lock: WriterLock | None = None) -> Exit:
+        lock: WriterLock | None = None, stdout: int | None = None) -> Exit:
     """Run ``argv`` until it ends; pass it our signals; it dies if we die; it inherits
-    ``lock``. ``FileNotFoundError`` (and other ``OSError``) propagate when it cannot start.
+    ``lock``; its standard output goes to ``stdout`` (a file descriptor; default ours).
+    ``FileNotFoundError`` (and other ``OSError``) propagate when it cannot start.
     """
     env = dict(env)
     env["DEJA_LAUNCHER_PID"] = str(os.getpid())
@@ -103,7 +104,7 @@ def run(argv: list[str], *, env: dict[str, str], cwd: Path | None = None,
         env["DEJA_LOCK_FD"] = str(lock.fd)
         env["DEJA_LOCK_CASSETTE"] = str(lock.cassette)
         pass_fds = (lock.fd,)
-    child = subprocess.Popen(argv, env=env, cwd=cwd, pass_fds=pass_fds,
+    child = subprocess.Popen(argv, env=env, cwd=cwd, pass_fds=pass_fds, stdout=stdout,
                              preexec_fn=_die_with_parent if _PRCTL is not None else None)
     if lock is not None:
         lock.note(child=child.pid)

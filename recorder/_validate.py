@@ -88,7 +88,8 @@ def parse_line(raw: bytes, path: Path, where: str, seq: int | None) -> Any:
 # The header fields readers use, with the types deja writes.
 _HEADER = {
     "run": (str,), "created": (str, _OPTIONAL), "argv": (list, _OPTIONAL),
-    "cwd": (str, _OPTIONAL), "entry": (str, _OPTIONAL), "labels": (dict, _OPTIONAL),
+    "cwd": (str, _OPTIONAL), "cassette": (str, _OPTIONAL), "entry": (str, _OPTIONAL),
+    "labels": (dict, _OPTIONAL),
     "parent": (dict, _OPTIONAL), "key_id": (str,), "fsync": (str, _OPTIONAL),
     "redact": (dict, _OPTIONAL), "budgets": (dict, _OPTIONAL), "loop": (dict, _OPTIONAL),
     "breaker": (dict, _OPTIONAL), "versions": (dict, _OPTIONAL),

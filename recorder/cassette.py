@@ -42,6 +42,7 @@ from . import lock as writer_lock
 from ._canonical import canonical
 from .errors import (
     CassetteLocked,
+    CassetteNotFound,
     CassetteWriteError,
     ConfigError,
     CorruptCassette,
@@ -463,6 +464,32 @@ def _chain(lines: list[tuple[int, bytes]], path: Path, header_sig: object
         prev = sig
 
 
+def _not_found(path: Path) -> CassetteNotFound:
+    """The error for a path with no cassette, naming the closest files that exist."""
+    import difflib
+
+    folder = path.parent
+    if path.is_dir():
+        return CassetteNotFound(f"{path} is a directory, not a cassette; name one of its "
+                                "<run>.jsonl files", path=path)
+    if not folder.is_dir():
+        return CassetteNotFound(f"no cassette at {path}: the directory {folder} does not "
+                                "exist", path=path)
+    try:
+        names = sorted(p.name for p in folder.iterdir() if p.suffix == ".jsonl")
+    except OSError:
+        names = []
+    stems = {Path(name).stem: name for name in names}
+    close = difflib.get_close_matches(path.stem, list(stems), n=3, cutoff=0.6)
+    if close:
+        hint = "did you mean " + ", ".join(str(folder / stems[s]) for s in close) + "?"
+    elif names:
+        hint = f"{folder} holds {len(names)} other cassette(s), e.g. {folder / names[0]}"
+    else:
+        hint = f"{folder} holds no cassettes (*.jsonl)"
+    return CassetteNotFound(f"no cassette at {path}; {hint}", path=path)
+
+
 def load(path: str | Path, *, keyring: Keyring | None = None, require_signature: bool = False,
          allow_unverified: bool | None = None, allow_torn: bool = False,
          allow_incomplete: bool = True) -> Cassette:
@@ -483,8 +510,8 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
         keyring = load_keyring(create=False)
     if allow_unverified is None:
         allow_unverified = trust.allow_unverified_from_env()
-    if not path.exists():
-        raise CorruptCassette(f"no cassette at {path}", path=path)
+    if not path.is_file():
+        raise _not_found(path)
     lines, torn, size = _lines(path)
     if not lines:
         if torn is not None:
@@ -561,10 +588,11 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
         checked = "verified" if key is not None else "well-formed (not verified)"
         raise TornCassette(
             f"{path}: the last line (seq {seq}, byte {torn}) is torn: the recording process "
-            f"died while writing it. The {len(lines)} lines before it are {checked}; resume "
-            "the run to cut it, or pass allow_torn (--allow-torn) to use the intact part",
+            f"died while writing it. The {len(lines)} lines before it are {checked}. Resume "
+            "the run to cut it (deja resume), or use the intact part (--allow-torn for deja "
+            "replay, verify and fork; allow_torn=True in Python)",
             path=path, seq=seq, offset=torn)
-    if end is None and not allow_incomplete:
+    if end is None and not allow_incomplete and not (torn is not None and allow_torn):
         if not observations:
             raise CorruptCassette(
                 f"{path} holds only its header: no observation and no end line (the run "

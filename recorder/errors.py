@@ -6,6 +6,7 @@
     ├── ConfigError              bad arguments or settings, found before anything runs
     ├── KeyMissing               no signing key where one is required
     ├── CassetteError            a cassette file that cannot be trusted or written as it is
+    │   ├── CassetteNotFound     no file at that path (the closest names are suggested)
     │   ├── CorruptCassette      a line that is not valid JSON or breaks the format
     │   │   └── TornCassette     the last line was cut short (a crash mid-write)
     │   ├── SignatureError       the HMAC chain does not verify: edited, inserted,
@@ -64,6 +65,10 @@ class CassetteError(DejaError):
         self.path = str(path) if path is not None else None
         self.seq = seq
         super().__init__(message)
+
+
+class CassetteNotFound(CassetteError):
+    """There is no cassette at the path given."""
 
 
 class CorruptCassette(CassetteError):

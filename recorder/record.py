@@ -37,7 +37,7 @@ from . import _compact, _values, capture, config, effects, session
 from ._canonical import digest
 from ._summary import summarize
 from .cassette import CassetteWriter, Fsync
-from .errors import RunStopped, SessionError, UnserializableValue
+from .errors import ConfigError, RunStopped, SessionError, UnserializableValue
 from .exchange import (
     HttpRequest,
     HttpResponse,
@@ -78,13 +78,17 @@ def _versions() -> dict[str, str]:
 def portable_launch(argv: list[str], cwd: Path, cassette: Path) -> dict[str, Any]:
     """How to re-launch the run, without this machine's paths where it can be helped.
 
-    ``cwd`` is stored relative to the cassette's directory when the cassette lies under
-    it (a cassette committed with its project replays from any checkout); the interpreter
-    is stored as ``python``; arguments that are paths under ``cwd`` become relative to it.
+    When the cassette lies under ``cwd`` (a cassette committed with its project), ``cwd``
+    is stored relative to the cassette's directory and ``cassette`` is the cassette's
+    path relative to ``cwd``: a replay from any checkout finds the directory again, and a
+    copy of the file somewhere else is recognised as such (see :func:`launch_dir`).
+    Otherwise ``cwd`` is absolute. The interpreter is stored as ``python``; arguments
+    that are paths under ``cwd`` become relative to it.
     """
     cwd = cwd.resolve()
-    folder = cassette.resolve().parent
-    where = os.path.relpath(cwd, folder) if folder.is_relative_to(cwd) else str(cwd)
+    target = cassette.resolve()
+    inside = target.parent.is_relative_to(cwd)
+    where = os.path.relpath(cwd, target.parent) if inside else str(cwd)
     out = []
     for i, arg in enumerate(argv):
         if i == 0 and Path(arg).name.startswith("python"):
@@ -92,7 +96,72 @@ def portable_launch(argv: list[str], cwd: Path, cassette: Path) -> dict[str, Any
         elif os.path.isabs(arg) and Path(arg).resolve().is_relative_to(cwd):
             arg = os.path.relpath(Path(arg).resolve(), cwd)
         out.append(arg)
-    return {"argv": out, "cwd": where}
+    return {"argv": out, "cwd": where,
+            "cassette": target.relative_to(cwd).as_posix() if inside else None}
+
+
+def launch_dir(cassette: Path, header: dict[str, Any]) -> Path:
+    """The directory to re-run a recorded command in, found from where the cassette is.
+
+    Raises :class:`ConfigError` when it cannot be found: the header's absolute directory
+    does not exist here, or the cassette is not where it was recorded relative to its
+    project (a copy or a move), so that its relative directory would land somewhere the
+    run never was.
+    """
+    cwd = header.get("cwd")
+    where = cassette.resolve().parent
+    if not isinstance(cwd, str) or not cwd:
+        raise ConfigError(f"{cassette} does not record the directory its command ran in")
+    if os.path.isabs(cwd):
+        if not Path(cwd).is_dir():
+            raise ConfigError(f"{cassette} was recorded with its command run in {cwd}, which "
+                              "does not exist on this machine")
+        return Path(cwd)
+    recorded = header.get("cassette")
+    if isinstance(recorded, str):  # the cassette's folder, relative to the run's directory
+        parts = Path(recorded).parent.parts
+        if parts and where.parts[-len(parts):] != parts:
+            raise ConfigError(
+                f"{cassette} was recorded as {recorded}, relative to the directory its "
+                f"command ran in; this copy lies in {where}, not in a folder "
+                f"{Path(*parts).as_posix()}, so that directory is unknown here")
+    root = Path(os.path.normpath(where / cwd))
+    if not root.is_dir():
+        raise ConfigError(f"{cassette} was recorded with its command run in {cwd} relative "
+                          f"to the cassette ({root}), which does not exist")
+    return root
+
+
+def startable(argv: list[str], cwd: Path) -> str | None:
+    """Why ``argv`` cannot start in ``cwd`` (None: it can, as far as can be told before
+    running it): a missing program, script or module."""
+    import importlib.machinery
+    import shutil
+
+    if not argv:
+        return "there is no command"
+    program = argv[0]
+    if Path(program).name.startswith("python"):
+        rest = argv[1:]
+        while rest and rest[0] in ("-u", "-B", "-O", "-OO", "-s", "-E", "-I", "-X"):
+            rest = rest[2:] if rest[0] == "-X" else rest[1:]
+        if not rest or rest[0] == "-c":
+            return None
+        if rest[0] == "-m":
+            if len(rest) < 2:
+                return "python -m names no module"
+            top = rest[1].split(".")[0]
+            found = importlib.machinery.PathFinder.find_spec(top, [str(cwd), *sys.path[1:]])
+            return None if found else f"no module {rest[1]!r} is importable from {cwd}"
+        if rest[0].startswith("-"):
+            return None
+        script = Path(rest[0])
+        script = script if script.is_absolute() else cwd / script
+        return None if script.is_file() else f"the script {rest[0]} is not in {cwd}"
+    if os.sep in program:
+        path = Path(program) if os.path.isabs(program) else cwd / program
+        return None if path.is_file() else f"the program {program} is not in {cwd}"
+    return None if shutil.which(program) else f"no program {program!r} on PATH"
 
 
 def status_for(error: BaseException | None) -> str:
@@ -207,6 +276,7 @@ class RecordSession(session.Session):
         launch = portable_launch(self._argv, Path.cwd(), self.path)
         return {"argv": self.redaction.argv(launch["argv"]),
                 "cwd": self.redaction.text(launch["cwd"]),
+                "cassette": launch["cassette"] and self.redaction.text(launch["cassette"]),
                 "entry": self.redaction.text(self._entry) if self._entry else self._entry}
 
     def _error(self, exc: BaseException) -> dict[str, str]:
@@ -227,6 +297,9 @@ class RecordSession(session.Session):
         stopped = self.guard.stopped if self.guard is not None else None
         if error is None and stopped is not None:
             error = stopped  # the agent caught the guard's error, but the run is over
+        if status is None and self.writer.failed is not None:
+            status = "interrupted"  # stopped by the disk, not by the run: it resumes
+            error = error or self.writer.failed
         end: dict[str, Any] = {"status": status or status_for(error), "totals": totals}
         if error is not None:
             end["error"] = self._error(error)

@@ -40,7 +40,7 @@ from recorder import session as _session
 from recorder.cassette import RESUMABLE_ENDS, Cassette, CassetteWriter, load
 from recorder.errors import ConfigError, Divergence, KeyMissing
 from recorder.keys import Keyring, load_keyring
-from recorder.record import new_run_id, portable_launch
+from recorder.record import launch_dir, new_run_id, portable_launch
 
 from . import edit as _edit
 from .continuation import ContinuationSession
@@ -72,10 +72,12 @@ def _key_for(cassette: Cassette, keyring: Keyring) -> bytes:
 def plan_fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | None = None,
               replace: Any = None, sets: list[str] | tuple[str, ...] = (),
               out: str | Path | None = None, keyring: Keyring | None = None,
-              run_id: str | None = None) -> ForkPlan:
-    """Check a fork (parent signature, step, edit) and work out the edited step."""
+              run_id: str | None = None, allow_torn: bool = False) -> ForkPlan:
+    """Check a fork (parent signature, step, edit) and work out the edited step.
+    ``allow_torn``: a parent whose last line is torn forks from its intact lines."""
     ring = keyring or load_keyring(create=False)
-    parent = load(cassette, keyring=ring, require_signature=True, allow_incomplete=True)
+    parent = load(cassette, keyring=ring, require_signature=True, allow_incomplete=True,
+                  allow_torn=allow_torn)
     n = len(parent.observations)
     if not 0 <= at < n:
         raise ConfigError(f"{parent.path}: fork step {at} is out of range; the run has steps "
@@ -130,11 +132,12 @@ class _Continue(contextlib.ContextDecorator):
 def fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | None = None,
          replace: Any = None, sets: list[str] | tuple[str, ...] = (),
          out: str | Path | None = None, then_replay: str | Path | None = None,
-         keyring: Keyring | None = None, fsync: str = "turn") -> _Continue:
+         keyring: Keyring | None = None, fsync: str = "turn",
+         allow_torn: bool = False) -> _Continue:
     """Fork ``cassette`` at step ``at`` with an edit; see the module docstring."""
     ring = keyring or load_keyring(create=False)
     plan = plan_fork(cassette, at, patch=patch, replace=replace, sets=sets, out=out,
-                     keyring=ring)
+                     keyring=ring, allow_torn=allow_torn)
     # Its steps are re-signed into the fork: it must verify like the parent.
     other = (load(then_replay, keyring=ring, require_signature=True, allow_incomplete=True)
              if then_replay else None)
@@ -153,9 +156,12 @@ def start_fork(plan: ForkPlan, *, then_replay: Cassette | None = None,
         timespec="milliseconds").replace("+00:00", "Z"), parent={"run": parent.run, "step": at,
                                            "prefix_sig": parent.sigs[at],
                                            "path": str(parent.path)})
-    cwd = parent.header.get("cwd")
-    if isinstance(cwd, str) and not Path(cwd).is_absolute():  # relative to the parent's folder
-        header["cwd"] = portable_launch([], parent.path.resolve().parent / cwd, plan.out)["cwd"]
+    try:  # the fork re-runs the parent's command: from the parent's directory
+        ran_in = launch_dir(parent.path, parent.header)
+    except ConfigError:  # a copied parent, run with --cwd or -- CMD: where this runs
+        ran_in = Path.cwd()
+    launch = portable_launch([], ran_in, plan.out)
+    header.update(cwd=launch["cwd"], cassette=launch["cassette"])
     writer = CassetteWriter(plan.out, header, signing, fsync)
     for obs in parent.observations[:at]:
         writer.append_copy(obs, parent.requests.get(obs["seq"]))

@@ -27,6 +27,7 @@ import replayer
 from recorder import _values
 from recorder.cassette import CassetteWriter, load
 from recorder.errors import (
+    CassetteNotFound,
     ConfigError,
     CorruptCassette,
     SignatureError,
@@ -275,9 +276,19 @@ def test_a_file_that_is_not_a_cassette_is_corrupt(tmp_path: Path, content: bytes
     assert "not a deja cassette" in str(info.value)
 
 
-def test_a_missing_file_is_corrupt(tmp_path: Path) -> None:
-    with pytest.raises(CorruptCassette, match="no cassette at"):
+def test_a_missing_file_is_not_found_and_names_the_closest_files(tmp_path: Path) -> None:
+    with pytest.raises(CassetteNotFound, match="holds no cassettes"):
         load(tmp_path / "nowhere.jsonl")
+    write_cassette(tmp_path / "spiral.jsonl")
+    write_cassette(tmp_path / "other.jsonl")
+    with pytest.raises(CassetteNotFound) as info:
+        load(tmp_path / "spirl.jsonl")
+    assert f"did you mean {tmp_path / 'spiral.jsonl'}?" in str(info.value)
+    assert "other.jsonl" not in str(info.value)
+    with pytest.raises(CassetteNotFound, match="does not exist"):
+        load(tmp_path / "no-such-dir" / "run.jsonl")
+    with pytest.raises(CassetteNotFound, match="is a directory"):
+        load(tmp_path)
 
 
 def test_a_line_that_is_not_json_names_its_seq(tmp_path: Path) -> None:

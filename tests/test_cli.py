@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from deja.cli import main
 from recorder.stubserver import StubServer
+from viewer.index import index_path
 
 ROOT = Path(__file__).resolve().parent.parent
 SPIRAL = ROOT / "examples" / "retry_spiral.py"
@@ -160,8 +161,8 @@ def test_ls_indexes_and_rebuilds(spiral_cassette: Path) -> None:
     assert runs["spiral.jsonl"]["steps"] == 9
     assert runs["broken.jsonl"]["status"] == "error"
     assert "UnsupportedFormat" in runs["broken.jsonl"]["error"]
-    index = directory / ".index.duckdb"
-    assert index.exists()
+    index = index_path(directory)  # under $DEJA_HOME/index, not in the cassette folder
+    assert index.exists() and not (directory / ".index.duckdb").exists()
     index.unlink()
     again = runner.invoke(main, ["ls", str(directory), "--json"])
     assert again.exit_code == 0, again.output

@@ -320,8 +320,7 @@ def test_deja_replay_prints_the_note_of_an_effect_from_a_new_call_site(
     assert ("effect 'uuid' asked for at effects_agent.py:draft" in notes[0]
             and "recorded at effects_agent.py:plan" in notes[0]
             and "the order of effects changed" in notes[0])
-    out = deja("replay", str(path), "--json", env=env).stdout
-    as_json = json.loads(out[out.index("\n{") + 1:])  # after the program's own output
+    as_json = json.loads(deja("replay", str(path), "--json", env=env).stdout)  # JSON only
     assert as_json["identical"] is True
     assert len(as_json["notes"]) == 1 and as_json["notes"][0] in notes[0]
 

@@ -195,7 +195,10 @@ def test_the_lock_dies_with_its_holder(tmp_path: Path, env: dict[str, str]) -> N
     assert (tmp_path / ".run.jsonl.lock").exists()  # left behind, but not held
     status = deja("status", load(cassette, allow_incomplete=True).run, env=env)
     assert status.returncode == 0, status.stderr
-    assert "is gone: the run crashed" in status.stdout and "deja resume" in status.stdout
+    assert ": crashed: its process" in status.stdout and "deja resume" in status.stdout
+    by_path = json.loads(deja("status", str(cassette), "--json", env=env).stdout)
+    assert (by_path["status"], by_path["last_recorded_status"]) == ("crashed", "running")
+    assert by_path["process_alive"] is False
     resumed = deja("resume", str(cassette), env=env)
     assert resumed.returncode == 0, resumed.stderr
     assert_paid_once(ledger)
@@ -233,7 +236,11 @@ def test_a_full_disk_stops_the_run_at_once_and_loses_no_line(
     data = cassette.read_bytes()
     assert data.endswith(b"\n")
     crashed = load(cassette, allow_incomplete=True)
-    assert crashed.end is None and crashed.torn_offset is None
+    assert crashed.torn_offset is None
+    # The end line is written when a short line still fits after the long one failed: the
+    # run was interrupted by the disk, so it resumes.
+    assert crashed.end is None or (crashed.end["status"] == "interrupted" and
+                                   crashed.end["error"]["type"] == "CassetteWriteError")
     assert len(crashed.observations) > 3
     # Nothing after the failure went out: every request the stub saw but the log lacks is
     # at most the one whose line failed.

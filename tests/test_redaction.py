@@ -42,7 +42,7 @@ from recorder.exchange import classify, fingerprint
 from recorder.progress import Progress, request_cancel, runs_dir, status_path
 from recorder.redact import REDACTED, RULES, Redaction, _replacement, _Scanner
 from recorder.stubserver import StubServer
-from viewer.index import INDEX_NAME, RunIndex
+from viewer.index import RunIndex, index_path
 
 ROOT = Path(__file__).resolve().parent.parent
 AGENT = ROOT / "tests" / "secret_agent.py"
@@ -418,7 +418,8 @@ def test_no_secret_reaches_any_file_deja_writes(tmp_path: Path, deja_home: Path,
     proc = deja("ls", str(cassettes))  # builds the DuckDB index from the cassettes
     assert proc.returncode == 0, proc.stderr
     files = [p for p in cassettes.rglob("*") if p.is_file()]
-    assert {p.name for p in files} >= {"cli.jsonl", "api.jsonl", INDEX_NAME}
+    assert {p.name for p in files} >= {"cli.jsonl", "api.jsonl"}
+    files.append(index_path(cassettes))  # the index, under $DEJA_HOME/index
     records = sorted(runs_dir().glob("*"))
     in_flight = sorted(snapshots.glob("*.json"))
     assert len(records) >= 2 and len(in_flight) == 2
@@ -441,7 +442,11 @@ def test_no_secret_reaches_any_file_deja_writes(tmp_path: Path, deja_home: Path,
     assert "ghs_[redacted]" in header["cwd"]
 
     # Both runs replay identical, offline (the model and the service are gone).
+    # The recorded directory is redacted, so it does not exist: deja says so and runs
+    # nothing until it is given.
     proc = deja("replay", str(cassettes / "cli.jsonl"), env=env, cwd=work)
+    assert proc.returncode == 2 and "does not exist on this machine" in proc.stderr
+    proc = deja("replay", str(cassettes / "cli.jsonl"), "--cwd", str(work), env=env, cwd=work)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "identical" in proc.stdout
     ctx = replayer.replay(cassettes / "api.jsonl")
@@ -598,8 +603,9 @@ def test_deja_cancel_says_why_when_the_flag_cannot_be_written() -> None:
 
 
 def _index_bytes(folder: Path) -> bytes:
-    return b"".join(p.read_bytes() for p in folder.iterdir()
-                    if p.is_file() and p.name.startswith(INDEX_NAME))
+    db = index_path(folder)
+    return b"".join(p.read_bytes() for p in db.parent.iterdir()
+                    if p.is_file() and p.name.startswith(db.name))
 
 
 def test_the_index_forgets_what_its_cassettes_forget(tmp_path: Path) -> None:
@@ -615,7 +621,7 @@ def test_the_index_forgets_what_its_cassettes_forget(tmp_path: Path) -> None:
     run("rewritten.jsonl", "OLDWORD")
     with RunIndex(folder) as index:
         assert index.refresh()["compacted"] == 0
-    assert stat.S_IMODE((folder / INDEX_NAME).stat().st_mode) == 0o600
+    assert stat.S_IMODE(index_path(folder).stat().st_mode) == 0o600
     data = _index_bytes(folder)
     assert b"FORGOTTENWORD" in data and b"OLDWORD" in data
 
@@ -629,7 +635,7 @@ def test_the_index_forgets_what_its_cassettes_forget(tmp_path: Path) -> None:
     data = _index_bytes(folder)
     assert b"FORGOTTENWORD" not in data and b"OLDWORD" not in data
     assert b"KEPTWORD" in data and b"NEWWORD" in data
-    assert stat.S_IMODE((folder / INDEX_NAME).stat().st_mode) == 0o600
+    assert stat.S_IMODE(index_path(folder).stat().st_mode) == 0o600
 
     # A file that grows (a live run) is re-read without compacting: nothing is forgotten.
     path = folder / "live.jsonl"

@@ -69,7 +69,7 @@ from deja.cli import main
 from recorder import errors
 from recorder.cassette import load
 from recorder.stubserver import StubServer
-from viewer.index import RunIndex
+from viewer.index import RunIndex, index_path
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key-0123456789abcdef"  # conftest's DEJA_KEY
@@ -473,8 +473,9 @@ class InProcess:
             rows, run, stats = self._list(command, directory, lenient, self.indexes[lenient])
             if rows is None:  # start the index afresh for the next chunk
                 self.indexes[lenient].close()
-                for db in directory.glob(".index.duckdb*"):
-                    db.unlink()
+                db = index_path(directory)
+                for leftover in db.parent.glob(db.name + "*"):
+                    leftover.unlink()
                 self.indexes[lenient] = RunIndex(directory, allow_unverified=lenient)
                 self.primed[lenient] = False
             elif stats is not None:
