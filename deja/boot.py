@@ -139,8 +139,8 @@ class _ExitWatch:
 
         self.error = value
         if isinstance(value, Interrupted):  # a signal deja passed on: not the program's bug
-            sys.stderr.write(f"deja: {value}; the run ends interrupted (deja resume "
-                             "continues it)\n")
+            sys.stderr.write(f"deja: {value}" + ("\n" if self._mode == "replay" else
+                             "; the run ends interrupted (deja resume continues it)\n"))
         elif self._mode == "record":
             self._previous(kind, value, tb)
         elif isinstance(value, Divergence):
@@ -210,8 +210,9 @@ def _start_continuation(mode: str, env: dict[str, str]) -> None:
         then = (load(plan["then_replay"], keyring=load_keyring(create=False),
                      require_signature=True, allow_incomplete=True)
                 if plan.get("then_replay") else None)
-        context = forking._Continue(lambda: forking.start_fork(fork_plan, then_replay=then),
-                                    abandon_on_divergence=False)
+        context = forking._Continue(  # the fork's command runs here (the recorded
+            lambda: forking.start_fork(fork_plan, then_replay=then, ran_in=Path.cwd()),
+            abandon_on_divergence=False)  # directory, or --cwd)
     else:
         loaded = forking.plan_resume(plan["cassette"])
         context = forking._Continue(lambda: forking.start_resume(loaded),

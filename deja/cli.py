@@ -784,36 +784,32 @@ def diff(cassette_a: Path, cassette_b: Path, as_json: bool, allow_unverified: bo
     sys.exit(0 if result.same else EXIT_DIVERGED)
 
 
-def _run_of(target: str) -> tuple[str, Path | None]:
-    """The run id a RUN-or-CASSETTE argument names, and the cassette when one was given."""
+def _run_of(target: str, allow_unverified: bool = False) -> tuple[str, Any]:
+    """The run a RUN-or-CASSETTE argument names, and the cassette (loaded and checked)
+    when one was given: a run id is taken from a header only once its signature holds."""
     path = Path(target)
     if path.suffix == ".jsonl" or os.sep in target or path.is_file():
-        if not path.is_file():
-            from recorder.cassette import _not_found
-
-            raise BadInput(f"CassetteNotFound: {_not_found(path)}")
-        run = _header_run(path)
-        if run is None:
-            raise BadInput(f"{path} is not a deja cassette (its first line names no run)")
-        return run, path
+        cassette = _load(path, allow_torn=True, allow_incomplete=True,
+                         allow_unverified=allow_unverified)
+        return cassette.run, cassette
     return target, None
 
 
-def _status_from_cassette(path: Path) -> dict[str, Any]:
+def _status_from_cassette(c: Any) -> dict[str, Any]:
     """What a cassette says about its run when there is no status record (another
     machine's run, or another DEJA_HOME): its end line, or who is still writing it."""
     from recorder import lock
     from replayer.steps import run_summary
 
-    c = _load(path, allow_torn=True, allow_incomplete=True)
     summary = run_summary(c)
-    holder = lock.holder_of(path)
+    holder = lock.holder_of(c.path)
     status = c.end["status"] if c.end else ("running" if holder else "crashed")
     record = {"run_id": c.run, "status": status, "source": "cassette",
-              "artefacts": [str(path)], "steps": summary.get("steps"),
+              "artefacts": [str(c.path)], "steps": summary.get("steps"),
               "tokens": (summary.get("input_tokens") or 0) + (summary.get("output_tokens") or 0),
-              "spend_usd": summary.get("cost_usd"),
-              "verified": c.verified}
+              "spend_usd": summary.get("cost_usd"), "verified": c.verified}
+    if not c.verified:
+        record["verify_note"] = c.verify_note
     if c.end:
         record.update(ended=True, totals=c.end.get("totals"))
     if holder:
@@ -824,7 +820,8 @@ def _status_from_cassette(path: Path) -> dict[str, Any]:
 @main.command()
 @click.argument("run", metavar="RUN|CASSETTE")
 @click.option("--json", "as_json", is_flag=True, help="Print the status record as JSON.")
-def status(run: str, as_json: bool) -> None:
+@_allow_unverified_option
+def status(run: str, as_json: bool, allow_unverified: bool) -> None:
     """Show what a run is doing: status, turn, step, elapsed, budgets, tokens, spend.
 
     Give the run id or its cassette. Reads the run's status record ($DEJA_HOME/runs/RUN.json),
@@ -834,7 +831,9 @@ def status(run: str, as_json: bool) -> None:
     """
     from recorder.progress import read_status
 
-    run, cassette = _run_of(run)
+    run, cassette = _run_of(run, allow_unverified)
+    if cassette is not None:
+        _warn_unverified(cassette)
     record = read_status(run)
     if record is None and cassette is not None:
         record = _status_from_cassette(cassette)
@@ -856,7 +855,7 @@ def status(run: str, as_json: bool) -> None:
     artefact = next(iter(record.get("artefacts") or []), "CASSETTE")
     if record.get("source") == "cassette":
         lines = [f"run {record['run_id']}: {record['status']} (from the cassette; no status "
-                 "record here)",
+                 "record here)" + ("" if record["verified"] else "; NOT VERIFIED"),
                  f"  steps:    {record.get('steps')}",
                  f"  tokens:   {record.get('tokens')}",
                  f"  spend:    {record.get('spend_usd')} USD",
@@ -918,10 +917,15 @@ def cancel(run: str, reason: str) -> None:
     from recorder.errors import ConfigError
     from recorder.progress import read_status, request_cancel
 
-    run, _ = _run_of(run)
+    run, given = _run_of(run)  # a cassette names the run it cancels only if it verifies
     record = read_status(run)
     if record is None:
         raise BadInput(f"no run {run!r} under $DEJA_HOME/runs")
+    if given is not None and Path(given.path).resolve() not in {
+            Path(a).resolve() for a in record.get("artefacts") or ()}:
+        raise BadInput(f"run {run} is not writing {given.path} (its record names "
+                       f"{', '.join(record.get('artefacts') or []) or 'no cassette'}); "
+                       f"give the run id: deja cancel {run}")
     if _process_gone(record):
         raise BadInput(f"run {run} is not running: its process (pid {record.get('pid')}) is "
                        "gone (it crashed); there is nothing to cancel")

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -47,12 +48,27 @@ def runs_dir() -> Path:
     return deja_home() / "runs"
 
 
+# A run id names files under runs/: nothing that could leave the folder or break a path.
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def valid_run_id(run: Any) -> bool:
+    return isinstance(run, str) and _RUN_ID.fullmatch(run) is not None
+
+
+def _run_file(run: str, suffix: str) -> Path:
+    if not valid_run_id(run):
+        raise ConfigError(f"{run!r} is not a run id (letters, digits, '_', '.' and '-', "
+                          "e.g. r_01a2...)")
+    return runs_dir() / f"{run}{suffix}"
+
+
 def status_path(run: str) -> Path:
-    return runs_dir() / f"{run}.json"
+    return _run_file(run, ".json")
 
 
 def cancel_path(run: str) -> Path:
-    return runs_dir() / f"{run}.cancel"
+    return _run_file(run, ".cancel")
 
 
 def _now_iso() -> str:
@@ -128,10 +144,15 @@ def cancel_requested(run: str, path: Path | None = None) -> dict[str, Any] | Non
 
 
 def read_status(run: str) -> dict[str, Any] | None:
-    try:
-        return json.loads(status_path(run).read_text())
-    except (FileNotFoundError, NotADirectoryError):  # no record (or no runs folder at all)
+    """The status record of ``run``; None when there is none (or it cannot be read: a
+    run id no record can have, a record that is not JSON)."""
+    if not valid_run_id(run):
         return None
+    try:
+        record = json.loads(status_path(run).read_text())
+    except (OSError, ValueError):  # no record, no runs folder, a directory, not JSON
+        return None
+    return record if isinstance(record, dict) else None
 
 
 class Progress:

@@ -152,11 +152,22 @@ def startable(argv: list[str], cwd: Path) -> str | None:
                 return "python -m names no module"
             top = rest[1].split(".")[0]
             found = importlib.machinery.PathFinder.find_spec(top, [str(cwd), *sys.path[1:]])
-            return None if found else f"no module {rest[1]!r} is importable from {cwd}"
+            if not found:
+                return f"no module {rest[1]!r} is importable from {cwd}"
+            if rest[1] == "pytest":  # the tests it was given (file or file::test) are here
+                for arg in rest[2:]:
+                    name = arg.split("::")[0]
+                    if not arg.startswith("-") and (name.endswith(".py") or "::" in arg) \
+                            and not (cwd / name).exists():
+                        return f"the test file {name} is not in {cwd}"
+            return None
         if rest[0].startswith("-"):
             return None
         script = Path(rest[0])
         script = script if script.is_absolute() else cwd / script
+        if script.is_dir() or script.suffix in (".zip", ".pyz"):  # a package with __main__
+            ok = (script / "__main__.py").is_file() if script.is_dir() else script.is_file()
+            return None if ok else f"{rest[0]} in {cwd} has no __main__.py"
         return None if script.is_file() else f"the script {rest[0]} is not in {cwd}"
     if os.sep in program:
         path = Path(program) if os.path.isabs(program) else cwd / program

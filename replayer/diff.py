@@ -110,9 +110,14 @@ class StepDiff:
 
     @property
     def label(self) -> str:
-        if "end" in (self.kind_a, self.kind_b) and self.kind_a in ("end", None) \
-                and self.kind_b in ("end", None):
+        """The step by its seq; an end line is not a step and is named as such."""
+        end_a, end_b = self.kind_a in ("end", None), self.kind_b in ("end", None)
+        if end_a and end_b:
             return "the end line"
+        if self.kind_b == "end":
+            return f"A's step {self.seq_a}, B's end line"
+        if self.kind_a == "end":
+            return f"step {self.seq}, A's end line"
         if self.seq_a is None or self.seq_a == self.seq:
             return f"step {self.seq}"
         return f"step {self.seq} (A's {self.seq_a})"
@@ -179,6 +184,7 @@ def compare(a: Cassette, b: Cassette) -> RunDiff:
     steps_a, steps_b = aligned(a), aligned(b)
     diffs: list[StepDiff] = []
     first: int | None = None
+    position = 0
     ids_a: dict[str, str] = {}
     ids_b: dict[str, str] = {}
     for i in range(max(len(steps_a), len(steps_b))):
@@ -197,11 +203,12 @@ def compare(a: Cassette, b: Cassette) -> RunDiff:
         seq = (steps_b[i] if i < len(steps_b) else steps_a[i])["seq"]
         seq_a = steps_a[i]["seq"] if i < len(steps_a) else None
         if first is None:
-            first = seq
+            first, position = seq, i
         diffs.append(StepDiff(seq, (ma or {}).get("kind"), (mb or {}).get("kind"), changes,
                               seq_a))
     count_a, count_b = step_count(a), step_count(b)
-    same_prefix = first if first is not None else min(count_a, count_b)
+    # the steps before the first divergence, as aligned (bookkeeping lines left out)
+    same_prefix = position if first is not None else min(count_a, count_b)
     return RunDiff(a.run, b.run, count_a, count_b, same_prefix, first, tuple(diffs))
 
 
@@ -227,10 +234,14 @@ def render(diff: RunDiff, *, max_changes: int = 12) -> str:
     if diff.same:
         lines.append("same: every step means the same in both runs")
         return "\n".join(lines)
-    if diff.same_prefix == 1:
+    first = diff.first_divergence or 0
+    extra = first - diff.same_prefix  # bookkeeping lines among them (fork_edit, resumed)
+    counted = f"{diff.same_prefix} steps" + (
+        f" and {extra} bookkeeping line{'s' if extra > 1 else ''}" if extra > 0 else "")
+    if first == 1:
         lines.append("step 0: identical")
-    elif diff.same_prefix:
-        lines.append(f"steps 0-{diff.same_prefix - 1}: identical ({diff.same_prefix} steps)")
+    elif first > 1:
+        lines.append(f"steps 0-{first - 1}: identical ({counted})")
     lines.append(f"first divergence: {diff.steps[0].label}")
     only = [s for s in diff.steps if s.changes and s.changes[0].op in ("missing", "added")]
     for step in diff.steps:
@@ -247,9 +258,14 @@ def render(diff: RunDiff, *, max_changes: int = 12) -> str:
             lines.append(f"  … {len(step.changes) - max_changes} more changes")
     for side, op in (("A", "missing"), ("B", "added")):
         steps = [s for s in only if s.changes[0].op == op]
+        ends = [s for s in steps if (s.kind_a or s.kind_b) == "end"]
+        steps = [s for s in steps if s not in ends]
         if steps:
             lines.append(f"only in {side}: {len(steps)} step(s), "
                          + ", ".join(f"{s.seq_a if op == 'missing' else s.seq} "
                                      f"{s.kind_a or s.kind_b}" for s in steps[:12])
-                         + (" …" if len(steps) > 12 else ""))
+                         + (" …" if len(steps) > 12 else "")
+                         + (", then its end line" if ends else ""))
+        elif ends:
+            lines.append(f"only in {side}: its end line")
     return "\n".join(lines)

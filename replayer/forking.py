@@ -146,8 +146,10 @@ def fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | None = 
 
 
 def start_fork(plan: ForkPlan, *, then_replay: Cassette | None = None,
-               keyring: Keyring | None = None, fsync: str = "turn") -> ContinuationSession:
-    """Write the fork's prefix and return its (not yet started) session."""
+               keyring: Keyring | None = None, fsync: str = "turn",
+               ran_in: Path | None = None) -> ContinuationSession:
+    """Write the fork's prefix and return its (not yet started) session. ``ran_in``: the
+    directory the fork's command runs in (default: the parent's, else this one)."""
     ring = keyring or load_keyring()
     parent, at = plan.parent, plan.at
     signing = ring.signing or _key_for(parent, ring)
@@ -156,10 +158,11 @@ def start_fork(plan: ForkPlan, *, then_replay: Cassette | None = None,
         timespec="milliseconds").replace("+00:00", "Z"), parent={"run": parent.run, "step": at,
                                            "prefix_sig": parent.sigs[at],
                                            "path": str(parent.path)})
-    try:  # the fork re-runs the parent's command: from the parent's directory
-        ran_in = launch_dir(parent.path, parent.header)
-    except ConfigError:  # a copied parent, run with --cwd or -- CMD: where this runs
-        ran_in = Path.cwd()
+    if ran_in is None:
+        try:  # the fork re-runs the parent's command: from the parent's directory
+            ran_in = launch_dir(parent.path, parent.header)
+        except ConfigError:  # a copied parent: where this runs
+            ran_in = Path.cwd()
     launch = portable_launch([], ran_in, plan.out)
     header.update(cwd=launch["cwd"], cassette=launch["cassette"])
     writer = CassetteWriter(plan.out, header, signing, fsync)

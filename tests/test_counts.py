@@ -146,7 +146,7 @@ def test_diff_of_a_fork_of_a_resumed_run_names_steps_by_seq(
     text = cli_run("diff", str(resumed), str(fork))
     assert f"first divergence: step {at}\n" in text, text
     assert f"step {at} (tool):" in text, text
-    assert f"steps 0-{at - 1}: identical ({at} steps)" in text, text
+    assert f"steps 0-{at - 1}: identical ({at - 1} steps and 1 bookkeeping line)" in text, text
     data = json.loads(cli_run("diff", str(resumed), str(fork), "--json"))
     assert data["first_divergence"] == data["steps"][0]["seq"] == at
     assert data["steps_a"] == len(lines) - 2 and data["steps_b"] == len(read_lines(fork)) - 2

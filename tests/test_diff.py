@@ -120,12 +120,13 @@ def test_a_run_that_stops_early_has_steps_only_in_a(run_a: Path, tmp_path: Path)
     result = diff(run_a, short)
     assert result.exit_code == 1, result.output
     assert "steps 0-1: identical (2 steps)" in result.output
-    assert "first divergence: step 2" in result.output
-    assert "step 2 (model -> end):" in result.output
-    assert "only in A: 3 step(s), 3 tool, 4 model, 5 end" in result.output
+    assert "first divergence: A's step 2, B's end line" in result.output
+    assert "A's step 2, B's end line (model -> end):" in result.output
+    assert "only in A: 2 step(s), 3 tool, 4 model, then its end line" in result.output
     reverse = diff(short, run_a)
     assert reverse.exit_code == 1
-    assert "only in B: 3 step(s), 3 tool, 4 model, 5 end" in reverse.output
+    assert "step 2, A's end line (end -> model):" in reverse.output
+    assert "only in B: 2 step(s), 3 tool, 4 model, then its end line" in reverse.output
 
     data = json.loads(diff(run_a, short, "--json").output)
     assert data["first_divergence"] == 2 and data["same_prefix"] == 2
@@ -181,12 +182,12 @@ def test_a_torn_or_incomplete_cassette_still_diffs(run_a: Path, tmp_path: Path) 
     result = diff(run_a, incomplete)
     assert result.exit_code == 1, result.output
     assert "steps 0-4: identical (5 steps)" in result.output
-    assert "only in A: 1 step(s), 5 end" in result.output
+    assert "only in A: its end line" in result.output
 
     result = diff(run_a, torn)
     assert result.exit_code == 1, result.output
     assert "first divergence: step 4" in result.output
-    assert "only in A: 2 step(s), 4 model, 5 end" in result.output
+    assert "only in A: 1 step(s), 4 model, then its end line" in result.output
 
     same = diff(incomplete, incomplete)
     assert same.exit_code == 0 and "same" in same.output

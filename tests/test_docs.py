@@ -123,8 +123,15 @@ def block_script(commands: list[tuple[str, list[str]]], marks: Path) -> str:
         steps.append(f"{{\n{command}\n}} >{out} 2>&1; rc=$?")
         steps.append(f"[ $rc -eq {expected_status(command)} ] || "
                      f"{{ echo \"FAILED {n}: exit status $rc\"; exit 1; }}")
+    # A block stops what it starts, so the next one (or a reader's next command in the
+    # same shell) finds its ports free.
+    for port in sorted({p for c, _ in commands if (p := port_of(c)) and "&" in c}):
+        steps.append(f"wait_free {port} || {{ echo 'FAILED: port {port} is still served "
+                     "after the block (stop the server it started)'; exit 1; }")
     prelude = ("wait_port() { for _ in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/$1) "
                "2>/dev/null && return 0; sleep 0.05; done; return 1; }\n"
+               "wait_free() { for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$1) "
+               "2>/dev/null || return 0; sleep 0.05; done; return 1; }\n"
                "trap 'kill $(jobs -p) 2>/dev/null' EXIT\n")
     return prelude + "\n".join(steps) + "\n"
 
@@ -179,8 +186,9 @@ def test_make_demo_runs_offline_on_a_fresh_copy(fresh_copy: Path) -> None:
     installed again): record, replay offline, verify, show."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DEJA_", "ANTHROPIC_"))}
     env["VENV"] = str(Path(sys.executable).parent.parent)
-    proc = subprocess.run(["make", "demo"], cwd=fresh_copy, env=env, capture_output=True,
-                          text=True, timeout=300)
+    stamp = Path(env["VENV"]) / ".deja-installed"  # -o: never remade, whatever its age
+    proc = subprocess.run(["make", "-o", str(stamp), "demo"], cwd=fresh_copy, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "pip install" not in proc.stdout  # the stamp was fresh: nothing installed
     assert "identical" in proc.stdout

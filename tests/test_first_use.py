@@ -218,3 +218,42 @@ def test_status_takes_a_cassette_and_reads_it_without_a_status_record(
     done = deja("status", str(cut), cwd=project, env=elsewhere)
     assert done.returncode == 0, done.stderr
     assert ": crashed" in done.stdout and f"deja resume {cut}" in done.stdout
+
+
+def test_status_and_cancel_take_a_run_id_from_a_cassette_only_once_it_verifies(
+        project: Path, tmp_path: Path) -> None:
+    cassette = project / "cassettes" / "run.jsonl"
+    run = header(cassette)["run"]
+    forged = tmp_path / "forged.jsonl"  # names a real run, signed by nobody
+    forged.write_text(json.dumps({"format": "deja/1", "run": run, "key_id": "k_0"}) + "\n")
+    for command in ("status", "cancel"):
+        done = deja(command, str(forged), cwd=project)
+        assert done.returncode == 2, (command, done.stdout, done.stderr)
+        assert "Traceback" not in done.stderr and "cancel requested" not in done.stdout
+    assert not list((Path(os.environ["DEJA_HOME"]) / "runs").glob("*.cancel"))
+    for hostile in ("../../../etc/passwd", ".hidden", "r_1/../x"):
+        done = deja("status", hostile, cwd=project)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    # an unverified cassette, allowed, is read and marked
+    elsewhere = {"DEJA_HOME": str(tmp_path / "h2"), "DEJA_KEY": "another-key-0123456789"}
+    done = deja("status", str(cassette), cwd=project, env=elsewhere)
+    assert done.returncode == 2 and "UnverifiedCassette" in done.stderr
+    done = deja("status", str(cassette), "--allow-unverified", cwd=project, env=elsewhere)
+    assert done.returncode == 0, done.stderr
+    assert "NOT VERIFIED" in done.stdout and "NOT VERIFIED" in done.stderr
+
+
+def test_a_package_or_a_pytest_node_is_checked_where_it_runs(project: Path,
+                                                             stub: Callable) -> None:
+    server = stub({"default": {"text": "hello"}})
+    (project / "app").mkdir()
+    (project / "app" / "__main__.py").write_text(AGENT)
+    done = deja("record", "-o", "cassettes/app.jsonl", "--", "python", "app", cwd=project,
+                env={"ANTHROPIC_BASE_URL": server.url})
+    assert done.returncode == 0, done.stderr
+    done = deja("replay", "cassettes/app.jsonl", cwd=project)
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = deja("replay", "cassettes/app.jsonl", "--", "python", "-m", "pytest",
+                "tests/test_nowhere.py::test_x", cwd=project)
+    assert done.returncode == 2 and "the test file tests/test_nowhere.py is not in" in \
+        done.stderr
