@@ -388,3 +388,23 @@ def test_an_unverified_run_is_refused_or_marked_not_verified(
     page = ok(app(monkeypatch, folder, run=run.run_id))
     errors = texts(page.error)
     assert any(e.startswith("NOT VERIFIED") and "unchecked" in e for e in errors), errors
+
+
+def test_a_long_runs_charts_are_drawn_on_request(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of more steps than the charts label one by one paints its timeline first; the
+    charts come with a toggle, the waterfall then a dense overview by seq."""
+    folder = tmp_path / "long"
+
+    @recorder.tool
+    def tick(i: int) -> int:
+        return i
+
+    with recorder.record(folder / "long.jsonl") as session:
+        for i in range(250):
+            tick(i)
+    at = ok(app(monkeypatch, folder, run=session.run_id))
+    assert len(table(at, "mark")) == 250 and not at.get("vega_lite_chart")
+    at.toggle(key="charts").set_value(True).run()
+    charts = [json.loads(c.proto.spec) for c in ok(at).get("vega_lite_chart")]
+    assert charts and charts[-1]["encoding"]["y"]["field"] == "seq"

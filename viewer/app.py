@@ -223,8 +223,13 @@ def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | N
                      "start_ms": st.column_config.NumberColumn("start (ms)", format="%.2f"),
                      "latency_ms": st.column_config.NumberColumn("latency (ms)",
                                                                  format="%.2f")})
-    charts(steps)
+    # A long run's charts are drawn on request, so its timeline paints first.
+    if len(steps) <= DENSE or st.toggle(f"Charts of the {len(steps):,} steps", key="charts"):
+        charts(steps)
     step_panel(index, header, steps)
+
+
+DENSE = 200  # steps up to which the charts draw one labelled mark per step
 
 
 def charts(steps: list[dict[str, Any]]) -> None:
@@ -238,7 +243,8 @@ def charts(steps: list[dict[str, Any]]) -> None:
                                        (right, "cost", "Cost so far ($)", "$,.6f")):
             with col:
                 st.caption(title)
-                chart = alt.Chart(frame).mark_line(point=True, interpolate="step-after").encode(
+                chart = alt.Chart(frame).mark_line(point=len(frame) <= DENSE,
+                                                   interpolate="step-after").encode(
                     x=alt.X("time_s:Q", title="time since the run began (s)"),
                     y=alt.Y(f"{field}:Q", title=None, axis=alt.Axis(format=fmt, tickCount=4)),
                     tooltip=["seq", "time_s", field])
@@ -251,12 +257,17 @@ def charts(steps: list[dict[str, Any]]) -> None:
     span = max(frame["end_ms"].max(), 1.0)
     frame["drawn_end_ms"] = frame[["end_ms"]].max(axis=1).clip(  # a 0.1 ms step stays visible
         lower=frame["start_ms"] + span * 0.004)
+    if len(frame) <= DENSE:  # one labelled row per step
+        y = alt.Y("step:N", sort=None, title=None, axis=alt.Axis(labelLimit=280))
+        height: Any = alt.Step(24)
+    else:  # a long run: every step still drawn, as a dense overview of fixed height
+        y = alt.Y("seq:Q", title="step (seq)", scale=alt.Scale(reverse=True))
+        height = 480
     chart = alt.Chart(frame).mark_bar().encode(
-        x=alt.X("start_ms:Q", title="ms since the run began"), x2="drawn_end_ms:Q",
-        y=alt.Y("step:N", sort=None, title=None, axis=alt.Axis(labelLimit=280)),
+        x=alt.X("start_ms:Q", title="ms since the run began"), x2="drawn_end_ms:Q", y=y,
         color=alt.Color("kind:N", legend=alt.Legend(orient="right", title=None)),
         tooltip=["step", "start_ms", "duration_ms"])
-    st.altair_chart(chart.properties(height=alt.Step(24)), width="stretch")
+    st.altair_chart(chart.properties(height=height), width="stretch")
 
 
 def step_panel(index: RunIndex, header: dict[str, Any], steps: list[dict[str, Any]]) -> None:
