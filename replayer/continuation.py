@@ -28,7 +28,7 @@ from recorder.intents import Intent, Settled
 from recorder.record import RecordSession
 
 from .replay import ReplaySession
-from .steps import totals_of
+from .steps import count_call, totals_of
 
 log = logging.getLogger("deja.replayer")
 
@@ -69,18 +69,7 @@ class ContinuationSession(RecordSession):
 
     def _count(self, obs: dict[str, Any]) -> None:
         t = self.totals
-        kind = obs.get("kind")
-        if kind == "model":
-            t["model_calls"] += 1
-        elif kind == "http":
-            t["http_calls"] += 1
-        elif kind in ("tool", "outcome"):
-            t["tool_calls"] += 1
-        elif kind == "effect":
-            t["effects"] += 1
-        usage = obs.get("usage") or {}
-        t["input_tokens"] += usage.get("input_tokens", 0)
-        t["output_tokens"] += usage.get("output_tokens", 0)
+        count_call(t, obs)
         t["cost_usd"] += obs.get("cost_usd") or 0.0
         if "error" in obs:
             t["errors"] += 1

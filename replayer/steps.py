@@ -96,25 +96,31 @@ def step_count(cassette: Cassette) -> int:
     return len(cassette.observations)
 
 
+def count_call(t: dict[str, Any], obs: dict[str, Any]) -> None:
+    """Add what ``obs`` is (a model, HTTP or tool call, an effect) and the tokens it used
+    to the totals ``t``: the one place a call is counted, for a cassette and a live run."""
+    kind = obs.get("kind")
+    if kind == "model":
+        t["model_calls"] += 1
+    elif kind == "http":
+        t["http_calls"] += 1
+    elif kind in ("tool", "outcome"):
+        t["tool_calls"] += 1
+    elif kind == "effect":
+        t["effects"] += 1
+    usage = obs.get("usage") or {}
+    t["input_tokens"] += usage.get("input_tokens") or 0
+    t["output_tokens"] += usage.get("output_tokens") or 0
+
+
 def totals_of(observations: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """Steps, calls, tokens, cost and errors of ``observations`` (see the module)."""
     t: dict[str, Any] = dict.fromkeys(("steps", "model_calls", "http_calls", "tool_calls",
                                        "effects", "input_tokens", "output_tokens", "errors"), 0)
     cost = 0.0
     for obs in observations:
-        kind = obs.get("kind")
         t["steps"] += 1
-        if kind == "model":
-            t["model_calls"] += 1
-        elif kind == "http":
-            t["http_calls"] += 1
-        elif kind in ("tool", "outcome"):
-            t["tool_calls"] += 1
-        elif kind == "effect":
-            t["effects"] += 1
-        usage = obs.get("usage") or {}
-        t["input_tokens"] += usage.get("input_tokens") or 0
-        t["output_tokens"] += usage.get("output_tokens") or 0
+        count_call(t, obs)
         cost += obs.get("cost_usd") or 0.0
         if step_error(obs):
             t["errors"] += 1
