@@ -14,93 +14,27 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
-EXIT_DIVERGED = 1
-EXIT_BAD = 2
-
-
-class BadInput(click.ClickException):
-    exit_code = EXIT_BAD
-
-
-def _fail(exc: Exception) -> NoReturn:
-    raise BadInput(f"{type(exc).__name__}: {exc}") from exc
-
-
-class RunsCommand(click.Command):
-    """A command that runs a program given after ``--``: a mistyped deja option is
-    click's usual "No such option", never the program to run, and the error says where
-    the program's own options go."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except click.NoSuchOption as exc:
-            raise click.UsageError(
-                f"{exc.format_message()}\n(a program's own options go after --: "
-                f"deja {self.name} ... -- python agent.py --its-option)", ctx) from None
-
-
-def _allow_unverified_option(func: Any) -> Any:
-    return click.option(
-        "--allow-unverified", is_flag=True,
-        help="Use a cassette whose signature cannot be checked here (signed with a key "
-             "this machine does not have; also DEJA_ALLOW_UNVERIFIED=1). Its output says "
-             "NOT VERIFIED.")(func)
-
-
-def _cwd_option(func: Any) -> Any:
-    return click.option(
-        "--cwd", type=click.Path(path_type=Path, file_okay=False, exists=True),
-        help="Run the command in this directory (default: the directory it was recorded "
-             "in, found from where the cassette lies; with -- CMD, this one).")(func)
-
-
-def _load(cassette: Path, **options: Any) -> Any:
-    """Load (and check) a cassette for a command; a bad one exits 2 with a named error."""
-    from recorder.cassette import load
-    from recorder.errors import DejaError
-
-    if options.get("allow_unverified") is False:
-        options["allow_unverified"] = None  # no flag: the environment may still allow it
-    try:
-        return load(cassette, **options)
-    except DejaError as exc:
-        _fail(exc)
-
-
-def _warn_unverified(cassette: Any) -> None:
-    if not cassette.verified:
-        click.secho(f"deja: WARNING: {cassette.path}: {cassette.verify_note}. Its content is "
-                    "shown as recorded, unchecked.", err=True, fg="yellow")
-
-
-def _python_argv(argv: list[str]) -> list[str]:
-    """Run a recorded ``python ...`` command with this interpreter (the one deja runs in)."""
-    if argv and Path(argv[0]).name.startswith("python"):
-        return [sys.executable, *argv[1:]]
-    return argv
-
-
-def _print_table(rows: list[dict[str, Any]], columns: list[str], title: str | None = None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, show_lines=False, header_style="bold")
-    for col in columns:
-        table.add_column(col, overflow="fold")
-    for row in rows:
-        table.add_row(*("" if row.get(c) is None else _fmt(row.get(c)) for c in columns))
-    Console(width=max(100, shutil.get_terminal_size((120, 20)).columns)).print(table)
-
-
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.6f}".rstrip("0").rstrip(".") if value < 1 else f"{value:.3f}"
-    return str(value)
+from . import cli_runs, cli_stub
+from ._common import (
+    EXIT_DIVERGED,
+    BadInput,
+    RunsCommand,
+    _allow_unverified_option,
+    _cwd_option,
+    _fail,
+    _fmt,
+    _header_run,
+    _load,
+    _pid_gone,
+    _print_table,
+    _python_argv,
+    _read_json_file,
+    _warn_unverified,
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -206,16 +140,6 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
     if started:
         click.echo(f"deja: recorded run {run_id} to {path}", err=True)
     sys.exit(code)
-
-
-def _header_run(path: Path) -> str | None:
-    """The run id a cassette's first line names (None: no such file, or not a cassette)."""
-    try:
-        with path.open("rb") as f:
-            header = json.loads(f.readline())
-    except (OSError, ValueError, RecursionError):  # not a cassette (or a hostile one)
-        return None
-    return header.get("run") if isinstance(header, dict) else None
 
 
 @main.command(cls=RunsCommand)
@@ -608,13 +532,6 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
     return ended.status
 
 
-def _read_json_file(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise BadInput(f"{what} {path}: {exc}") from None
-
-
 @main.command(cls=RunsCommand)
 @click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
@@ -784,242 +701,8 @@ def diff(cassette_a: Path, cassette_b: Path, as_json: bool, allow_unverified: bo
     sys.exit(0 if result.same else EXIT_DIVERGED)
 
 
-def _run_of(target: str, allow_unverified: bool = False) -> tuple[str, Any]:
-    """The run a RUN-or-CASSETTE argument names, and the cassette (loaded and checked)
-    when one was given: a run id is taken from a header only once its signature holds."""
-    path = Path(target)
-    if path.suffix == ".jsonl" or os.sep in target or path.is_file():
-        cassette = _load(path, allow_torn=True, allow_incomplete=True,
-                         allow_unverified=allow_unverified)
-        return cassette.run, cassette
-    return target, None
-
-
-def _status_from_cassette(c: Any) -> dict[str, Any]:
-    """What a cassette says about its run when there is no status record (another
-    machine's run, or another DEJA_HOME): its end line, or who is still writing it."""
-    from recorder import lock
-    from replayer.steps import run_summary
-
-    summary = run_summary(c)
-    holder = lock.holder_of(c.path)
-    status = c.end["status"] if c.end else ("running" if holder else "crashed")
-    record = {"run_id": c.run, "status": status, "source": "cassette",
-              "artefacts": [str(c.path)], "steps": summary.get("steps"),
-              "tokens": (summary.get("input_tokens") or 0) + (summary.get("output_tokens") or 0),
-              "spend_usd": summary.get("cost_usd"), "verified": c.verified}
-    if not c.verified:
-        record["verify_note"] = c.verify_note
-    if c.end:
-        record.update(ended=True, totals=c.end.get("totals"))
-    if holder:
-        record["pid"] = holder.get("pid")
-    return record
-
-
-@main.command()
-@click.argument("run", metavar="RUN|CASSETTE")
-@click.option("--json", "as_json", is_flag=True, help="Print the status record as JSON.")
-@_allow_unverified_option
-def status(run: str, as_json: bool, allow_unverified: bool) -> None:
-    """Show what a run is doing: status, turn, step, elapsed, budgets, tokens, spend.
-
-    Give the run id or its cassette. Reads the run's status record ($DEJA_HOME/runs/RUN.json),
-    which the recorder updates at every step; for a finished run it shows the end status
-    and totals. A run whose process is gone without closing it shows as crashed. Without a
-    status record (a cassette from elsewhere), the cassette itself says how the run ended.
-    """
-    from recorder.progress import read_status
-
-    run, cassette = _run_of(run, allow_unverified)
-    if cassette is not None:
-        _warn_unverified(cassette)
-    record = read_status(run)
-    if record is None and cassette is not None:
-        record = _status_from_cassette(cassette)
-    if record is None:
-        raise BadInput(f"no status for run {run!r} (runs record theirs under "
-                       "$DEJA_HOME/runs; is DEJA_HOME the same as the recording's? Give "
-                       "the cassette instead: deja status CASSETTE)")
-    gone = _process_gone(record)
-    if gone:  # the record is stale: say what happened, keep what it last said
-        record.update(status="crashed", last_recorded_status=record["status"],
-                      process_alive=False)
-    if as_json:
-        click.echo(json.dumps(record, indent=2))
-        return
-
-    def limit(value: Any, cap: Any, unit: str = "") -> str:
-        return f"{value}{unit}" + (f" / {cap}{unit}" if cap is not None else "")
-
-    artefact = next(iter(record.get("artefacts") or []), "CASSETTE")
-    if record.get("source") == "cassette":
-        lines = [f"run {record['run_id']}: {record['status']} (from the cassette; no status "
-                 "record here)" + ("" if record["verified"] else "; NOT VERIFIED"),
-                 f"  steps:    {record.get('steps')}",
-                 f"  tokens:   {record.get('tokens')}",
-                 f"  spend:    {record.get('spend_usd')} USD",
-                 f"  artefacts: {artefact}"]
-        if record["status"] == "crashed":
-            lines.append(f"  resume:   deja resume {artefact}")
-        click.echo("\n".join(lines))
-        return
-    lines = [f"run {record['run_id']}: {record['status']}",
-             f"  step:     {record.get('step')}",
-             f"  turn:     {limit(record.get('turn'), record.get('turn_limit'))}",
-             f"  elapsed:  {limit(record.get('elapsed_s'), record.get('budget_s'), 's')}",
-             f"  tokens:   {limit(record.get('tokens'), record.get('token_limit'))}",
-             f"  spend:    {limit(record.get('spend_usd'), record.get('dollar_limit'), ' USD')}",
-             f"  artefacts: {', '.join(record.get('artefacts') or []) or '-'}",
-             f"  updated:  {record.get('updated')} (pid {record.get('pid')})"]
-    if gone:
-        lines[0] += (f": its process (pid {record.get('pid')}) is gone without closing the "
-                     f"run, last seen running. Resume it with: deja resume {artefact}")
-    elif record.get("status") == "running":
-        lines.append(f"  cancel:   {record.get('cancel')}")
-    click.echo("\n".join(lines))
-
-
-def _process_gone(record: dict[str, Any]) -> bool:
-    """A record that says running, written on this host by a process that no longer is."""
-    import socket
-
-    if record.get("status") != "running" or record.get("host") != socket.gethostname():
-        return False
-    return _pid_gone(record.get("pid"))
-
-
-def _pid_gone(pid: Any) -> bool:
-    """Process ``pid`` of this host has exited (a zombie nobody has reaped yet included)."""
-    try:
-        pid = int(pid or 0)
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (OSError, ValueError, TypeError):
-        return False
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[:1] == ["Z"]
-
-
-@main.command()
-@click.argument("run", metavar="RUN|CASSETTE")
-@click.option("--reason", default="", help="Why; recorded in the run's control line.")
-def cancel(run: str, reason: str) -> None:
-    """Ask a run (its id or its cassette) to stop at its next boundary, status cancelled.
-
-    Sets a flag that the recorder reads before each call and after each write; the run
-    never stops mid-action. Any process with the same DEJA_HOME can cancel.
-    """
-    from recorder.errors import ConfigError
-    from recorder.progress import read_status, request_cancel
-
-    run, given = _run_of(run)  # a cassette names the run it cancels only if it verifies
-    record = read_status(run)
-    if record is None:
-        raise BadInput(f"no run {run!r} under $DEJA_HOME/runs")
-    if given is not None and Path(given.path).resolve() not in {
-            Path(a).resolve() for a in record.get("artefacts") or ()}:
-        raise BadInput(f"run {run} is not writing {given.path} (its record names "
-                       f"{', '.join(record.get('artefacts') or []) or 'no cassette'}); "
-                       f"give the run id: deja cancel {run}")
-    if _process_gone(record):
-        raise BadInput(f"run {run} is not running: its process (pid {record.get('pid')}) is "
-                       "gone (it crashed); there is nothing to cancel")
-    if record.get("ended"):
-        raise BadInput(f"run {run} already ended with status {record.get('status')!r}")
-    try:
-        path = request_cancel(run, reason)
-    except ConfigError as exc:  # the flag cannot be written: say so, no traceback
-        _fail(exc)
-    click.echo(f"deja: cancel requested for run {run} ({path}); it stops at its next "
-               "boundary")
-
-
-def _stub_script_from(cassette: Path, allow_unverified: bool) -> Any:
-    """The stub script answering what the run of ``cassette`` received (exit 2 if none)."""
-    from recorder.stubserver import StubScriptError, load_script, script_from_cassette
-
-    loaded = _load(cassette, allow_unverified=allow_unverified)
-    _warn_unverified(loaded)
-    try:
-        made = script_from_cassette(loaded)
-        load_script(made.script)  # what is written or served must load as it is
-    except StubScriptError as exc:
-        _fail(exc)
-    for why in made.skipped:
-        click.echo(f"deja stub: {cassette}: left out {why}", err=True)
-    return made
-
-
-@main.command()
-@click.option("--script", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-              help="JSON script of turns to answer with.")
-@click.option("--from", "from_cassette", type=click.Path(path_type=Path, dir_okay=False),
-              metavar="CASSETTE",
-              help="Answer what this recorded run received: each model call of the cassette, "
-                   "at the same place in the same conversation, with its recorded response.")
-@click.option("-o", "--output", type=click.Path(path_type=Path, dir_okay=False),
-              help="With --from: write the script to this file and exit instead of serving.")
-@_allow_unverified_option
-@click.option("--port", type=int, default=8765, show_default=True,
-              help="Port on 127.0.0.1 (0 picks a free one).")
-@click.option("--ready-file", type=click.Path(path_type=Path, dir_okay=False),
-              help="Write the base URL to this file once the server listens.")
-def stub(script: Path | None, from_cassette: Path | None, output: Path | None,
-         allow_unverified: bool, port: int, ready_file: Path | None) -> None:
-    """Serve a stub Anthropic Messages API on 127.0.0.1, answering from a script.
-
-    --script FILE serves a script; --from CASSETTE serves what a recorded run received, and
-    --from CASSETTE -o FILE writes that script instead. Point an agent at the server with
-    ANTHROPIC_BASE_URL=http://127.0.0.1:PORT. Stop with Ctrl-C.
-    """
-    import signal
-    import threading
-
-    from recorder.stubserver import StubScriptError, StubServer
-
-    if (script is None) == (from_cassette is None):
-        raise BadInput("give either --script FILE or --from CASSETTE")
-    if output is not None and from_cassette is None:
-        raise BadInput("-o/--output writes the script made --from a cassette; add --from "
-                       "CASSETTE, or serve a script with --script FILE")
-    source: Any = script
-    what = str(script)
-    if from_cassette is not None:
-        made = _stub_script_from(from_cassette, allow_unverified)
-        if output is not None:
-            tmp = output.with_name(output.name + ".tmp")
-            try:
-                tmp.write_text(made.text(), encoding="utf-8")
-                os.replace(tmp, output)
-            except OSError as exc:
-                _fail(exc)
-            click.echo(f"deja stub: wrote {output}: {len(made.script['rules'])} rules answering "
-                       f"{made.calls} model calls of run {made.run}; serve it with deja stub "
-                       f"--script {output}", err=True)
-            return
-        source, what = made.script, f"the model calls of run {made.run} ({from_cassette})"
-    try:
-        server = StubServer(source, port=port).start()
-    except (StubScriptError, OSError) as exc:
-        _fail(exc)
-    click.echo(f"deja stub: serving {what} at {server.url}", err=True)
-    if ready_file is not None:
-        tmp = ready_file.with_suffix(".tmp")
-        tmp.write_text(server.url)
-        os.replace(tmp, ready_file)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        stop.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+for command in (cli_runs.status, cli_runs.cancel, cli_stub.stub):
+    main.add_command(command)
 
 
 if __name__ == "__main__":  # pragma: no cover

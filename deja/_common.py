@@ -1,0 +1,130 @@
+"""What every ``deja`` command shares: its errors and exit statuses, the options several
+commands take, loading a cassette for a command, and printing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+EXIT_DIVERGED = 1
+EXIT_BAD = 2
+
+
+class BadInput(click.ClickException):
+    exit_code = EXIT_BAD
+
+
+def _fail(exc: Exception) -> NoReturn:
+    raise BadInput(f"{type(exc).__name__}: {exc}") from exc
+
+
+class RunsCommand(click.Command):
+    """A command that runs a program given after ``--``: a mistyped deja option is
+    click's usual "No such option", never the program to run, and the error says where
+    the program's own options go."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            raise click.UsageError(
+                f"{exc.format_message()}\n(a program's own options go after --: "
+                f"deja {self.name} ... -- python agent.py --its-option)", ctx) from None
+
+
+def _allow_unverified_option(func: Any) -> Any:
+    return click.option(
+        "--allow-unverified", is_flag=True,
+        help="Use a cassette whose signature cannot be checked here (signed with a key "
+             "this machine does not have; also DEJA_ALLOW_UNVERIFIED=1). Its output says "
+             "NOT VERIFIED.")(func)
+
+
+def _cwd_option(func: Any) -> Any:
+    return click.option(
+        "--cwd", type=click.Path(path_type=Path, file_okay=False, exists=True),
+        help="Run the command in this directory (default: the directory it was recorded "
+             "in, found from where the cassette lies; with -- CMD, this one).")(func)
+
+
+def _load(cassette: Path, **options: Any) -> Any:
+    """Load (and check) a cassette for a command; a bad one exits 2 with a named error."""
+    from recorder.cassette import load
+    from recorder.errors import DejaError
+
+    if options.get("allow_unverified") is False:
+        options["allow_unverified"] = None  # no flag: the environment may still allow it
+    try:
+        return load(cassette, **options)
+    except DejaError as exc:
+        _fail(exc)
+
+
+def _warn_unverified(cassette: Any) -> None:
+    if not cassette.verified:
+        click.secho(f"deja: WARNING: {cassette.path}: {cassette.verify_note}. Its content is "
+                    "shown as recorded, unchecked.", err=True, fg="yellow")
+
+
+def _python_argv(argv: list[str]) -> list[str]:
+    """Run a recorded ``python ...`` command with this interpreter (the one deja runs in)."""
+    if argv and Path(argv[0]).name.startswith("python"):
+        return [sys.executable, *argv[1:]]
+    return argv
+
+
+def _print_table(rows: list[dict[str, Any]], columns: list[str], title: str | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False, header_style="bold")
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*("" if row.get(c) is None else _fmt(row.get(c)) for c in columns))
+    Console(width=max(100, shutil.get_terminal_size((120, 20)).columns)).print(table)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6f}".rstrip("0").rstrip(".") if value < 1 else f"{value:.3f}"
+    return str(value)
+
+
+def _header_run(path: Path) -> str | None:
+    """The run id a cassette's first line names (None: no such file, or not a cassette)."""
+    try:
+        with path.open("rb") as f:
+            header = json.loads(f.readline())
+    except (OSError, ValueError, RecursionError):  # not a cassette (or a hostile one)
+        return None
+    return header.get("run") if isinstance(header, dict) else None
+
+
+def _read_json_file(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"{what} {path}: {exc}") from None
+
+
+def _pid_gone(pid: Any) -> bool:
+    """Process ``pid`` of this host has exited (a zombie nobody has reaped yet included)."""
+    try:
+        pid = int(pid or 0)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, ValueError, TypeError):
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] == ["Z"]

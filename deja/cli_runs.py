@@ -1,0 +1,152 @@
+"""``deja status`` and ``deja cancel``: what a run is doing, and asking it to stop. A run
+is named by its id or by its cassette, whose run id is used only once it verifies."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ._common import BadInput, _allow_unverified_option, _fail, _load, _pid_gone, _warn_unverified
+
+
+def _run_of(target: str, allow_unverified: bool = False) -> tuple[str, Any]:
+    """The run a RUN-or-CASSETTE argument names, and the cassette (loaded and checked)
+    when one was given: a run id is taken from a header only once its signature holds."""
+    path = Path(target)
+    if path.suffix == ".jsonl" or os.sep in target or path.is_file():
+        cassette = _load(path, allow_torn=True, allow_incomplete=True,
+                         allow_unverified=allow_unverified)
+        return cassette.run, cassette
+    return target, None
+
+
+def _status_from_cassette(c: Any) -> dict[str, Any]:
+    """What a cassette says about its run when there is no status record (another
+    machine's run, or another DEJA_HOME): its end line, or who is still writing it."""
+    from recorder import lock
+    from replayer.steps import run_summary
+
+    summary = run_summary(c)
+    holder = lock.holder_of(c.path)
+    status = c.end["status"] if c.end else ("running" if holder else "crashed")
+    record = {"run_id": c.run, "status": status, "source": "cassette",
+              "artefacts": [str(c.path)], "steps": summary.get("steps"),
+              "tokens": (summary.get("input_tokens") or 0) + (summary.get("output_tokens") or 0),
+              "spend_usd": summary.get("cost_usd"), "verified": c.verified}
+    if not c.verified:
+        record["verify_note"] = c.verify_note
+    if c.end:
+        record.update(ended=True, totals=c.end.get("totals"))
+    if holder:
+        record["pid"] = holder.get("pid")
+    return record
+
+
+@click.command()
+@click.argument("run", metavar="RUN|CASSETTE")
+@click.option("--json", "as_json", is_flag=True, help="Print the status record as JSON.")
+@_allow_unverified_option
+def status(run: str, as_json: bool, allow_unverified: bool) -> None:
+    """Show what a run is doing: status, turn, step, elapsed, budgets, tokens, spend.
+
+    Give the run id or its cassette. Reads the run's status record ($DEJA_HOME/runs/RUN.json),
+    which the recorder updates at every step; for a finished run it shows the end status
+    and totals. A run whose process is gone without closing it shows as crashed. Without a
+    status record (a cassette from elsewhere), the cassette itself says how the run ended.
+    """
+    from recorder.progress import read_status
+
+    run, cassette = _run_of(run, allow_unverified)
+    if cassette is not None:
+        _warn_unverified(cassette)
+    record = read_status(run)
+    if record is None and cassette is not None:
+        record = _status_from_cassette(cassette)
+    if record is None:
+        raise BadInput(f"no status for run {run!r} (runs record theirs under "
+                       "$DEJA_HOME/runs; is DEJA_HOME the same as the recording's? Give "
+                       "the cassette instead: deja status CASSETTE)")
+    gone = _process_gone(record)
+    if gone:  # the record is stale: say what happened, keep what it last said
+        record.update(status="crashed", last_recorded_status=record["status"],
+                      process_alive=False)
+    if as_json:
+        click.echo(json.dumps(record, indent=2))
+        return
+
+    def limit(value: Any, cap: Any, unit: str = "") -> str:
+        return f"{value}{unit}" + (f" / {cap}{unit}" if cap is not None else "")
+
+    artefact = next(iter(record.get("artefacts") or []), "CASSETTE")
+    if record.get("source") == "cassette":
+        lines = [f"run {record['run_id']}: {record['status']} (from the cassette; no status "
+                 "record here)" + ("" if record["verified"] else "; NOT VERIFIED"),
+                 f"  steps:    {record.get('steps')}",
+                 f"  tokens:   {record.get('tokens')}",
+                 f"  spend:    {record.get('spend_usd')} USD",
+                 f"  artefacts: {artefact}"]
+        if record["status"] == "crashed":
+            lines.append(f"  resume:   deja resume {artefact}")
+        click.echo("\n".join(lines))
+        return
+    lines = [f"run {record['run_id']}: {record['status']}",
+             f"  step:     {record.get('step')}",
+             f"  turn:     {limit(record.get('turn'), record.get('turn_limit'))}",
+             f"  elapsed:  {limit(record.get('elapsed_s'), record.get('budget_s'), 's')}",
+             f"  tokens:   {limit(record.get('tokens'), record.get('token_limit'))}",
+             f"  spend:    {limit(record.get('spend_usd'), record.get('dollar_limit'), ' USD')}",
+             f"  artefacts: {', '.join(record.get('artefacts') or []) or '-'}",
+             f"  updated:  {record.get('updated')} (pid {record.get('pid')})"]
+    if gone:
+        lines[0] += (f": its process (pid {record.get('pid')}) is gone without closing the "
+                     f"run, last seen running. Resume it with: deja resume {artefact}")
+    elif record.get("status") == "running":
+        lines.append(f"  cancel:   {record.get('cancel')}")
+    click.echo("\n".join(lines))
+
+
+def _process_gone(record: dict[str, Any]) -> bool:
+    """A record that says running, written on this host by a process that no longer is."""
+    import socket
+
+    if record.get("status") != "running" or record.get("host") != socket.gethostname():
+        return False
+    return _pid_gone(record.get("pid"))
+
+
+@click.command()
+@click.argument("run", metavar="RUN|CASSETTE")
+@click.option("--reason", default="", help="Why; recorded in the run's control line.")
+def cancel(run: str, reason: str) -> None:
+    """Ask a run (its id or its cassette) to stop at its next boundary, status cancelled.
+
+    Sets a flag that the recorder reads before each call and after each write; the run
+    never stops mid-action. Any process with the same DEJA_HOME can cancel.
+    """
+    from recorder.errors import ConfigError
+    from recorder.progress import read_status, request_cancel
+
+    run, given = _run_of(run)  # a cassette names the run it cancels only if it verifies
+    record = read_status(run)
+    if record is None:
+        raise BadInput(f"no run {run!r} under $DEJA_HOME/runs")
+    if given is not None and Path(given.path).resolve() not in {
+            Path(a).resolve() for a in record.get("artefacts") or ()}:
+        raise BadInput(f"run {run} is not writing {given.path} (its record names "
+                       f"{', '.join(record.get('artefacts') or []) or 'no cassette'}); "
+                       f"give the run id: deja cancel {run}")
+    if _process_gone(record):
+        raise BadInput(f"run {run} is not running: its process (pid {record.get('pid')}) is "
+                       "gone (it crashed); there is nothing to cancel")
+    if record.get("ended"):
+        raise BadInput(f"run {run} already ended with status {record.get('status')!r}")
+    try:
+        path = request_cancel(run, reason)
+    except ConfigError as exc:  # the flag cannot be written: say so, no traceback
+        _fail(exc)
+    click.echo(f"deja: cancel requested for run {run} ({path}); it stops at its next "
+               "boundary")
