@@ -142,6 +142,7 @@ _CONTEXT = pytest.StashKey[object]()
 _RECORDING = pytest.StashKey[RecordSession]()
 _UNVERIFIED = pytest.StashKey[list[tuple[str, str]]]()
 _OUTER = pytest.StashKey[object]()
+_REPORTED = pytest.StashKey[bool]()
 
 
 @pytest.fixture
@@ -228,7 +229,21 @@ def _end_of_call(item: pytest.Item, error: BaseException | None) -> None:
     context = item.stash.get(_CONTEXT, None)
     if context is not None:
         del item.stash[_CONTEXT]
+        item.stash[_REPORTED] = True
         _finish_replay(context, error)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Keep the short summary of a divergence to its first line. pytest prints a failure's
+    whole message there on CI (where it does not trim to the terminal's width), which
+    would print deja's report and its diff a second time."""
+    report = yield
+    if call.when == "call" and report.failed and item.stash.get(_REPORTED, False):
+        crash = getattr(report.longrepr, "reprcrash", None)
+        if crash is not None and "\n" in crash.message:
+            crash.message = crash.message.splitlines()[0]
+    return report
 
 
 @pytest.fixture

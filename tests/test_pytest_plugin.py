@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -183,11 +184,17 @@ def test_a_divergence_fails_the_test_with_deja_report_only(
     _agent_project(pytester)
     _pytest(pytester, "--deja-record").assert_outcomes(passed=1)
     monkeypatch.setenv("AGENT_PROMPT", "Find the token refresh code.")
-    result = _pytest(pytester)
-    result.assert_outcomes(failed=1)
-    text = result.stdout.str() + result.stderr.str()
+    monkeypatch.delenv("BUILD_NUMBER", raising=False)
+    for on_ci in ("", "1"):  # on CI pytest's short summary does not trim a message
+        monkeypatch.setenv("CI", on_ci)
+        result = _pytest(pytester)
+        result.assert_outcomes(failed=1)
+        text = result.stdout.str() + result.stderr.str()
+        assert text.count("--- recorded") == 1 and text.count("+++ replayed") == 1, on_ci
+        assert text.count("Find the token refresh code.") == 1, on_ci  # the diff, once
+        summary = r"FAILED test_agent.py::test_agent - Failed: replay of r_\w+ " + (
+            ".*DIVERGED$" if on_ci else "")  # off CI, trimmed to the terminal's width
+        assert re.search(summary, text, re.M), text
     assert "DIVERGED" in text and "first divergence at step 0 (model)" in text
-    assert text.count("--- recorded") == 1 and text.count("+++ replayed") == 1
-    assert text.count("Find the token refresh code.") == 1  # the diff, once
     assert "Traceback" not in text and "_base_client" not in text and "anthropic/" not in text
     assert "pytest --deja-rerecord" in text  # what to do next
