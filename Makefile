@@ -29,8 +29,8 @@ test: $(STAMP) chromium
 	$(BIN)/python -m pytest
 
 stress: $(STAMP)
-	DEJA_CRASH_SEEDS=200 $(BIN)/python -m pytest tests/test_crash_resume.py
-	DEJA_TAMPER=full $(BIN)/python -m pytest tests/test_tamper.py
+	DEJA_CRASH_SEEDS=200 $(BIN)/python -m pytest tests/replayer/test_crash_resume.py
+	DEJA_TAMPER=full $(BIN)/python -m pytest tests/replayer/test_tamper.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/run.py

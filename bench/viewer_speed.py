@@ -39,9 +39,9 @@ from typing import Any
 import workloads as w
 
 import recorder
-from recorder._canonical import digest
 from recorder.cassette import CassetteWriter, load
-from recorder.keys import load_keyring, require_signing_key
+from recorder.cassette.canonical import digest
+from recorder.cassette.keys import load_keyring, require_signing_key
 from recorder.record import new_run_id
 from viewer import queries
 from viewer.index import RunIndex

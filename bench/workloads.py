@@ -22,7 +22,7 @@ import anthropic
 import httpx2
 
 import recorder
-from recorder.stubserver import StubServer
+from recorder.testing.server import StubServer
 
 MODEL = "claude-sonnet-4-6"
 API_KEY = "sk-bench"

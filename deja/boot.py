@@ -85,7 +85,7 @@ def start_from_env() -> None:
 def _adopt_lock(env: dict[str, str]) -> None:
     """Hold the cassette's writer lock that the launcher took and handed down."""
     if "DEJA_LOCK_FD" in env:
-        from recorder import lock
+        from recorder.cassette import lock
 
         lock.adopt(env["DEJA_LOCK_CASSETTE"], int(env["DEJA_LOCK_FD"]))
 
@@ -199,7 +199,7 @@ def _start_replay(env: dict[str, str]) -> None:
 
 def _start_continuation(mode: str, env: dict[str, str]) -> None:
     from recorder.cassette import load
-    from recorder.keys import load_keyring
+    from recorder.cassette.keys import load_keyring
     from replayer import forking
 
     plan = json.loads(env["DEJA_PLAN"])

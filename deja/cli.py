@@ -18,8 +18,8 @@ from typing import Any
 
 import click
 
-from . import cli_runs, cli_stub
-from ._common import (
+from deja import cli_runs, cli_stub
+from deja._common import (
     EXIT_DIVERGED,
     BadInput,
     RunsCommand,
@@ -95,8 +95,8 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
     flags override [tool.deja] in pyproject.toml). Exits with the program's own status.
     """
     from deja.boot import BOOT_FAILED
-    from recorder import config
     from recorder.errors import ConfigError
+    from recorder.harness import settings as config
     from recorder.record import new_run_id
 
     label_map = {}
@@ -241,7 +241,7 @@ def _where_to_run(cassette: Path, header: dict[str, Any], argv: list[str], *, gi
 def _replay_report(result: dict[str, Any], code: int) -> str:
     """The one report of a replay: the child printed no traceback for a divergence, so
     this is where the user reads it (and its diff), once."""
-    from replayer.steps import describe_split, describe_totals
+    from recorder.cassette.rows import describe_split, describe_totals
 
     verdict = "identical" if result["identical"] else "DIVERGED"
     if not result.get("verified"):
@@ -285,7 +285,7 @@ def verify(cassette: Path, allow_torn: bool, allow_incomplete: bool) -> None:
     """
     c = _load(cassette, require_signature=True, allow_torn=allow_torn,
               allow_incomplete=allow_incomplete)
-    from replayer.steps import step_count
+    from recorder.cassette.rows import step_count
 
     end = c.end["status"] if c.end else "no end line (incomplete run)"
     click.echo(f"ok: {cassette}: run {c.run}, {step_count(c)} steps, {c.verify_note}, "
@@ -302,7 +302,7 @@ def show(cassette: Path, as_json: bool, allow_unverified: bool) -> None:
     The signature is checked first; a cassette signed with a key this machine does not
     have is refused unless --allow-unverified, and then marked NOT VERIFIED.
     """
-    from replayer.steps import (
+    from recorder.cassette.rows import (
         children_of,
         describe_split,
         describe_totals,
@@ -466,7 +466,7 @@ def _writer_lock(path: Path, run: str | None, what: str) -> Any:
     """Take ``path``'s writer lock for the whole command (refused: exit 2, naming who has it)."""
     import time
 
-    from recorder import lock
+    from recorder.cassette import lock
     from recorder.errors import CassetteLocked, DejaError
 
     deadline = None
@@ -612,8 +612,8 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
 def _echo_split(path: Path) -> None:
     """What a fork or a resumed run replayed and what it spent live, on stderr."""
     from recorder.cassette import load
+    from recorder.cassette.rows import describe_split, run_totals
     from recorder.errors import DejaError
-    from replayer.steps import describe_split, run_totals
 
     try:
         written = load(path, allow_torn=True, allow_incomplete=True)

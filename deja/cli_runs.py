@@ -10,7 +10,14 @@ from typing import Any
 
 import click
 
-from ._common import BadInput, _allow_unverified_option, _fail, _load, _pid_gone, _warn_unverified
+from deja._common import (
+    BadInput,
+    _allow_unverified_option,
+    _fail,
+    _load,
+    _pid_gone,
+    _warn_unverified,
+)
 
 
 def _run_of(target: str, allow_unverified: bool = False) -> tuple[str, Any]:
@@ -27,8 +34,8 @@ def _run_of(target: str, allow_unverified: bool = False) -> tuple[str, Any]:
 def _status_from_cassette(c: Any) -> dict[str, Any]:
     """What a cassette says about its run when there is no status record (another
     machine's run, or another DEJA_HOME): its end line, or who is still writing it."""
-    from recorder import lock
-    from replayer.steps import run_summary
+    from recorder.cassette import lock
+    from recorder.cassette.rows import run_summary
 
     summary = run_summary(c)
     holder = lock.holder_of(c.path)
@@ -58,7 +65,7 @@ def status(run: str, as_json: bool, allow_unverified: bool) -> None:
     and totals. A run whose process is gone without closing it shows as crashed. Without a
     status record (a cassette from elsewhere), the cassette itself says how the run ended.
     """
-    from recorder.progress import read_status
+    from recorder.harness.progress import read_status
 
     run, cassette = _run_of(run, allow_unverified)
     if cassette is not None:
@@ -128,7 +135,7 @@ def cancel(run: str, reason: str) -> None:
     never stops mid-action. Any process with the same DEJA_HOME can cancel.
     """
     from recorder.errors import ConfigError
-    from recorder.progress import read_status, request_cancel
+    from recorder.harness.progress import read_status, request_cancel
 
     run, given = _run_of(run)  # a cassette names the run it cancels only if it verifies
     record = read_status(run)

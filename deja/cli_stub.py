@@ -8,12 +8,13 @@ from typing import Any
 
 import click
 
-from ._common import BadInput, _allow_unverified_option, _fail, _load, _warn_unverified
+from deja._common import BadInput, _allow_unverified_option, _fail, _load, _warn_unverified
 
 
 def _stub_script_from(cassette: Path, allow_unverified: bool) -> Any:
     """The stub script answering what the run of ``cassette`` received (exit 2 if none)."""
-    from recorder.stubserver import StubScriptError, load_script, script_from_cassette
+    from recorder.testing.server import StubScriptError, load_script
+    from replayer.stub import script_from_cassette
 
     loaded = _load(cassette, allow_unverified=allow_unverified)
     _warn_unverified(loaded)
@@ -52,7 +53,7 @@ def stub(script: Path | None, from_cassette: Path | None, output: Path | None,
     import signal
     import threading
 
-    from recorder.stubserver import StubScriptError, StubServer
+    from recorder.testing.server import StubScriptError, StubServer
 
     if (script is None) == (from_cassette is None):
         raise BadInput("give either --script FILE or --from CASSETTE")

@@ -8,10 +8,10 @@ and, for the non-ASCII text and emoji of the corpus, Debian's fonts-noto-cjk and
 fonts-noto-color-emoji (``apt-get install fonts-noto-cjk fonts-noto-color-emoji``).
 Everything is made here, offline, in a temporary directory with a throwaway signing key:
 the viewer tests' corpus is recorded against the stub model (``build_corpus`` of
-tests/test_viewer_queries.py: a streamed run with thinking, a tool call, non-ASCII text
+tests/viewer/test_viewer_queries.py: a streamed run with thinking, a tool call, non-ASCII text
 and an image; the retry-spiral agent and a fork of it with the search result fixed), then
 ``deja view runs`` serves it and headless Chromium, driven by Playwright as in
-tests/test_viewer_browser.py (which runs this script), takes the pictures:
+tests/viewer/test_viewer_browser.py (which runs this script), takes the pictures:
 
 - viewer-run.png: the streamed run: its header, timeline, cumulative tokens and cost and
   the waterfall of its steps;
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         from test_viewer_queries import AFTER_FORK, GOOD, build_corpus
 
-        from recorder.stubserver import StubServer
+        from recorder.testing.server import StubServer
 
         missing = chromium_missing()
         if missing:

@@ -4,9 +4,11 @@
 patchers load when a session starts.
 """
 
-from .cassette import FORMAT, Cassette, CassetteWriter, Fsync, load
-from .effects import now, randint, random, utcnow, uuid4, value
-from .errors import (
+from recorder.capture.session import Session, active
+from recorder.cassette import FORMAT, Cassette, CassetteWriter, Fsync, load
+from recorder.cassette.keys import Keyring, load_keyring
+from recorder.effects import now, randint, random, utcnow, uuid4, value
+from recorder.errors import (
     BudgetExhausted,
     Cancelled,
     CassetteError,
@@ -31,13 +33,11 @@ from .errors import (
     UnsupportedFormat,
     UnverifiedCassette,
 )
-from .guards import BreakerSettings, Budgets, LoopGuard
-from .intents import Intent, Settled, idempotency_key
-from .keys import Keyring, load_keyring
-from .pricing import Price, PriceTable
-from .record import RecordSession, record, start
-from .session import Session, active
-from .tools import tool
+from recorder.harness.guards import BreakerSettings, Budgets, LoopGuard
+from recorder.intents import Intent, Settled, idempotency_key
+from recorder.pricing import Price, PriceTable
+from recorder.record import RecordSession, record, start
+from recorder.tools import tool
 
 __all__ = [
     "FORMAT",

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-from . import session
+from recorder.capture import session
 
 # Frames of these packages are deja's own; the call site is the first frame outside them.
 _OWN = frozenset({"deja", "recorder", "replayer", "viewer"})

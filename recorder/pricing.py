@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import ConfigError
+from recorder.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -33,12 +33,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from . import _compact, _values, capture, config, effects, session
-from ._canonical import digest
-from ._summary import summarize
-from .cassette import CassetteWriter, Fsync
-from .errors import ConfigError, RunStopped, SessionError, UnserializableValue
-from .exchange import (
+from recorder import effects
+from recorder import values as _values
+from recorder._summary import summarize
+from recorder.capture import session
+from recorder.capture import vcr as capture
+from recorder.capture.exchange import (
     HttpRequest,
     HttpResponse,
     Redaction,
@@ -49,9 +49,13 @@ from .exchange import (
     semantic_headers,
     upstream,
 )
-from .guards import BreakerSettings, Budgets, Clock, LoopGuard
-from .harness import RunGuard
-from .keys import Keyring, load_keyring, require_signing_key
+from recorder.cassette import CassetteWriter, Fsync, _compact
+from recorder.cassette.canonical import digest
+from recorder.cassette.keys import Keyring, load_keyring, require_signing_key
+from recorder.errors import ConfigError, RunStopped, SessionError, UnserializableValue
+from recorder.harness import settings as config
+from recorder.harness.guards import BreakerSettings, Budgets, Clock, LoopGuard
+from recorder.harness.run_guard import RunGuard
 
 log = logging.getLogger("deja.recorder")
 
@@ -647,11 +651,11 @@ def record(path: str | Path = "cassettes", *, labels: dict[str, Any] | None = No
     ``fsync``: ``"sync"`` forces every line to disk before the call returns, ``"turn"``
     (default) side effects, control and end lines before it returns and model lines by a
     background group commit, ``"exit"`` only the end. ``budgets``, ``loop_guard`` and
-    ``breaker`` set the harness guards (see :mod:`recorder.guards`; defaults and
-    ``[tool.deja]`` in :mod:`recorder.config`); ``clock`` replaces ``time.monotonic`` for
+    ``breaker`` set the harness guards (see :mod:`recorder.harness.guards`; defaults and
+    ``[tool.deja]`` in :mod:`recorder.harness.settings`); ``clock`` replaces ``time.monotonic`` for
     the wall-clock budget (tests). ``prices`` overrides the dollar price table.
 
-    Secrets never reach disk (:mod:`recorder.redact`): secret headers, URL userinfo,
+    Secrets never reach disk (:mod:`recorder.capture.redact`): secret headers, URL userinfo,
     query parameters named like secrets and well-known key shapes are redacted
     everywhere; ``redact_headers`` (names), ``redact_body`` (JSON pointers such as
     ``/metadata/user_id``), ``redact_patterns`` (regular expressions) and
@@ -675,7 +679,7 @@ def write_end(path: str | Path, end: dict[str, Any], exit_code: int,
               keyring: Keyring | None = None) -> dict[str, Any]:
     """Close a cassette a program left open, with the end line it handed over and its exit
     status (``deja record`` does this once the program has exited)."""
-    from .cassette import load
+    from recorder.cassette import load
 
     ring = keyring or load_keyring(create=False)
     loaded = load(path, keyring=ring, require_signature=True, allow_incomplete=True)

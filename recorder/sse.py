@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ._summary import sse_events
+from recorder._summary import sse_events
 
 
 def assemble(text: str) -> dict[str, Any]:

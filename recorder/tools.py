@@ -13,8 +13,9 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
-from . import intents, session
-from .errors import ConfigError
+from recorder import intents
+from recorder.capture import session
+from recorder.errors import ConfigError
 
 F = TypeVar("F", bound=Callable[..., Any])
 

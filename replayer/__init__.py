@@ -2,11 +2,10 @@
 fork it at a step with an edited observation; resume it after a crash."""
 
 from recorder.errors import Divergence, DivergenceInfo
-
-from .continuation import ContinuationSession
-from .diff import RunDiff, compare
-from .forking import ForkPlan, fork, plan_fork, plan_resume, resume
-from .replay import ReplayResult, ReplaySession, replay, start
+from replayer.continuation import ContinuationSession
+from replayer.diff import RunDiff, compare
+from replayer.forking import ForkPlan, fork, plan_fork, plan_resume, resume
+from replayer.replay import ReplayResult, ReplaySession, replay, start
 
 __all__ = [
     "ContinuationSession",

@@ -18,17 +18,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from recorder import _values, session
+from recorder import values as _values
+from recorder.capture import session
+from recorder.capture.exchange import HttpRequest, HttpResponse, Redaction
 from recorder.cassette import Cassette, CassetteWriter
+from recorder.cassette.rows import count_call, totals_of
 from recorder.effects import call_site
 from recorder.errors import NeedsAttention
-from recorder.exchange import HttpRequest, HttpResponse, Redaction
-from recorder.guards import Budgets
+from recorder.harness.guards import Budgets
 from recorder.intents import Intent, Settled
 from recorder.record import RecordSession
-
-from .replay import ReplaySession
-from .steps import count_call, totals_of
+from replayer.replay import ReplaySession
 
 log = logging.getLogger("deja.replayer")
 
@@ -96,7 +96,7 @@ class ContinuationSession(RecordSession):
         if not self.live and self.prefix.index.remaining == 0:
             self.go_live()
         end = super().end_line(status, error)
-        # What of the totals was replayed from the prefix (replayer.steps counts the same)
+        # What of the totals was replayed from the prefix (recorder.cassette.rows counts the same)
         replayed = totals_of(self.prefix.cassette.observations)
         end["totals"]["replayed"] = {k: replayed[k] for k in (
             "model_calls", "http_calls", "tool_calls", "effects", "input_tokens",

@@ -1,6 +1,6 @@
 """Compare two runs step by step: where they part, and how each changed step differs.
 
-Steps are those of :mod:`replayer.steps` and are named by their ``seq``; the headline
+Steps are those of :mod:`recorder.cassette.rows` and are named by their ``seq``; the headline
 counts are step counts (the end line is compared too, but is no step). The two runs are
 aligned step by step with the bookkeeping control lines (``fork_edit``, ``resumed``) left
 out, since a fork or a resumed run has them where the other run has none: after a fork
@@ -20,12 +20,11 @@ from typing import Any
 
 import jsonpatch
 
-from recorder._canonical import decode_body
-from recorder._values import decode
 from recorder.cassette import Cassette
+from recorder.cassette.canonical import decode_body
+from recorder.cassette.rows import is_bookkeeping, step_count
 from recorder.sse import assemble
-
-from .steps import is_bookkeeping, step_count
+from recorder.values import decode
 
 _VOLATILE_MESSAGE_KEYS = ("id",)
 
@@ -127,7 +126,7 @@ class StepDiff:
 class RunDiff:
     """The result of comparing run A with run B.
 
-    ``steps_a``/``steps_b`` are step counts (:func:`replayer.steps.step_count`);
+    ``steps_a``/``steps_b`` are step counts (:func:`recorder.cassette.rows.step_count`);
     ``first_divergence`` is the seq of the first differing step (B's, or A's when B has
     no such step; ``None``: the runs are the same), ``same_prefix`` the number of steps
     before it.

@@ -23,12 +23,12 @@ from typing import Any
 
 import jsonpatch
 
-from recorder._canonical import decode_body, encode_body
 from recorder._summary import summarize
-from recorder._values import decode, encode
+from recorder.cassette.canonical import decode_body, encode_body
 from recorder.errors import ConfigError
 from recorder.pricing import PriceTable
 from recorder.sse import assemble, synthesize
+from recorder.values import decode, encode
 
 EDITABLE = ("model", "http", "tool", "outcome", "effect")
 

@@ -36,14 +36,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from recorder import session as _session
+from recorder.capture import session as _session
 from recorder.cassette import RESUMABLE_ENDS, Cassette, CassetteWriter, load
+from recorder.cassette.keys import Keyring, load_keyring
 from recorder.errors import ConfigError, Divergence, KeyMissing
-from recorder.keys import Keyring, load_keyring
 from recorder.record import launch_dir, new_run_id, portable_launch
-
-from . import edit as _edit
-from .continuation import ContinuationSession
+from replayer import edit as _edit
+from replayer.continuation import ContinuationSession
 
 log = logging.getLogger("deja.replayer")
 

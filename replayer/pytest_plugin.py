@@ -46,7 +46,7 @@ from typing import Any
 
 import pytest
 
-from recorder import session as _session
+from recorder.capture import session as _session
 from recorder.errors import Divergence
 from recorder.record import RecordSession
 
@@ -163,7 +163,7 @@ def _deja_marked(request: pytest.FixtureRequest) -> Iterator[None]:
                 del request.node.stash[_RECORDING]
                 rec.close()
         return
-    from .replay import replay
+    from replayer.replay import replay
 
     marker = request.node.get_closest_marker("deja")
     allowed = (bool(marker.kwargs.get("allow_unverified"))

@@ -31,8 +31,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from recorder import _values, capture, session
+from recorder import values as _values
+from recorder.capture import session
+from recorder.capture import vcr as capture
+from recorder.capture.exchange import (
+    HttpRequest,
+    HttpResponse,
+    Redaction,
+    classify,
+    fingerprint,
+    response_from_record,
+)
 from recorder.cassette import Cassette, load
+from recorder.cassette.keys import Keyring, load_keyring
+from recorder.cassette.rows import describe_split, describe_totals, run_totals, step_count
 from recorder.effects import Site, call_site
 from recorder.errors import (
     BudgetExhausted,
@@ -44,18 +56,7 @@ from recorder.errors import (
     SessionError,
     ToolReplayError,
 )
-from recorder.exchange import (
-    HttpRequest,
-    HttpResponse,
-    Redaction,
-    classify,
-    fingerprint,
-    response_from_record,
-)
-from recorder.keys import Keyring, load_keyring
-
-from ._match import Index, tool_key, unified
-from .steps import describe_split, describe_totals, run_totals, step_count
+from replayer.index import Index, tool_key, unified
 
 log = logging.getLogger("deja.replayer")
 
@@ -67,13 +68,13 @@ _STOP_ERRORS = {"budget_exhausted": BudgetExhausted, "cancelled": Cancelled,
 class ReplayResult:
     """What a replay found.
 
-    ``steps_recorded`` is the cassette's step count (:mod:`replayer.steps`: every
+    ``steps_recorded`` is the cassette's step count (:mod:`recorder.cassette.rows`: every
     observation line but the end line) and ``steps_served`` how many of them the replay
     went through: the calls served from the cassette, the lines made inside a served
     tool, and the control lines the run reached. ``seconds`` is the time spent serving,
     from the first call the program made to the last one answered (the interpreter's
     start-up and the program's imports are not in it). ``totals`` is the recorded run's
-    :func:`replayer.steps.run_totals`.
+    :func:`recorder.cassette.rows.run_totals`.
     """
 
     path: str
@@ -219,7 +220,7 @@ class ReplaySession(session.Session):
     def show_progress(self, label: str = "replaying") -> None:
         """Draw a progress bar on stderr while the steps are served, if it is a terminal
         (see :mod:`replayer._progress`); it goes at :meth:`stop_progress` or ``finish``."""
-        from ._progress import ReplayProgress
+        from replayer._progress import ReplayProgress
 
         self._progress = ReplayProgress.on_terminal(label, self.index.total)
 

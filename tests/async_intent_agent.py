@@ -1,5 +1,5 @@
 """A small async agent with side-effecting tools (run by `deja record` / `deja fork` /
-`deja replay` in tests/test_fork.py; not collected).
+`deja replay` in tests/replayer/test_fork.py; not collected).
 
 An async ``lookup``, an async side-effecting ``charge`` that returns its idempotency key,
 an async side-effecting ``refund`` that fails (the agent catches it), an effect, and one

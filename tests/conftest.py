@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from recorder.stubserver import StubServer
+from recorder.testing.server import StubServer
 
 # A model the SDK knows and does not warn about (warnings are errors in this suite).
 MODEL = "claude-sonnet-4-6"
@@ -68,7 +68,7 @@ def read_lines(path: Path) -> list[dict]:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The figures of the tamper suite (tests/test_tamper.py), when it ran."""
+    """The figures of the tamper suite (tests/replayer/test_tamper.py), when it ran."""
     tamper = sys.modules.get("tamper")
     for line in getattr(tamper, "SUMMARY", ()):
         terminalreporter.write_line(line)

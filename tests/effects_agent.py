@@ -1,5 +1,5 @@
 """A small agent whose effects come from two call sites (run by `deja record` / `deja replay`
-in tests/test_effects.py, and imported there; not collected).
+in tests/recorder/test_effects.py, and imported there; not collected).
 
 ``plan`` and ``act`` each ask for a ``recorder.uuid4()``; the output prints which call got
 which value. Environment:

@@ -1,4 +1,4 @@
-"""Mutations of a real cassette, for the tamper suite (``tests/test_tamper.py``).
+"""Mutations of a real cassette, for the tamper suite (``tests/replayer/test_tamper.py``).
 
 A cassette is untrusted input, so the suite takes one real recording and breaks it in
 every way someone could: each line edited, inserted, deleted, moved, duplicated or
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recorder.keys import key_id
+from recorder.cassette.keys import key_id
 
 SUMMARY: list[str] = []  # the suite's figures, printed at the end of the run (conftest)
 ATTACKER_KEY = b"attacker-key-that-no-one-here-has-1f0e"

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-from .index import Progress
+from viewer.index import Progress
 
 MIN_FILES = 20  # fewer files are indexed faster than a bar can be read
 

@@ -18,9 +18,9 @@ import binascii
 import json
 from typing import Any
 
-from recorder._canonical import decode_body
-from recorder._values import decode
+from recorder.cassette.canonical import decode_body
 from recorder.sse import assemble
+from recorder.values import decode
 
 LIMIT = 100_000  # characters of one payload shown before it is cut
 _SEARCH_BODY_LIMIT = 1_000_000  # characters of an HTTP body kept for text search

@@ -29,12 +29,11 @@ from typing import Any
 import duckdb
 
 from recorder.cassette import load
+from recorder.cassette.keys import Keyring, deja_home, load_keyring
+from recorder.cassette.rows import run_summary, step_row
+from recorder.cassette.trust import allow_unverified_from_env
 from recorder.errors import DejaError
-from recorder.keys import Keyring, deja_home, load_keyring
-from recorder.trust import allow_unverified_from_env
-from replayer.steps import run_summary, step_row
-
-from .content import searchable_text
+from viewer.content import searchable_text
 
 log = logging.getLogger("deja.viewer")
 

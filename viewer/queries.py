@@ -16,14 +16,13 @@ from datetime import UTC, date, datetime, time, timedelta
 from pathlib import Path
 from typing import Any
 
-from recorder import lock
+from recorder.cassette import lock
+from recorder.cassette.rows import run_summary, step_name, step_status
 from recorder.errors import ConfigError
-from recorder.progress import cancel_requested, read_status, request_cancel
+from recorder.harness.progress import cancel_requested, read_status, request_cancel
 from replayer.diff import FieldChange, RunDiff, aligned, compare, render
-from replayer.steps import run_summary, step_name, step_status
-
-from .index import RunIndex
-from .step import (
+from viewer.index import RunIndex
+from viewer.step import (
     LaunchedFork,
     StepDetail,
     document_text,
@@ -247,7 +246,7 @@ def run_path(index: RunIndex, run: str) -> Path | None:
 
 def run_header(index: RunIndex, run: str) -> dict[str, Any] | None:
     """The run's facts and totals (steps, calls, tokens, cost), as
-    :func:`replayer.steps.run_summary` counts them when the file is indexed."""
+    :func:`recorder.cassette.rows.run_summary` counts them when the file is indexed."""
     row = _find(index, run)
     if row is None:
         return None

@@ -24,14 +24,13 @@ from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from recorder.cassette import Cassette, load
+from recorder.cassette.keys import load_keyring
+from recorder.cassette.rows import step_name, step_status
 from recorder.errors import ConfigError, DejaError
-from recorder.keys import load_keyring
-from recorder.progress import read_status
+from recorder.harness.progress import read_status
 from replayer import edit
 from replayer.forking import plan_fork
-from replayer.steps import step_name, step_status
-
-from . import content
+from viewer import content
 
 # ---------------------------------------------------------------------- cassettes
 

@@ -16,11 +16,10 @@ import streamlit as st
 from streamlit.errors import StreamlitAPIException
 
 from recorder.errors import DejaError
-
-from . import queries
-from .content import Block
-from .index import RunIndex
-from .queries import StepDetail
+from viewer import queries
+from viewer.content import Block
+from viewer.index import RunIndex
+from viewer.queries import StepDetail
 
 THUMBNAIL_WIDTH = 160
 

@@ -4,7 +4,7 @@ Usage (from the repository root)::
 
     .venv/bin/python tests/golden/make_golden.py
 
-It starts the stub Anthropic server (``recorder.stubserver.StubServer``) with
+It starts the stub Anthropic server (``recorder.testing.server.StubServer``) with
 ``agent.SCRIPT``, records one run of ``agent.agent`` against it, signed with the fixed key
 ``DEJA_KEY=golden-key-deja-v1``, and overwrites the cassette. Nothing leaves the machine.
 
@@ -35,7 +35,7 @@ def main() -> int:
     import agent  # tests/golden/agent.py, importable now that HERE is on the path
 
     from recorder import Keyring, RecordSession
-    from recorder.stubserver import StubServer
+    from recorder.testing.server import StubServer
 
     with StubServer(agent.SCRIPT) as server:
         run = RecordSession(OUT, argv=["tests/golden/make_golden.py"], overwrite=True,

@@ -1,0 +1,152 @@
+"""HTTP capture: vcrpy's patchers, driven by a deja session instead of a vcrpy cassette.
+
+vcrpy knows how to intercept requests, urllib3, http.client, aiohttp, boto3 and tornado.
+deja hands it a small object that answers the questions vcrpy's stubs ask of a cassette
+(``can_play_response_for``, ``play_response``, ``append`` ...) by asking the active
+session. The httpx and httpx2 transports are left out of vcrpy's set (``skip_patchers``)
+and patched with deja's streaming stub instead (``custom_patches``), so that recording
+never buffers a stream.
+
+:func:`install` is the whole interface: it returns a context manager that holds the
+patches for as long as the session is active.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+import time
+from typing import Any
+
+from recorder.capture import _httpx as _httpx_stub
+from recorder.capture.exchange import HttpRequest, HttpResponse
+from recorder.capture.session import Session, Timing
+from recorder.errors import DejaError
+
+_HTTPX_MODULES = ("httpx", "httpx2")
+
+
+def _vcr_headers(headers: Any) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    for key, value in dict(headers or {}).items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        out.extend((str(key), v.decode("latin-1") if isinstance(v, bytes) else str(v))
+                   for v in values)
+    return out
+
+
+def _vcr_body(body: Any) -> bytes:
+    if body is None:
+        return b""
+    if isinstance(body, str):
+        return body.encode("utf-8")
+    if isinstance(body, (bytes, bytearray)):
+        return bytes(body)
+    return bytes(body.read()) if hasattr(body, "read") else b"".join(body)
+
+
+def _from_vcr_request(vcr_request: Any) -> HttpRequest:
+    return HttpRequest(method=vcr_request.method, url=vcr_request.uri,
+                       headers=_vcr_headers(vcr_request.headers),
+                       body=_vcr_body(vcr_request.body))
+
+
+class _VcrBridge:
+    """Looks like a vcrpy cassette to vcrpy's stubs; defers every decision to a session."""
+
+    skip_patchers = _HTTPX_MODULES
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+        self._path = str(session.path)
+        self._starts: dict[int, tuple[float, float]] = {}
+        self._served: dict[int, HttpResponse] = {}  # answered by the session (fork, resume)
+        self._lock = threading.Lock()
+        self.custom_patches = tuple(_httpx_patches(session))
+
+    @property
+    def write_protected(self) -> bool:
+        return self._session.mode == "replay"
+
+    def filter_request(self, request: Any) -> Any:
+        return request
+
+    def can_play_response_for(self, vcr_request: Any) -> bool:
+        if self._session.mode == "replay":
+            return True
+        with self._lock:
+            first = id(vcr_request) not in self._starts
+            if first:
+                self._starts[id(vcr_request)] = (time.time(), time.perf_counter())
+        if first:
+            try:
+                served = self._session.begin_http(_from_vcr_request(vcr_request))
+            except DejaError:
+                with self._lock:
+                    self._starts.pop(id(vcr_request), None)
+                raise
+            if served is not None:
+                with self._lock:
+                    self._served[id(vcr_request)] = served
+        with self._lock:
+            return id(vcr_request) in self._served
+
+    def play_response(self, vcr_request: Any) -> dict[str, Any]:
+        with self._lock:
+            served = self._served.pop(id(vcr_request), None)
+            self._starts.pop(id(vcr_request), None)
+        if served is None:
+            served = self._session.begin_http(_from_vcr_request(vcr_request))
+        if served is None:  # pragma: no cover - replay sessions always serve or raise
+            raise DejaError("the session declined to serve a replayed request")
+        if served.extra.get("error") and not served.extra.get("has_response"):
+            raise ConnectionError(served.extra["error"].get("message") or "recorded error")
+        headers: dict[str, list[str]] = {}
+        for key, value in served.headers:
+            headers.setdefault(key, []).append(value)
+        return {"status": {"code": served.status, "message": served.reason},
+                "headers": headers, "body": {"string": served.body}}
+
+    def append(self, vcr_request: Any, vcr_response: dict[str, Any]) -> None:
+        with self._lock:
+            start, t0 = self._starts.pop(id(vcr_request), (time.time(), time.perf_counter()))
+        status = vcr_response.get("status", {})
+        response = HttpResponse(status=int(status.get("code", 0)),
+                                reason=str(status.get("message") or ""),
+                                headers=_vcr_headers(vcr_response.get("headers")),
+                                body=_vcr_body((vcr_response.get("body") or {}).get("string")))
+        timing = Timing(start, (time.perf_counter() - t0) * 1000)
+        self._session.end_http(_from_vcr_request(vcr_request), response, timing)
+
+    def find_requests_with_most_matches(self, request: Any) -> list[Any]:
+        return []
+
+
+def _httpx_patches(session: Session) -> list[tuple[Any, str, Any]]:
+    patches = []
+    for name in _HTTPX_MODULES:
+        try:
+            httpx = importlib.import_module(name)
+        except ImportError:
+            continue
+        sync_real = httpx.HTTPTransport.handle_request
+        async_real = httpx.AsyncHTTPTransport.handle_async_request
+        patches.append((httpx.HTTPTransport, "handle_request",
+                        _httpx_stub.sync_handler(session, httpx, sync_real)))
+        patches.append((httpx.AsyncHTTPTransport, "handle_async_request",
+                        _httpx_stub.async_handler(session, httpx, async_real)))
+    return patches
+
+
+@contextlib.contextmanager
+def install(session: Session):
+    """Patch every supported HTTP client to go through ``session`` while the block runs."""
+    from vcr.patch import CassettePatcherBuilder
+
+    bridge = _VcrBridge(session)
+    with contextlib.ExitStack() as stack:
+        for patcher in CassettePatcherBuilder(bridge).build():
+            stack.enter_context(patcher)
+        yield bridge
+

@@ -1,0 +1,30 @@
+"""The cassette: one run's observation log, JSON Lines, signed with an HMAC chain.
+
+- :mod:`.format`: the format version, the fsync policy, which ends can be resumed;
+- :mod:`.writer`: the append-only writer (one ``write`` per line, group commit);
+- :mod:`.reader`: :func:`load`, which parses, verifies and restores a cassette;
+- :mod:`.signing`: the chain of signatures; :mod:`.keys`: where keys come from;
+  :mod:`.trust`: whether a loaded cassette can be trusted; :mod:`.lock`: one writer
+  per cassette;
+- :mod:`.canonical`: the byte form signatures and fingerprints are computed over;
+- :mod:`.rows`: a cassette as rows (steps, totals, summaries) for every reader.
+"""
+
+from recorder.cassette.format import FORMAT, KINDS, READABLE_FORMATS, RESUMABLE_ENDS, Fsync
+from recorder.cassette.reader import Cassette, load
+from recorder.cassette.signing import check_sig, encode_sig, sign
+from recorder.cassette.writer import CassetteWriter
+
+__all__ = [
+    "FORMAT",
+    "KINDS",
+    "READABLE_FORMATS",
+    "RESUMABLE_ENDS",
+    "Cassette",
+    "CassetteWriter",
+    "Fsync",
+    "check_sig",
+    "encode_sig",
+    "load",
+    "sign",
+]

@@ -1,0 +1,141 @@
+"""Model lines on disk carry only what cannot be derived; the reader restores the rest.
+
+A model turn's line would otherwise repeat, every turn, what the line before already says.
+On disk (the reader expands each line back after checking its signature):
+
+- ``request_headers`` is the seq of an earlier model line when the headers are the same;
+- ``response.headers_base`` names an earlier model line whose response headers this one
+  shares; ``null`` entries of ``response.headers`` are taken from it, position by position
+  (so header order is kept exactly);
+- ``response.body_json`` holds a JSON body as JSON rather than as an escaped string, when
+  compact re-serialisation gives back the received bytes exactly; otherwise ``body`` keeps
+  the text (or base64);
+- ``url`` is the seq of an earlier model line when it is the same;
+- ``response.reason`` is left out when it is the standard phrase of the status;
+- ``fp``, ``model`` and ``stream`` are not stored: they follow from the request; nor
+  ``provider`` (from the URL), ``message_id``, ``usage``, ``stop_reason`` and
+  ``api_error`` (from the response body). ``cost_usd`` is stored: it depends on the price
+  table of the day it was recorded.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from typing import Any
+
+from recorder._summary import summarize
+from recorder.cassette.canonical import fingerprint
+from recorder.providers import model_provider
+
+_DERIVED = ("usage", "stop_reason", "api_error", "message_id", "model", "stream", "fp")
+
+
+def _exact_json(text: str) -> Any:
+    """The parsed body when compact re-serialisation reproduces ``text`` exactly."""
+    if not text or text[0] not in "{[":
+        return None
+    try:  # NaN, Infinity or deep nesting have no canonical form: the text is kept instead
+        doc = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return None
+    if json.dumps(doc, separators=(",", ":"), ensure_ascii=False) != text:
+        return None
+    return doc
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} has no canonical JSON form")
+
+
+def json_text(doc: Any) -> str:
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
+
+
+class Compactor:
+    """Writer side: remembers the last model line's headers to refer back to."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._req: tuple[int, list[list[str]]] | None = None
+        self._resp: tuple[int, list[list[str]]] | None = None
+        self._url: tuple[int, str] | None = None
+
+    def compact(self, obs: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            req, resp, url = self._req, self._resp, self._url
+        for key in _DERIVED:
+            obs.pop(key, None)
+        if model_provider("POST", obs["url"]) == obs.get("provider"):
+            del obs["provider"]
+        if url is not None and obs["url"] == url[1]:
+            obs["url"] = url[0]
+        headers = obs.get("request_headers")
+        if req is not None and headers == req[1]:
+            obs["request_headers"] = req[0]
+        response = obs.get("response")
+        if response is not None:
+            if response.get("reason") == _phrase(response["status"]):
+                response = {k: v for k, v in response.items() if k != "reason"}
+            if response.get("encoding") is None:
+                doc = _exact_json(response["body"])
+                if doc is not None:
+                    response = {**response, "body_json": doc}
+                    del response["body"]
+            if resp is not None and len(resp[1]) == len(response["headers"]):
+                same = [a == b for a, b in zip(resp[1], response["headers"], strict=True)]
+                if sum(same) >= 2:
+                    response = {**response, "headers_base": resp[0],
+                                "headers": [None if s else h for s, h in
+                                            zip(same, response["headers"], strict=True)]}
+            obs["response"] = response
+        return obs
+
+    def written(self, seq: int, url: str, request_headers: Any, response_headers: Any) -> None:
+        with self._lock:
+            self._url = (seq, url)
+            if isinstance(request_headers, list):
+                self._req = (seq, request_headers)
+            if isinstance(response_headers, list):
+                self._resp = (seq, response_headers)
+
+
+def _phrase(status: int) -> str:
+    return http.client.responses.get(status, "")
+
+
+def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any) -> None:
+    """Reader side: restore a model line in place; ``earlier`` holds the lines before it."""
+    if isinstance(line.get("url"), int):
+        line["url"] = earlier[line["url"]]["url"]
+    url = line.get("url") or ""
+    line.setdefault("provider", model_provider("POST", url) or "anthropic")
+    headers = line.get("request_headers")
+    if isinstance(headers, int):
+        line["request_headers"] = earlier[headers]["request_headers"]
+    response = line.get("response")
+    if response is not None:
+        if "body_json" in response:
+            response["body"] = json_text(response.pop("body_json"))
+        response.setdefault("reason", _phrase(response.get("status", 0)))
+        base = response.pop("headers_base", None)
+        if base is not None:
+            base_headers = earlier[base]["response"]["headers"]
+            response["headers"] = [b if h is None else h
+                                   for h, b in zip(response["headers"], base_headers, strict=True)]
+        if "usage" not in line:
+            ctype = next((v for k, v in response.get("headers") or []
+                          if k.lower() == "content-type"), "")
+            body = response["body"].encode("utf-8") if response.get("encoding") is None else b""
+            summary = summarize(line["provider"], response.get("status", 0), ctype, body)
+            line["usage"] = summary.get("usage") or None
+            line["stop_reason"] = summary.get("stop_reason")
+            line["message_id"] = summary.get("message_id")
+            if summary.get("error"):
+                line["api_error"] = summary["error"]
+    if isinstance(request, dict):
+        line.setdefault("model", request.get("model"))
+        line.setdefault("stream", bool(request.get("stream")))
+    line.setdefault("fp", fingerprint("model", "POST", url, request))
+    line.setdefault("message_id", None)

@@ -1,0 +1,209 @@
+"""Parsing and shape checks for cassette lines read from disk.
+
+Python's ``json`` accepts more than deja ever writes: ``NaN`` and ``Infinity``, lone
+surrogates in strings (which cannot be encoded back to UTF-8, so no signature can be
+computed over them), nesting deep enough to exhaust the interpreter's stack, a key twice
+in one object (Python keeps the last value and other readers the first, so a second value
+rides along outside the signature), and any type in any field. A cassette is untrusted
+input, so each line is parsed strictly and the fields that readers rely on are checked for
+type before anything else looks at them: a file that breaks a rule is refused with
+:class:`CorruptCassette` naming the line, never with a traceback from deep inside a reader.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from recorder.errors import CorruptCassette
+
+MAX_DEPTH = 200  # deja's own lines nest a dozen levels; JSON bodies rarely exceed 50
+
+_OPTIONAL = type(None)
+_NUMBER = (int, float)
+_MAYBE_NUMBER = (int, float, _OPTIONAL)
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON deja writes")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        keys = [k for k, _ in pairs]
+        twice = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"key {twice!r} appears twice in one object; deja never writes that")
+    return obj
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
+
+
+def _depth_ok(raw: bytes) -> bool:
+    """Cheap upper bound of the nesting depth: brackets outside strings are not told apart
+    from those inside, so a deep count is only a reason to look closer (json decides)."""
+    return raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH or _depth(raw) <= MAX_DEPTH
+
+
+def _depth(raw: bytes) -> int:
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
+
+
+def parse_line(raw: bytes, path: Path, where: str, seq: int | None) -> Any:
+    """One line as JSON, strictly: refused with CorruptCassette naming ``where``."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CorruptCassette(f"{path}: {where} is not UTF-8 ({exc.reason} at byte "
+                              f"{exc.start})", path=path, seq=seq) from None
+    if not _depth_ok(raw):
+        raise CorruptCassette(f"{path}: {where} nests deeper than {MAX_DEPTH} levels; deja "
+                              "never writes such a line", path=path, seq=seq)
+    try:
+        return _DECODER.decode(text)
+    except (ValueError, RecursionError) as exc:
+        raise CorruptCassette(f"{path}: {where} is not valid JSON: {exc}", path=path,
+                              seq=seq) from None
+
+
+# The header fields readers use, with the types deja writes.
+_HEADER = {
+    "run": (str,), "created": (str, _OPTIONAL), "argv": (list, _OPTIONAL),
+    "cwd": (str, _OPTIONAL), "cassette": (str, _OPTIONAL), "entry": (str, _OPTIONAL),
+    "labels": (dict, _OPTIONAL),
+    "parent": (dict, _OPTIONAL), "key_id": (str,), "fsync": (str, _OPTIONAL),
+    "redact": (dict, _OPTIONAL), "budgets": (dict, _OPTIONAL), "loop": (dict, _OPTIONAL),
+    "breaker": (dict, _OPTIONAL), "versions": (dict, _OPTIONAL),
+}
+
+# Per kind: fields every line of that kind has, and fields that have a type when present.
+_COMMON = {"fp": (str,), "t": _MAYBE_NUMBER, "ms": _MAYBE_NUMBER, "within": (str,),
+           "error": (dict, _OPTIONAL), "cost_usd": _MAYBE_NUMBER,
+           "usage": (dict, _OPTIONAL), "edited": (bool,)}
+_REQUIRED = {
+    "model": {"request": (dict,)},
+    "http": {"method": (str,), "url": (str,), "request": (dict,)},
+    "tool": {"name": (str,)},
+    "intent": {"name": (str,)},
+    "outcome": {"name": (str,), "intent": (int,), "key": (str,)},
+    "effect": {"name": (str,)},
+    "control": {"event": (str,)},
+    "end": {"status": (str,)},
+}
+_OPTIONAL_BY_KIND = {
+    "model": {"url": (str, int), "request_headers": (list, int), "provider": (str,),
+              "response": (dict,)},
+    "http": {"response": (dict,)},
+    "control": {"detail": (dict, _OPTIONAL)},
+    "end": {"totals": (dict, _OPTIONAL), "reason": (str, _OPTIONAL),
+            "exit_code": (int, _OPTIONAL)},
+}
+_RESPONSE = {"status": (int,), "headers": (list,), "body": (str,), "reason": (str,),
+             "encoding": (str, _OPTIONAL), "headers_base": (int, _OPTIONAL)}
+
+
+def _kind_name(value: tuple[type, ...]) -> str:
+    names = [t.__name__ for t in value if t is not _OPTIONAL]
+    return " or ".join({"int": "an integer", "float": "a number", "str": "a string",
+                        "list": "a list", "dict": "an object", "bool": "true/false"}.get(n, n)
+                       for n in names) + (" or null" if _OPTIONAL in value else "")
+
+
+def _check_fields(obj: dict[str, Any], required: dict[str, tuple[type, ...]],
+                  optional: dict[str, tuple[type, ...]], what: str, path: Path,
+                  seq: int | None) -> None:
+    for name in required:
+        if name not in obj:
+            raise CorruptCassette(f"{path}: {what} has no '{name}' field", path=path, seq=seq)
+    for table in (required, optional):
+        for name, types in table.items():
+            if name in obj and not _is(obj[name], types):
+                value = obj[name]
+                big = isinstance(value, int) and not isinstance(value, bool)
+                got = f"{value}, beyond any number deja writes" if big else type(value).__name__
+                raise CorruptCassette(f"{path}: {what}: '{name}' must be {_kind_name(types)}, "
+                                      f"not {got}", path=path, seq=seq)
+
+
+_INT64 = range(-2**63, 2**63)  # what the index's integer columns hold
+
+
+def _is(value: Any, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):  # True is an int to Python, not to us
+        return bool in types
+    if isinstance(value, int) and value not in _INT64:
+        return False
+    return isinstance(value, types)
+
+
+def _counts(values: Any) -> bool:
+    """Token counts and totals: numbers (or null), or objects of them one level down."""
+    return all(_is(v, _MAYBE_NUMBER) or (isinstance(v, dict) and all(
+        _is(w, _MAYBE_NUMBER) for w in v.values())) for v in values)
+
+
+def check_header(header: dict[str, Any], path: Path) -> None:
+    """The header's fields have the types deja writes (``key_id`` may be missing: the
+    trust decision says what that means)."""
+    fields = {k: v for k, v in _HEADER.items() if k != "key_id"}
+    _check_fields(header, {}, fields, "the header", path, None)
+    if "key_id" in header and not isinstance(header["key_id"], str):
+        raise CorruptCassette(f"{path}: the header: 'key_id' must be a string, not "
+                              f"{type(header['key_id']).__name__}", path=path, seq=None)
+    argv = header.get("argv")
+    if argv is not None and not all(isinstance(a, str) for a in argv):
+        raise CorruptCassette(f"{path}: the header: 'argv' must be a list of strings",
+                              path=path, seq=None)
+    parent = header.get("parent")
+    if parent is not None:
+        _check_fields(parent, {}, {"run": (str,), "step": (int,), "prefix_sig": (str,),
+                                   "path": (str,)}, "the header's parent", path, None)
+
+
+def check_line(line: dict[str, Any], path: Path, seq: int) -> None:
+    """The fields of observation ``seq`` that readers use have the types deja writes."""
+    kind = line.get("kind")
+    what = f"seq {seq} ({kind})"
+    _check_fields(line, _REQUIRED[kind], {**_COMMON, **_OPTIONAL_BY_KIND.get(kind, {})},
+                  what, path, seq)
+    response = line.get("response")
+    if isinstance(response, dict):
+        required = {"status": (int,)}
+        if kind == "http" or "body_json" not in response:
+            required["body"] = (str,)
+        _check_fields(response, required, _RESPONSE, f"{what} response", path, seq)
+        shared = isinstance(response.get("headers_base"), int)  # null: the base line's
+        for pair in response.get("headers") or ():
+            if not ((pair is None and shared) or (isinstance(pair, list) and len(pair) == 2
+                                                  and all(isinstance(p, str) for p in pair))):
+                raise CorruptCassette(f"{path}: {what}: a response header is not a "
+                                      "[name, value] pair of strings (null only with a "
+                                      "headers_base)", path=path, seq=seq)
+    error = line.get("error")
+    if isinstance(error, dict):
+        _check_fields(error, {}, {"type": (str,), "module": (str,), "message": (str,)},
+                      f"{what} error", path, seq)
+    for name, label in (("usage", "usage counts"), ("totals", "the totals")):
+        counts = line.get(name)
+        if isinstance(counts, dict) and not _counts(counts.values()):
+            raise CorruptCassette(f"{path}: {what}: {label} must be numbers", path=path,
+                                  seq=seq)

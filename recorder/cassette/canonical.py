@@ -1,0 +1,79 @@
+"""Canonical JSON: the one byte form that signatures and fingerprints are computed over.
+
+A value with no canonical form (NaN, a lone surrogate, a cycle, nesting deeper than the
+encoder goes, a type JSON does not have) is refused here with
+:class:`~recorder.errors.UnserializableValue`, so that whatever path it took to a cassette
+line, it never surfaces as a bare ``ValueError`` or ``RecursionError``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit
+
+from recorder.errors import UnserializableValue
+
+
+class NoCanonicalForm(UnserializableValue, ValueError):
+    """A value with no canonical JSON form; also a ``ValueError``, which is what code that
+    checks untrusted lines expects from a JSON encoder."""
+
+# One encoder for every call: ``json.dumps`` with these options would build a new one each
+# time, which is a large share of the cost for the small objects hashed per message.
+_ENCODER = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=False,
+                            allow_nan=False)
+
+
+def canonical(obj: Any) -> bytes:
+    """Sorted keys, no spaces, UTF-8 (non-ASCII kept as is)."""
+    try:
+        return _ENCODER.encode(obj).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = exc.object[exc.start:exc.end] if isinstance(exc.object, str) else ""
+        raise NoCanonicalForm(f"a string holds {bad!r}, a lone surrogate, which UTF-8 "
+                                  "cannot encode; a cassette cannot store it") from None
+    except RecursionError:
+        raise NoCanonicalForm("a value is nested too deeply (or refers to itself) to be "
+                                  "written to a cassette") from None
+    except (ValueError, TypeError) as exc:
+        raise NoCanonicalForm(f"a value cannot be written to a cassette: {exc}") from None
+
+
+def digest(obj: Any) -> str:
+    """A short stable hash of ``obj``'s canonical form."""
+    return hashlib.sha256(canonical(obj)).hexdigest()[:32]
+
+
+def encode_body(data: bytes) -> tuple[str, str | None]:
+    """Store bytes exactly: as text when they are UTF-8, else as base64."""
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError:
+        return base64.b64encode(data).decode("ascii"), "base64"
+
+
+def decode_body(text: str, encoding: str | None) -> bytes:
+    if encoding == "base64":
+        return base64.b64decode(text)
+    return text.encode("utf-8")
+
+
+def http_target(url: str) -> str:
+    """Scheme, host, path and sorted query of ``url``: what identifies an HTTP call."""
+    p = urlsplit(url)
+    query = urlencode(sorted(parse_qsl(p.query, keep_blank_values=True)))
+    return f"{p.scheme}://{p.netloc}{p.path}" + (f"?{query}" if query else "")
+
+
+def fingerprint(kind: str, method: str, url: str, body: Any) -> str:
+    """What a replayed call is matched by: the semantic request, never volatile headers.
+
+    A model call is identified by its endpoint path and JSON body (model, system, messages,
+    tools, parameters), not the host, so a replay may point the agent at another base URL.
+    """
+    if kind == "model":
+        return digest(["model", method.upper(), urlsplit(url).path.rstrip("/"), body])
+    return digest(["http", method.upper(), http_target(url), body])

@@ -1,0 +1,35 @@
+"""The cassette format's constants: its version, its line kinds, when lines reach the disk."""
+
+from __future__ import annotations
+
+import enum
+
+from recorder.errors import (
+    ConfigError,
+)
+
+FORMAT = "deja/1"
+READABLE_FORMATS = (FORMAT,)
+KINDS = ("model", "http", "tool", "intent", "outcome", "effect", "control", "end")
+
+
+class Fsync(enum.StrEnum):
+    """When the writer forces a line to disk."""
+
+    SYNC = "sync"
+    TURN = "turn"
+    EXIT = "exit"
+
+    @classmethod
+    def parse(cls, value: str | Fsync) -> Fsync:
+        try:
+            return cls(value)
+        except ValueError:
+            valid = ", ".join(m.value for m in cls)
+            raise ConfigError(f"unknown fsync policy {value!r}; valid: {valid}") from None
+
+
+TURN_SYNC_KINDS = frozenset({"intent", "outcome", "control", "end"})
+# End statuses a resume may continue after (the end line is cut first): a run stopped by a
+# signal ends ``interrupted`` with an end line, and is meant to be picked up again.
+RESUMABLE_ENDS = frozenset({"interrupted"})

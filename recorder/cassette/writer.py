@@ -1,0 +1,325 @@
+"""The cassette: one run's observation log, JSON Lines, signed, append-only.
+
+Line 1 is the header; its first field is the format version. Every further line is one
+observation with a dense ``seq``; the last line of a finished run is ``kind: "end"``.
+Each line ends with ``sig`` = base64url(HMAC-SHA256(key, previous sig + canonical JSON of
+the line without ``sig``)), unpadded, the header's previous sig being empty. Editing,
+inserting, deleting or reordering a line breaks the chain at that line, and the reader
+names it.
+
+The writer makes one ``write`` per line, before the observation reaches the agent: a
+process killed at any point loses nothing it wrote, and one killed in the middle of a
+write leaves a torn last line, which the reader reports and never accepts silently.
+The fsync policy decides when lines are also forced to the disk itself (what a machine
+crash or power loss would otherwise take):
+
+- ``sync``: every line, before the call returns;
+- ``turn`` (the default): side effects (intent, outcome), control and end lines before
+  the call returns; model and HTTP lines within about 10 ms, by a background thread that
+  forces whatever has been written since its last pass (a group commit, as databases
+  do), so that the disk's latency stays off the agent's calls;
+- ``exit``: once, when the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from recorder.cassette import _delta
+from recorder.cassette import lock as writer_lock
+from recorder.cassette.canonical import canonical
+from recorder.cassette.format import FORMAT, RESUMABLE_ENDS, TURN_SYNC_KINDS, Fsync
+from recorder.cassette.keys import key_id
+from recorder.cassette.signing import encode_sig, mac
+from recorder.errors import (
+    CassetteLocked,
+    CassetteWriteError,
+    ConfigError,
+    UnserializableValue,
+)
+
+if TYPE_CHECKING:
+    from recorder.cassette.reader import Cassette
+
+
+class _GroupSync:
+    """Forces a file to disk from a background thread, whenever lines were written.
+
+    Passes are at least ``INTERVAL`` seconds apart, so a burst of fast calls shares one
+    fsync instead of queueing behind one each. A failed fsync (an I/O error, a disk that
+    filled up under delayed allocation) is kept in ``error``: the writer refuses the next
+    line with it.
+    """
+
+    INTERVAL = 0.01
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._wake = threading.Event()
+        self._stop = False
+        self.error: OSError | None = None
+        self._thread = threading.Thread(target=self._loop, name="deja-fsync", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stop:
+                return
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                self.error = exc
+                return
+            time.sleep(self.INTERVAL)
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join()
+
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class CassetteWriter:
+    """Appends signed lines to a cassette file. Thread-safe; one writer per file.
+
+    The writer holds the cassette's writer lock (:mod:`recorder.cassette.lock`) from the moment it
+    is created until it closes or abandons the file. A write that fails (disk full,
+    read-only file system, I/O error) cuts the file back to its last whole line and raises
+    :class:`CassetteWriteError`; the writer then refuses every further line, so nothing
+    after the failure is written out of order and the committed prefix still verifies.
+    """
+
+    def __init__(self, path: str | Path, header: dict[str, Any], key: bytes,
+                 fsync: Fsync | str = Fsync.TURN, *, overwrite: bool = False) -> None:
+        self.path = Path(path)
+        self.fsync = Fsync.parse(fsync)
+        self._key = key
+        self._lock = threading.Lock()
+        self._delta = _delta.DeltaEncoder()
+        if self.path.is_dir():
+            raise ConfigError(f"{self.path} is a directory; give a cassette file (.jsonl) "
+                              "or a directory to create <run id>.jsonl in")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CassetteWriteError(f"cannot create the folder of {self.path}: "
+                                     f"{exc.strerror or exc}", path=self.path) from None
+        self._writer_lock = writer_lock.acquire(self.path, run=header.get("run"),
+                                                what="recording")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | _O_CLOEXEC
+        flags |= os.O_TRUNC if overwrite else os.O_EXCL
+        try:
+            self._fd = os.open(self.path, flags, 0o644)
+        except FileExistsError:
+            self._writer_lock.release()
+            raise ConfigError(f"cassette {self.path} already exists; choose another path "
+                              "or pass overwrite=True (--force)") from None
+        except OSError as exc:
+            self._writer_lock.release()
+            raise CassetteWriteError(f"cannot create cassette {self.path}: "
+                                     f"{exc.strerror or exc}", path=self.path) from None
+        self._prev = ""
+        self._seq = 0
+        self._size = 0
+        self._group: _GroupSync | None = None
+        self.failed: CassetteWriteError | None = None
+        self.closed = False
+        header = {"format": FORMAT, **{k: v for k, v in header.items() if k != "format"}}
+        header["key_id"] = key_id(key)
+        self.header = header
+        with self._lock:
+            self._write(header, sync=True)
+
+    @classmethod
+    def reopen(cls, cassette: Cassette, key: bytes, fsync: Fsync | str = Fsync.TURN
+               ) -> CassetteWriter:
+        """Continue an unfinished cassette (a crashed run being resumed).
+
+        A torn last line is cut first (the caller has reported it), and so is an end line
+        of status ``interrupted`` (the run is resumed). ``key`` must be the key the
+        cassette is signed with, so that the chain goes on unbroken. The file must be as
+        ``cassette`` found it: a writer that appended since is refused.
+        """
+        if cassette.end is not None and cassette.end.get("status") not in RESUMABLE_ENDS:
+            raise ConfigError(f"{cassette.path}: the run already ended with status "
+                              f"{cassette.end.get('status')!r}; there is nothing to resume")
+        if key_id(key) != cassette.header.get("key_id"):
+            raise ConfigError(f"{cassette.path} is signed with key {cassette.header.get('key_id')}"
+                              "; continuing it needs that key")
+        self = cls.__new__(cls)
+        self.path = Path(cassette.path)
+        self._writer_lock = writer_lock.acquire(self.path, run=cassette.header.get("run"),
+                                                what="resuming")
+        try:
+            if self.path.stat().st_size != cassette.size:
+                raise CassetteLocked(f"{self.path} changed since it was read (another "
+                                     "process wrote to it); read it again", path=self.path)
+            keep = cassette.torn_offset if cassette.torn_offset is not None else cassette.size
+            if cassette.end is not None:
+                keep = cassette.end_offset
+            if keep != cassette.size:
+                os.truncate(self.path, keep)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | _O_CLOEXEC)
+        except BaseException:
+            self._writer_lock.release()
+            raise
+        self.fsync = Fsync.parse(fsync)
+        self._key = key
+        self._lock = threading.Lock()
+        self._delta = _delta.DeltaEncoder()
+        for seq in sorted(cassette.requests)[-_delta.WINDOW:]:
+            self._delta.prime(seq, cassette.requests[seq])
+        self._prev = cassette.sigs[len(cassette.observations)]
+        self._seq = len(cassette.observations)
+        self._size = keep
+        self._group = None
+        self.failed = None
+        self.closed = False
+        self.header = cassette.header
+        return self
+
+    def append_copy(self, line: dict[str, Any], request_body: Any = None) -> dict[str, Any]:
+        """Write a line copied from another cassette at the same ``seq`` (a fork's prefix).
+
+        Its stored request, a delta against earlier lines, stays valid because the lines
+        before it were copied at the same positions; ``request_body`` is its full request.
+        """
+        with self._lock:
+            self._check_open()
+            line = {k: v for k, v in line.items() if k != "sig"}
+            if line.get("seq") != self._seq:
+                raise ConfigError(f"copied line has seq {line.get('seq')}, expected {self._seq}")
+            if request_body is not None:
+                self._delta.prime(self._seq, request_body)
+            self._write(line, sync=self.fsync is Fsync.SYNC)
+            self._seq += 1
+            return line
+
+    @property
+    def next_seq(self) -> int:
+        return self._seq
+
+    @property
+    def lock(self) -> writer_lock.WriterLock:
+        return self._writer_lock
+
+    def append(self, obs: dict[str, Any], *, request_body: Any = None, has_request: bool = False,
+               sync: bool = False) -> dict[str, Any]:
+        """Assign ``seq``, sign and write ``obs``; returns the line as written.
+
+        With ``has_request`` the model request ``request_body`` is stored as a delta
+        against an earlier request of the same conversation.
+        """
+        with self._lock:
+            self._check_open()
+            line = {"seq": self._seq, **obs}
+            if has_request:
+                line["request"] = self._delta.encode(self._seq, request_body)
+            kind = line.get("kind")
+            force = (sync or self.fsync is Fsync.SYNC
+                     or (self.fsync is Fsync.TURN and kind in TURN_SYNC_KINDS))
+            self._write(line, sync=force)
+            if not force and self.fsync is Fsync.TURN:
+                if self._group is None:
+                    self._group = _GroupSync(self._fd)
+                self._group.request()
+            self._seq += 1
+            return line
+
+    def close(self, end: dict[str, Any]) -> dict[str, Any]:
+        """Write the ``end`` line, force everything to disk and close the file."""
+        with self._lock:
+            self._check_open()
+            line = {"seq": self._seq, "kind": "end", **end}
+            self._stop_group()
+            try:
+                self._write(line, sync=True)
+            except CassetteWriteError:
+                self._shut()
+                raise
+            self._seq += 1
+            self._shut()
+            return line
+
+    def abandon(self) -> None:
+        """Close the file without an end line (the run is to be resumed later)."""
+        with self._lock:
+            if not self.closed:
+                self._stop_group()
+                with contextlib.suppress(OSError):  # a failed disk: what is there, stays
+                    os.fsync(self._fd)
+                self._shut()
+
+    def _shut(self) -> None:
+        self.closed = True
+        os.close(self._fd)
+        self._writer_lock.release()
+
+    def _check_open(self) -> None:
+        if self.failed is not None:
+            raise CassetteWriteError(f"{self.path}: an earlier write failed ({self.failed}); "
+                                     "nothing more is written to this cassette",
+                                     path=self.path)
+        if self.closed:
+            raise ConfigError(f"cassette {self.path} is closed; nothing more can be appended")
+        group = self._group
+        if group is not None and group.error is not None:
+            self._fail(group.error, "forcing lines to disk")
+
+    def _stop_group(self) -> None:
+        if self._group is not None:
+            self._group.stop()
+            self._group = None
+
+    def _fail(self, exc: OSError, doing: str) -> None:
+        """Cut the file back to its last whole line, refuse everything after, raise."""
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, self._size)
+        seq = self._seq
+        error = CassetteWriteError(
+            f"{self.path}: {doing} seq {seq} failed: {exc.strerror or exc}. The run stops "
+            f"here; the cassette keeps its {seq} whole observation line(s) and still "
+            "verifies. Free the disk (or fix its permissions), then `deja resume` it",
+            path=self.path, seq=seq)
+        self.failed = error
+        raise error
+
+    def _write(self, line: dict[str, Any], *, sync: bool) -> None:
+        try:
+            body = canonical(line)
+            # Every line keeps its field order on disk ("format" first in the header; a
+            # tool result's or effect's dict keys as returned, so a replay gives back the
+            # same order); the signature covers the canonical (sorted) form, which the
+            # reader recomputes.
+            text = json.dumps(line, separators=(",", ":"), ensure_ascii=False,
+                              allow_nan=False).encode("utf-8")
+        except (ValueError, TypeError, RecursionError, UnicodeEncodeError) as exc:
+            raise UnserializableValue(
+                f"{self.path}: seq {self._seq} ({line.get('kind', 'header')}) holds a value "
+                f"a cassette cannot store faithfully ({type(exc).__name__}: {exc}); nothing "
+                "was written") from None
+        sig = encode_sig(mac(self._key, self._prev, body))
+        data = memoryview(text[:-1] + b',"sig":"' + sig.encode("ascii") + b'"}\n')
+        size = len(data)
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+            if sync:
+                os.fsync(self._fd)
+        except OSError as exc:
+            self._fail(exc, "writing")
+        self._size += size
+        self._prev = sig

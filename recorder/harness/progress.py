@@ -1,0 +1,213 @@
+"""Progress and cancel: what a run is doing, and a flag anyone can set to stop it.
+
+Each run keeps a status record, ``$DEJA_HOME/runs/<run>.json``, in the shape operators
+expect::
+
+    {"run_id": "r_01a2…", "status": "running", "turn": 19, "turn_limit": 60,
+     "step": "tool pay(invoice='INV-7')", "elapsed_s": 128.4, "budget_s": 3600,
+     "tokens": 91420, "token_limit": 400000, "spend_usd": 1.12, "dollar_limit": 20.0,
+     "artefacts": ["cassettes/r_01a2….jsonl"], "cancel": "deja cancel r_01a2…", ...}
+
+It is updated at every step in memory and written (atomically) at most every
+``interval`` seconds, the latest state always reaching the file within ``interval``, and
+at once when the status changes or the run ends, so that a status line costs the agent's
+calls nothing measurable. ``deja status RUN`` prints it.
+
+Cancelling is a flag file, ``$DEJA_HOME/runs/<run>.cancel``: ``deja cancel RUN`` (or the
+viewer's button) creates it; the recorder reads it before each call and after writes
+(there at most every 20 ms: a run of fast calls pays one system call per call), and the
+run stops at the next boundary with status ``cancelled``, never mid-action.
+
+Both are private to their owner: ``runs/`` is created 0700 and every file in it 0600. A
+record is redacted like a cassette line before it is written (its ``step`` names the tool
+call in flight, with its arguments). Writing it is best effort: when ``$DEJA_HOME`` is
+full, read-only or gone, the run goes on (with one warning); the cassette is what counts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from recorder.capture.redact import DEFAULT, Redaction
+from recorder.cassette.keys import deja_home
+from recorder.errors import ConfigError
+
+log = logging.getLogger("deja.recorder")
+
+
+def runs_dir() -> Path:
+    return deja_home() / "runs"
+
+
+# A run id names files under runs/: nothing that could leave the folder or break a path.
+_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def valid_run_id(run: Any) -> bool:
+    return isinstance(run, str) and _RUN_ID.fullmatch(run) is not None
+
+
+def _run_file(run: str, suffix: str) -> Path:
+    if not valid_run_id(run):
+        raise ConfigError(f"{run!r} is not a run id (letters, digits, '_', '.' and '-', "
+                          "e.g. r_01a2...)")
+    return runs_dir() / f"{run}{suffix}"
+
+
+def status_path(run: str) -> Path:
+    return _run_file(run, ".json")
+
+
+def cancel_path(run: str) -> Path:
+    return _run_file(run, ".cancel")
+
+
+def _now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+_TIGHTENED: set[Path] = set()
+
+
+def _private_dir(path: Path) -> None:
+    """Create ``path`` (and its parents) with mode 0700; one that an older deja made more
+    open is closed to others (once per process)."""
+    if path in _TIGHTENED:
+        return
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o700)
+    _TIGHTENED.add(path)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically, as a file only its owner can read (0600)."""
+    _private_dir(path.parent)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    try:
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:  # the folder was removed since: make it again
+            _TIGHTENED.discard(path.parent)
+            _private_dir(path.parent)
+            fd = os.open(tmp, flags, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def request_cancel(run: str, reason: str = "") -> Path:
+    """Ask run ``run`` to stop at its next boundary (any process may call this).
+
+    A flag that cannot be written (``$DEJA_HOME`` read-only, full, gone) is a
+    :class:`ConfigError` saying so.
+    """
+    path = cancel_path(run)
+    text = json.dumps({"requested": _now_iso(), "reason": DEFAULT.text(reason),
+                       "by": f"{socket.gethostname()}:{os.getpid()}"})
+    try:
+        _write_private(path, text)
+    except OSError as exc:
+        raise ConfigError(f"cannot ask run {run} to stop: its cancel flag {path} cannot be "
+                          f"written ({exc.strerror or exc}). Check that $DEJA_HOME ("
+                          f"{deja_home()}) is writable and has space") from None
+    return path
+
+
+def cancel_requested(run: str, path: Path | None = None) -> dict[str, Any] | None:
+    """The cancel request of ``run`` (its flag file, ``path`` when already known), or None."""
+    path = path or cancel_path(run)
+    if not os.path.exists(path):  # the common case, checked before every call: keep it cheap
+        return None
+    try:
+        return json.loads(path.read_text() or "{}")
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return {"reason": "cancel flag set"}
+
+
+def read_status(run: str) -> dict[str, Any] | None:
+    """The status record of ``run``; None when there is none (or it cannot be read: a
+    run id no record can have, a record that is not JSON)."""
+    if not valid_run_id(run):
+        return None
+    try:
+        record = json.loads(status_path(run).read_text())
+    except (OSError, ValueError):  # no record, no runs folder, a directory, not JSON
+        return None
+    return record if isinstance(record, dict) else None
+
+
+class Progress:
+    """The status record of one run, redacted with the run's rules."""
+
+    def __init__(self, run: str, record: dict[str, Any], *, interval: float = 0.2,
+                 redaction: Redaction | None = None) -> None:
+        self.run = run
+        self.path = status_path(run)
+        self.interval = interval
+        self.redaction = redaction or DEFAULT
+        self._lock = threading.Lock()
+        self._written = 0.0
+        self._timer: threading.Timer | None = None
+        self._failed: str | None = None  # why the last write failed (warned once)
+        self.record: dict[str, Any] = {"run_id": run, "status": "running", "turn": 0,
+                                       "step": "starting", "pid": os.getpid(),
+                                       "host": socket.gethostname(), "started": _now_iso(),
+                                       "cancel": f"deja cancel {run}", **record}
+        self._write()
+
+    def update(self, *, force: bool = False, **fields: Any) -> None:
+        with self._lock:
+            changed_status = "status" in fields and fields["status"] != self.record["status"]
+            self.record.update(fields)
+            due = time.monotonic() - self._written >= self.interval
+            if force or changed_status or due:
+                self._write_locked()
+            elif self._timer is None:  # write the latest state once the interval has passed
+                self._timer = threading.Timer(self.interval, self._flush)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _flush(self) -> None:
+        with self._lock:
+            self._timer = None
+            self._write_locked()
+
+    def _write(self) -> None:
+        with self._lock:
+            self._write_locked()
+
+    def _write_locked(self) -> None:
+        self.record["updated"] = _now_iso()
+        self._written = time.monotonic()
+        text = self.redaction.json_text(json.dumps(self.record, default=str))
+        try:
+            _write_private(self.path, text)
+        except OSError as exc:
+            if self._failed is None:
+                log.warning("run %s: cannot write its status record %s (%s); the run goes "
+                            "on and its cassette is written as usual, but `deja status` "
+                            "will not show it", self.run, self.path, exc.strerror or exc)
+            self._failed = str(exc)
+            return
+        if self._failed is not None:
+            log.info("run %s: status record %s written again", self.run, self.path)
+            self._failed = None

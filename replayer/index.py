@@ -1,0 +1,164 @@
+"""The replay index: which recorded observation answers which call, in O(1).
+
+Observations are grouped by a key (the request fingerprint for model and HTTP calls,
+``tool`` + name + arguments for tools, the name for effects). Each group is a queue in
+recorded order, so identical calls are served in the order they were recorded and
+concurrent calls can arrive in any order. When a call finds no entry, the first unused
+observation of the same family is what the run expected there.
+
+Effects are grouped twice: by name and call site (file and function), which is how they
+are served, and by name alone, the fallback for a call site that recorded none (and the
+only grouping for cassettes written before effects named their site). An observation
+sits in both queues; whichever serves it first marks it used, the other skips it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+from collections import deque
+from typing import Any
+
+from recorder.capture.exchange import pretty
+from recorder.cassette import Cassette
+from recorder.cassette.canonical import digest
+from recorder.effects import Site
+
+FAMILY = {"model": "net", "http": "net", "tool": "tool", "intent": "tool", "effect": "effect"}
+# Control lines that refused a call: a replay raises them at the same point.
+STOPS = frozenset({"budget_exhausted", "cancelled", "loop_detected", "circuit_open"})
+
+
+def key_of(obs: dict[str, Any]) -> tuple[str, str] | None:
+    kind = obs.get("kind")
+    family = FAMILY.get(kind or "")
+    if family is None:
+        return None
+    if family == "effect":
+        return family, obs["name"]
+    return family, obs["fp"]
+
+
+def tool_key(name: str, args_key: Any) -> tuple[str, str]:
+    return "tool", digest(["tool", name, args_key])
+
+
+class Index:
+    """Unused observations by key, plus the first unused one of each family."""
+
+    def __init__(self, cassette: Cassette) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[tuple[str, str], deque[dict[str, Any]]] = {}
+        # effects by (name, file, function) of their call site
+        self._sites: dict[tuple[str, str, str], deque[dict[str, Any]]] = {}
+        self._order: dict[str, list[dict[str, Any]]] = {"net": [], "tool": [], "effect": []}
+        self._cursor = {family: 0 for family in self._order}
+        self.used: set[int] = set()
+        self.total = 0
+        # outcome of each side-effect intent, by the intent's seq
+        self.outcomes: dict[int, dict[str, Any]] = {}
+        # each refusing control line, with the seqs that come before it and must be used
+        self.stops: list[tuple[dict[str, Any], list[int]]] = []
+        self._stop_next = 0
+        before: list[int] = []
+        for obs in cassette.observations:
+            if obs.get("kind") == "control" and obs.get("event") in STOPS \
+                    and "within" not in obs:
+                self.stops.append((obs, list(before)))
+                before.append(obs["seq"])
+                self.total += 1
+                continue
+            if (key_of(obs) is not None and "within" not in obs) or obs.get("kind") == "outcome":
+                before.append(obs["seq"])
+            if obs.get("kind") == "outcome" and "within" not in obs:
+                self.outcomes[obs["intent"]] = obs
+                self.total += 1
+                continue
+            key = key_of(obs)
+            if key is None or "within" in obs:  # made inside a tool body: served with the tool
+                continue
+            self._queues.setdefault(key, deque()).append(obs)
+            self._order[key[0]].append(obs)
+            self.total += 1
+            site = Site.parse(obs.get("site")) if key[0] == "effect" else None
+            if site is not None:
+                where = (obs["name"], site.file, site.function)
+                self._sites.setdefault(where, deque()).append(obs)
+
+    def take(self, key: tuple[str, str]) -> dict[str, Any] | None:
+        with self._lock:
+            queue = self._queues.get(key)
+            if not queue:
+                return None
+            obs = queue.popleft()
+            self.used.add(obs["seq"])
+            outcome = self.outcomes.get(obs["seq"])
+            if outcome is not None:
+                self.used.add(outcome["seq"])
+            return obs
+
+    def take_effect(self, name: str, file: str | None,
+                    function: str | None) -> tuple[dict[str, Any] | None, bool]:
+        """The effect that answers ``name`` asked for at ``file``/``function``, and whether
+        it was recorded at another site (served by name, in recorded order)."""
+        with self._lock:
+            obs = None
+            if file is not None and function is not None:
+                obs = self._next_unused(self._sites.get((name, file, function)))
+            moved = False
+            if obs is None:
+                obs = self._next_unused(self._queues.get(("effect", name)))
+                moved = (obs is not None and file is not None
+                         and Site.parse(obs.get("site")) is not None)
+            if obs is not None:
+                self.used.add(obs["seq"])
+            return obs, moved
+
+    def _next_unused(self, queue: deque[dict[str, Any]] | None) -> dict[str, Any] | None:
+        while queue:
+            obs = queue.popleft()
+            if obs["seq"] not in self.used:
+                return obs
+        return None
+
+    def pending_stop(self) -> dict[str, Any] | None:
+        """The refusing control line the next call meets, once everything before it is used."""
+        with self._lock:
+            if self._stop_next >= len(self.stops):
+                return None
+            obs, before = self.stops[self._stop_next]
+            if len(self.used) < len(before) or not all(s in self.used for s in before):
+                return None
+            self._stop_next += 1
+            self.used.add(obs["seq"])
+            return obs
+
+    @property
+    def remaining(self) -> int:
+        """How many recorded observations have not been served yet."""
+        return self.total - len(self.used)
+
+    def expected(self, family: str) -> dict[str, Any] | None:
+        """The first recorded observation of ``family`` not served yet."""
+        with self._lock:
+            order, i = self._order[family], self._cursor[family]
+            while i < len(order) and order[i]["seq"] in self.used:
+                i += 1
+            self._cursor[family] = i
+            return order[i] if i < len(order) else None
+
+    def unused(self) -> list[int]:
+        with self._lock:
+            seqs = [o["seq"] for fam in self._order.values() for o in fam]
+            seqs += [o["seq"] for o in self.outcomes.values()]
+            seqs += [o["seq"] for o, _ in self.stops]
+            return sorted(s for s in seqs if s not in self.used)
+
+
+def unified(expected: Any, actual: Any, *, expected_name: str = "recorded",
+            actual_name: str = "replayed", context: int = 3) -> str:
+    """A readable unified diff of two JSON-like values."""
+    a = pretty(expected).splitlines()
+    b = pretty(actual).splitlines()
+    return "\n".join(difflib.unified_diff(a, b, expected_name, actual_name, lineterm="",
+                                          n=context))

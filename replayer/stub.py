@@ -1,0 +1,183 @@
+"""A stub script that answers what a recorded run received (``deja stub --from CASSETTE``).
+
+Any recording becomes a stub model: each Anthropic Messages call of the cassette becomes a
+rule of the script (:mod:`recorder.testing.script`) that answers the same place in the same
+conversation with the response the run received, as it arrived: a JSON message as
+``message``, an event stream verbatim as ``sse``, an error with its status, type, message and
+retry headers as ``error``, a call that got no response as ``drop``.
+
+A rule matches a request by its conversation, not by a counter: ``position`` (how many
+assistant replies the request carries) and ``first_user`` (the text of the conversation's
+first user message). When the run sent two different requests at the same place of the same
+conversation, each gets a rule that also names its ``last_user`` text, and the first of them
+answers whatever else arrives there. The attempts of one request (the same request sent
+again by the SDK after a 429 or 529) become a retry sequence: the first failure, then ``then``
+up to the first response that was not a failure, served by the SDK's attempt header. So the
+script holds no state: a second run, a fork or a resume gets the same answers.
+
+Only the first success of a request is kept: an identical request sent again later, not as a
+retry, gets that answer too, since nothing in the request tells the two apart.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from recorder.cassette.canonical import decode_body
+from recorder.testing.match import first_user_text, is_failure, last_user_text, position
+from recorder.testing.script import StubScriptError
+
+if TYPE_CHECKING:
+    from recorder.cassette import Cassette
+
+__all__ = ["CassetteScript", "script_from_cassette"]
+
+# The response headers that make a client wait or give up; kept on a recorded error.
+RETRY_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
+
+
+@dataclass(frozen=True)
+class CassetteScript:
+    """A stub script made from a cassette, and what went into it."""
+
+    script: dict[str, Any]
+    run: str
+    calls: int  # the Anthropic Messages calls (attempts included) the rules answer
+    skipped: tuple[str, ...]  # the model calls left out, each with why
+
+    def text(self) -> str:
+        """The script as a JSON file's text."""
+        return json.dumps(self.script, indent=2, ensure_ascii=False) + "\n"
+
+
+@dataclass
+class _Request:
+    """One distinct request at a place of a conversation, with its recorded attempts."""
+
+    last_user: str
+    answers: list[tuple[int, dict[str, Any]]]  # (seq, turn), in recorded order
+
+
+def _is_messages_call(obs: dict[str, Any]) -> bool:
+    path = urlsplit(str(obs.get("url") or "")).path.rstrip("/")
+    return obs.get("provider") == "anthropic" and path.endswith("/v1/messages")
+
+
+def _error_turn(status: int, headers: dict[str, str], text: str) -> dict[str, Any]:
+    err: dict[str, Any] = {"status": status}
+    try:
+        doc = json.loads(text) if text else None
+    except ValueError:
+        doc = None
+    detail = doc.get("error") if isinstance(doc, dict) else None
+    if isinstance(detail, dict):
+        for key in ("type", "message"):
+            if isinstance(detail.get(key), str) and detail[key]:
+                err[key] = detail[key]
+    retry = {name: headers[name] for name in RETRY_HEADERS if name in headers}
+    if retry:
+        err["headers"] = retry
+    return {"error": err}
+
+
+def _answer(obs: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+    """The turn that sends what ``obs`` received, or ``None`` and why it cannot."""
+    response = obs.get("response")
+    if response is None:
+        return {"drop": "before_headers"}, ""
+    status = response.get("status")
+    headers = {str(k).lower(): str(v) for k, v in response.get("headers") or []}
+    try:
+        text = decode_body(response.get("body", ""), response.get("encoding")).decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "its response body is not UTF-8"
+    if isinstance(status, int) and 400 <= status <= 599:
+        return _error_turn(status, headers, text), ""
+    if status != 200:
+        return None, f"its response has status {status}"
+    if "event-stream" in headers.get("content-type", ""):
+        if "event:" not in text:
+            return None, "its event stream holds no event"
+        return {"sse": text}, ""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None, "its response body is not JSON"
+    if not isinstance(doc, dict) or not isinstance(doc.get("content"), list):
+        return None, "its response is not a message"
+    return {"message": doc}, ""
+
+
+def _chain(answers: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """The failures of a request's attempts up to its first success, as one retry turn."""
+    used: list[tuple[int, dict[str, Any]]] = []
+    for seq, turn in answers:
+        used.append((seq, turn))
+        if not is_failure(turn):
+            break
+    first = dict(used[0][1])
+    if is_failure(first) and len(used) > 1:
+        first["then"] = [turn for _, turn in used[1:]]
+    return {"_seq": [seq for seq, _ in used], **first}
+
+
+def script_from_cassette(cassette: Cassette) -> CassetteScript:
+    """A script answering every Anthropic Messages call of ``cassette`` as it was answered.
+
+    ``cassette`` is a loaded cassette (:func:`recorder.cassette.load`, which checks its
+    signature). Raises :class:`StubScriptError` when it holds no such call.
+    """
+    places: dict[tuple[str, int], dict[str, _Request]] = {}
+    skipped: list[str] = []
+    calls = 0
+    for obs in cassette.observations:
+        if obs.get("kind") != "model":
+            continue
+        seq = obs["seq"]
+        if not _is_messages_call(obs):
+            skipped.append(f"seq {seq}: {obs.get('url')} is not the Anthropic Messages API")
+            continue
+        body = cassette.request_of(seq)
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            skipped.append(f"seq {seq}: its request has no messages")
+            continue
+        turn, why = _answer(obs)
+        if turn is None:
+            skipped.append(f"seq {seq}: {why}")
+            continue
+        calls += 1
+        requests = places.setdefault((first_user_text(body), position(body)), {})
+        request = requests.setdefault(str(obs.get("fp")), _Request(last_user_text(body), []))
+        request.answers.append((seq, turn))
+    if not places:
+        raise StubScriptError(
+            f"{cassette.path}: run {cassette.run} holds no Anthropic Messages call (POST "
+            "/v1/messages) a stub can answer"
+            + (f" ({'; '.join(skipped)})" if skipped else "")
+            + "; record the agent against an Anthropic API to make a stub of it"
+        )
+    rules: list[dict[str, Any]] = []
+    for (first_user, at), requests in places.items():
+        when = {"position": at, "first_user": first_user}
+        distinct = list(requests.values())
+        if len(distinct) > 1:
+            seen: set[str] = set()
+            for request in distinct:
+                if request.last_user in seen:
+                    continue  # told apart by nothing the rules look at: the first answers
+                seen.add(request.last_user)
+                rules.append({"when": {**when, "last_user": request.last_user},
+                              **_chain(request.answers)})
+        rules.append({"when": when, **_chain(distinct[0].answers)})
+    script = {
+        "_note": f"Generated by deja stub --from {cassette.path.name} (run {cassette.run}): "
+                 "each rule answers a place in a conversation with what the run received "
+                 "there; _seq names the cassette steps.",
+        "select": "conversation",
+        "rules": rules,
+    }
+    return CassetteScript(script=script, run=cassette.run, calls=calls,
+                          skipped=tuple(skipped))

@@ -1,0 +1,203 @@
+"""The README tells the truth: its commands exist, its example runs, its demo works."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from deja.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+
+
+def test_every_cli_command_is_in_the_readme_and_back() -> None:
+    commands = set(main.commands)
+    for name in commands:
+        assert f"`deja {name}" in README, f"deja {name} is not documented in the README"
+    mentioned = set(re.findall(r"`deja ([a-z]+)", README)) | set(
+        re.findall(r"^\$ deja ([a-z]+)", README, flags=re.M))
+    assert mentioned <= commands, f"README mentions unknown commands {mentioned - commands}"
+
+
+def test_the_two_commands_come_first() -> None:
+    first_block = README.split("```console", 1)[1].split("```", 1)[0]
+    assert "make demo" in first_block and "make test" in first_block
+    assert README.index("make demo") < README.index("## Record and replay")
+
+
+def test_the_ten_line_example_is_the_example_file() -> None:
+    """The README shows examples/quickstart.py whole; the console blocks run it."""
+    code = README.split("## Record and replay in ten lines", 1)[1]
+    code = code.split("```python", 1)[1].split("```", 1)[0]
+    assert code.strip() == (ROOT / "examples" / "quickstart.py").read_text().strip()
+    assert len([line for line in code.strip().splitlines() if line.strip()]) <= 16
+
+
+# --------------------------------------------------------------------------- console blocks
+#
+# Every ```console block of the README runs, in order, in a fresh copy of the repository
+# (its files as git sees them, no cassettes recorded, no key): each `$ ` line is a command
+# (a trailing backslash continues it), the lines below it are what it prints. A command
+# exits 0 unless its comment says "exit status N". What a command prints must match the
+# lines shown, where `…` stands for anything and a number for any number.
+
+def console_blocks(text: str) -> list[tuple[str, list[tuple[str, list[str]]]]]:
+    """(section, [(command, expected output lines)]) for each console block with prompts."""
+    blocks = []
+    section = ""
+    for part in re.split(r"(^```console\n.*?^```$)", text, flags=re.M | re.S):
+        if not part.startswith("```console"):
+            headings = re.findall(r"^#+ (.+)$", part, flags=re.M)
+            section = headings[-1] if headings else section
+            continue
+        commands: list[tuple[str, list[str]]] = []
+        lines = part.splitlines()[1:-1]
+        i = 0
+        while i < len(lines):
+            line = lines[i]
+            if line.startswith("$ "):
+                command = line[2:]
+                while command.endswith("\\") and i + 1 < len(lines):
+                    i += 1
+                    command = command + "\n" + lines[i]
+                commands.append((command, []))
+            elif commands and line.strip():
+                commands[-1][1].append(line)
+            i += 1
+        if commands:
+            blocks.append((section, commands))
+    return blocks
+
+
+def expected_status(command: str) -> int:
+    found = re.search(r"#.*exit status (\d+)", command)
+    return int(found.group(1)) if found else 0
+
+
+def line_pattern(expected: str) -> re.Pattern[str]:
+    """An expected output line as a pattern: `…` is anything, a number any number."""
+    out = []
+    for piece in re.split(r"(…|\d[\d,.]*)", " ".join(expected.split())):
+        if piece == "…":
+            out.append(".*?")
+        elif piece and piece[0].isdigit():
+            out.append(r"[\d,.]+")
+        else:
+            out.append(re.escape(piece))
+    return re.compile("".join(out))
+
+
+def port_of(command: str) -> int | None:
+    found = re.search(r"--port (\d+)", command)
+    return int(found.group(1)) if found else (8501 if command.startswith("deja view") else None)
+
+
+def block_script(commands: list[tuple[str, list[str]]], marks: Path) -> str:
+    """A bash script running the commands one by one; each one's output goes to its own
+    file and its exit status is checked. A server started with `&` is waited for."""
+    steps = ["set -u"]
+    for n, (command, _) in enumerate(commands):
+        out = marks / f"{n}.out"
+        if command.startswith("deja view"):  # runs until stopped: serve, answer, stop
+            steps.append(f"{command.split('#')[0].rstrip()} >{out} 2>&1 &")
+            steps.append(f"VIEW=$!; wait_port {port_of(command)} && "
+                         f"python -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:"
+                         f"{port_of(command)}/', timeout=30)\" >>{out} || "
+                         f"{{ echo 'FAILED {n}: no viewer'; exit 1; }}; kill $VIEW")
+            continue
+        background = command.split("#")[0].rstrip().endswith("&")
+        if background:
+            steps.append(f"{command.split('#')[0].rstrip()[:-1]} >{out} 2>&1 &")
+            if port_of(command):
+                steps.append(f"wait_port {port_of(command)} || "
+                             f"{{ echo 'FAILED {n}: nothing listens'; exit 1; }}")
+            continue
+        steps.append(f"{{\n{command}\n}} >{out} 2>&1; rc=$?")
+        steps.append(f"[ $rc -eq {expected_status(command)} ] || "
+                     f"{{ echo \"FAILED {n}: exit status $rc\"; exit 1; }}")
+    # A block stops what it starts, so the next one (or a reader's next command in the
+    # same shell) finds its ports free.
+    for port in sorted({p for c, _ in commands if (p := port_of(c)) and "&" in c}):
+        steps.append(f"wait_free {port} || {{ echo 'FAILED: port {port} is still served "
+                     "after the block (stop the server it started)'; exit 1; }")
+    prelude = ("wait_port() { for _ in $(seq 200); do (exec 3<>/dev/tcp/127.0.0.1/$1) "
+               "2>/dev/null && return 0; sleep 0.05; done; return 1; }\n"
+               "wait_free() { for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/$1) "
+               "2>/dev/null || return 0; sleep 0.05; done; return 1; }\n"
+               "trap 'kill $(jobs -p) 2>/dev/null' EXIT\n")
+    return prelude + "\n".join(steps) + "\n"
+
+
+@pytest.fixture(scope="module")
+def fresh_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The repository as a fresh clone has it: tracked and new files, nothing ignored."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    copy = tmp_path_factory.mktemp("fresh") / "deja"
+    for name in filter(None, files):
+        source = ROOT / name
+        if source.is_file():
+            (copy / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, copy / name)
+    return copy
+
+
+def test_the_console_blocks_have_commands() -> None:
+    blocks = console_blocks(README)
+    assert len(blocks) >= 5
+    assert sum(len(commands) for _, commands in blocks) >= 20
+
+
+@pytest.mark.parametrize("index", range(len(console_blocks(README))),
+                         ids=[re.sub(r"\W+", "-", s).strip("-").lower()
+                              for s, _ in console_blocks(README)])
+def test_every_console_block_runs_as_written(index: int, fresh_copy: Path,
+                                             tmp_path: Path) -> None:
+    section, commands = console_blocks(README)[index]
+    marks = tmp_path / "out"
+    marks.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DEJA_", "ANTHROPIC_"))}  # a new user: no key, no settings
+    env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
+               DEJA_HOME=str(fresh_copy / ".home"), COLUMNS="160", NO_COLOR="1")
+    done = subprocess.run(["bash", "-c", block_script(commands, marks)], cwd=fresh_copy,
+                          env=env, capture_output=True, text=True, timeout=600)
+    outputs = [(marks / f"{n}.out").read_text() if (marks / f"{n}.out").exists() else ""
+               for n in range(len(commands))]
+    where = "\n".join(f"$ {c}\n{o}" for (c, _), o in zip(commands, outputs, strict=True))
+    assert done.returncode == 0, f"{section}: {done.stdout}{done.stderr}\n{where}"
+    for (command, expected), output in zip(commands, outputs, strict=True):
+        flat = " ".join(output.split())
+        missing = [line for line in expected if not line_pattern(line).search(flat)]
+        assert not missing, (f"{section}: `{command}` did not print {missing}; it "
+                             f"printed:\n{output}")
+
+
+def test_make_demo_runs_offline_on_a_fresh_copy(fresh_copy: Path) -> None:
+    """`make demo`, literally, in a fresh copy (with this suite's virtualenv, so nothing is
+    installed again): record, replay offline, verify, show."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DEJA_", "ANTHROPIC_"))}
+    env["VENV"] = str(Path(sys.executable).parent.parent)
+    stamp = Path(env["VENV"]) / ".deja-installed"  # -o: never remade, whatever its age
+    proc = subprocess.run(["make", "-o", str(stamp), "demo"], cwd=fresh_copy, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pip install" not in proc.stdout  # the stamp was fresh: nothing installed
+    assert "identical" in proc.stdout
+    assert "verified with key" in proc.stdout
+    assert "stopped by the harness" in proc.stdout  # the loop guard ended the spiral
+    assert "loop_detected" in proc.stdout
+    assert (fresh_copy / ".deja" / "key").exists()  # the demo's own key, in the copy
+
+
+def test_help_texts_name_the_exit_statuses() -> None:
+    result = CliRunner().invoke(main, ["replay", "--help"])
+    assert "Exit 0 identical, 1 diverged, 2 bad cassette" in " ".join(result.output.split())

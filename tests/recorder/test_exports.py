@@ -1,0 +1,57 @@
+"""The public surface of ``recorder`` and ``replayer``: ``__all__`` and import weight."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGES = ("recorder", "replayer")
+HEAVY = ("streamlit", "duckdb", "vcr")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _isort_key(name: str) -> tuple[int, str]:
+    """The order ruff's RUF022 keeps ``__all__`` in: CONSTANTS, then Classes, then the rest."""
+    if name.isupper() and len(name) > 1:
+        return 0, name
+    if name[:1].isupper():
+        return 1, name
+    return 2, name
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_all_is_sorted_and_resolvable(package: str) -> None:
+    module = importlib.import_module(package)
+    names = list(module.__all__)
+    assert names, f"{package}.__all__ is empty"
+    assert len(set(names)) == len(names), f"{package}.__all__ has duplicates"
+    assert names == sorted(names, key=_isort_key), f"{package}.__all__ is not sorted"
+    missing = [name for name in names if not hasattr(module, name)]
+    assert not missing, f"{package}.__all__ names what it does not define: {missing}"
+    namespace: dict[str, object] = {}
+    exec(f"from {package} import *", namespace)  # what a star import really gives
+    assert set(names) <= set(namespace)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_import_stays_light(package: str) -> None:
+    code = (
+        f"import json, sys\nimport {package}\n"
+        f"print(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60, check=True)
+    assert json.loads(out.stdout) == [], f"import {package} pulled in {out.stdout.strip()}"
+
+
+def test_the_heavy_check_can_see_a_heavy_import() -> None:
+    """The check above is meaningful: a module that is imported does show in sys.modules."""
+    code = "import json, sys, vcr\nprint(json.dumps('vcr' in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60, check=True)
+    assert json.loads(out.stdout) is True
