@@ -1,13 +1,13 @@
 # One command each, on a fresh machine with Python 3.11+ and make:
 #   make demo    record an example agent against the stub model, replay it offline, show it
-#   make test    the whole test suite
+#   make test    ruff and mypy (make check), then the whole test suite
 #   make bench   benchmarks, side by side with vcrpy
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.deja-installed
 
-.PHONY: demo test stress bench lint clean chromium
+.PHONY: demo check test stress bench lint clean chromium
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "deja needs Python 3.11+")'
@@ -25,7 +25,11 @@ chromium:
 	  echo "installing Debian's chromium for the browser test"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-test: $(STAMP) chromium
+# Lint and type check: quick, so the suite runs only on code that passes them.
+check: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/mypy
+
+test: $(STAMP) chromium check
 	$(BIN)/python -m pytest
 
 stress: $(STAMP)

@@ -99,12 +99,10 @@ def _fmt(value: Any) -> str:
 
 def _header_run(path: Path) -> str | None:
     """The run id a cassette's first line names (None: no such file, or not a cassette)."""
-    try:
-        with path.open("rb") as f:
-            header = json.loads(f.readline())
-    except (OSError, ValueError, RecursionError):  # not a cassette (or a hostile one)
-        return None
-    return header.get("run") if isinstance(header, dict) else None
+    from recorder.cassette.reader import peek_header
+
+    header = peek_header(path)
+    return header.get("run") if header is not None else None
 
 
 def _read_json_file(path: Path, what: str) -> Any:

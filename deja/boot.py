@@ -200,23 +200,25 @@ def _start_replay(env: dict[str, str]) -> None:
 def _start_continuation(mode: str, env: dict[str, str]) -> None:
     from recorder.cassette import load
     from recorder.cassette.keys import load_keyring
-    from replayer import forking
+    from replayer import continuation
+    from replayer.fork import plan_fork, start_fork
+    from replayer.resume import plan_resume, start_resume
 
     plan = json.loads(env["DEJA_PLAN"])
     if mode == "fork":
-        fork_plan = forking.plan_fork(plan["cassette"], plan["at"], patch=plan["patch"],
-                                      out=plan["out"], run_id=plan["run_id"],
-                                      allow_torn=bool(plan.get("allow_torn")))
+        fork_plan = plan_fork(plan["cassette"], plan["at"], patch=plan["patch"],
+                              out=plan["out"], run_id=plan["run_id"],
+                              allow_torn=bool(plan.get("allow_torn")))
         then = (load(plan["then_replay"], keyring=load_keyring(create=False),
                      require_signature=True, allow_incomplete=True)
                 if plan.get("then_replay") else None)
-        context = forking._Continue(  # the fork's command runs here (the recorded
-            lambda: forking.start_fork(fork_plan, then_replay=then, ran_in=Path.cwd()),
-            abandon_on_divergence=False)  # directory, or --cwd)
+        context = continuation.scope(  # the fork's command runs here (the recorded
+            lambda: start_fork(fork_plan, then_replay=then, ran_in=Path.cwd()),  # directory,
+            abandon_on_divergence=False, name="deja fork")  # or --cwd)
     else:
-        loaded = forking.plan_resume(plan["cassette"])
-        context = forking._Continue(lambda: forking.start_resume(loaded),
-                                    abandon_on_divergence=True)
+        loaded = plan_resume(plan["cassette"])
+        context = continuation.scope(lambda: start_resume(loaded), abandon_on_divergence=True,
+                                     name="deja resume")
     session = context.__enter__()
     # gone once the recorded steps are served and the run goes live
     session.prefix.show_progress(f"{mode}: replaying the recorded steps")

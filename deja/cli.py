@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,8 +96,9 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
     flags override [tool.deja] in pyproject.toml). Exits with the program's own status.
     """
     from deja.boot import BOOT_FAILED
+    from recorder.cassette.schema import run_file
     from recorder.errors import ConfigError
-    from recorder.harness import settings as config
+    from recorder.harness.settings import resolve as resolve_settings
     from recorder.record import new_run_id
 
     label_map = {}
@@ -106,8 +108,10 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
             raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--label")
         label_map[key] = value
     run_id = new_run_id()
-    path = output if output.suffix == ".jsonl" and not output.is_dir() else \
-        output / f"{run_id}.jsonl"
+    try:
+        path = run_file(output, run_id)
+    except ConfigError as exc:
+        _fail(exc)
     if path.exists() and not force:
         raise BadInput(f"{path} already exists; pass --force to overwrite it or choose "
                        "another -o")
@@ -117,10 +121,10 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
         "seconds": max_seconds, "dollars": max_dollars,
         "max_tokens_mode": "clamp" if clamp_max_tokens else None}.items() if v is not None}
     try:
-        config.resolve(budgets=budgets, loop_guard=False if no_loop_guard else None,
-                       breaker=False if no_breaker else None, redact_headers=redact_headers,
-                       redact_body=redact_body, redact_patterns=redact_patterns,
-                       redact_query=redact_query)
+        resolve_settings(budgets=budgets, loop_guard=False if no_loop_guard else None,
+                         breaker=False if no_breaker else None, redact_headers=redact_headers,
+                         redact_body=redact_body, redact_patterns=redact_patterns,
+                         redact_query=redact_query)
     except ConfigError as exc:
         _fail(exc)
     lock = _writer_lock(path, run_id, "deja record")  # --force never tramples a live run
@@ -215,11 +219,11 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
     sys.exit(0 if result["identical"] else EXIT_DIVERGED)
 
 
-def _where_to_run(cassette: Path, header: dict[str, Any], argv: list[str], *, given: bool,
+def _where_to_run(cassette: Path, header: Mapping[str, Any], argv: list[str], *, given: bool,
                   cwd: Path | None) -> Path | None:
     """The directory to run a recorded (or given) command in; a command that cannot start
     there exits 2 (it is not a divergence), naming the directory and what to do."""
-    from recorder.errors import ConfigError
+    from recorder.errors import CannotLaunch
     from recorder.record import launch_dir, startable
 
     advice = (f"give the project directory with --cwd DIR, or the command after --: "
@@ -227,7 +231,7 @@ def _where_to_run(cassette: Path, header: dict[str, Any], argv: list[str], *, gi
     if cwd is None and not given:
         try:
             cwd = launch_dir(cassette, header)
-        except ConfigError as exc:
+        except CannotLaunch as exc:
             raise BadInput(f"the recorded command ({' '.join(argv)}) cannot be run: {exc}; "
                            f"{advice}") from None
     why = startable(argv, cwd or Path.cwd())
@@ -307,6 +311,7 @@ def show(cassette: Path, as_json: bool, allow_unverified: bool) -> None:
         describe_split,
         describe_totals,
         run_summary,
+        run_totals,
         step_rows,
     )
 
@@ -327,9 +332,7 @@ def show(cassette: Path, as_json: bool, allow_unverified: bool) -> None:
         click.echo(f"  fork {child['run']} at step {child['step']}: {child['path']}")
     click.echo(f"  {summary['steps']} steps: {describe_totals(summary)}; "
                f"{summary['verify_note']}")
-    split = {"all": summary, **{k: summary[k] for k in ("live_from", "replayed_from",
-                                                          "replayed", "live")}}
-    for line in describe_split(split):
+    for line in describe_split(run_totals(c)):
         click.echo(f"    {line}")
     for row in rows:
         row["tokens"] = (f"{row['input_tokens']}/{row['output_tokens']}"
@@ -570,7 +573,7 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
     """
     from recorder.errors import DejaError
     from replayer import edit
-    from replayer.forking import plan_fork
+    from replayer.fork import plan_fork
 
     patch = _read_json_file(patch_file, "patch file") if patch_file else None
     replace = _read_json_file(replace_file, "replacement file") if replace_file else None
@@ -636,7 +639,7 @@ def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
     with the program's status; 2 if the cassette cannot be resumed.
     """
     from recorder.errors import DejaError
-    from replayer.forking import plan_resume
+    from replayer.resume import plan_resume
 
     lock = _writer_lock(cassette, _header_run(cassette), "deja resume")  # before reading it
     try:

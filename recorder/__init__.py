@@ -11,6 +11,7 @@ from recorder.effects import now, randint, random, utcnow, uuid4, value
 from recorder.errors import (
     BudgetExhausted,
     Cancelled,
+    CannotLaunch,
     CassetteError,
     CassetteLocked,
     CassetteNotFound,
@@ -21,9 +22,14 @@ from recorder.errors import (
     DejaError,
     Divergence,
     DivergenceInfo,
+    EditError,
     KeyMissing,
     LoopDetected,
     NeedsAttention,
+    NoSuchRun,
+    NoSuchStep,
+    NotResumable,
+    PathTaken,
     RunStopped,
     SessionError,
     SignatureError,
@@ -32,10 +38,11 @@ from recorder.errors import (
     UnserializableValue,
     UnsupportedFormat,
     UnverifiedCassette,
+    UsageError,
 )
-from recorder.harness.guards import BreakerSettings, Budgets, LoopGuard
+from recorder.harness.guards import BreakerSettings, Budgets, LoopSettings
 from recorder.intents import Intent, Settled, idempotency_key
-from recorder.pricing import Price, PriceTable
+from recorder.providers.pricing import Price, PriceTable
 from recorder.record import RecordSession, record, start
 from recorder.tools import tool
 
@@ -45,6 +52,7 @@ __all__ = [
     "BudgetExhausted",
     "Budgets",
     "Cancelled",
+    "CannotLaunch",
     "Cassette",
     "CassetteError",
     "CassetteLocked",
@@ -57,13 +65,18 @@ __all__ = [
     "DejaError",
     "Divergence",
     "DivergenceInfo",
+    "EditError",
     "Fsync",
     "Intent",
     "KeyMissing",
     "Keyring",
     "LoopDetected",
-    "LoopGuard",
+    "LoopSettings",
     "NeedsAttention",
+    "NoSuchRun",
+    "NoSuchStep",
+    "NotResumable",
+    "PathTaken",
     "Price",
     "PriceTable",
     "RecordSession",
@@ -77,6 +90,7 @@ __all__ = [
     "UnserializableValue",
     "UnsupportedFormat",
     "UnverifiedCassette",
+    "UsageError",
     "active",
     "idempotency_key",
     "load",

@@ -27,6 +27,7 @@ import time
 import uuid as _uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
+from types import FrameType
 from typing import Any, NamedTuple
 
 from recorder.capture import session
@@ -90,7 +91,7 @@ def call_site() -> Site | None:
     function's values out of their order once the lines have shifted. Within one function,
     values are served in recorded order.
     """
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         module = frame.f_globals.get("__name__") or ""
         if module.partition(".")[0] not in _OWN:

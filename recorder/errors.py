@@ -3,7 +3,14 @@
 ::
 
     DejaError
-    ├── ConfigError              bad arguments or settings, found before anything runs
+    ├── UsageError               asked for something that cannot be done as asked
+    │   ├── ConfigError          bad settings or arguments, found before anything runs
+    │   ├── EditError            an edit of a step that is not a patch, or does not apply
+    │   ├── NoSuchStep           a step number the run does not have
+    │   ├── NoSuchRun            a run id nothing knows
+    │   ├── PathTaken            a file that would be overwritten (a new cassette's path)
+    │   ├── NotResumable         a run that already ended: there is nothing to resume
+    │   └── CannotLaunch         the recorded command cannot be started from here
     ├── KeyMissing               no signing key where one is required
     ├── CassetteError            a cassette file that cannot be trusted or written as it is
     │   ├── CassetteNotFound     no file at that path (the closest names are suggested)
@@ -18,7 +25,8 @@
     │   └── CassetteWriteError   a line could not be written (disk full, read-only, I/O
     │                            error); the run stops, the file keeps its whole lines
     ├── UnserializableValue      a tool result or effect value that cannot be stored
-    ├── SessionError             record/replay used wrongly (nested, not active, closed)
+    ├── SessionError             record/replay used wrongly (nested, not active, a closed
+    │                            cassette written to)
     ├── Divergence               replay: the agent asked for something the cassette
     │                            does not hold at that point
     ├── ToolReplayError          replay: a recorded tool raised; the original exception
@@ -50,8 +58,39 @@ class DejaError(Exception):
     """Root of every error deja raises."""
 
 
-class ConfigError(DejaError):
-    """Invalid configuration or arguments."""
+class UsageError(DejaError):
+    """deja was asked for something that cannot be done as asked; the message says what
+    to give instead."""
+
+
+class ConfigError(UsageError):
+    """Invalid settings or arguments: ``[tool.deja]``, the environment, ``record()``'s
+    arguments, command-line flags."""
+
+
+class EditError(UsageError):
+    """An edit of a step (fork) that is not a JSON patch, or that does not apply to it."""
+
+
+class NoSuchStep(UsageError):
+    """A step number the run does not have."""
+
+
+class NoSuchRun(UsageError):
+    """A run id that no cassette or status record knows."""
+
+
+class PathTaken(UsageError):
+    """The path a new cassette would be written to already exists."""
+
+
+class NotResumable(UsageError):
+    """The run already ended (completed, failed, stopped): there is nothing to resume."""
+
+
+class CannotLaunch(UsageError):
+    """The command a cassette records cannot be started from here (unknown or moved
+    directory, missing script)."""
 
 
 class KeyMissing(DejaError):

@@ -16,7 +16,10 @@ now, with the same key) or :meth:`Settled.unknown` (the run stops with status
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
+import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +30,16 @@ _key: contextvars.ContextVar[str | None] = contextvars.ContextVar("deja_idempote
 def idempotency_key() -> str | None:
     """The idempotency key of the side-effecting tool call running now, if any."""
     return _key.get()
+
+
+@contextlib.contextmanager
+def key_in_effect(key: str | None) -> Iterator[None]:
+    """Make ``key`` what :func:`idempotency_key` returns while a tool's body runs."""
+    token = _key.set(key)
+    try:
+        yield
+    finally:
+        _key.reset(token)
 
 
 @dataclass(frozen=True)
@@ -40,11 +53,19 @@ class Intent:
     key: str
 
 
+class Effect(enum.StrEnum):
+    """Whether an intent's effect took place, as a settle function found out."""
+
+    DONE = "done"
+    NOT_DONE = "not_done"
+    UNKNOWN = "unknown"
+
+
 @dataclass(frozen=True)
 class Settled:
     """What a settle function found out about an intent."""
 
-    state: str  # "done" | "not_done" | "unknown"
+    state: Effect
     result: Any = None
     reason: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -52,14 +73,14 @@ class Settled:
     @classmethod
     def done(cls, result: Any = None) -> Settled:
         """The effect happened; ``result`` is recorded as the tool's result."""
-        return cls("done", result=result)
+        return cls(Effect.DONE, result=result)
 
     @classmethod
     def not_done(cls) -> Settled:
         """The effect did not happen; run the tool now with the same key."""
-        return cls("not_done")
+        return cls(Effect.NOT_DONE)
 
     @classmethod
     def unknown(cls, reason: str) -> Settled:
         """It cannot be told; stop the run for a person to decide."""
-        return cls("unknown", reason=reason)
+        return cls(Effect.UNKNOWN, reason=reason)

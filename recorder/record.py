@@ -16,9 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import importlib.metadata
-import inspect
 import itertools
 import json
 import logging
@@ -28,14 +26,12 @@ import secrets
 import sys
 import threading
 import time
-from collections.abc import Callable
-from datetime import UTC, datetime
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from recorder import effects
+from recorder import effects, providers
 from recorder import values as _values
-from recorder._summary import summarize
 from recorder.capture import session
 from recorder.capture import vcr as capture
 from recorder.capture.exchange import (
@@ -49,13 +45,26 @@ from recorder.capture.exchange import (
     semantic_headers,
     upstream,
 )
-from recorder.cassette import CassetteWriter, Fsync, _compact
+from recorder.cassette import CassetteWriter, Fsync, compact
 from recorder.cassette.canonical import digest
 from recorder.cassette.keys import Keyring, load_keyring, require_signing_key
-from recorder.errors import ConfigError, RunStopped, SessionError, UnserializableValue
-from recorder.harness import settings as config
-from recorder.harness.guards import BreakerSettings, Budgets, Clock, LoopGuard
+from recorder.cassette.schema import (
+    EndStatus,
+    Totals,
+    add_step,
+    run_file,
+    utc_stamp,
+    zero_totals,
+)
+from recorder.errors import (
+    CannotLaunch,
+    RunStopped,
+    SessionError,
+    UnserializableValue,
+)
+from recorder.harness.guards import BreakerSettings, Budgets, Clock, LoopSettings
 from recorder.harness.run_guard import RunGuard
+from recorder.harness.settings import resolve as resolve_settings
 
 log = logging.getLogger("deja.recorder")
 
@@ -104,10 +113,10 @@ def portable_launch(argv: list[str], cwd: Path, cassette: Path) -> dict[str, Any
             "cassette": target.relative_to(cwd).as_posix() if inside else None}
 
 
-def launch_dir(cassette: Path, header: dict[str, Any]) -> Path:
+def launch_dir(cassette: Path, header: Mapping[str, Any]) -> Path:
     """The directory to re-run a recorded command in, found from where the cassette is.
 
-    Raises :class:`ConfigError` when it cannot be found: the header's absolute directory
+    Raises :class:`CannotLaunch` when it cannot be found: the header's absolute directory
     does not exist here, or the cassette is not where it was recorded relative to its
     project (a copy or a move), so that its relative directory would land somewhere the
     run never was.
@@ -115,24 +124,24 @@ def launch_dir(cassette: Path, header: dict[str, Any]) -> Path:
     cwd = header.get("cwd")
     where = cassette.resolve().parent
     if not isinstance(cwd, str) or not cwd:
-        raise ConfigError(f"{cassette} does not record the directory its command ran in")
+        raise CannotLaunch(f"{cassette} does not record the directory its command ran in")
     if os.path.isabs(cwd):
         if not Path(cwd).is_dir():
-            raise ConfigError(f"{cassette} was recorded with its command run in {cwd}, which "
-                              "does not exist on this machine")
+            raise CannotLaunch(f"{cassette} was recorded with its command run in {cwd}, which "
+                               "does not exist on this machine")
         return Path(cwd)
     recorded = header.get("cassette")
     if isinstance(recorded, str):  # the cassette's folder, relative to the run's directory
         parts = Path(recorded).parent.parts
         if parts and where.parts[-len(parts):] != parts:
-            raise ConfigError(
+            raise CannotLaunch(
                 f"{cassette} was recorded as {recorded}, relative to the directory its "
                 f"command ran in; this copy lies in {where}, not in a folder "
                 f"{Path(*parts).as_posix()}, so that directory is unknown here")
     root = Path(os.path.normpath(where / cwd))
     if not root.is_dir():
-        raise ConfigError(f"{cassette} was recorded with its command run in {cwd} relative "
-                          f"to the cassette ({root}), which does not exist")
+        raise CannotLaunch(f"{cassette} was recorded with its command run in {cwd} relative "
+                           f"to the cassette ({root}), which does not exist")
     return root
 
 
@@ -182,12 +191,12 @@ def startable(argv: list[str], cwd: Path) -> str | None:
 def status_for(error: BaseException | None) -> str:
     """The end status of a run that stopped with ``error`` (None: it completed)."""
     if error is None:
-        return "completed"
+        return EndStatus.COMPLETED
     if isinstance(error, RunStopped):
         return error.end_status
     if isinstance(error, KeyboardInterrupt):
-        return "interrupted"
-    return "error"
+        return EndStatus.INTERRUPTED
+    return EndStatus.ERROR
 
 
 def error_record(exc: BaseException) -> dict[str, str]:
@@ -216,23 +225,20 @@ class RecordSession(session.Session):
                  run_id: str | None = None, parent: dict[str, Any] | None = None,
                  writer: CassetteWriter | None = None,
                  budgets: Budgets | dict[str, Any] | None = None,
-                 loop_guard: LoopGuard | dict[str, Any] | bool | None = None,
+                 loop_guard: LoopSettings | dict[str, Any] | bool | None = None,
                  breaker: BreakerSettings | dict[str, Any] | bool | None = None,
                  clock: Clock | None = None, progress_interval: float = 0.2) -> None:
         self.run_id = run_id or new_run_id()
-        path = Path(path)
-        if path.is_dir() or str(path).endswith(os.sep) or path.suffix == "":
-            path = path / f"{self.run_id}.jsonl"
-        self.path = path
-        self.harness = config.resolve(budgets=budgets, loop_guard=loop_guard, breaker=breaker,
-                                      prices=prices, fsync=fsync, redact_headers=redact_headers,
-                                      redact_body=redact_body, redact_patterns=redact_patterns,
-                                      redact_query=redact_query)
-        self.fsync = Fsync.parse(self.harness.fsync or Fsync.TURN)
+        self.path = run_file(path, self.run_id)
+        self.settings = resolve_settings(
+            budgets=budgets, loop_guard=loop_guard, breaker=breaker, prices=prices, fsync=fsync,
+            redact_headers=redact_headers, redact_body=redact_body,
+            redact_patterns=redact_patterns, redact_query=redact_query)
+        self.fsync = Fsync.parse(self.settings.fsync or Fsync.TURN)
         self.labels = dict(labels or {})
         # ``redaction`` (a continued run's recorded rules) replaces the resolved ones whole
-        self.redaction = redaction or self.harness.redaction
-        self.prices = self.harness.prices
+        self.redaction = redaction or self.settings.redaction
+        self.prices = self.settings.prices
         self._clock = clock
         self._progress_interval = progress_interval
         self.guard: RunGuard | None = None
@@ -242,22 +248,20 @@ class RecordSession(session.Session):
         self._keyring = keyring
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
-        self.totals: dict[str, Any] = {"model_calls": 0, "http_calls": 0, "tool_calls": 0,
-                                       "effects": 0, "input_tokens": 0, "output_tokens": 0,
-                                       "cost_usd": 0.0, "errors": 0}
+        self.totals: Totals = zero_totals()  # counted as a cassette's steps are: add_step
         self.writer: CassetteWriter | None = writer
         self.parent = parent
         self.end: dict[str, Any] | None = None
         self._patches: contextlib.ExitStack | None = None
         self._tool_calls = itertools.count()
-        self._compactor = _compact.Compactor()
+        self._compactor = compact.Compactor()
 
     # -- lifecycle
 
     def start(self) -> RecordSession:
         if self.writer is None:
             self.writer = self._new_writer()
-        self.guard = RunGuard(self.run_id, self.harness, self._emit_control, clock=self._clock,
+        self.guard = RunGuard(self.run_id, self.settings, self.log_control, clock=self._clock,
                               artefacts=[str(self.path)],
                               progress_interval=self._progress_interval,
                               redaction=self.redaction)
@@ -276,10 +280,10 @@ class RecordSession(session.Session):
         ring = self._keyring or load_keyring()
         header = {
             "run": self.run_id, "parent": self.parent,
-            "created": datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            "created": utc_stamp(),
             **self._launch(), "versions": _versions(),
             "labels": {k: self.redaction.value(v) for k, v in self.labels.items()},
-            **self.harness.to_header(),
+            **self.settings.to_header(),
             "fsync": self.fsync.value, "redact": self.redaction.to_header(),
         }
         return CassetteWriter(self.path, header, require_signing_key(ring), self.fsync,
@@ -313,7 +317,7 @@ class RecordSession(session.Session):
         if error is None and stopped is not None:
             error = stopped  # the agent caught the guard's error, but the run is over
         if status is None and self.writer.failed is not None:
-            status = "interrupted"  # stopped by the disk, not by the run: it resumes
+            status = EndStatus.INTERRUPTED  # stopped by the disk, not by the run: it resumes
             error = error or self.writer.failed
         end: dict[str, Any] = {"status": status or status_for(error), "totals": totals}
         if error is not None:
@@ -322,7 +326,9 @@ class RecordSession(session.Session):
                 end["reason"] = error.reason
         return end
 
-    def _emit_control(self, event: str, detail: dict[str, Any]) -> None:
+    def log_control(self, event: str, detail: dict[str, Any]) -> None:
+        """Log a control event (a guard's decision, a fork's edit, a resume), forced to
+        disk before the run goes on."""
         self._append({"kind": "control", "event": event, "detail": detail}, sync=True)
 
     def _stop(self) -> None:
@@ -390,68 +396,74 @@ class RecordSession(session.Session):
 
     def end_http(self, request: HttpRequest, response: HttpResponse | None, timing: session.Timing,
                  error: BaseException | None = None) -> None:
-        assert self.writer is not None
+        """Log a finished exchange (or a failed one, with ``error``), count it, and let the
+        guards see it."""
         kind, provider, body = self._classify(request)
-        url = self.redaction.url(request.url)
-        if kind == "model":
-            obs: dict[str, Any] = {
-                "kind": "model", "provider": provider, "url": url,
-                "request_headers": semantic_headers(request.headers, self.redaction),
-            }
-            request_body, has_request = body, True
-        else:
-            obs = {"kind": "http", "method": request.method.upper(), "url": url,
-                   "fp": fingerprint("http", request.method, url, body),
-                   "request": {"headers": semantic_headers(request.headers, self.redaction),
-                               "body": body}}
-            request_body, has_request = None, False
+        is_model = kind == "model"
+        obs = self._exchange_line(request, kind, provider, body)
         obs["t"] = round(timing.start, 3)
         obs["ms"] = round(timing.ms, 2)
-        streamed = any(k.lower() == "content-type" and "event-stream" in v
-                       for k, v in (response.headers if response is not None else []))
-        if timing.ttfb_ms is not None and streamed:
+        if (timing.ttfb_ms is not None and response is not None
+                and providers.for_line(obs).is_stream(response.headers)):
             obs["ttft_ms"] = round(timing.ttfb_ms, 2)
+        usage: dict[str, Any] = {}
         cost = None
-        summary: dict[str, Any] = {}
         if response is not None:
             obs["response"] = response_record(response, self.redaction)
-            if provider:
-                ctype = next((v for k, v in response.headers if k.lower() == "content-type"), "")
-                summary = summarize(provider, response.status, ctype, response.body)
-                usage = summary.get("usage") or {}
-                model = summary.get("model") or (body.get("model") if isinstance(body, dict)
-                                                 else None)
-                cost = self.prices.cost(model, usage)
-                obs.update({"usage": {k: v for k, v in usage.items() if v} or None,
-                            "stop_reason": summary.get("stop_reason"), "cost_usd": cost})
-                if summary.get("error"):
-                    obs["api_error"] = summary["error"]
+            if is_model:
+                usage, cost = self._model_outcome(obs, response, body)
         if error is not None:
             obs["error"] = {**self._error(error), "has_response": response is not None}
         if request.original_body is not None:
             obs["clamped_max_tokens"] = json.loads(request.body).get("max_tokens")
-        if has_request:
-            url, full_req = obs["url"], obs["request_headers"]
-            full_resp = obs["response"]["headers"] if "response" in obs else None
-            line = self._append(self._compactor.compact(obs), request_body=request_body,
-                                has_request=True)
-            self._compactor.written(line["seq"], url, full_req, full_resp)
-        else:
-            self._append(obs)
+        counted = dict(obs)  # as a reader sees it: compaction drops what it can derive
+        self._write_exchange(obs, body if is_model else None)
         with self._lock:
-            t = self.totals
-            t["model_calls" if provider else "http_calls"] += 1
-            if error is not None or (response is not None and response.status >= 400):
-                t["errors"] += 1
-            usage = summary.get("usage") or {}
-            t["input_tokens"] += usage.get("input_tokens", 0)
-            t["output_tokens"] += usage.get("output_tokens", 0)
-            t["cost_usd"] += cost or 0.0
+            add_step(self.totals, counted)
         if self.guard is not None:
             self.guard.after_exchange(
-                model=bool(provider), status=response.status if response is not None else None,
-                error=error, usage=summary.get("usage"), cost=cost,
-                host=upstream(request.url))
+                model=is_model, status=response.status if response is not None else None,
+                error=error, usage=usage or None, cost=cost, host=upstream(request.url))
+
+    def _exchange_line(self, request: HttpRequest, kind: str, provider: str | None,
+                       body: Any) -> dict[str, Any]:
+        """The request half of a model or HTTP line, redacted (the model request's body is
+        stored apart, as a delta of its conversation)."""
+        url = self.redaction.url(request.url)
+        headers = semantic_headers(request.headers, self.redaction,
+                                   provider if kind == "model" else None)
+        if kind == "model":
+            return {"kind": "model", "provider": provider, "url": url,
+                    "request_headers": headers}
+        return {"kind": "http", "method": request.method.upper(), "url": url,
+                "fp": fingerprint("http", request.method, url, body),
+                "request": {"headers": headers, "body": body}}
+
+    def _model_outcome(self, obs: dict[str, Any], response: HttpResponse,
+                       body: Any) -> tuple[dict[str, Any], float | None]:
+        """What a model response says (usage, stop reason, API error) and what it cost,
+        added to its line; returns the usage and the cost."""
+        seam = providers.for_line(obs)
+        summary = seam.summarize(response.status, response.headers, response.body)
+        usage = summary.get("usage") or {}
+        cost = seam.cost(summary.get("model") or seam.request_model(body), usage, self.prices)
+        obs.update({"usage": {k: v for k, v in usage.items() if v} or None,
+                    "stop_reason": summary.get("stop_reason"), "cost_usd": cost})
+        if summary.get("error"):
+            obs["api_error"] = summary["error"]
+        return usage, cost
+
+    def _write_exchange(self, obs: dict[str, Any], request_body: Any) -> None:
+        """Append an exchange's line: a model line compacted (what the reader can derive is
+        left out) with its request body, an HTTP line as it is."""
+        if obs["kind"] != "model":
+            self._append(obs)
+            return
+        url, full_req = obs["url"], obs["request_headers"]
+        full_resp = obs["response"]["headers"] if "response" in obs else None
+        line = self._append(self._compactor.compact(obs), request_body=request_body,
+                            has_request=True)
+        self._compactor.written(line["seq"], url, full_req, full_resp)
 
     # Lines redacted whole as they are appended (model and HTTP lines are redacted field by
     # field in end_http: their bodies are large and redacted as raw bytes).
@@ -559,9 +571,7 @@ class RecordSession(session.Session):
                 obs["error"] = self._error(exc)
         self._append(obs, sync=tool.side_effect)
         with self._lock:
-            self.totals["tool_calls"] += 1
-            if error is not None or refused is not None:
-                self.totals["errors"] += 1
+            add_step(self.totals, obs)
         if refused is not None:
             raise refused
 
@@ -591,50 +601,10 @@ class RecordSession(session.Session):
             obs["site"] = site.record()
         self._append(obs)
         with self._lock:
-            self.totals["effects"] += 1
-            if refused is not None:
-                self.totals["errors"] += 1
+            add_step(self.totals, obs)
         if refused is not None:
             raise refused
         return value
-
-
-class _Record(contextlib.ContextDecorator):
-    """What ``record()`` returns: a context manager and a decorator (sync and async)."""
-
-    def __init__(self, path: str | Path, kwargs: dict[str, Any]) -> None:
-        self._path, self._kwargs = path, kwargs
-        self._stack: list[RecordSession | None] = []
-
-    def __enter__(self) -> session.Session:
-        current = session.active()
-        if current is not None:
-            # Already recorded or replayed from outside (``deja record``/``deja replay``):
-            # the outer session keeps serving; this block adds nothing of its own.
-            log.info("record(%s): a %s session is already active; using it", self._path,
-                     current.mode)
-            self._stack.append(None)
-            return current
-        rec = RecordSession(self._path, **self._kwargs).start()
-        self._stack.append(rec)
-        return rec
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        rec = self._stack.pop()
-        if rec is not None:
-            rec.close(error=exc)
-
-    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
-        if inspect.iscoroutinefunction(func):
-            @functools.wraps(func)
-            async def wrapper(*args: Any, **kwargs: Any) -> Any:
-                with self._recreate_cm():
-                    return await func(*args, **kwargs)
-            return wrapper
-        return super().__call__(func)
-
-    def _recreate_cm(self) -> _Record:
-        return _Record(self._path, self._kwargs)
 
 
 def record(path: str | Path = "cassettes", *, labels: dict[str, Any] | None = None,
@@ -643,9 +613,9 @@ def record(path: str | Path = "cassettes", *, labels: dict[str, Any] | None = No
            redact_query: tuple[str, ...] = (), prices: dict[str, Any] | None = None,
            overwrite: bool = False, keyring: Keyring | None = None,
            budgets: Budgets | dict[str, Any] | None = None,
-           loop_guard: LoopGuard | dict[str, Any] | bool | None = None,
+           loop_guard: LoopSettings | dict[str, Any] | bool | None = None,
            breaker: BreakerSettings | dict[str, Any] | bool | None = None,
-           clock: Clock | None = None) -> _Record:
+           clock: Clock | None = None) -> session.Scope[RecordSession]:
     """Record a run into a cassette at ``path`` (a file, or a directory for ``<run>.jsonl``).
 
     ``fsync``: ``"sync"`` forces every line to disk before the call returns, ``"turn"``
@@ -664,15 +634,24 @@ def record(path: str | Path = "cassettes", *, labels: dict[str, Any] | None = No
     """
     if fsync is not None:
         Fsync.parse(fsync)
-    config.resolve(budgets=budgets, loop_guard=loop_guard, breaker=breaker, prices=prices,
-                   redact_headers=tuple(redact_headers), redact_body=tuple(redact_body),
-                   redact_patterns=tuple(redact_patterns), redact_query=tuple(redact_query))
-    kwargs = {"labels": labels, "fsync": fsync, "redact_headers": tuple(redact_headers),
-              "redact_body": tuple(redact_body), "redact_patterns": tuple(redact_patterns),
-              "redact_query": tuple(redact_query), "prices": prices, "overwrite": overwrite,
-              "keyring": keyring, "budgets": budgets, "loop_guard": loop_guard,
-              "breaker": breaker, "clock": clock}
-    return _Record(path, kwargs)
+    resolve_settings(budgets=budgets, loop_guard=loop_guard, breaker=breaker, prices=prices,
+                     redact_headers=tuple(redact_headers), redact_body=tuple(redact_body),
+                     redact_patterns=tuple(redact_patterns), redact_query=tuple(redact_query))
+    headers, body, patterns, query = (tuple(redact_headers), tuple(redact_body),
+                                      tuple(redact_patterns), tuple(redact_query))
+
+    def open_session() -> RecordSession:
+        return RecordSession(
+            path, labels=labels, fsync=fsync, redact_headers=headers, redact_body=body,
+            redact_patterns=patterns, redact_query=query, prices=prices, overwrite=overwrite,
+            keyring=keyring, budgets=budgets, loop_guard=loop_guard, breaker=breaker,
+            clock=clock).start()
+
+    # Inside ``deja record`` or ``deja replay`` the outer session keeps serving: the block
+    # joins it and adds nothing of its own.
+    return session.Scope(open_session,
+                         lambda rec, exc: rec.close(error=exc), join=True,
+                         name=f"record({path})")
 
 
 def write_end(path: str | Path, end: dict[str, Any], exit_code: int,
@@ -684,8 +663,8 @@ def write_end(path: str | Path, end: dict[str, Any], exit_code: int,
     ring = keyring or load_keyring(create=False)
     loaded = load(path, keyring=ring, require_signature=True, allow_incomplete=True)
     end = dict(end, exit_code=exit_code)
-    if exit_code != 0 and end.get("status") == "completed":
-        end["status"] = "error"
+    if exit_code != 0 and end.get("status") == EndStatus.COMPLETED:
+        end["status"] = EndStatus.ERROR
         end.setdefault("reason", f"exit status {exit_code}")
     key = ring.get(str(loaded.header.get("key_id")))
     assert key is not None  # load() verified with it

@@ -34,6 +34,31 @@ def _bound_args(sig: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str,
     return out
 
 
+class _Call:
+    """What both wrappers of a tool share: its spec, and how a call's arguments are stored
+    and its idempotency key passed."""
+
+    def __init__(self, fn: Callable[..., Any], name: str | None, side_effect: bool,
+                 settle: Callable[[intents.Intent], intents.Settled] | None,
+                 encode: Callable[[Any], Any] | None,
+                 decode: Callable[[Any], Any] | None) -> None:
+        self.signature = inspect.signature(fn)
+        self.takes_key = "idempotency_key" in self.signature.parameters
+        self.spec = session.ToolSpec(name or fn.__name__, encode, decode, side_effect, settle,
+                                     self.takes_key)
+
+    def arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by name, as logged (the key is the run's, not an argument)."""
+        call = _bound_args(self.signature, args, kwargs)
+        call.pop("idempotency_key", None)
+        return call
+
+    def with_key(self, kwargs: dict[str, Any], key: str | None) -> dict[str, Any]:
+        if self.takes_key and key is not None:
+            return {**kwargs, "idempotency_key": key}
+        return kwargs
+
+
 @overload
 def tool(func: F) -> F: ...
 @overload
@@ -60,21 +85,7 @@ def tool(func: Callable[..., Any] | None = None, *, name: str | None = None,
         raise ConfigError("settle= only applies to side_effect=True tools")
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        sig = inspect.signature(fn)
-        takes_key = "idempotency_key" in sig.parameters
-        spec = session.ToolSpec(name or fn.__name__, encode, decode, side_effect, settle,
-                                takes_key)
-
-        def arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-            call = _bound_args(sig, args, kwargs)
-            call.pop("idempotency_key", None)
-            return call
-
-        def with_key(kwargs: dict[str, Any], key: str | None) -> dict[str, Any]:
-            if takes_key and key is not None:
-                return {**kwargs, "idempotency_key": key}
-            return kwargs
-
+        call = _Call(fn, name, side_effect, settle, encode, decode)
         if inspect.iscoroutinefunction(fn):
             @functools.wraps(fn)
             async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -83,14 +94,13 @@ def tool(func: Callable[..., Any] | None = None, *, name: str | None = None,
                     return await fn(*args, **kwargs)
 
                 async def invoke(key: str | None) -> Any:
-                    token = intents._key.set(key)
-                    try:
-                        return await fn(*args, **with_key(kwargs, key))
-                    finally:
-                        intents._key.reset(token)
+                    with intents.key_in_effect(key):
+                        return await fn(*args, **call.with_key(kwargs, key))
 
-                return await current.call_tool_async(spec, arguments(args, kwargs), invoke)
-            async_wrapper.__deja_tool__ = spec  # type: ignore[attr-defined]
+                return await current.call_tool_async(call.spec, call.arguments(args, kwargs),
+                                                      invoke)
+            # functions take new attributes at run time; the type of one does not say so
+            async_wrapper.__deja_tool__ = call.spec  # type: ignore[attr-defined]
             return async_wrapper
 
         @functools.wraps(fn)
@@ -100,14 +110,12 @@ def tool(func: Callable[..., Any] | None = None, *, name: str | None = None,
                 return fn(*args, **kwargs)
 
             def invoke(key: str | None) -> Any:
-                token = intents._key.set(key)
-                try:
-                    return fn(*args, **with_key(kwargs, key))
-                finally:
-                    intents._key.reset(token)
+                with intents.key_in_effect(key):
+                    return fn(*args, **call.with_key(kwargs, key))
 
-            return current.call_tool(spec, arguments(args, kwargs), invoke)
-        wrapper.__deja_tool__ = spec  # type: ignore[attr-defined]
+            return current.call_tool(call.spec, call.arguments(args, kwargs), invoke)
+        # functions take new attributes at run time; the type of one does not say so
+        wrapper.__deja_tool__ = call.spec  # type: ignore[attr-defined]
         return wrapper
 
     if func is not None:

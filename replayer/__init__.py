@@ -4,8 +4,9 @@ fork it at a step with an edited observation; resume it after a crash."""
 from recorder.errors import Divergence, DivergenceInfo
 from replayer.continuation import ContinuationSession
 from replayer.diff import RunDiff, compare
-from replayer.forking import ForkPlan, fork, plan_fork, plan_resume, resume
+from replayer.fork import ForkPlan, fork, plan_fork
 from replayer.replay import ReplayResult, ReplaySession, replay, start
+from replayer.resume import plan_resume, resume
 
 __all__ = [
     "ContinuationSession",

@@ -15,22 +15,47 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from recorder import values as _values
 from recorder.capture import session
 from recorder.capture.exchange import HttpRequest, HttpResponse, Redaction
 from recorder.cassette import Cassette, CassetteWriter
-from recorder.cassette.rows import count_call, totals_of
+from recorder.cassette.keys import Keyring
+from recorder.cassette.schema import add_step, replayed_totals
 from recorder.effects import call_site
-from recorder.errors import NeedsAttention
+from recorder.errors import Divergence, KeyMissing, NeedsAttention
 from recorder.harness.guards import Budgets
-from recorder.intents import Intent, Settled
+from recorder.intents import Effect, Intent, Settled
 from recorder.record import RecordSession
-from replayer.replay import ReplaySession
+from replayer.replay import Action, Decision, ReplaySession
 
 log = logging.getLogger("deja.replayer")
+
+
+def signing_key(cassette: Cassette, keyring: Keyring) -> bytes:
+    """The key a continuation of ``cassette`` is signed with when none is configured: the
+    one it was signed with."""
+    key = keyring.get(str(cassette.header.get("key_id")))
+    if key is None:
+        raise KeyMissing(f"{cassette.path} is signed with key {cassette.header.get('key_id')}, "
+                         "which is not available (DEJA_KEY, the key file or DEJA_OLD_KEYS)")
+    return key
+
+
+def scope(make: Callable[[], ContinuationSession], *, abandon_on_divergence: bool,
+          name: str) -> session.Scope[ContinuationSession]:
+    """A fork or a resume around a block: ``make`` writes what must come first and returns
+    the session. With ``abandon_on_divergence`` (resume) an agent that no longer matches its
+    own log leaves the cassette as it was, with no end line, to be resumed by a fixed agent."""
+    def close(continued: ContinuationSession, exc: BaseException | None) -> None:
+        if isinstance(exc, Divergence) and abandon_on_divergence:
+            continued.abandon()
+        else:
+            continued.close(error=exc)
+
+    return session.Scope(lambda: make().start(), close, name=name)
 
 
 class ContinuationSession(RecordSession):
@@ -42,8 +67,9 @@ class ContinuationSession(RecordSession):
         # The run keeps the guards it was recorded with (its header); counters carry over
         # from the prefix once the guard exists (start).
         recorded = prefix.header
-        if recorded.get("budgets") is not None:
-            kwargs.setdefault("budgets", Budgets(**recorded["budgets"]))
+        budgets = recorded.get("budgets")
+        if budgets is not None:
+            kwargs.setdefault("budgets", Budgets(**budgets))
         kwargs.setdefault("loop_guard", recorded.get("loop"))
         kwargs.setdefault("breaker", recorded.get("breaker"))
         # ...and its redaction rules: the live steps redact (and fingerprint) as the
@@ -67,12 +93,8 @@ class ContinuationSession(RecordSession):
 
     # -- bookkeeping
 
-    def _count(self, obs: dict[str, Any]) -> None:
-        t = self.totals
-        count_call(t, obs)
-        t["cost_usd"] += obs.get("cost_usd") or 0.0
-        if "error" in obs:
-            t["errors"] += 1
+    def _count(self, obs: Mapping[str, Any]) -> None:
+        add_step(self.totals, obs)  # the rule a cassette's totals are counted by
 
     @property
     def serving(self) -> bool:
@@ -96,11 +118,7 @@ class ContinuationSession(RecordSession):
         if not self.live and self.prefix.index.remaining == 0:
             self.go_live()
         end = super().end_line(status, error)
-        # What of the totals was replayed from the prefix (recorder.cassette.rows counts the same)
-        replayed = totals_of(self.prefix.cassette.observations)
-        end["totals"]["replayed"] = {k: replayed[k] for k in (
-            "model_calls", "http_calls", "tool_calls", "effects", "input_tokens",
-            "output_tokens", "cost_usd")}
+        end["totals"]["replayed"] = replayed_totals(self.prefix.cassette.observations)
         return end
 
     # -- calls
@@ -115,7 +133,7 @@ class ContinuationSession(RecordSession):
             return self.then.response_of(obs)
         return None
 
-    def _log_copied(self, source: ReplaySession, obs: dict[str, Any]) -> None:
+    def _log_copied(self, source: ReplaySession, obs: Mapping[str, Any]) -> None:
         """Log an observation served from ``source`` as if it had come from the network."""
         copy = {k: v for k, v in obs.items() if k not in ("seq", "sig", "request")}
         if obs["kind"] == "model":
@@ -127,19 +145,24 @@ class ContinuationSession(RecordSession):
             self._append(copy)
         self._count(obs)
 
-    def _serve_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> tuple[str, Any]:
-        """('served', value) from the prefix, ('settle', intent) for an unsettled intent,
-        or ('live', None)."""
-        if not self.serving:
-            return "live", None
-        obs = self.prefix._take_tool(tool, args)
-        if obs["kind"] == "intent" and obs["seq"] not in self.prefix.index.outcomes:
+    def decide(self, tool: session.ToolSpec, args: dict[str, Any]) -> Decision:
+        """Answer a tool call from the prefix while it lasts (settling the intent it ends
+        inside, if any), then from ``then_replay``, else run it live."""
+        if self.serving:
+            decision = self.prefix.serve_tool(tool, args)
+            if decision.action is not Action.SETTLE:
+                return decision
             self.go_live()
-            return "settle", obs
-        return "served", self.prefix._tool_result(tool, obs)
+            return self._settle(tool, args, decision.intent)
+        if self.then is not None:
+            return Decision.answer(self._then_tool(tool, args))
+        return Decision.run()
 
     def _settle(self, tool: session.ToolSpec, args: dict[str, Any],
-                obs: dict[str, Any]) -> tuple[str, Any]:
+                obs: Mapping[str, Any]) -> Decision:
+        """Ask the tool's settle function whether the intent ``obs`` took effect: its
+        result is logged as the outcome, or the body runs with the intent's key, or the
+        run stops for a person (:class:`NeedsAttention`)."""
         key = f"{self.run_id}:{obs['seq']}"
         intent = Intent(run=self.run_id, seq=obs["seq"], name=tool.name,
                         args=_values.decode(obs.get("args")), key=key)
@@ -156,42 +179,31 @@ class ContinuationSession(RecordSession):
                                  "a recorder.Settled", reason="bad_settle",
                                  detail={"seq": obs["seq"], "key": key})
         log.info("intent seq %s of %s settled: %s", obs["seq"], tool.name, verdict.state)
-        if verdict.state == "done":
+        if verdict.state == Effect.DONE:
             now = time.perf_counter()
             self.log_tool(tool, args, time.time(), now, result=verdict.result,
                           intent=(obs["seq"], key))
-            return "done", verdict.result
-        if verdict.state == "not_done":
-            return "run", (obs["seq"], key)
+            return Decision.answer(verdict.result)
+        if verdict.state == Effect.NOT_DONE:
+            return Decision.run((obs["seq"], key))
         raise NeedsAttention(
             f"run {self.run_id}: cannot tell whether {tool.name!r} (intent seq {obs['seq']}, "
             f"key {key}) took effect: {verdict.reason}", reason="unsettled_intent",
             detail={"seq": obs["seq"], "key": key, "tool": tool.name, "why": verdict.reason})
 
-    def _decide(self, tool: session.ToolSpec, args: dict[str, Any]) -> tuple[str, Any]:
-        """('value', result) when the call is answered without running the body, else
-        ('run', intent or None): run it live (an unsettled intent with its key)."""
-        state, value = self._serve_tool(tool, args)
-        if state == "served":
-            return "value", value
-        if state == "settle":
-            state, value = self._settle(tool, args, value)
-            return ("value", value) if state == "done" else ("run", value)
-        if self.then is not None:
-            return "value", self._then_tool(tool, args)
-        return "run", None
-
     def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],
                   run: Callable[[str | None], Any]) -> Any:
-        action, value = self._decide(tool, args)
-        return value if action == "value" else self.run_tool(tool, args, run, intent=value)
+        decision = self.decide(tool, args)
+        if decision.action is Action.ANSWER:
+            return decision.value
+        return self.run_tool(tool, args, run, intent=decision.intent)
 
     async def call_tool_async(self, tool: session.ToolSpec, args: dict[str, Any],
                               run: Callable[[str | None], Any]) -> Any:
-        action, value = self._decide(tool, args)
-        if action == "value":
-            return value
-        return await self.run_tool_async(tool, args, run, intent=value)
+        decision = self.decide(tool, args)
+        if decision.action is Action.ANSWER:
+            return decision.value
+        return await self.run_tool_async(tool, args, run, intent=decision.intent)
 
     def _then_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> Any:
         """Serve a tool call from ``then_replay`` and log it as a live call would be.
@@ -201,11 +213,11 @@ class ContinuationSession(RecordSession):
         """
         assert self.then is not None
         self.before_tool(tool, args)
-        obs = self.then._take_tool(tool, args)
+        obs = self.then.take_tool(tool, args)
         outcome = self.then.index.outcomes.get(obs["seq"]) if obs["kind"] == "intent" else None
         if obs["kind"] == "intent" and outcome is None:
             # The other run stopped inside this side effect: nothing to copy, nothing known.
-            raise self.then._unsettled(tool, obs)
+            raise self.then.unsettled(tool, obs)
         side_effect = outcome is not None
         line = self._append({k: v for k, v in obs.items() if k not in ("seq", "sig")},
                             sync=side_effect)
@@ -221,7 +233,7 @@ class ContinuationSession(RecordSession):
             self._count(outcome)
         else:
             self._count(obs)
-        return self.then._tool_result(tool, obs)  # the recorded value, or its recorded error
+        return self.then.tool_value(tool, obs)  # the recorded value, or its recorded error
 
     def effect(self, name: str, produce: Callable[[], Any]) -> Any:
         if self.serving:

@@ -14,36 +14,35 @@ value on each side.
 
 from __future__ import annotations
 
+import difflib
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import jsonpatch
 
+from recorder import providers
+from recorder.capture.exchange import pretty
 from recorder.cassette import Cassette
 from recorder.cassette.canonical import decode_body
-from recorder.cassette.rows import is_bookkeeping, step_count
-from recorder.sse import assemble
+from recorder.cassette.rows import step_count
+from recorder.cassette.schema import Line, is_bookkeeping
 from recorder.values import decode
 
-_VOLATILE_MESSAGE_KEYS = ("id",)
 
-
-def _response_message(obs: dict[str, Any]) -> Any:
+def _response_message(obs: Mapping[str, Any]) -> Any:
     response = obs.get("response")
     if not response:
         return None
     body = decode_body(response["body"], response.get("encoding")).decode("utf-8", "replace")
-    ctype = next((v for k, v in response.get("headers", []) if k.lower() == "content-type"), "")
-    if "event-stream" in ctype:
-        message: Any = assemble(body)
-    else:
-        try:
-            message = json.loads(body)
-        except ValueError:
-            return {"status": response["status"], "text": body}
+    provider = providers.for_line(obs)
+    try:
+        message = provider.message(response.get("headers", []), body)
+    except ValueError:
+        return {"status": response["status"], "text": body}
     if isinstance(message, dict):
-        message = {k: v for k, v in message.items() if k not in _VOLATILE_MESSAGE_KEYS}
+        message = {k: v for k, v in message.items() if k not in provider.volatile_message_keys}
     return {"status": response["status"], "message": message}
 
 
@@ -58,12 +57,13 @@ def _run_named(value: Any, run: str) -> Any:
     return value
 
 
-def meaning(cassette: Cassette, obs: dict[str, Any]) -> dict[str, Any]:
+def meaning(cassette: Cassette, obs: Mapping[str, Any]) -> dict[str, Any]:
     """What a step says, without the parts that differ between any two runs."""
     kind = obs.get("kind")
     out: dict[str, Any] = {"kind": kind}
     if kind == "model":
-        out.update(model=obs.get("model"), request=cassette.requests.get(obs["seq"]),
+        request = providers.for_line(obs).semantic_request(cassette.requests.get(obs["seq"]))
+        out.update(model=obs.get("model"), request=request,
                    response=_response_message(obs), usage=obs.get("usage"),
                    cost_usd=obs.get("cost_usd"), error=obs.get("error"))
     elif kind == "http":
@@ -157,10 +157,10 @@ def _pointer_get(doc: Any, pointer: str) -> Any:
         return None
 
 
-def aligned(c: Cassette) -> list[dict[str, Any]]:
+def aligned(c: Cassette) -> list[Line]:
     """What is compared, in order: the steps without the bookkeeping control lines
     (fork_edit, resumed), then the end line. Two runs are aligned position by position."""
-    steps = [o for o in c.observations if not is_bookkeeping(o)]
+    steps: list[Line] = [o for o in c.observations if not is_bookkeeping(o)]
     return steps + ([c.end] if c.end else [])
 
 
@@ -191,6 +191,7 @@ def compare(a: Cassette, b: Cassette) -> RunDiff:
         mb = _stable_ids(meaning(b, steps_b[i]), ids_b) if i < len(steps_b) else None
         if ma == mb:
             continue
+        changes: tuple[FieldChange, ...]
         if ma is None or mb is None:
             changes = (FieldChange("", "missing" if mb is None else "added", ma, mb),)
         elif ma["kind"] != mb["kind"]:
@@ -268,3 +269,12 @@ def render(diff: RunDiff, *, max_changes: int = 12) -> str:
         elif ends:
             lines.append(f"only in {side}: its end line")
     return "\n".join(lines)
+
+
+def unified(expected: Any, actual: Any, *, expected_name: str = "recorded",
+            actual_name: str = "replayed", context: int = 3) -> str:
+    """A readable unified diff of two JSON-like values."""
+    a = pretty(expected).splitlines()
+    b = pretty(actual).splitlines()
+    return "\n".join(difflib.unified_diff(a, b, expected_name, actual_name, lineterm="",
+                                          n=context))

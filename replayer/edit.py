@@ -19,31 +19,26 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import jsonpatch
 
-from recorder._summary import summarize
+from recorder import providers
 from recorder.cassette.canonical import decode_body, encode_body
-from recorder.errors import ConfigError
-from recorder.pricing import PriceTable
-from recorder.sse import assemble, synthesize
+from recorder.errors import EditError
+from recorder.providers.pricing import PriceTable
 from recorder.values import decode, encode
 
 EDITABLE = ("model", "http", "tool", "outcome", "effect")
 
 
-def _is_sse(obs: dict[str, Any]) -> bool:
-    headers = (obs.get("response") or {}).get("headers", [])
-    return any(k.lower() == "content-type" and "event-stream" in v for k, v in headers)
-
-
-def _body_text(obs: dict[str, Any]) -> str:
+def _body_text(obs: Mapping[str, Any]) -> str:
     response = obs["response"]
     return decode_body(response["body"], response.get("encoding")).decode("utf-8", "replace")
 
 
-def view(obs: dict[str, Any]) -> dict[str, Any]:
+def view(obs: Mapping[str, Any]) -> dict[str, Any]:
     """The editable document of ``obs``."""
     kind = obs.get("kind")
     if kind in ("tool", "outcome"):
@@ -51,17 +46,13 @@ def view(obs: dict[str, Any]) -> dict[str, Any]:
     if kind == "effect":
         return {"error": obs["error"]} if "error" in obs else {"value": decode(obs.get("value"))}
     if kind in ("model", "http") and "response" not in obs:
-        raise ConfigError(f"step {obs.get('seq')} has no response to edit (the exchange failed:"
-                          f" {(obs.get('error') or {}).get('message')})")
+        raise EditError(f"step {obs.get('seq')} has no response to edit (the exchange failed:"
+                        f" {(obs.get('error') or {}).get('message')})")
     if kind == "model":
-        text = _body_text(obs)
-        if _is_sse(obs):
-            return assemble(text)
         try:
-            message = json.loads(text)
+            return providers.for_line(obs).message(obs["response"]["headers"], _body_text(obs))
         except ValueError:
-            raise ConfigError(f"step {obs['seq']}: the model response is not JSON") from None
-        return message
+            raise EditError(f"step {obs['seq']}: the model response is not JSON") from None
     if kind == "http":
         text = _body_text(obs)
         try:
@@ -70,8 +61,8 @@ def view(obs: dict[str, Any]) -> dict[str, Any]:
             body = text
         return {"status": obs["response"]["status"], "headers": obs["response"]["headers"],
                 "body": body}
-    raise ConfigError(f"step {obs.get('seq')} is a {kind!r} line; editable kinds are "
-                      f"{', '.join(EDITABLE)}")
+    raise EditError(f"step {obs.get('seq')} is a {kind!r} line; editable kinds are "
+                    f"{', '.join(EDITABLE)}")
 
 
 def _parse_value(text: str) -> Any:
@@ -88,8 +79,8 @@ def set_patch(pairs: list[str] | tuple[str, ...], doc: Any = None) -> list[dict[
     for pair in pairs:
         path, sep, value = pair.partition("=")
         if not sep or not path:
-            raise ConfigError(f"--set {pair!r}: expected PATH=VALUE, e.g. /result='[]' or "
-                              "content.0.text=Hello")
+            raise EditError(f"--set {pair!r}: expected PATH=VALUE, e.g. /result='[]' or "
+                            "content.0.text=Hello")
         if not path.startswith("/"):
             path = "/" + "/".join(p.replace("~", "~0").replace("/", "~1")
                                   for p in path.removeprefix("$.").split("."))
@@ -107,15 +98,15 @@ def apply(doc: dict[str, Any], *, patch: list[dict[str, Any]] | None = None,
     if replace is not None:
         return replace, jsonpatch.make_patch(doc, replace).patch
     if not isinstance(patch, list) or not all(isinstance(op, dict) for op in patch):
-        raise ConfigError("an edit is a JSON patch: a list of operations like "
-                          '{"op": "replace", "path": "/result", "value": ...}')
+        raise EditError("an edit is a JSON patch: a list of operations like "
+                        '{"op": "replace", "path": "/result", "value": ...}')
     try:
         edited = jsonpatch.apply_patch(copy.deepcopy(doc), patch)
     except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
         where = f"step {step}" if step is not None else "the observation"
         paths = ", ".join(sorted(_paths(doc))[:12])
-        raise ConfigError(f"the patch does not apply to {where}: {exc}. Its document has "
-                          f"the paths: {paths} …") from None
+        raise EditError(f"the patch does not apply to {where}: {exc}. Its document has "
+                        f"the paths: {paths} …") from None
     return edited, patch
 
 
@@ -133,14 +124,14 @@ def _paths(doc: Any, prefix: str = "") -> list[str]:
     return out
 
 
-def rebuild(obs: dict[str, Any], doc: Any, prices: PriceTable | None = None) -> dict[str, Any]:
+def rebuild(obs: Mapping[str, Any], doc: Any, prices: PriceTable | None = None) -> dict[str, Any]:
     """The observation ``obs`` with its response side replaced by the edited ``doc``."""
     kind = obs["kind"]
     new = {k: v for k, v in obs.items() if k != "sig"}
     new["edited"] = True
     if kind in ("tool", "outcome"):
         if not isinstance(doc, dict) or not ({"result", "error"} & set(doc)):
-            raise ConfigError('a tool edit must leave {"result": ...} or {"error": {...}}')
+            raise EditError('a tool edit must leave {"result": ...} or {"error": {...}}')
         new.pop("result", None)
         new.pop("error", None)
         if "error" in doc:
@@ -162,10 +153,12 @@ def rebuild(obs: dict[str, Any], doc: Any, prices: PriceTable | None = None) -> 
         new["value"] = encode((doc or {}).get("value"), where=f"edited step {obs['seq']}")
         return new
     response = dict(obs["response"])
+    provider = providers.for_line(obs)
     if kind == "model":
         if not isinstance(doc, dict):
-            raise ConfigError("a model edit must leave a message object")
-        text = synthesize(doc) if _is_sse(obs) else json.dumps(doc, ensure_ascii=False)
+            raise EditError("a model edit must leave a message object")
+        streamed = provider.is_stream(response["headers"])
+        text = provider.synthesize(doc) if streamed else json.dumps(doc, ensure_ascii=False)
     else:
         body = doc.get("body")
         text = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)
@@ -180,11 +173,10 @@ def rebuild(obs: dict[str, Any], doc: Any, prices: PriceTable | None = None) -> 
                            for k, v in response["headers"]]
     new["response"] = response
     if kind == "model":
-        ctype = "text/event-stream" if _is_sse(obs) else "application/json"
-        summary = summarize(obs.get("provider", "anthropic"), response["status"], ctype, data)
+        summary = provider.summarize(response["status"], response["headers"], data)
         usage = summary.get("usage") or None
         new.update(usage=usage, stop_reason=summary.get("stop_reason"),
                    message_id=summary.get("message_id"),
-                   cost_usd=(prices or PriceTable()).cost(summary.get("model") or obs.get("model"),
-                                                         usage))
+                   cost_usd=provider.cost(summary.get("model") or obs.get("model"), usage,
+                                          prices or PriceTable()))
     return new

@@ -14,22 +14,20 @@ sits in both queues; whichever serves it first marks it used, the other skips it
 
 from __future__ import annotations
 
-import difflib
 import threading
 from collections import deque
+from collections.abc import Mapping
 from typing import Any
 
-from recorder.capture.exchange import pretty
 from recorder.cassette import Cassette
 from recorder.cassette.canonical import digest
+from recorder.cassette.schema import STOPS
 from recorder.effects import Site
 
 FAMILY = {"model": "net", "http": "net", "tool": "tool", "intent": "tool", "effect": "effect"}
-# Control lines that refused a call: a replay raises them at the same point.
-STOPS = frozenset({"budget_exhausted", "cancelled", "loop_detected", "circuit_open"})
 
 
-def key_of(obs: dict[str, Any]) -> tuple[str, str] | None:
+def key_of(obs: Mapping[str, Any]) -> tuple[str, str] | None:
     kind = obs.get("kind")
     family = FAMILY.get(kind or "")
     if family is None:
@@ -48,20 +46,22 @@ class Index:
 
     def __init__(self, cassette: Cassette) -> None:
         self._lock = threading.Lock()
-        self._queues: dict[tuple[str, str], deque[dict[str, Any]]] = {}
+        self._queues: dict[tuple[str, str], deque[Mapping[str, Any]]] = {}
         # effects by (name, file, function) of their call site
-        self._sites: dict[tuple[str, str, str], deque[dict[str, Any]]] = {}
-        self._order: dict[str, list[dict[str, Any]]] = {"net": [], "tool": [], "effect": []}
+        self._sites: dict[tuple[str, str, str], deque[Mapping[str, Any]]] = {}
+        self._order: dict[str, list[Mapping[str, Any]]] = {"net": [], "tool": [], "effect": []}
         self._cursor = {family: 0 for family in self._order}
         self.used: set[int] = set()
         self.total = 0
         # outcome of each side-effect intent, by the intent's seq
-        self.outcomes: dict[int, dict[str, Any]] = {}
+        self.outcomes: dict[int, Mapping[str, Any]] = {}
         # each refusing control line, with the seqs that come before it and must be used
-        self.stops: list[tuple[dict[str, Any], list[int]]] = []
+        self.stops: list[tuple[Mapping[str, Any], list[int]]] = []
         self._stop_next = 0
         before: list[int] = []
-        for obs in cassette.observations:
+        # read by field name across kinds (an outcome's intent, an effect's name)
+        observations: tuple[Mapping[str, Any], ...] = cassette.observations
+        for obs in observations:
             if obs.get("kind") == "control" and obs.get("event") in STOPS \
                     and "within" not in obs:
                 self.stops.append((obs, list(before)))
@@ -85,7 +85,7 @@ class Index:
                 where = (obs["name"], site.file, site.function)
                 self._sites.setdefault(where, deque()).append(obs)
 
-    def take(self, key: tuple[str, str]) -> dict[str, Any] | None:
+    def take(self, key: tuple[str, str]) -> Mapping[str, Any] | None:
         with self._lock:
             queue = self._queues.get(key)
             if not queue:
@@ -98,7 +98,7 @@ class Index:
             return obs
 
     def take_effect(self, name: str, file: str | None,
-                    function: str | None) -> tuple[dict[str, Any] | None, bool]:
+                    function: str | None) -> tuple[Mapping[str, Any] | None, bool]:
         """The effect that answers ``name`` asked for at ``file``/``function``, and whether
         it was recorded at another site (served by name, in recorded order)."""
         with self._lock:
@@ -114,14 +114,14 @@ class Index:
                 self.used.add(obs["seq"])
             return obs, moved
 
-    def _next_unused(self, queue: deque[dict[str, Any]] | None) -> dict[str, Any] | None:
+    def _next_unused(self, queue: deque[Mapping[str, Any]] | None) -> Mapping[str, Any] | None:
         while queue:
             obs = queue.popleft()
             if obs["seq"] not in self.used:
                 return obs
         return None
 
-    def pending_stop(self) -> dict[str, Any] | None:
+    def pending_stop(self) -> Mapping[str, Any] | None:
         """The refusing control line the next call meets, once everything before it is used."""
         with self._lock:
             if self._stop_next >= len(self.stops):
@@ -138,7 +138,7 @@ class Index:
         """How many recorded observations have not been served yet."""
         return self.total - len(self.used)
 
-    def expected(self, family: str) -> dict[str, Any] | None:
+    def expected(self, family: str) -> Mapping[str, Any] | None:
         """The first recorded observation of ``family`` not served yet."""
         with self._lock:
             order, i = self._order[family], self._cursor[family]
@@ -154,11 +154,3 @@ class Index:
             seqs += [o["seq"] for o, _ in self.stops]
             return sorted(s for s in seqs if s not in self.used)
 
-
-def unified(expected: Any, actual: Any, *, expected_name: str = "recorded",
-            actual_name: str = "replayed", context: int = 3) -> str:
-    """A readable unified diff of two JSON-like values."""
-    a = pretty(expected).splitlines()
-    b = pretty(actual).splitlines()
-    return "\n".join(difflib.unified_diff(a, b, expected_name, actual_name, lineterm="",
-                                          n=context))

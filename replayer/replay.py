@@ -18,15 +18,14 @@ swallowed, or recorded steps the agent never asked for, raise ``Divergence`` too
 from __future__ import annotations
 
 import contextlib
-import functools
+import enum
 import importlib
-import inspect
 import json
 import logging
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -39,12 +38,13 @@ from recorder.capture.exchange import (
     HttpResponse,
     Redaction,
     classify,
-    fingerprint,
+    request_fingerprint,
     response_from_record,
 )
 from recorder.cassette import Cassette, load
 from recorder.cassette.keys import Keyring, load_keyring
 from recorder.cassette.rows import describe_split, describe_totals, run_totals, step_count
+from recorder.cassette.schema import Control
 from recorder.effects import Site, call_site
 from recorder.errors import (
     BudgetExhausted,
@@ -56,12 +56,14 @@ from recorder.errors import (
     SessionError,
     ToolReplayError,
 )
-from replayer.index import Index, tool_key, unified
+from replayer.diff import unified
+from replayer.index import Index, tool_key
 
 log = logging.getLogger("deja.replayer")
 
-_STOP_ERRORS = {"budget_exhausted": BudgetExhausted, "cancelled": Cancelled,
-                "loop_detected": LoopDetected, "circuit_open": CircuitOpen}
+# What a replay raises at each control line that refused a call (schema.STOPS).
+_STOP_ERRORS = {Control.BUDGET_EXHAUSTED: BudgetExhausted, Control.CANCELLED: Cancelled,
+                Control.LOOP_DETECTED: LoopDetected, Control.CIRCUIT_OPEN: CircuitOpen}
 
 
 @dataclass(frozen=True)
@@ -185,14 +187,41 @@ def _setattr(obj: Any, name: str, value: Any):
         setattr(obj, name, old)
 
 
+class Action(enum.StrEnum):
+    """What happens to a tool call a log is asked to answer."""
+
+    ANSWER = "answer"  # answered from the log: the body does not run
+    RUN = "run"  # the body runs live (with ``intent``: the key of an intent found not done)
+    SETTLE = "settle"  # the log ends inside this side effect: settle it first
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The answer a replay (:meth:`ReplaySession.serve_tool`) or a continuation gives to a
+    tool call."""
+
+    action: Action
+    value: Any = None  # ANSWER: the tool's result
+    intent: Any = None  # SETTLE: the intent observation; RUN: its (seq, key), if any
+
+    @classmethod
+    def answer(cls, value: Any) -> Decision:
+        return cls(Action.ANSWER, value=value)
+
+    @classmethod
+    def run(cls, intent: tuple[int, str] | None = None) -> Decision:
+        return cls(Action.RUN, intent=intent)
+
+
 class ReplaySession(session.Session):
     """Serves a loaded cassette to the agent's calls."""
 
     mode = "replay"
 
-    def __init__(self, cassette: Cassette) -> None:
+    def __init__(self, cassette: Cassette, *, raise_on_divergence: bool = True) -> None:
         self.cassette = cassette
         self.path = cassette.path
+        self.raise_on_divergence = raise_on_divergence  # read by replay()'s scope
         self.index = Index(cassette)
         # Exactly the rules the recording used, so requests fingerprint the same way.
         self.redaction = Redaction.from_header(cassette.header.get("redact"))
@@ -266,7 +295,7 @@ class ReplaySession(session.Session):
                 reason=f"the run ended before step {first['seq']}: {len(unused)} recorded "
                        "step(s) were never requested",
                 expected=_describe(self.cassette, first), actual=None, diff="")
-        end = self.cassette.end or {}
+        end: Mapping[str, Any] = self.cassette.end or {}
         serving = (self._last or self._first or 0.0) - (self._first or 0.0)
         self.result = ReplayResult(
             path=str(self.path), run=self.cassette.run,
@@ -314,13 +343,13 @@ class ReplaySession(session.Session):
         raise cls(f"{message} [replayed from seq {stop['seq']}]", reason=detail.get("reason"),
                   detail=detail)
 
-    def match_http(self, request: HttpRequest) -> dict[str, Any]:
+    def match_http(self, request: HttpRequest) -> Mapping[str, Any]:
         """The recorded observation that answers ``request``; a Divergence if none does."""
         self.raise_recorded_stop()
-        kind, _provider, body = classify(request.method, request.url, request.body,
-                                         self.redaction)
+        kind, provider, body = classify(request.method, request.url, request.body,
+                                        self.redaction)
         url = self.redaction.url(request.url)
-        fp = fingerprint(kind, request.method, url, body)
+        fp = request_fingerprint(kind, provider, request.method, url, body)
         obs = self.index.take(("net", fp))
         if obs is None:
             actual: Any = body if kind == "model" else {
@@ -331,7 +360,7 @@ class ReplaySession(session.Session):
         return obs
 
     @staticmethod
-    def response_of(obs: dict[str, Any]) -> HttpResponse:
+    def response_of(obs: Mapping[str, Any]) -> HttpResponse:
         error = obs.get("error")
         if "response" in obs:
             served = response_from_record(obs["response"])
@@ -349,7 +378,16 @@ class ReplaySession(session.Session):
                  timing: session.Timing, error: BaseException | None = None) -> None:
         raise SessionError("a replay never sends requests")  # pragma: no cover
 
-    def _take_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> dict[str, Any]:
+    def serve_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> Decision:
+        """The recorded answer to a tool call: its value (or its recorded error, raised), or,
+        for a side effect the recording ended inside, the intent to settle."""
+        obs = self.take_tool(tool, args)
+        if obs["kind"] == "intent" and obs["seq"] not in self.index.outcomes:
+            return Decision(Action.SETTLE, intent=obs)
+        return Decision(Action.ANSWER, value=self.tool_value(tool, obs))
+
+    def take_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> Mapping[str, Any]:
+        """The recorded observation that answers this call (a divergence if none does)."""
         self.raise_recorded_stop()
         key = self.redaction.value(_values.args_key(args))
         obs = self.index.take(tool_key(tool.name, key))
@@ -359,18 +397,20 @@ class ReplaySession(session.Session):
         self._tick()
         return obs
 
-    def _tool_result(self, tool: session.ToolSpec, obs: dict[str, Any]) -> Any:
+    def tool_value(self, tool: session.ToolSpec, obs: Mapping[str, Any]) -> Any:
+        """The value a recorded tool call returned, or its recorded error, raised again."""
         if obs["kind"] == "intent":
             outcome = self.index.outcomes.get(obs["seq"])
             if outcome is None:
-                raise self._unsettled(tool, obs)
+                raise self.unsettled(tool, obs)
             obs = outcome
         if "error" in obs:
             raise _rebuild_error(tool.name, obs["error"])
         value = _values.decode(obs.get("result"))
         return tool.decode(value) if tool.decode else value
 
-    def _unsettled(self, tool: session.ToolSpec, intent: dict[str, Any]) -> Divergence:
+    def unsettled(self, tool: session.ToolSpec, intent: Mapping[str, Any]) -> Divergence:
+        """The divergence of a replay that reaches a side effect the recording ended in."""
         info = DivergenceInfo(
             step=intent["seq"], kind="intent",
             reason=f"the recording ended inside side-effecting tool {tool.name!r} (intent "
@@ -383,16 +423,16 @@ class ReplaySession(session.Session):
 
     def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],
                   run: Callable[[str | None], Any]) -> Any:
-        return self._tool_result(tool, self._take_tool(tool, args))
+        return self.tool_value(tool, self.take_tool(tool, args))
 
     async def call_tool_async(self, tool: session.ToolSpec, args: dict[str, Any],
                               run: Callable[[str | None], Any]) -> Any:
-        return self._tool_result(tool, self._take_tool(tool, args))
+        return self.call_tool(tool, args, run)
 
     def effect(self, name: str, produce: Callable[[], Any]) -> Any:
         return self.effect_value(self.take_effect(name, call_site()))
 
-    def take_effect(self, name: str, site: Site | None) -> dict[str, Any]:
+    def take_effect(self, name: str, site: Site | None) -> Mapping[str, Any]:
         """The recorded effect that answers ``name`` asked for at ``site``: the next one of
         that name recorded there, else (with a note) the next of that name anywhere."""
         self._tick(served=False)
@@ -416,14 +456,14 @@ class ReplaySession(session.Session):
         return obs
 
     @staticmethod
-    def effect_value(obs: dict[str, Any]) -> Any:
+    def effect_value(obs: Mapping[str, Any]) -> Any:
         """The value of a recorded effect, or the refusal it recorded, raised again."""
         if "error" in obs:
             raise _rebuild_error(f"effect {obs['name']}", obs["error"])
         return _values.decode(obs.get("value"))
 
 
-def _describe(cassette: Cassette, obs: dict[str, Any]) -> Any:
+def _describe(cassette: Cassette, obs: Mapping[str, Any]) -> Any:
     """The recorded request of ``obs``, in the form a divergence diff compares."""
     kind = obs["kind"]
     if kind == "model":
@@ -437,7 +477,7 @@ def _describe(cassette: Cassette, obs: dict[str, Any]) -> Any:
     return {k: v for k, v in obs.items() if k not in ("sig",)}
 
 
-def _rebuild_error(tool: str, error: dict[str, Any]) -> BaseException:
+def _rebuild_error(tool: str, error: Mapping[str, Any]) -> BaseException:
     try:
         cls: Any = importlib.import_module(error.get("module", "builtins"))
         for part in str(error["type"]).split("."):
@@ -449,48 +489,21 @@ def _rebuild_error(tool: str, error: dict[str, Any]) -> BaseException:
     return ToolReplayError(tool, str(error.get("type")), str(error.get("message", "")))
 
 
-class _Replay(contextlib.ContextDecorator):
-    def __init__(self, path: str | Path, kwargs: dict[str, Any]) -> None:
-        self._path, self._kwargs = path, kwargs
-        self._stack: list[ReplaySession] = []
-        self.result: ReplayResult | None = None
-
-    def __enter__(self) -> ReplaySession:
-        opts = dict(self._kwargs)
-        raise_on = opts.pop("raise_on_divergence")
-        keyring = opts.pop("keyring") or load_keyring(create=False)
-        cassette = load(self._path, keyring=keyring, **opts)
-        replay_session = ReplaySession(cassette).start()
-        replay_session.raise_on_divergence = raise_on  # type: ignore[attr-defined]
-        self._stack.append(replay_session)
-        return replay_session
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        replay_session = self._stack.pop()
-        result = replay_session.finish()
-        self.result = result
-        if result.divergence is None or not replay_session.raise_on_divergence:  # type: ignore[attr-defined]
-            return
-        if isinstance(exc, Divergence):
-            return
-        raise Divergence(result.divergence, path=replay_session.path) from exc
-
-    def __call__(self, func: Callable[..., Any]) -> Callable[..., Any]:
-        if inspect.iscoroutinefunction(func):
-            @functools.wraps(func)
-            async def wrapper(*args: Any, **kwargs: Any) -> Any:
-                with _Replay(self._path, self._kwargs):
-                    return await func(*args, **kwargs)
-            return wrapper
-        return super().__call__(func)
-
-    def _recreate_cm(self) -> _Replay:
-        return _Replay(self._path, self._kwargs)
+def _check_replay(replay_session: ReplaySession, result: ReplayResult,
+                  exc: BaseException | None) -> None:
+    """A divergence ends the block with :class:`Divergence` (unless the block already
+    raised one, or the replay was asked not to)."""
+    if result.divergence is None or not replay_session.raise_on_divergence:
+        return
+    if isinstance(exc, Divergence):
+        return
+    raise Divergence(result.divergence, path=replay_session.path) from exc
 
 
 def replay(path: str | Path, *, keyring: Keyring | None = None, require_signature: bool = False,
            allow_unverified: bool | None = None, allow_torn: bool = False,
-           allow_incomplete: bool = False, raise_on_divergence: bool = True) -> _Replay:
+           allow_incomplete: bool = False,
+           raise_on_divergence: bool = True) -> session.Scope[ReplaySession]:
     """Replay the cassette at ``path`` around a block or a decorated function.
 
     The signature chain is verified with the key the cassette names (from ``keyring``,
@@ -501,10 +514,14 @@ def replay(path: str | Path, *, keyring: Keyring | None = None, require_signatur
     unless ``allow_torn``; a cassette without an end line (truncated, or a crashed run)
     unless ``allow_incomplete``.
     """
-    return _Replay(path, {"keyring": keyring, "require_signature": require_signature,
-                          "allow_unverified": allow_unverified, "allow_torn": allow_torn,
-                          "allow_incomplete": allow_incomplete,
-                          "raise_on_divergence": raise_on_divergence})
+    def open_replay() -> ReplaySession:
+        loaded = load(path, keyring=keyring or load_keyring(create=False),
+                      require_signature=require_signature, allow_unverified=allow_unverified,
+                      allow_torn=allow_torn, allow_incomplete=allow_incomplete)
+        return ReplaySession(loaded, raise_on_divergence=raise_on_divergence).start()
+
+    return session.Scope(open_replay, lambda replay_session, exc: replay_session.finish(),
+                         check=_check_replay, name=f"replay({path})")
 
 
 def start(path: str | Path, *, progress: bool = False, **kwargs: Any) -> ReplaySession:

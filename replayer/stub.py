@@ -22,10 +22,12 @@ retry, gets that answer too, since nothing in the request tells the two apart.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from recorder import providers
 from recorder.cassette.canonical import decode_body
 from recorder.testing.match import first_user_text, is_failure, last_user_text, position
 from recorder.testing.script import StubScriptError
@@ -61,7 +63,7 @@ class _Request:
     answers: list[tuple[int, dict[str, Any]]]  # (seq, turn), in recorded order
 
 
-def _is_messages_call(obs: dict[str, Any]) -> bool:
+def _is_messages_call(obs: Mapping[str, Any]) -> bool:
     path = urlsplit(str(obs.get("url") or "")).path.rstrip("/")
     return obs.get("provider") == "anthropic" and path.endswith("/v1/messages")
 
@@ -83,7 +85,7 @@ def _error_turn(status: int, headers: dict[str, str], text: str) -> dict[str, An
     return {"error": err}
 
 
-def _answer(obs: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+def _answer(obs: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
     """The turn that sends what ``obs`` received, or ``None`` and why it cannot."""
     response = obs.get("response")
     if response is None:
@@ -98,7 +100,7 @@ def _answer(obs: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
         return _error_turn(status, headers, text), ""
     if status != 200:
         return None, f"its response has status {status}"
-    if "event-stream" in headers.get("content-type", ""):
+    if providers.get("anthropic").is_stream(headers.items()):
         if "event:" not in text:
             return None, "its event stream holds no event"
         return {"sse": text}, ""

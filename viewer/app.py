@@ -91,9 +91,10 @@ def runs_page(index: RunIndex) -> None:
                                       format="%.4f", key="f_max_cost")
     text = st.text_input("Search messages and tool content", key="q", bind="query-params",
                          placeholder="words from a prompt, a reply, a tool argument or result")
-    filters = {"status": status, "model": model, "tool": tool, "since": since, "until": until,
-               "min_tokens": min_tokens, "max_tokens": max_tokens, "min_cost": min_cost,
-               "max_cost": max_cost, "text": text or None}
+    filters: dict[str, Any] = {
+        "status": status, "model": model, "tool": tool, "since": since, "until": until,
+        "min_tokens": min_tokens, "max_tokens": max_tokens, "min_cost": min_cost,
+        "max_cost": max_cost, "text": text or None}
     rows = queries.list_runs(index, **filters)
     running = [r for r in rows if r["status"] == "running"]
 
@@ -148,10 +149,11 @@ def runs_table(rows: list[dict[str, Any]]) -> None:
 
 def run_page(index: RunIndex, run: str) -> None:
     st.button("← All runs", on_click=widgets.go, key="back")
-    header = queries.run_header(index, run)
-    if header is None:
+    found = queries.run_header(index, run)
+    if found is None:
         st.error(f"No run {run!r} in `{index.directory}`.")
         return
+    header: dict[str, Any] = found  # not None, also in the fragment that refreshes it
     st.title(f"Run {header['name']}")
     st.caption(f"`{header['path']}` · started {header['started'] or '-'}")
     if header["status"] == "error":

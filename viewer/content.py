@@ -16,10 +16,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+from collections.abc import Mapping
 from typing import Any
 
+from recorder import providers
 from recorder.cassette.canonical import decode_body
-from recorder.sse import assemble
+from recorder.providers import Provider
 from recorder.values import decode
 
 LIMIT = 100_000  # characters of one payload shown before it is cut
@@ -148,9 +150,10 @@ def _openai_blocks(message: dict[str, Any], clip: Clip) -> list[Block]:
 # ---------------------------------------------------------------------- responses
 
 
-def is_streamed(response: dict[str, Any]) -> bool:
-    return any(k.lower() == "content-type" and "event-stream" in v
-               for k, v in response.get("headers") or [])
+def is_streamed(obs: Mapping[str, Any]) -> bool:
+    """Was the response of step ``obs`` a stream (by its provider's rule)?"""
+    headers = (obs.get("response") or {}).get("headers") or []
+    return providers.for_line(obs).is_stream(headers)
 
 
 def body_text(response: dict[str, Any]) -> str | None:
@@ -162,7 +165,7 @@ def body_text(response: dict[str, Any]) -> str | None:
         return None
 
 
-def response_message(obs: dict[str, Any]) -> dict[str, Any] | None:
+def response_message(obs: Mapping[str, Any]) -> dict[str, Any] | None:
     """The message a model step answered with: parsed JSON, or assembled from its stream."""
     response = obs.get("response")
     if not response:
@@ -170,34 +173,33 @@ def response_message(obs: dict[str, Any]) -> dict[str, Any] | None:
     text = body_text(response)
     if text is None:
         return {"error": {"type": "binary_body", "message": "the body is not text"}}
-    if is_streamed(response):
-        return assemble(text)
     try:
-        doc = json.loads(text)
+        doc = providers.for_line(obs).message(response.get("headers") or [], text)
     except ValueError:
         return {"error": {"type": "not_json", "message": text[:500]}}
     return doc if isinstance(doc, dict) else {"content": doc}
 
 
-def _message_view(message: dict[str, Any], clip: Clip) -> dict[str, Any]:
+def _message_view(message: dict[str, Any], provider: Provider, clip: Clip) -> dict[str, Any]:
     if "choices" in message:  # an OpenAI chat completion
         choice = (message.get("choices") or [{}])[0]
         inner = choice.get("message") or {}
         return {"role": inner.get("role", "assistant"), "blocks": _openai_blocks(inner, clip),
-                "stop_reason": choice.get("finish_reason"), "usage": message.get("usage"),
+                "stop_reason": provider.stop_reason(message), "usage": message.get("usage"),
                 "model": message.get("model"), "error": message.get("error")}
     error = message.get("error")
     return {"role": message.get("role", "assistant"),
             "blocks": blocks(message.get("content"), clip),
-            "stop_reason": message.get("stop_reason"), "usage": message.get("usage"),
+            "stop_reason": provider.stop_reason(message), "usage": message.get("usage"),
             "model": message.get("model"),
             "error": error if isinstance(error, dict) else None}
 
 
-def conversation(request: Any, obs: dict[str, Any], clip: Clip) -> dict[str, Any]:
+def conversation(request: Any, obs: Mapping[str, Any], clip: Clip) -> dict[str, Any]:
     """A model step as a conversation: system, the request's messages, the response."""
     body = request if isinstance(request, dict) else {}
-    stored = obs.get("request") if isinstance(obs.get("request"), dict) else {}
+    request_field = obs.get("request")
+    stored = request_field if isinstance(request_field, dict) else {}
     keep = stored.get("keep", 0) if "base" in stored else 0  # messages before this step's own
     system = body.get("system")
     messages: list[dict[str, Any]] = []
@@ -217,14 +219,14 @@ def conversation(request: Any, obs: dict[str, Any], clip: Clip) -> dict[str, Any
     response = None
     message = response_message(obs)
     if message is not None:
-        response = _message_view(message, clip)
+        response = _message_view(message, providers.for_line(obs), clip)
         response["status"] = (obs.get("response") or {}).get("status")
-        response["streamed"] = is_streamed(obs.get("response") or {})
+        response["streamed"] = is_streamed(obs)
     return {"model": body.get("model") or obs.get("model"), "system": blocks(system, clip),
             "messages": messages, "response": response, "error": obs.get("error")}
 
 
-def tool_call(obs: dict[str, Any], clip: Clip) -> dict[str, Any]:
+def tool_call(obs: Mapping[str, Any], clip: Clip) -> dict[str, Any]:
     """A tool (or intent/outcome) step: its name, arguments and result or error."""
     out: dict[str, Any] = {"name": obs.get("name"), "args": clip.value(obs.get("args")),
                            "images": []}
@@ -290,7 +292,7 @@ def _strip_bytes(value: Any) -> Any:
     return value
 
 
-def searchable_text(obs: dict[str, Any]) -> str:
+def searchable_text(obs: Mapping[str, Any]) -> str:
     """The words of a step that a text search should find: message text and thinking,
     tool names, inputs and results, effect values, errors; not ids, headers or images.
 
@@ -300,9 +302,11 @@ def searchable_text(obs: dict[str, Any]) -> str:
     kind = obs.get("kind")
     out: list[str] = []
     if kind == "model":
-        stored = obs.get("request") if isinstance(obs.get("request"), dict) else {}
-        body = stored.get("body") if isinstance(stored.get("body"), dict) else {}
-        changed = stored.get("set") if isinstance(stored.get("set"), dict) else {}
+        request_field = obs.get("request")
+        stored = request_field if isinstance(request_field, dict) else {}
+        body_field, set_field = stored.get("body"), stored.get("set")
+        body = body_field if isinstance(body_field, dict) else {}
+        changed = set_field if isinstance(set_field, dict) else {}
         _block_strings(body.get("system") or changed.get("system"), out)
         for message in body.get("messages") or stored.get("messages") or []:
             _block_strings(message, out)

@@ -266,7 +266,9 @@ class RunIndex:
         fresh = self.db_path.with_name(self.db_path.name + ".compact")
         for leftover in (fresh, Path(f"{fresh}.wal")):
             leftover.unlink(missing_ok=True)
-        name = self.con.execute("SELECT current_database()").fetchone()[0]
+        row = self.con.execute("SELECT current_database()").fetchone()
+        assert row is not None  # the query always gives one row
+        name = row[0]
         target = str(fresh).replace("'", "''")
         self.con.execute(f"ATTACH '{target}' AS deja_compact")
         try:

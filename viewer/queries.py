@@ -11,14 +11,15 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from pathlib import Path
 from typing import Any
 
 from recorder.cassette import lock
-from recorder.cassette.rows import run_summary, step_name, step_status
-from recorder.errors import ConfigError
+from recorder.cassette.rows import step_count, step_name, step_status
+from recorder.errors import NoSuchRun, UsageError
 from recorder.harness.progress import cancel_requested, read_status, request_cancel
 from replayer.diff import FieldChange, RunDiff, aligned, compare, render
 from viewer.index import RunIndex
@@ -116,10 +117,11 @@ def _named(row: dict[str, Any]) -> dict[str, Any]:
 def labels_text(labels: str | dict[str, Any] | None) -> str | None:
     """A run's labels as ``key=value, ...`` (None when it has none)."""
     if isinstance(labels, str):
+        text = labels
         try:
-            labels = json.loads(labels)
+            labels = json.loads(text)
         except ValueError:
-            return labels
+            return text
     if not isinstance(labels, dict) or not labels:
         return None
     return ", ".join(f"{k}={v}" for k, v in sorted(labels.items()))
@@ -350,7 +352,7 @@ class DiffView:
         return next((i for i, row in enumerate(self.rows) if row["first"]), len(self.rows))
 
 
-def _side(obs: dict[str, Any] | None) -> dict[str, Any]:
+def _side(obs: Mapping[str, Any] | None) -> dict[str, Any]:
     if obs is None:
         return {"seq": None, "kind": None, "name": None, "status": None}
     return {"seq": obs.get("seq"), "kind": obs.get("kind"), "name": step_name(obs),
@@ -364,7 +366,7 @@ def diff(source: RunIndex | None, a: str | Path, b: str | Path) -> DiffView:
         path = run_path(source, str(run)) if source is not None else None
         path = path or Path(run)
         if not path.exists():
-            raise ConfigError(f"no run {run!r}" + (f" in {source.directory}" if source else ""))
+            raise NoSuchRun(f"no run {run!r}" + (f" in {source.directory}" if source else ""))
         paths.append(path)
     ca, cb = load_cassette(paths[0]), load_cassette(paths[1])
     result = compare(ca, cb)
@@ -385,7 +387,7 @@ def diff(source: RunIndex | None, a: str | Path, b: str | Path) -> DiffView:
                      **{f"{k}_b": v for k, v in right.items()}, "same": same,
                      "first": key == result.first_divergence and not same,
                      "changed": ", ".join(c.path or "/" for c in changes.get(i, ()))})
-    side = [{"name": c.run, "run": c.run, "path": str(p), "steps": run_summary(c)["steps"]}
+    side = [{"name": c.run, "run": c.run, "path": str(p), "steps": step_count(c)}
             for c, p in ((ca, paths[0]), (cb, paths[1]))]
     return DiffView(side[0], side[1], result, render(result), rows, changes)
 
@@ -443,7 +445,7 @@ def cancel(run: str, reason: str = "cancelled from the viewer") -> Path:
     """Ask a running run to stop at its next boundary (as ``deja cancel``)."""
     record = read_status(run)
     if record is None:
-        raise ConfigError(f"no run {run!r} under $DEJA_HOME/runs")
+        raise NoSuchRun(f"no run {run!r} under $DEJA_HOME/runs")
     if record.get("ended"):
-        raise ConfigError(f"run {run} already ended with status {record.get('status')!r}")
+        raise UsageError(f"run {run} already ended with status {record.get('status')!r}")
     return request_cancel(run, reason)

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -25,11 +26,13 @@ from urllib.parse import urlsplit
 
 from recorder.cassette import Cassette, load
 from recorder.cassette.keys import load_keyring
+from recorder.cassette.reader import peek_header
 from recorder.cassette.rows import step_name, step_status
-from recorder.errors import ConfigError, DejaError
+from recorder.cassette.schema import Observation
+from recorder.errors import DejaError, EditError, NoSuchStep
 from recorder.harness.progress import read_status
 from replayer import edit
-from replayer.forking import plan_fork
+from replayer.fork import plan_fork
 from viewer import content
 
 # ---------------------------------------------------------------------- cassettes
@@ -58,14 +61,14 @@ def load_cassette(path: str | Path) -> Cassette:
     return loaded
 
 
-def _observation(cassette: Cassette, seq: int) -> dict[str, Any]:
+def _observation(cassette: Cassette, seq: int) -> Observation:
     if not 0 <= seq < len(cassette.observations):
-        raise ConfigError(f"{cassette.path}: no step {seq}; the run has steps "
-                          f"0-{len(cassette.observations) - 1}")
+        raise NoSuchStep(f"{cassette.path}: no step {seq}; the run has steps "
+                         f"0-{len(cassette.observations) - 1}")
     return cassette.observations[seq]
 
 
-def editable(obs: dict[str, Any]) -> bool:
+def editable(obs: Mapping[str, Any]) -> bool:
     """Can a fork edit this step? (an editable kind, not inside a tool, with a response)"""
     if obs.get("kind") not in edit.EDITABLE or "within" in obs:
         return False
@@ -95,7 +98,7 @@ class StepDetail:
     notes: list[str] = field(default_factory=list)
 
 
-def _raw_response(obs: dict[str, Any], clip: content.Clip) -> dict[str, Any] | None:
+def _raw_response(obs: Mapping[str, Any], clip: content.Clip) -> dict[str, Any] | None:
     response = obs.get("response")
     if not response:
         return None
@@ -103,7 +106,7 @@ def _raw_response(obs: dict[str, Any], clip: content.Clip) -> dict[str, Any] | N
     body: Any
     if text is None:
         body = f"<{len(response.get('body', '')) * 3 // 4:,} bytes of binary body>"
-    elif content.is_streamed(response):
+    elif content.is_streamed(obs):
         body = clip.text(text)
     else:
         try:
@@ -123,7 +126,7 @@ def step_detail(path: str | Path, seq: int, *, full: bool = False,
     says whether anything was. Images are decoded bytes; base64 never appears as text.
     """
     cassette = load_cassette(path)
-    obs = _observation(cassette, seq)
+    obs: Mapping[str, Any] = _observation(cassette, seq)  # read by field, whatever its kind
     clip = content.Clip(None if full else limit)
     kind = str(obs.get("kind"))
     detail = StepDetail(path=str(path), run=cassette.run, seq=seq, kind=kind,
@@ -277,7 +280,7 @@ def launch_fork(path: str | Path, seq: int, document: Any, *, live_url: str | No
     if isinstance(document, str):
         args, error = _parse_edit(document)
         if error:
-            raise ConfigError(error)
+            raise EditError(error)
         document = args.get("patch", args.get("replace"))
     folder = Path(out_dir) if out_dir is not None else path.parent
     out = folder / f"{path.stem}-fork{seq}-{secrets.token_hex(3)}.jsonl"
@@ -301,14 +304,8 @@ def fork_state(launched: LaunchedFork, tail: int = 200_000) -> dict[str, Any]:
     """How a launched fork is doing: running or its exit status, its run id, its log
     (the last ``tail`` characters), and for a failed one ``reason``, in one line."""
     code = launched.process.poll()
-    run = None
-    if launched.path.exists():
-        with launched.path.open("rb") as f:
-            first = f.readline()
-        try:
-            run = json.loads(first).get("run")
-        except ValueError:
-            run = None
+    header = peek_header(launched.path)  # the fork is still writing it: never trusted
+    run = header.get("run") if header is not None else None
     try:
         log = launched.log.read_text(encoding="utf-8", errors="replace")[-tail:]
     except FileNotFoundError:

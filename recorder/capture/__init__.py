@@ -7,3 +7,5 @@
 - :mod:`.exchange`: one HTTP exchange as deja sees it, whichever client made it;
 - :mod:`.redact`: what never reaches disk.
 """
+
+__all__: list[str] = []

@@ -52,7 +52,8 @@ def _transport_error(httpx: ModuleType, error: dict[str, Any], request: Any) -> 
 def _replay_stream_class(httpx: ModuleType) -> type:
     key = (httpx.__name__, "replay")
     if key not in _CLASSES:
-        class ReplayStream(httpx.SyncByteStream, httpx.AsyncByteStream):  # type: ignore[name-defined,misc]
+        # the base is a class of the httpx module given at run time: not a type here
+        class ReplayStream(httpx.SyncByteStream, httpx.AsyncByteStream):  # type: ignore[name-defined]
             def __init__(self, body: bytes, error: dict[str, Any] | None, request: Any) -> None:
                 self._body, self._error, self._request = body, error, request
 
@@ -109,7 +110,8 @@ def _tee_class(httpx: ModuleType, kind: str) -> type:
     if key in _CLASSES:
         return _CLASSES[key]
     if kind == "sync":
-        class SyncTee(httpx.SyncByteStream):  # type: ignore[name-defined,misc]
+        # the base is a class of the httpx module given at run time: not a type here
+        class SyncTee(httpx.SyncByteStream):  # type: ignore[name-defined]
             def __init__(self, inner: Any, rec: _Recording) -> None:
                 self._inner, self._rec = inner, rec
 
@@ -133,7 +135,8 @@ def _tee_class(httpx: ModuleType, kind: str) -> type:
 
         _CLASSES[key] = SyncTee
     else:
-        class AsyncTee(httpx.AsyncByteStream):  # type: ignore[name-defined,misc]
+        # the base is a class of the httpx module given at run time: not a type here
+        class AsyncTee(httpx.AsyncByteStream):  # type: ignore[name-defined]
             def __init__(self, inner: Any, rec: _Recording) -> None:
                 self._inner, self._rec = inner, rec
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from recorder import providers
 from recorder.capture.redact import REDACTED, SECRET_HEADERS, Redaction
 from recorder.cassette.canonical import (
     canonical,
@@ -25,18 +26,18 @@ from recorder.cassette.canonical import (
     http_target,
 )
 from recorder.errors import UnserializableValue
-from recorder.providers import MODEL_ENDPOINTS, model_provider
+from recorder.providers import (
+    VOLATILE_HEADER_PREFIXES,
+    VOLATILE_HEADERS,
+    model_provider,
+    volatile_header,
+)
 
-__all__ = ["MODEL_ENDPOINTS", "REDACTED", "RETRYABLE_STATUSES", "SECRET_HEADERS",
-           "VOLATILE_HEADERS", "VOLATILE_HEADER_PREFIXES", "HttpRequest", "HttpResponse",
-           "Redaction", "classify", "fingerprint", "http_target", "json_body", "model_provider",
-           "pretty", "response_from_record", "response_record", "semantic_headers",
-           "upstream"]
-
-# Headers that change between two runs of the same code and say nothing about the call.
-VOLATILE_HEADER_PREFIXES = ("x-stainless-",)
-VOLATILE_HEADERS = frozenset({"user-agent", "content-length", "host", "accept-encoding",
-                              "connection", "idempotency-key"})
+__all__ = ["REDACTED", "RETRYABLE_STATUSES", "SECRET_HEADERS", "VOLATILE_HEADERS",
+           "VOLATILE_HEADER_PREFIXES", "HttpRequest", "HttpResponse", "Redaction", "classify",
+           "fingerprint", "http_target", "json_body", "model_provider", "pretty",
+           "request_fingerprint", "response_from_record", "response_record",
+           "semantic_headers", "upstream"]
 
 # Statuses after which the SDKs retry; on replay their wait is cut to nothing.
 RETRYABLE_STATUSES = frozenset({408, 409, 429}) | frozenset(range(500, 600))
@@ -77,11 +78,21 @@ def upstream(url: str) -> str:
     return urlsplit(url).netloc.rpartition("@")[2]
 
 
-def semantic_headers(headers: list[tuple[str, str]], redaction: Redaction) -> list[list[str]]:
-    """Request headers worth keeping: secrets redacted, volatile ones dropped."""
-    kept = [(k, v) for k, v in headers if k.lower() not in VOLATILE_HEADERS
-            and not k.lower().startswith(VOLATILE_HEADER_PREFIXES)]
+def semantic_headers(headers: list[tuple[str, str]], redaction: Redaction,
+                     provider: str | None = None) -> list[list[str]]:
+    """Request headers worth keeping: secrets redacted, volatile ones (by the rules of the
+    model call's ``provider``, else those of every request) dropped."""
+    kept = [(k, v) for k, v in headers if not volatile_header(k, provider)]
     return redaction.header_pairs(kept)
+
+
+def request_fingerprint(kind: str, provider: str | None, method: str, url: str,
+                        body: Any) -> str:
+    """What a request is matched by on replay, as :func:`classify` gave (kind, provider,
+    body): a model call by its provider's semantic request, any other by its target."""
+    if kind == "model" and provider is not None:
+        return providers.get(provider).fingerprint(method, url, body)
+    return fingerprint(kind, method, url, body)
 
 
 _NOT_JSON = object()

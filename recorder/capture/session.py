@@ -9,14 +9,21 @@ session is active per process; its HTTP patches are installed while it is active
 from __future__ import annotations
 
 import abc
+import contextlib
+import copy
+import functools
+import inspect
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 from recorder.capture.exchange import HttpRequest, HttpResponse
 from recorder.errors import SessionError
+
+log = logging.getLogger("deja.recorder")
 
 
 @dataclass(frozen=True)
@@ -93,3 +100,69 @@ def deactivate(session: Session) -> None:
     with _lock:
         if _active is session:
             _active = None
+
+
+S = TypeVar("S", bound=Session)
+F = TypeVar("F", bound=Callable[..., Any])  # a decorated function keeps its type
+
+
+class Scope(contextlib.ContextDecorator, Generic[S]):
+    """A session around a block or a decorated function (sync or async).
+
+    What ``record()``, ``replay()``, ``fork()`` and ``resume()`` return: each gives how its
+    session is opened and how it is closed, and the scope does the rest. ``close`` gets the
+    session and the block's exception and returns the scope's :attr:`result`; ``check``, if
+    given, then looks at that result and may raise (a replay's divergence), so that the
+    result is kept either way. With ``join=True`` a block entered while another session is
+    active (``deja record`` around a program that calls ``record()`` itself) uses that
+    session and closes nothing; otherwise it is a :class:`SessionError`.
+
+    Each decorated call gets a scope of its own, so concurrent calls of an async function do
+    not share a session.
+    """
+
+    def __init__(self, open: Callable[[], S], close: Callable[[S, BaseException | None], Any],
+                 *, check: Callable[[S, Any, BaseException | None], None] | None = None,
+                 join: bool = False, name: str = "session") -> None:
+        self._open, self._close, self._check = open, close, check
+        self._join, self._name = join, name
+        self._stack: list[S | None] = []
+        self.session: S | None = None  # the session of the last block entered
+        self.result: Any = None  # what closing it returned
+
+    def __enter__(self) -> S:
+        current = active()
+        if current is not None:
+            if not self._join:
+                raise SessionError(f"{self._name}: a {current.mode} session is already active "
+                                   f"({current.path}); deja runs one session per process")
+            log.info("%s: a %s session is already active; using it", self._name, current.mode)
+            self._stack.append(None)
+            # joining: the outer session serves, whatever its class (see ``join``)
+            return current  # type: ignore[return-value]
+        self.session = self._open()
+        self._stack.append(self.session)
+        return self.session
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        opened = self._stack.pop()
+        if opened is None:
+            return
+        self.result = self._close(opened, exc)
+        if self._check is not None:
+            self._check(opened, self.result, exc)
+
+    def _recreate_cm(self) -> Scope[S]:
+        fresh = copy.copy(self)
+        fresh._stack = []
+        return fresh
+
+    def __call__(self, func: F) -> F:
+        if inspect.iscoroutinefunction(func):
+            @functools.wraps(func)
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                with self._recreate_cm():
+                    return await func(*args, **kwargs)
+            return cast(F, wrapper)
+        return super().__call__(func)
+

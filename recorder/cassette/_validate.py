@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from recorder.cassette.schema import Kind
 from recorder.errors import CorruptCassette
 
 MAX_DEPTH = 200  # deja's own lines nest a dozen levels; JSON bodies rarely exceed 50
@@ -68,21 +69,30 @@ def _depth(raw: bytes) -> int:
     return deepest
 
 
-def parse_line(raw: bytes, path: Path, where: str, seq: int | None) -> Any:
-    """One line as JSON, strictly: refused with CorruptCassette naming ``where``."""
+class BadLine(ValueError):
+    """Why a line cannot be read, as the end of a sentence that names the line."""
+
+
+def decode(raw: bytes) -> Any:
+    """One line as JSON, strictly; :class:`BadLine` says why not (``is not UTF-8 ...``)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise CorruptCassette(f"{path}: {where} is not UTF-8 ({exc.reason} at byte "
-                              f"{exc.start})", path=path, seq=seq) from None
+        raise BadLine(f"is not UTF-8 ({exc.reason} at byte {exc.start})") from None
     if not _depth_ok(raw):
-        raise CorruptCassette(f"{path}: {where} nests deeper than {MAX_DEPTH} levels; deja "
-                              "never writes such a line", path=path, seq=seq)
+        raise BadLine(f"nests deeper than {MAX_DEPTH} levels; deja never writes such a line")
     try:
         return _DECODER.decode(text)
     except (ValueError, RecursionError) as exc:
-        raise CorruptCassette(f"{path}: {where} is not valid JSON: {exc}", path=path,
-                              seq=seq) from None
+        raise BadLine(f"is not valid JSON: {exc}") from None
+
+
+def parse_line(raw: bytes, path: Path, where: str, seq: int | None) -> Any:
+    """One line as JSON, strictly: refused with CorruptCassette naming ``where``."""
+    try:
+        return decode(raw)
+    except BadLine as exc:
+        raise CorruptCassette(f"{path}: {where} {exc}", path=path, seq=seq) from None
 
 
 # The header fields readers use, with the types deja writes.
@@ -99,23 +109,24 @@ _HEADER = {
 _COMMON = {"fp": (str,), "t": _MAYBE_NUMBER, "ms": _MAYBE_NUMBER, "within": (str,),
            "error": (dict, _OPTIONAL), "cost_usd": _MAYBE_NUMBER,
            "usage": (dict, _OPTIONAL), "edited": (bool,)}
-_REQUIRED = {
-    "model": {"request": (dict,)},
-    "http": {"method": (str,), "url": (str,), "request": (dict,)},
-    "tool": {"name": (str,)},
-    "intent": {"name": (str,)},
-    "outcome": {"name": (str,), "intent": (int,), "key": (str,)},
-    "effect": {"name": (str,)},
-    "control": {"event": (str,)},
-    "end": {"status": (str,)},
+_Fields = dict[str, tuple[type, ...]]
+_REQUIRED: dict[str, _Fields] = {
+    Kind.MODEL: {"request": (dict,)},
+    Kind.HTTP: {"method": (str,), "url": (str,), "request": (dict,)},
+    Kind.TOOL: {"name": (str,)},
+    Kind.INTENT: {"name": (str,)},
+    Kind.OUTCOME: {"name": (str,), "intent": (int,), "key": (str,)},
+    Kind.EFFECT: {"name": (str,)},
+    Kind.CONTROL: {"event": (str,)},
+    Kind.END: {"status": (str,)},
 }
-_OPTIONAL_BY_KIND = {
-    "model": {"url": (str, int), "request_headers": (list, int), "provider": (str,),
-              "response": (dict,)},
-    "http": {"response": (dict,)},
-    "control": {"detail": (dict, _OPTIONAL)},
-    "end": {"totals": (dict, _OPTIONAL), "reason": (str, _OPTIONAL),
-            "exit_code": (int, _OPTIONAL)},
+_OPTIONAL_BY_KIND: dict[str, _Fields] = {
+    Kind.MODEL: {"url": (str, int), "request_headers": (list, int), "provider": (str,),
+                 "response": (dict,)},
+    Kind.HTTP: {"response": (dict,)},
+    Kind.CONTROL: {"detail": (dict, _OPTIONAL)},
+    Kind.END: {"totals": (dict, _OPTIONAL), "reason": (str, _OPTIONAL),
+               "exit_code": (int, _OPTIONAL)},
 }
 _RESPONSE = {"status": (int,), "headers": (list,), "body": (str,), "reason": (str,),
              "encoding": (str, _OPTIONAL), "headers_base": (int, _OPTIONAL)}
@@ -128,9 +139,8 @@ def _kind_name(value: tuple[type, ...]) -> str:
                        for n in names) + (" or null" if _OPTIONAL in value else "")
 
 
-def _check_fields(obj: dict[str, Any], required: dict[str, tuple[type, ...]],
-                  optional: dict[str, tuple[type, ...]], what: str, path: Path,
-                  seq: int | None) -> None:
+def _check_fields(obj: dict[str, Any], required: _Fields, optional: _Fields, what: str,
+                  path: Path, seq: int | None) -> None:
     for name in required:
         if name not in obj:
             raise CorruptCassette(f"{path}: {what} has no '{name}' field", path=path, seq=seq)
@@ -181,14 +191,14 @@ def check_header(header: dict[str, Any], path: Path) -> None:
 
 def check_line(line: dict[str, Any], path: Path, seq: int) -> None:
     """The fields of observation ``seq`` that readers use have the types deja writes."""
-    kind = line.get("kind")
+    kind: str = line["kind"]  # one of KINDS: the reader checked it
     what = f"seq {seq} ({kind})"
     _check_fields(line, _REQUIRED[kind], {**_COMMON, **_OPTIONAL_BY_KIND.get(kind, {})},
                   what, path, seq)
     response = line.get("response")
     if isinstance(response, dict):
-        required = {"status": (int,)}
-        if kind == "http" or "body_json" not in response:
+        required: _Fields = {"status": (int,)}
+        if kind == Kind.HTTP or "body_json" not in response:
             required["body"] = (str,)
         _check_fields(response, required, _RESPONSE, f"{what} response", path, seq)
         shared = isinstance(response.get("headers_base"), int)  # null: the base line's

@@ -1,16 +1,21 @@
-"""The cassette format's constants: its version, its line kinds, when lines reach the disk."""
+"""The cassette format's constants: its version, its line kinds, when lines reach the disk.
+
+The kinds, end statuses and control events themselves are named in
+:mod:`recorder.cassette.schema`; the tuples and sets here are derived from them.
+"""
 
 from __future__ import annotations
 
 import enum
 
+from recorder.cassette.schema import EndStatus, Kind
 from recorder.errors import (
     ConfigError,
 )
 
 FORMAT = "deja/1"
 READABLE_FORMATS = (FORMAT,)
-KINDS = ("model", "http", "tool", "intent", "outcome", "effect", "control", "end")
+KINDS: tuple[str, ...] = tuple(kind.value for kind in Kind)
 
 
 class Fsync(enum.StrEnum):
@@ -29,7 +34,7 @@ class Fsync(enum.StrEnum):
             raise ConfigError(f"unknown fsync policy {value!r}; valid: {valid}") from None
 
 
-TURN_SYNC_KINDS = frozenset({"intent", "outcome", "control", "end"})
+TURN_SYNC_KINDS = frozenset({Kind.INTENT, Kind.OUTCOME, Kind.CONTROL, Kind.END})
 # End statuses a resume may continue after (the end line is cut first): a run stopped by a
 # signal ends ``interrupted`` with an end line, and is meant to be picked up again.
-RESUMABLE_ENDS = frozenset({"interrupted"})
+RESUMABLE_ENDS = frozenset({EndStatus.INTERRUPTED})

@@ -24,10 +24,10 @@ import os
 import socket
 import threading
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from recorder.cassette.schema import utc_stamp
 from recorder.errors import CassetteLocked, CassetteWriteError
 
 LOCK_FD_ENV = "DEJA_LOCK_FD"
@@ -138,8 +138,7 @@ def acquire(cassette: str | Path, *, run: str | None, what: str) -> WriterLock:
                 break
             os.close(fd)
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "run": run, "what": what,
-                  "since": datetime.now(UTC).isoformat(timespec="seconds").replace(
-                      "+00:00", "Z")}
+                  "since": utc_stamp("seconds")}
         _write_holder(fd, holder)
         lock = WriterLock(cassette, fd, owned=True, holder=holder)
         _held[key] = lock

@@ -1,15 +1,25 @@
-"""Reading a cassette: parse every line, verify the chain, restore the compact fields."""
+"""Reading a cassette: parse every line, verify the chain, restore the compact fields.
+
+:func:`load` reads the file and its header, decides which key to verify with
+(:mod:`recorder.cassette.trust`), then takes each observation line through four steps:
+parsed (:func:`_parsed`), verified against the line before it (:func:`_verified`),
+checked in its place (:func:`_checked`), and restored with its model request
+(:func:`_restore`); last, an unfinished file is refused unless allowed
+(:func:`_report_unfinished`).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, cast
 
-from recorder.cassette import _compact, _delta, _validate, trust
+from recorder.cassette import _delta, _validate, compact, trust
 from recorder.cassette.format import KINDS, READABLE_FORMATS
 from recorder.cassette.keys import Keyring, load_keyring
+from recorder.cassette.schema import EndLine, Header, Kind, Line, ModelLine, Observation
 from recorder.cassette.signing import check_sig
 from recorder.errors import (
     CassetteNotFound,
@@ -25,9 +35,9 @@ class Cassette:
     """A loaded cassette: header, observations (``end`` excluded) and what loading found."""
 
     path: Path
-    header: dict[str, Any]
-    observations: tuple[dict[str, Any], ...]
-    end: dict[str, Any] | None
+    header: Header
+    observations: tuple[Observation, ...]
+    end: EndLine | None
     verified: bool
     verify_note: str
     torn_offset: int | None = None
@@ -44,11 +54,22 @@ class Cassette:
         """The full request body of the model observation ``seq``."""
         return self.requests[seq]
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[Observation]:
         return iter(self.observations)
 
     def __len__(self) -> int:
         return len(self.observations)
+
+
+def peek_header(path: str | Path) -> dict[str, Any] | None:
+    """A file's first line as a header, unchecked and unverified (None: no file, or not a
+    JSON object): enough to name a run or find a fork's parent, never to trust it."""
+    try:
+        with Path(path).open("rb") as f:
+            header = json.loads(f.readline())
+    except (OSError, ValueError, RecursionError):  # not a cassette, or a hostile one
+        return None
+    return header if isinstance(header, dict) else None
 
 
 def _lines(path: Path) -> tuple[list[tuple[int, bytes]], int | None, int]:
@@ -146,12 +167,34 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
     see :mod:`recorder.cassette.trust`. The structure (strict JSON, field types, dense seq, kinds,
     one end line at the end) is always checked. A torn last line is refused unless
     ``allow_torn``; a missing end line unless ``allow_incomplete``.
+
+    The lines go through the steps below one at a time (each line is parsed, verified and
+    checked before the next is read), so the first fault in the file is the one reported.
     """
     path = Path(path)
     if keyring is None:
         keyring = load_keyring(create=False)
     if allow_unverified is None:
         allow_unverified = trust.allow_unverified_from_env()
+    lines, torn, size = _read(path)
+    header, header_sig = _header(lines[0][1], path)
+    verdict = trust.decide(path, header, header_sig, lambda: _chain(lines, path, header_sig),
+                           keyring, check_sig, allow_unverified=allow_unverified,
+                           require_signature=require_signature)
+    key = verdict.key
+    _verify_header(key, header, header_sig, path)
+    sigs = [header_sig if isinstance(header_sig, str) else ""]
+    body = _restore(_checked(_verified(_parsed(lines, path), key, sigs, path), path), path)
+    _report_unfinished(path, body, len(lines), torn, verified=key is not None,
+                       allow_torn=allow_torn, allow_incomplete=allow_incomplete)
+    return Cassette(path=path, header=cast(Header, header), observations=tuple(body.observations),
+                    end=body.end, verified=key is not None, verify_note=verdict.note,
+                    torn_offset=torn, requests=body.requests, sigs=tuple(sigs), size=size,
+                    end_offset=body.end_offset)
+
+
+def _read(path: Path) -> tuple[list[tuple[int, bytes]], int | None, int]:
+    """The file's lines (at least the header's), its torn last line and its size."""
     if not path.is_file():
         raise _not_found(path)
     lines, torn, size = _lines(path)
@@ -160,10 +203,16 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
             raise TornCassette(f"{path}: the header line is torn (the recording crashed while "
                                "starting); nothing can be replayed", path=path, offset=0)
         raise CorruptCassette(f"{path} is empty; it is not a deja cassette", path=path)
+    return lines, torn, size
+
+
+def _header(raw: bytes, path: Path) -> tuple[dict[str, Any], object]:
+    """Line 1, checked: a deja header of a format this deja reads; and its stored sig."""
     try:
-        header = _validate.parse_line(lines[0][1], path, "line 1 (the header)", None)
-    except CorruptCassette as exc:
-        raise CorruptCassette(f"{exc}; not a deja cassette", path=path) from None
+        header = _validate.decode(raw)
+    except _validate.BadLine as exc:
+        raise CorruptCassette(f"{path}: line 1 (the header) {exc}; not a deja cassette",
+                              path=path) from None
     if not isinstance(header, dict) or "format" not in header:
         raise CorruptCassette(f"{path}: line 1 has no 'format' field; not a deja cassette",
                               path=path)
@@ -173,78 +222,133 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
             f"(it reads {', '.join(READABLE_FORMATS)}); upgrade deja to read it", path=path)
     header_sig = header.pop("sig", None)
     _validate.check_header(header, path)
-    verdict = trust.decide(path, header, header_sig, lambda: _chain(lines, path, header_sig),
-                           keyring, check_sig, allow_unverified=allow_unverified,
-                           require_signature=require_signature)
-    key = verdict.key
-    if key is not None and not _signed(key, "", header, header_sig, path, None):
+    return header, header_sig
+
+
+def _verify_header(key: bytes | None, header: dict[str, Any], sig: object, path: Path) -> None:
+    if key is not None and not _signed(key, "", header, sig, path, None):
         raise SignatureError(
             f"{path}: signature check failed at the header (line 1): it was edited after "
             "it was written. Do not trust this cassette; restore it from where it was "
             "committed", path=path, seq=None)
-    prev = header_sig if isinstance(header_sig, str) else ""
-    observations: list[dict[str, Any]] = []
-    end: dict[str, Any] | None = None
-    end_offset: int | None = None
-    requests: dict[int, Any] = {}
-    sigs: list[str] = [prev]
+
+
+class _Read(NamedTuple):
+    """One observation line as parsed: where it is, and its JSON without its sig."""
+
+    offset: int  # the byte it starts at
+    number: int  # its line number in the file (the header is line 1)
+    seq: int  # the seq it must have
+    line: Any  # a dict, unless the file is corrupt (the next steps refuse it then)
+    sig: object
+
+
+def _parsed(lines: list[tuple[int, bytes]], path: Path) -> Iterator[_Read]:
+    """Step 1: each line after the header, parsed strictly."""
     for index, (offset, raw) in enumerate(lines[1:], start=1):
         seq = index - 1
         line = _validate.parse_line(raw, path, f"line {index + 1} (seq {seq})", seq)
         sig = line.pop("sig", None) if isinstance(line, dict) else None
-        if key is not None:
-            if not _signed(key, prev, line, sig, path, seq):
-                raise SignatureError(
-                    f"{path}: signature check failed at seq {seq} (line {index + 1}): the "
-                    "line was edited, inserted, deleted or moved after it was written. Do "
-                    "not trust this cassette; restore it from where it was committed",
-                    path=path, seq=seq)
-        prev = sig if isinstance(sig, str) else ""
+        yield _Read(offset, index + 1, seq, line, sig)
+
+
+def _verified(reads: Iterable[_Read], key: bytes | None, sigs: list[str],
+              path: Path) -> Iterator[_Read]:
+    """Step 2: each line signed by the line before it (with ``key``; unchecked without
+    one). ``sigs`` holds the header's sig and gets each line's."""
+    prev = sigs[-1]
+    for read in reads:
+        if key is not None and not _signed(key, prev, read.line, read.sig, path, read.seq):
+            raise SignatureError(
+                f"{path}: signature check failed at seq {read.seq} (line {read.number}): the "
+                "line was edited, inserted, deleted or moved after it was written. Do "
+                "not trust this cassette; restore it from where it was committed",
+                path=path, seq=read.seq)
+        prev = read.sig if isinstance(read.sig, str) else ""
         sigs.append(prev)
+        yield read
+
+
+def _checked(reads: Iterable[_Read], path: Path) -> Iterator[tuple[int, Line]]:
+    """Step 3: each line in its place (dense seq, a known kind, nothing after the end
+    line) with the field types deja writes; with the offset it starts at."""
+    end_seq: int | None = None
+    for read in reads:
+        line, seq = read.line, read.seq
         if not isinstance(line, dict) or line.get("seq") != seq:
             got = line.get("seq") if isinstance(line, dict) else None
-            raise CorruptCassette(f"{path}: line {index + 1} has seq {got!r}, expected {seq}: "
-                                  "lines were deleted, inserted or reordered", path=path, seq=seq)
+            raise CorruptCassette(f"{path}: line {read.number} has seq {got!r}, expected "
+                                  f"{seq}: lines were deleted, inserted or reordered",
+                                  path=path, seq=seq)
         if not isinstance(line.get("kind"), str) or line["kind"] not in KINDS:
             raise CorruptCassette(f"{path}: seq {seq} has unknown kind {line.get('kind')!r}",
                                   path=path, seq=seq)
-        if end is not None:
-            raise CorruptCassette(f"{path}: seq {seq} follows the end line (seq {end['seq']})",
+        if end_seq is not None:
+            raise CorruptCassette(f"{path}: seq {seq} follows the end line (seq {end_seq})",
                                   path=path, seq=seq)
         _validate.check_line(line, path, seq)
-        if line["kind"] == "end":
-            end, end_offset = line, offset
+        if line["kind"] == Kind.END:
+            end_seq = seq
+        yield read.offset, cast(Line, line)
+
+
+@dataclass
+class _Body:
+    """What the observation lines make: the steps, the model requests, the end line."""
+
+    observations: list[Observation] = field(default_factory=list)
+    requests: dict[int, Any] = field(default_factory=dict)
+    end: EndLine | None = None
+    end_offset: int | None = None
+
+
+def _restore(lines: Iterable[tuple[int, Line]], path: Path) -> _Body:
+    """Step 4: the steps with their compact fields restored, each model request rebuilt
+    from its delta, and the end line."""
+    body = _Body()
+    for offset, line in lines:
+        if line["kind"] == Kind.END:
+            body.end, body.end_offset = cast(EndLine, line), offset
             continue
-        if line["kind"] == "model":
-            try:
-                requests[seq] = _delta.decode(line["request"], requests)
-                _compact.expand(line, observations, requests.get(seq))
-            except (KeyError, IndexError, TypeError, ValueError, AttributeError,
-                    RecursionError) as exc:
-                raise CorruptCassette(f"{path}: seq {seq}: it refers to an earlier line that "
-                                      f"is missing or different ({exc!r})", path=path,
-                                      seq=seq) from None
-        observations.append(line)
+        if line["kind"] == Kind.MODEL:
+            _restore_model(cast(ModelLine, line), body, path)
+        body.observations.append(cast(Observation, line))
+    return body
+
+
+def _restore_model(line: ModelLine, body: _Body, path: Path) -> None:
+    seq = line["seq"]
+    try:
+        body.requests[seq] = _delta.decode(line["request"], body.requests)
+        compact.expand(cast(dict[str, Any], line), cast(list[dict[str, Any]],
+                        body.observations), body.requests.get(seq))
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError,
+            RecursionError) as exc:
+        raise CorruptCassette(f"{path}: seq {seq}: it refers to an earlier line that is "
+                              f"missing or different ({exc!r})", path=path, seq=seq) from None
+
+
+def _report_unfinished(path: Path, body: _Body, count: int, torn: int | None, *,
+                       verified: bool, allow_torn: bool, allow_incomplete: bool) -> None:
+    """Step 5: refuse a torn last line, or a missing end line, unless allowed. ``count``
+    is the number of whole lines, the header's included."""
     if torn is not None and not allow_torn:
-        seq = len(lines) - 1
-        checked = "verified" if key is not None else "well-formed (not verified)"
+        seq = count - 1
+        checked = "verified" if verified else "well-formed (not verified)"
         raise TornCassette(
             f"{path}: the last line (seq {seq}, byte {torn}) is torn: the recording process "
-            f"died while writing it. The {len(lines)} lines before it are {checked}. Resume "
+            f"died while writing it. The {count} lines before it are {checked}. Resume "
             "the run to cut it (deja resume), or use the intact part (--allow-torn for deja "
             "replay, verify and fork; allow_torn=True in Python)",
             path=path, seq=seq, offset=torn)
-    if end is None and not allow_incomplete and not (torn is not None and allow_torn):
-        if not observations:
+    if body.end is None and not allow_incomplete and not (torn is not None and allow_torn):
+        if not body.observations:
             raise CorruptCassette(
                 f"{path} holds only its header: no observation and no end line (the run "
                 "never got going, or everything after the header was cut off)", path=path,
                 seq=0)
-        last = len(observations) - 1
+        last = len(body.observations) - 1
         raise CorruptCassette(
             f"{path}: no end line after seq {last}: the file was truncated or the run "
             "crashed. Resume the run, or allow an incomplete cassette (--allow-incomplete)",
             path=path, seq=last + 1)
-    return Cassette(path=path, header=header, observations=tuple(observations), end=end,
-                    verified=key is not None, verify_note=verdict.note, torn_offset=torn,
-                    requests=requests, sigs=tuple(sigs), size=size, end_offset=end_offset)

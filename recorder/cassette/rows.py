@@ -10,9 +10,11 @@ dollars everywhere:
   ``n``) closes the run and is not a step. Control lines (a harness decision, a fork's
   ``fork_edit``, a ``resumed`` marker) and lines made inside a tool's body are steps.
 - **Totals** are summed from the steps, never taken from the end line (a crashed run has
-  none): ``model_calls`` (``model`` lines), ``http_calls``, ``tool_calls`` (``tool`` and
-  ``outcome`` lines), ``effects``, ``input_tokens``/``output_tokens`` (their usage),
-  ``cost_usd`` and ``errors`` (steps with an error).
+  none), by the rule a live run's end line counts with too
+  (:func:`recorder.cassette.schema.add_step`): ``model_calls`` (``model`` lines),
+  ``http_calls``, ``tool_calls`` (``tool`` and ``outcome`` lines), ``effects``,
+  ``input_tokens``/``output_tokens`` (their usage), ``cost_usd`` and ``errors`` (steps
+  with an error: :func:`recorder.cassette.schema.error_of`).
 - A fork or a resumed run is split at :func:`live_from`, the first step the run made
   itself: before it, steps **replayed** (copied from the parent up to the edited step, or
   recorded by earlier attempts before the last ``resumed`` line); from it on, **live**.
@@ -20,56 +22,87 @@ dollars everywhere:
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from recorder.cassette import Cassette
+from recorder.cassette.reader import peek_header
+from recorder.cassette.schema import (
+    BOOKKEEPING,
+    Control,
+    Kind,
+    StepTotals,
+    control_event,
+    error_of,
+    is_bookkeeping,
+    totals_of,
+)
+
+__all__ = [
+    "BOOKKEEPING",
+    "STEP_COLUMNS",
+    "children_of",
+    "describe_split",
+    "describe_totals",
+    "is_bookkeeping",
+    "live_from",
+    "run_status",
+    "run_summary",
+    "run_totals",
+    "step_count",
+    "step_error",
+    "step_name",
+    "step_row",
+    "step_rows",
+    "step_status",
+    "totals_of",
+]
 
 STEP_COLUMNS = ("seq", "kind", "name", "status", "input_tokens", "output_tokens", "cost_usd",
                 "ms", "error")
 
 
-def step_name(obs: dict[str, Any]) -> str:
+def step_name(obs: Mapping[str, Any]) -> str:
     kind = obs.get("kind")
-    if kind == "model":
+    if kind == Kind.MODEL:
         return str(obs.get("model") or obs.get("provider") or "model")
-    if kind == "http":
+    if kind == Kind.HTTP:
         parts = urlsplit(obs.get("url", ""))
         return f"{obs.get('method', '')} {parts.netloc}{parts.path}"
-    if kind in ("tool", "effect", "intent", "outcome"):
+    if kind in (Kind.TOOL, Kind.EFFECT, Kind.INTENT, Kind.OUTCOME):
         return str(obs.get("name", ""))
-    if kind == "control":
+    if kind == Kind.CONTROL:
         return str(obs.get("event", ""))
     return ""
 
 
-def step_status(obs: dict[str, Any]) -> str:
+def step_status(obs: Mapping[str, Any]) -> str:
     kind = obs.get("kind")
-    if kind in ("model", "http"):
+    if kind in (Kind.MODEL, Kind.HTTP):
         if "response" in obs:
             status = str(obs["response"].get("status"))
             if obs.get("api_error") and obs["response"].get("status") == 200:
                 status += " stream-error"
             return status
         return "failed"
-    if kind in ("tool", "outcome"):
+    if kind in (Kind.TOOL, Kind.OUTCOME):
         return "error" if "error" in obs else "ok"
-    if kind == "end":
+    if kind == Kind.END:
         return str(obs.get("status", ""))
     return "ok"
 
 
-def step_error(obs: dict[str, Any]) -> str | None:
-    err = obs.get("error") or obs.get("api_error")
+def step_error(obs: Mapping[str, Any]) -> str | None:
+    """The error column: the step's :func:`~recorder.cassette.schema.error_of`, if any."""
+    err = error_of(obs)
     if not err:
         return None
     return f"{err.get('type')}: {err.get('message')}"
 
 
-def step_row(obs: dict[str, Any]) -> dict[str, Any]:
+def step_row(obs: Mapping[str, Any]) -> dict[str, Any]:
     usage = obs.get("usage") or {}
     return {
         "seq": obs["seq"], "kind": obs["kind"], "name": step_name(obs),
@@ -83,49 +116,9 @@ def step_rows(cassette: Cassette) -> list[dict[str, Any]]:
     return [step_row(obs) for obs in cassette.observations]
 
 
-# Control lines that only mark how the log was made; they stand for nothing the agent did.
-BOOKKEEPING = frozenset({"fork_edit", "resumed"})
-
-
-def is_bookkeeping(obs: dict[str, Any]) -> bool:
-    return obs.get("kind") == "control" and obs.get("event") in BOOKKEEPING
-
-
 def step_count(cassette: Cassette) -> int:
     """The number of steps: observation lines, the end line excepted (see the module)."""
     return len(cassette.observations)
-
-
-def count_call(t: dict[str, Any], obs: dict[str, Any]) -> None:
-    """Add what ``obs`` is (a model, HTTP or tool call, an effect) and the tokens it used
-    to the totals ``t``: the one place a call is counted, for a cassette and a live run."""
-    kind = obs.get("kind")
-    if kind == "model":
-        t["model_calls"] += 1
-    elif kind == "http":
-        t["http_calls"] += 1
-    elif kind in ("tool", "outcome"):
-        t["tool_calls"] += 1
-    elif kind == "effect":
-        t["effects"] += 1
-    usage = obs.get("usage") or {}
-    t["input_tokens"] += usage.get("input_tokens") or 0
-    t["output_tokens"] += usage.get("output_tokens") or 0
-
-
-def totals_of(observations: Iterable[dict[str, Any]]) -> dict[str, Any]:
-    """Steps, calls, tokens, cost and errors of ``observations`` (see the module)."""
-    t: dict[str, Any] = dict.fromkeys(("steps", "model_calls", "http_calls", "tool_calls",
-                                       "effects", "input_tokens", "output_tokens", "errors"), 0)
-    cost = 0.0
-    for obs in observations:
-        t["steps"] += 1
-        count_call(t, obs)
-        cost += obs.get("cost_usd") or 0.0
-        if step_error(obs):
-            t["errors"] += 1
-    t["cost_usd"] = round(cost, 8)
-    return t
 
 
 def live_from(cassette: Cassette) -> int:
@@ -140,15 +133,17 @@ def live_from(cassette: Cassette) -> int:
     if isinstance(parent, dict) and isinstance(parent.get("step"), int):
         start = parent["step"] + 1
     for obs in cassette.observations:
-        if obs.get("kind") == "control" and obs.get("event") == "fork_edit":
+        event = control_event(obs)
+        if event == Control.FORK_EDIT:
             start = max(start, obs["seq"] + 1)
-        elif obs.get("kind") == "control" and obs.get("event") == "resumed":
+        elif event == Control.RESUMED:
             start = max(start, obs["seq"])
     return start
 
 
 def run_totals(cassette: Cassette) -> dict[str, Any]:
-    """The run's totals: ``all`` (:func:`totals_of` every step) and, for a fork or a
+    """The run's totals: ``all`` (:func:`~recorder.cassette.schema.totals_of` every step)
+    and, for a fork or a
     resumed run, ``replayed`` and ``live`` split at ``live_from``, with ``replayed_from``
     saying where the replayed part came from. For any other run those three are None."""
     start = live_from(cassette)
@@ -165,7 +160,7 @@ def run_totals(cassette: Cassette) -> dict[str, Any]:
     return out
 
 
-def describe_totals(t: dict[str, Any]) -> str:
+def describe_totals(t: Mapping[str, Any] | StepTotals) -> str:
     """``5 model calls, 4 tool calls, 2873 in / 310 out tokens, $0.012345`` (one line)."""
     def calls(n: int, what: str) -> str:
         return f"{n} {what} call" + ("" if n == 1 else "s")
@@ -189,20 +184,27 @@ def describe_split(totals: dict[str, Any]) -> list[str]:
             f"live ({live}): {describe_totals(totals['live'])}"]
 
 
+def run_status(cassette: Cassette) -> str:
+    """The end line's status; without one, ``torn`` or ``incomplete``."""
+    if cassette.end is not None and cassette.end["status"]:
+        return cassette.end["status"]
+    return "torn" if cassette.torn_offset is not None else "incomplete"
+
+
 def run_summary(cassette: Cassette) -> dict[str, Any]:
-    """Run-level facts. The counts are :func:`totals_of` the steps (the end line of a run
-    gives only its status and duration); a fork or resumed run adds ``replayed`` and
-    ``live`` totals split at ``live_from``."""
+    """Run-level facts. The counts are :func:`~recorder.cassette.schema.totals_of` the steps
+    (the end line of a run gives only its status and duration); a fork or resumed run
+    adds ``replayed`` and ``live`` totals split at ``live_from``."""
     header, end = cassette.header, cassette.end
     totals = run_totals(cassette)
-    parent = header.get("parent") or {}
-    models = sorted({step_name(o) for o in cassette.observations if o.get("kind") == "model"})
+    recorded = end.get("totals") if end is not None else None  # only its duration is read
+    parent: Mapping[str, Any] = header.get("parent") or {}
+    models = sorted({step_name(o) for o in cassette.observations if o["kind"] == Kind.MODEL})
     return {
         "run": header.get("run"), "path": str(cassette.path), "created": header.get("created"),
-        "status": (end or {}).get("status") or ("torn" if cassette.torn_offset is not None
-                                               else "incomplete"),
+        "status": run_status(cassette),
         "parent_run": parent.get("run"), "parent_step": parent.get("step"),
-        "duration_s": ((end or {}).get("totals") or {}).get("duration_s"),
+        "duration_s": recorded.get("duration_s") if recorded else None,
         "models": models, "labels": header.get("labels") or {},
         "verified": cassette.verified, "verify_note": cassette.verify_note,
         **totals["all"], "live_from": totals["live_from"],
@@ -215,12 +217,10 @@ def children_of(run: str, directory: str | Path) -> list[dict[str, Any]]:
     """Runs in ``directory`` forked from ``run``: reads only each cassette's header line."""
     out = []
     for path in sorted(Path(directory).glob("*.jsonl")):
-        try:
-            with path.open("rb") as f:
-                header = json.loads(f.readline())
-        except (OSError, ValueError, RecursionError):  # not a cassette, or a hostile one
+        header = peek_header(path)
+        if header is None:
             continue
-        parent = header.get("parent") if isinstance(header, dict) else None
+        parent = header.get("parent")
         if isinstance(parent, dict) and parent.get("run") == run:
             out.append({"run": header.get("run"), "step": parent.get("step"),
                         "path": str(path)})

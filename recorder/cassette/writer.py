@@ -28,6 +28,7 @@ import json
 import os
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,11 +37,16 @@ from recorder.cassette import lock as writer_lock
 from recorder.cassette.canonical import canonical
 from recorder.cassette.format import FORMAT, RESUMABLE_ENDS, TURN_SYNC_KINDS, Fsync
 from recorder.cassette.keys import key_id
+from recorder.cassette.schema import Kind
 from recorder.cassette.signing import encode_sig, mac
 from recorder.errors import (
     CassetteLocked,
     CassetteWriteError,
     ConfigError,
+    KeyMissing,
+    NotResumable,
+    PathTaken,
+    SessionError,
     UnserializableValue,
 )
 
@@ -102,7 +108,7 @@ class CassetteWriter:
     after the failure is written out of order and the committed prefix still verifies.
     """
 
-    def __init__(self, path: str | Path, header: dict[str, Any], key: bytes,
+    def __init__(self, path: str | Path, header: Mapping[str, Any], key: bytes,
                  fsync: Fsync | str = Fsync.TURN, *, overwrite: bool = False) -> None:
         self.path = Path(path)
         self.fsync = Fsync.parse(fsync)
@@ -125,8 +131,8 @@ class CassetteWriter:
             self._fd = os.open(self.path, flags, 0o644)
         except FileExistsError:
             self._writer_lock.release()
-            raise ConfigError(f"cassette {self.path} already exists; choose another path "
-                              "or pass overwrite=True (--force)") from None
+            raise PathTaken(f"cassette {self.path} already exists; choose another path "
+                            "or pass overwrite=True (--force)") from None
         except OSError as exc:
             self._writer_lock.release()
             raise CassetteWriteError(f"cannot create cassette {self.path}: "
@@ -137,11 +143,11 @@ class CassetteWriter:
         self._group: _GroupSync | None = None
         self.failed: CassetteWriteError | None = None
         self.closed = False
-        header = {"format": FORMAT, **{k: v for k, v in header.items() if k != "format"}}
-        header["key_id"] = key_id(key)
-        self.header = header
+        line = {"format": FORMAT, **{k: v for k, v in header.items() if k != "format"}}
+        line["key_id"] = key_id(key)
+        self.header: Mapping[str, Any] = line
         with self._lock:
-            self._write(header, sync=True)
+            self._write(line, sync=True)
 
     @classmethod
     def reopen(cls, cassette: Cassette, key: bytes, fsync: Fsync | str = Fsync.TURN
@@ -154,11 +160,11 @@ class CassetteWriter:
         ``cassette`` found it: a writer that appended since is refused.
         """
         if cassette.end is not None and cassette.end.get("status") not in RESUMABLE_ENDS:
-            raise ConfigError(f"{cassette.path}: the run already ended with status "
-                              f"{cassette.end.get('status')!r}; there is nothing to resume")
+            raise NotResumable(f"{cassette.path}: the run already ended with status "
+                               f"{cassette.end.get('status')!r}; there is nothing to resume")
         if key_id(key) != cassette.header.get("key_id"):
-            raise ConfigError(f"{cassette.path} is signed with key {cassette.header.get('key_id')}"
-                              "; continuing it needs that key")
+            raise KeyMissing(f"{cassette.path} is signed with key {cassette.header.get('key_id')}"
+                             "; continuing it needs that key")
         self = cls.__new__(cls)
         self.path = Path(cassette.path)
         self._writer_lock = writer_lock.acquire(self.path, run=cassette.header.get("run"),
@@ -168,7 +174,7 @@ class CassetteWriter:
                 raise CassetteLocked(f"{self.path} changed since it was read (another "
                                      "process wrote to it); read it again", path=self.path)
             keep = cassette.torn_offset if cassette.torn_offset is not None else cassette.size
-            if cassette.end is not None:
+            if cassette.end_offset is not None:  # set with the end line, when there is one
                 keep = cassette.end_offset
             if keep != cassette.size:
                 os.truncate(self.path, keep)
@@ -191,7 +197,7 @@ class CassetteWriter:
         self.header = cassette.header
         return self
 
-    def append_copy(self, line: dict[str, Any], request_body: Any = None) -> dict[str, Any]:
+    def append_copy(self, line: Mapping[str, Any], request_body: Any = None) -> dict[str, Any]:
         """Write a line copied from another cassette at the same ``seq`` (a fork's prefix).
 
         Its stored request, a delta against earlier lines, stays valid because the lines
@@ -199,14 +205,14 @@ class CassetteWriter:
         """
         with self._lock:
             self._check_open()
-            line = {k: v for k, v in line.items() if k != "sig"}
-            if line.get("seq") != self._seq:
-                raise ConfigError(f"copied line has seq {line.get('seq')}, expected {self._seq}")
+            copy = {k: v for k, v in line.items() if k != "sig"}
+            if copy.get("seq") != self._seq:
+                raise SessionError(f"copied line has seq {copy.get('seq')}, expected {self._seq}")
             if request_body is not None:
                 self._delta.prime(self._seq, request_body)
-            self._write(line, sync=self.fsync is Fsync.SYNC)
+            self._write(copy, sync=self.fsync is Fsync.SYNC)
             self._seq += 1
-            return line
+            return copy
 
     @property
     def next_seq(self) -> int:
@@ -243,7 +249,7 @@ class CassetteWriter:
         """Write the ``end`` line, force everything to disk and close the file."""
         with self._lock:
             self._check_open()
-            line = {"seq": self._seq, "kind": "end", **end}
+            line = {"seq": self._seq, "kind": Kind.END.value, **end}
             self._stop_group()
             try:
                 self._write(line, sync=True)
@@ -274,7 +280,7 @@ class CassetteWriter:
                                      "nothing more is written to this cassette",
                                      path=self.path)
         if self.closed:
-            raise ConfigError(f"cassette {self.path} is closed; nothing more can be appended")
+            raise SessionError(f"cassette {self.path} is closed; nothing more can be appended")
         group = self._group
         if group is not None and group.error is not None:
             self._fail(group.error, "forcing lines to disk")

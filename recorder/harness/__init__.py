@@ -5,3 +5,5 @@
 - :mod:`.run_guard`: the guards of one recorded run, applied at its boundaries;
 - :mod:`.progress`: what a run is doing, and the cancel flag.
 """
+
+__all__: list[str] = []  # nothing is re-exported: import from the modules

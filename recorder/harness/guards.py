@@ -8,7 +8,7 @@ observation before the error reaches the agent, so a replay reproduces it exactl
   per-turn ``max_tokens`` ceiling (a request asking for more is refused, or clamped),
   wall-clock seconds and dollars. Crossing one ends the run ``exhausted`` at the next
   boundary: at most the one call in flight overshoots.
-- **Loop guard** (:class:`LoopGuard`): the same tool call (name and arguments, key order
+- **Loop guard** (:class:`LoopSettings`): the same tool call (name and arguments, key order
   ignored) ``repeats`` times within the last ``window`` tool calls, or an A-B-A-B
   alternation, stops the run with :class:`LoopDetected` before the call runs.
 - **Circuit breaker** (:class:`Breaker`): per upstream host, shared by every run in the
@@ -23,6 +23,7 @@ observation before the error reaches the agent, so a replay reproduces it exactl
 
 from __future__ import annotations
 
+import enum
 import math
 import threading
 import time
@@ -51,6 +52,13 @@ def _number(name: str, value: Any, *, integer: bool) -> float | int | None:
     return int(value) if integer else float(value)
 
 
+class MaxTokens(enum.StrEnum):
+    """What a request asking for more than the ``max_tokens`` budget gets."""
+
+    REFUSE = "refuse"  # stopped before it goes out
+    CLAMP = "clamp"  # sent with max_tokens lowered to the budget
+
+
 @dataclass(frozen=True)
 class Budgets:
     """Limits of one run; ``None`` means no limit."""
@@ -58,7 +66,7 @@ class Budgets:
     turns: int | None = None
     tokens: int | None = None
     max_tokens: int | None = None
-    max_tokens_mode: str = "refuse"  # or "clamp"
+    max_tokens_mode: MaxTokens = MaxTokens.REFUSE
     seconds: float | None = None
     dollars: float | None = None
 
@@ -69,9 +77,11 @@ class Budgets:
             value = _number(f.name, getattr(self, f.name), integer=f.name != "seconds"
                             and f.name != "dollars")
             object.__setattr__(self, f.name, value)
-        if self.max_tokens_mode not in ("refuse", "clamp"):
+        try:
+            object.__setattr__(self, "max_tokens_mode", MaxTokens(self.max_tokens_mode))
+        except ValueError:
             raise ConfigError(f"max_tokens_mode must be 'refuse' or 'clamp', not "
-                              f"{self.max_tokens_mode!r}")
+                              f"{self.max_tokens_mode!r}") from None
 
     @classmethod
     def of(cls, value: Budgets | Mapping[str, Any] | None) -> Budgets:
@@ -98,7 +108,7 @@ class Budgets:
 
 
 @dataclass(frozen=True)
-class LoopGuard:
+class LoopSettings:
     """Stop a run that keeps making the same tool call."""
 
     repeats: int = 3
@@ -114,14 +124,14 @@ class LoopGuard:
                               f"({self.repeats}), not {self.window!r}")
 
     @classmethod
-    def of(cls, value: LoopGuard | Mapping[str, Any] | bool | None) -> LoopGuard:
+    def of(cls, value: LoopSettings | Mapping[str, Any] | bool | None) -> LoopSettings:
         return _settings(cls, value, "loop guard")
 
 
 class LoopWatch:
     """The recent tool calls of one run, checked before each new one."""
 
-    def __init__(self, guard: LoopGuard) -> None:
+    def __init__(self, guard: LoopSettings) -> None:
         self.guard = guard
         self._recent: deque[str] = deque(maxlen=guard.window)
 
@@ -197,6 +207,14 @@ def is_failure(status: int | None, error: BaseException | None) -> bool:
     return status >= 500 or status in (408, 429)
 
 
+class BreakerState(enum.StrEnum):
+    """Where a circuit breaker is: calls go out, fail fast, or one probe goes out."""
+
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
 class Breaker:
     """The circuit breaker of one upstream host. Thread-safe."""
 
@@ -206,7 +224,7 @@ class Breaker:
         self._clock = clock
         self._lock = threading.Lock()
         self._failures: deque[float] = deque()
-        self.state = "closed"
+        self.state = BreakerState.CLOSED
         self._opened_at = 0.0
         self._probe_out = False
 
@@ -214,13 +232,13 @@ class Breaker:
         """May a request go out now? (False, detail) while open."""
         with self._lock:
             now = self._clock()
-            if self.state == "open":
+            if self.state is BreakerState.OPEN:
                 if now - self._opened_at >= self.settings.cooldown:
-                    self.state = "half_open"
+                    self.state = BreakerState.HALF_OPEN
                     self._probe_out = False
                 else:
                     return False, self._detail(now)
-            if self.state == "half_open":
+            if self.state is BreakerState.HALF_OPEN:
                 if self._probe_out:
                     return False, self._detail(now)
                 self._probe_out = True
@@ -230,12 +248,12 @@ class Breaker:
     def record(self, failed: bool) -> None:
         with self._lock:
             now = self._clock()
-            if self.state == "half_open":
+            if self.state is BreakerState.HALF_OPEN:
                 self._probe_out = False
                 if failed:
-                    self.state, self._opened_at = "open", now
+                    self.state, self._opened_at = BreakerState.OPEN, now
                 else:
-                    self.state = "closed"
+                    self.state = BreakerState.CLOSED
                     self._failures.clear()
                 return
             if not failed:
@@ -243,8 +261,8 @@ class Breaker:
             self._failures.append(now)
             while self._failures and now - self._failures[0] > self.settings.window:
                 self._failures.popleft()
-            if len(self._failures) >= self.settings.failures and self.state == "closed":
-                self.state, self._opened_at = "open", now
+            if len(self._failures) >= self.settings.failures and self.state is BreakerState.CLOSED:
+                self.state, self._opened_at = BreakerState.OPEN, now
 
     def _detail(self, now: float) -> dict[str, Any]:
         return {"host": self.host, "state": self.state,

@@ -33,12 +33,12 @@ import re
 import socket
 import threading
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from recorder.capture.redact import DEFAULT, Redaction
 from recorder.cassette.keys import deja_home
+from recorder.cassette.schema import utc_stamp
 from recorder.errors import ConfigError
 
 log = logging.getLogger("deja.recorder")
@@ -72,7 +72,7 @@ def cancel_path(run: str) -> Path:
 
 
 def _now_iso() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds").replace("+00:00", "Z")
+    return utc_stamp("seconds")
 
 
 _TIGHTENED: set[Path] = set()

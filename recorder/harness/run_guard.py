@@ -12,7 +12,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from recorder.capture.exchange import HttpRequest, upstream
@@ -25,9 +25,9 @@ from recorder.errors import (
     LoopDetected,
     RunStopped,
 )
-from recorder.harness.guards import BREAKERS, Clock, LoopWatch, is_failure
+from recorder.harness.guards import BREAKERS, Clock, LoopWatch, MaxTokens, is_failure
 from recorder.harness.progress import Progress, cancel_path, cancel_requested
-from recorder.harness.settings import Harness
+from recorder.harness.settings import Settings
 
 log = logging.getLogger("deja.recorder")
 
@@ -37,20 +37,20 @@ Emit = Callable[[str, dict[str, Any]], None]
 class RunGuard:
     """Budgets, cancel, loop guard, circuit breaker and progress of one run."""
 
-    def __init__(self, run: str, harness: Harness, emit: Emit, *, clock: Clock | None = None,
+    def __init__(self, run: str, settings: Settings, emit: Emit, *, clock: Clock | None = None,
                  artefacts: list[str] | None = None, progress_interval: float = 0.2,
                  redaction: Redaction | None = None) -> None:
         self.run = run
         # Messages name the call (its URL may carry a secret in its query): redacted at the
         # source, so the agent sees the same text live as on replay.
         self.redaction = redaction or DEFAULT
-        self.harness = harness
-        self.budgets = harness.budgets
+        self.settings = settings
+        self.budgets = settings.budgets
         self._emit = emit
         self._clock = clock or time.monotonic
         self._t0 = self._clock()
         self._lock = threading.Lock()
-        self.loop = LoopWatch(harness.loop)
+        self.loop = LoopWatch(settings.loop)
         self.turns = 0
         self.tokens = 0
         self.spend = 0.0
@@ -67,7 +67,7 @@ class RunGuard:
 
     # -- counters carried over from a recorded prefix (resume, fork)
 
-    def absorb(self, obs: dict[str, Any]) -> None:
+    def absorb(self, obs: Mapping[str, Any]) -> None:
         if obs.get("kind") == "model" and 200 <= (obs.get("response") or {}).get("status", 0) \
                 < 300:
             self.turns += 1
@@ -131,13 +131,13 @@ class RunGuard:
         self._common(what)
         if provider:
             self._model_budgets(request, what)
-        if self.harness.breaker.enabled:
+        if self.settings.breaker.enabled:
             host = upstream(request.url)
-            allowed, detail = BREAKERS.get(host, self.harness.breaker).allow()
+            allowed, detail = BREAKERS.get(host, self.settings.breaker).allow()
             if not allowed:
                 raise self._stop(CircuitOpen(
                     f"circuit open for {host}: too many failures in the last "
-                    f"{self.harness.breaker.window:g}s; calls fail fast for "
+                    f"{self.settings.breaker.window:g}s; calls fail fast for "
                     f"{detail.get('retry_in_s')}s more (nothing was sent)",
                     reason="circuit_open", detail=detail), "circuit_open")
         self.progress.update(step=f"waiting for {what}", elapsed_s=round(self.elapsed(), 3))
@@ -158,14 +158,14 @@ class RunGuard:
             return
         if not isinstance(body, dict):
             return
-        if b.dollars is not None and self.harness.prices.lookup(body.get("model")) is None:
+        if b.dollars is not None and self.settings.prices.lookup(body.get("model")) is None:
             raise ConfigError(
                 f"run {self.run} has a dollar budget but no price for model "
                 f"{body.get('model')!r}; add it (record(prices=...) or [tool.deja.prices]) "
                 "so that spending can be counted. Nothing was sent")
         asked = body.get("max_tokens")
         if b.max_tokens is not None and isinstance(asked, int) and asked > b.max_tokens:
-            if b.max_tokens_mode == "clamp":
+            if b.max_tokens_mode is MaxTokens.CLAMP:
                 body["max_tokens"] = b.max_tokens
                 request.original_body = request.body
                 request.body = json.dumps(body, separators=(",", ":")).encode("utf-8")
@@ -176,8 +176,8 @@ class RunGuard:
     def after_exchange(self, *, model: bool, status: int | None, error: BaseException | None,
                        usage: dict[str, Any] | None, cost: float | None, host: str,
                        live: bool = True) -> None:
-        if live and self.harness.breaker.enabled:
-            BREAKERS.get(host, self.harness.breaker).record(is_failure(status, error))
+        if live and self.settings.breaker.enabled:
+            BREAKERS.get(host, self.settings.breaker).record(is_failure(status, error))
         with self._lock:
             if model and status is not None and 200 <= status < 300:
                 self.turns += 1

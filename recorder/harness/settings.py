@@ -49,8 +49,8 @@ from typing import Any
 from recorder.capture.redact import Redaction
 from recorder.cassette import Fsync
 from recorder.errors import ConfigError
-from recorder.harness.guards import BreakerSettings, Budgets, LoopGuard
-from recorder.pricing import PriceTable
+from recorder.harness.guards import BreakerSettings, Budgets, LoopSettings
+from recorder.providers.pricing import PriceTable
 
 DEFAULT_BUDGETS = Budgets(turns=200, seconds=3600.0)
 _KEYS = {"fsync", "budgets", "loop", "breaker", "prices", "redact"}
@@ -88,11 +88,11 @@ def project_settings(start: Path | None = None) -> tuple[dict[str, Any], Path | 
 
 
 @dataclass(frozen=True)
-class Harness:
+class Settings:
     """The guards of one run, resolved."""
 
     budgets: Budgets = DEFAULT_BUDGETS
-    loop: LoopGuard = field(default_factory=LoopGuard)
+    loop: LoopSettings = field(default_factory=LoopSettings)
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     prices: PriceTable = field(default_factory=PriceTable)
     fsync: str | None = None
@@ -107,12 +107,12 @@ class Harness:
 
 
 def resolve(*, budgets: Budgets | Mapping[str, Any] | None = None,
-            loop_guard: LoopGuard | Mapping[str, Any] | bool | None = None,
+            loop_guard: LoopSettings | Mapping[str, Any] | bool | None = None,
             breaker: BreakerSettings | Mapping[str, Any] | bool | None = None,
             prices: Mapping[str, Any] | None = None, fsync: str | None = None,
             redact_headers: Sequence[str] = (), redact_body: Sequence[str] = (),
             redact_patterns: Sequence[str] = (), redact_query: Sequence[str] = (),
-            use_project: bool = True) -> Harness:
+            use_project: bool = True) -> Settings:
     table, path = project_settings() if use_project else ({}, None)
     where = f"{path}: [tool.deja]" if path else "settings"
     try:
@@ -122,7 +122,7 @@ def resolve(*, budgets: Budgets | Mapping[str, Any] | None = None,
         if budgets is not None:
             chosen = Budgets.of(budgets)
             base = chosen if isinstance(budgets, Budgets) else base.merged(**chosen.to_dict())
-        loop = LoopGuard.of(loop_guard if loop_guard is not None else table.get("loop"))
+        loop = LoopSettings.of(loop_guard if loop_guard is not None else table.get("loop"))
         brk = BreakerSettings.of(breaker if breaker is not None else table.get("breaker"))
         for given in (table.get("prices"), prices):
             if given is not None and not isinstance(given, Mapping):
@@ -145,7 +145,7 @@ def resolve(*, budgets: Budgets | Mapping[str, Any] | None = None,
                                  [*filed["query"], *redact_query])
     except ConfigError as exc:
         raise ConfigError(f"redaction rules: {exc}") from None
-    return Harness(base, loop, brk, price_table, chosen_fsync, redaction)
+    return Settings(base, loop, brk, price_table, chosen_fsync, redaction)
 
 
 def _redact_table(table: Any, where: str) -> dict[str, list[str]]:

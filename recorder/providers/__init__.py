@@ -1,23 +1,289 @@
-"""Providers: what each model API's wire format means, behind one small seam."""
+"""Providers: what each model API's wire format means, behind one small seam.
+
+Recording, replay, editing, diffing and the viewer all need to know things about a model
+API's wire format: which endpoints are model calls, what part of a request identifies it,
+how a response is streamed, where its usage, stop reason and id are, which request headers
+change from one run to the next. Each of those questions is asked of a :class:`Provider`,
+found by the endpoint (:func:`for_url`), by its name (:func:`get`) or for a recorded line
+(:func:`for_line`), so that a new API is one new module registered with :func:`register`
+and nothing else changes.
+
+Built in: :mod:`recorder.providers.anthropic` (the Messages API), and the OpenAI endpoints
+deja has always recognised, read as they always were (:mod:`recorder.providers._fallback`).
+
+This package sits below capture, cassette reading and replay: it imports only
+:mod:`recorder.errors`, :mod:`recorder.cassette.canonical` and its own modules.
+"""
 
 from __future__ import annotations
 
+import json
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypedDict
 from urllib.parse import urlsplit
 
-# (path suffix, provider) of the endpoints whose exchanges are model turns.
-MODEL_ENDPOINTS = (
-    ("/v1/messages", "anthropic"),
-    ("/v1/chat/completions", "openai"),
-    ("/v1/responses", "openai"),
-)
+from recorder.cassette.canonical import fingerprint as _fingerprint
+from recorder.errors import ConfigError
+from recorder.providers.pricing import PriceTable
+
+__all__ = ["USAGE_KEYS", "VOLATILE_HEADERS", "VOLATILE_HEADER_PREFIXES", "Headers", "Provider",
+           "Summary", "default", "endpoints", "for_line", "for_url", "get", "model_provider",
+           "names", "register", "sse_events", "token_counts", "unregister", "volatile_header"]
+
+Headers = Iterable[Sequence[str]]  # (name, value) pairs, as received or as stored
+
+# Request headers that change between two runs of the same code and say nothing about the
+# call: the HTTP plumbing, and what the Stainless-generated SDKs add (their ``x-stainless-``
+# telemetry and a fresh ``idempotency-key`` per request). Every request drops them.
+VOLATILE_HEADER_PREFIXES: tuple[str, ...] = ("x-stainless-",)
+VOLATILE_HEADERS: frozenset[str] = frozenset({"user-agent", "content-length", "host",
+                                              "accept-encoding", "connection",
+                                              "idempotency-key"})
+
+# deja's names for token counts, whatever a provider's wire format calls them.
+USAGE_KEYS = ("input_tokens", "output_tokens", "cache_creation_input_tokens",
+              "cache_read_input_tokens")
+
+
+class Summary(TypedDict, total=False):
+    """What a complete model response says; every key is optional (an unreadable body
+    gives an empty summary). ``usage`` uses deja's token names: ``input_tokens``,
+    ``output_tokens``, ``cache_creation_input_tokens``, ``cache_read_input_tokens``."""
+
+    message_id: Any
+    model: Any
+    stop_reason: Any
+    usage: dict[str, int]
+    error: dict[str, Any]
+
+
+class Provider(ABC):
+    """One model API's wire format, as deja reads and writes it.
+
+    An abstract base class rather than a Protocol: most answers are the same for every
+    HTTP+JSON API (a stream is ``text/event-stream``, a JSON body is the message, the
+    fingerprint hashes the semantic request, cost comes from the price table), so they
+    are written once here and a provider overrides only where its format differs; and
+    :func:`register` can check that what it is given is one.
+
+    A subclass sets :attr:`name` and :attr:`endpoints` and writes the abstract methods.
+    """
+
+    name: str = ""
+    endpoints: tuple[str, ...] = ()  # path suffixes of the POST requests that are model calls
+    volatile_headers: frozenset[str] = VOLATILE_HEADERS
+    volatile_header_prefixes: tuple[str, ...] = VOLATILE_HEADER_PREFIXES
+    # Response message fields that differ between any two runs of the same behaviour.
+    volatile_message_keys: tuple[str, ...] = ("id",)
+
+    # -- requests
+
+    def is_model_call(self, method: str, url: str) -> bool:
+        """Is ``method url`` one of this provider's model calls?"""
+        if method.upper() != "POST":
+            return False
+        path = urlsplit(url).path.rstrip("/")
+        return any(path.endswith(suffix) for suffix in self.endpoints)
+
+    def semantic_request(self, body: Any) -> Any:
+        """The part of a (redacted, parsed) request body that identifies the call: what a
+        replay matches on. The whole body unless the format carries per-call noise."""
+        return body
+
+    def fingerprint(self, method: str, url: str, body: Any) -> str:
+        """What a replayed model call is matched by (see
+        :func:`recorder.cassette.canonical.fingerprint`)."""
+        return _fingerprint("model", method, url, self.semantic_request(body))
+
+    def request_model(self, body: Any) -> Any:
+        """The model a request asks for (None when it names none)."""
+        return body.get("model") if isinstance(body, dict) else None
+
+    def request_streams(self, body: Any) -> bool:
+        """Does the request ask for a streamed response?"""
+        return bool(body.get("stream")) if isinstance(body, dict) else False
+
+    def is_volatile_header(self, name: str) -> bool:
+        """Is request header ``name`` one that changes between runs (not stored)?"""
+        return _volatile(name, self.volatile_headers, self.volatile_header_prefixes)
+
+    # -- responses
+
+    def is_stream(self, headers: Headers) -> bool:
+        """Is a response with these headers a stream (rather than one JSON body)?"""
+        return any(k.lower() == "content-type" and "event-stream" in v for k, v in headers)
+
+    @abstractmethod
+    def assemble(self, text: str) -> dict[str, Any]:
+        """The message a recorded stream delivers, as the SDK would build it."""
+
+    @abstractmethod
+    def synthesize(self, message: dict[str, Any]) -> str:
+        """A complete, valid stream that delivers ``message``."""
+
+    def message(self, headers: Headers, text: str) -> Any:
+        """The message a response body holds: assembled when the response is a stream,
+        else the parsed JSON. Raises ``ValueError`` when the body is neither."""
+        if self.is_stream(headers):
+            return self.assemble(text)
+        return json.loads(text)
+
+    @abstractmethod
+    def usage(self, message: Any) -> dict[str, int]:
+        """The token counts of a complete message, in deja's names (see :class:`Summary`);
+        only non-negative 64-bit integers count."""
+
+    @abstractmethod
+    def stop_reason(self, message: Any) -> Any:
+        """Why the model stopped (None when the message does not say)."""
+
+    @abstractmethod
+    def summarize(self, status: int, headers: Headers, body: bytes) -> Summary:
+        """Id, model, usage, stop reason or API error of a complete response body, JSON or
+        stream. Never raises: the body is stored exactly either way."""
+
+    def cost(self, model: Any, usage: dict[str, int] | None, prices: PriceTable) -> float | None:
+        """The dollar cost of ``usage`` for ``model`` by ``prices`` (None: not priced)."""
+        return prices.cost(model, usage)
+
+
+def _volatile(name: str, exact: frozenset[str], prefixes: tuple[str, ...]) -> bool:
+    lowered = name.lower()
+    return lowered in exact or lowered.startswith(prefixes)
+
+
+def volatile_header(name: str, provider: str | None = None) -> bool:
+    """Is request header ``name`` one that changes between runs, and so is not stored? By
+    the rules of the model call's ``provider``; for any other request, by those every
+    request follows (:data:`VOLATILE_HEADERS`, :data:`VOLATILE_HEADER_PREFIXES`)."""
+    if provider is not None:
+        return get(provider).is_volatile_header(name)
+    return _volatile(name, VOLATILE_HEADERS, VOLATILE_HEADER_PREFIXES)
+
+
+def sse_events(text: str) -> Iterator[tuple[str, str]]:
+    """(event, data) pairs of a ``text/event-stream`` body: the framing every SSE API
+    shares, whatever its events mean."""
+    for block in text.replace("\r\n", "\n").split("\n\n"):
+        event, data = "message", []
+        for line in block.split("\n"):
+            if line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].lstrip(" "))
+        if data:
+            yield event, "\n".join(data)
+
+
+def token_counts(usage: Any, keys: Sequence[str] = USAGE_KEYS) -> dict[str, int]:
+    """The counts among ``usage``'s ``keys``: a body is whatever the upstream sent, and a
+    count that is no non-negative 64-bit integer (a string, true, 10**30) is no count."""
+    if not isinstance(usage, dict):
+        return {}
+    return {k: usage[k] for k in keys if type(usage.get(k)) is int and 0 <= usage[k] < 2**63}
+
+
+# ---------------------------------------------------------------------- the registry
+
+_lock = threading.Lock()
+_providers: dict[str, Provider] = {}
+_DEFAULT = "anthropic"
+
+
+def register(provider: Provider, *, replace: bool = False) -> Provider:
+    """Make ``provider`` known: its endpoints become model calls for recording and replay.
+
+    A name already registered is refused unless ``replace``; so is an endpoint another
+    provider already answers for.
+    """
+    if not isinstance(provider, Provider):
+        raise ConfigError(f"register() takes a recorder.providers.Provider, not "
+                          f"{type(provider).__name__}; subclass Provider and pass an instance")
+    if not provider.name or not provider.endpoints:
+        raise ConfigError(f"provider {type(provider).__name__} needs a name and at least "
+                          "one endpoint (a path suffix such as '/v1/messages')")
+    with _lock:
+        if provider.name in _providers and not replace:
+            raise ConfigError(f"a provider named {provider.name!r} is already registered; "
+                              "pass replace=True to replace it")
+        for other in _providers.values():
+            if other.name == provider.name:
+                continue
+            taken = set(other.endpoints) & set(provider.endpoints)
+            if taken:
+                raise ConfigError(f"provider {provider.name!r}: endpoint "
+                                  f"{sorted(taken)[0]!r} already belongs to {other.name!r}; "
+                                  "unregister that provider first")
+        _providers[provider.name] = provider
+    return provider
+
+
+def unregister(name: str) -> None:
+    """Forget the provider ``name`` (the built-in default stays)."""
+    if name == _DEFAULT:
+        raise ConfigError(f"the {_DEFAULT!r} provider is the default reader of every "
+                          "cassette and cannot be unregistered; register a replacement "
+                          "with replace=True instead")
+    with _lock:
+        _providers.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    """The names of the registered providers."""
+    return tuple(_providers)
+
+
+def endpoints() -> tuple[tuple[str, str], ...]:
+    """(path suffix, provider name) of every endpoint whose exchanges are model turns."""
+    return tuple((suffix, p.name) for p in _providers.values() for suffix in p.endpoints)
+
+
+def get(name: str) -> Provider:
+    """The provider registered as ``name``."""
+    try:
+        return _providers[name]
+    except KeyError:
+        raise ConfigError(f"no provider named {name!r} is registered (known: "
+                          f"{', '.join(sorted(_providers))}); register it with "
+                          "recorder.providers.register") from None
+
+
+def default() -> Provider:
+    """The provider that reads what names no registered provider: Anthropic's format,
+    which every cassette written before providers had names was in."""
+    return _providers[_DEFAULT]
+
+
+def for_url(method: str, url: str) -> Provider | None:
+    """The provider of a model endpoint, or None when ``method url`` is not a model call."""
+    for provider in tuple(_providers.values()):
+        if provider.is_model_call(method, url):
+            return provider
+    return None
 
 
 def model_provider(method: str, url: str) -> str | None:
-    """The provider of a model endpoint, or None when ``url`` is not a model call."""
-    if method.upper() != "POST":
-        return None
-    path = urlsplit(url).path.rstrip("/")
-    for suffix, provider in MODEL_ENDPOINTS:
-        if path.endswith(suffix):
-            return provider
-    return None
+    """The provider name of a model endpoint, or None when ``url`` is not a model call."""
+    provider = for_url(method, url)
+    return provider.name if provider is not None else None
+
+
+def for_line(obs: Mapping[str, Any]) -> Provider:
+    """The provider that reads a recorded (expanded) line: the one it names, else the
+    default (an HTTP line, or a provider this process has not registered)."""
+    name = obs.get("provider")
+    provider = _providers.get(name) if isinstance(name, str) else None
+    return provider if provider is not None else default()
+
+
+def _register_builtins() -> None:
+    from recorder.providers._fallback import FallbackProvider
+    from recorder.providers.anthropic import AnthropicProvider
+
+    register(AnthropicProvider())
+    register(FallbackProvider("openai", ("/v1/chat/completions", "/v1/responses")))
+
+
+_register_builtins()

@@ -4,7 +4,8 @@ A test fake, in the manner of ``click.testing``: it is not part of the recorder,
 imports nothing else from deja (an independent implementation of the wire format is a
 better witness for the code under test than a copy of it). :class:`StubServer` serves a
 script (:mod:`.script`) on 127.0.0.1; :mod:`.match` picks the answer from the request
-alone; :mod:`.reply` builds what is sent.
+alone; :mod:`.reply` builds what is sent, and :mod:`.events` writes and reads the event
+streams.
 """
 
 from recorder.testing.script import StubScriptError, load_script

@@ -6,24 +6,28 @@ the SSE events of a stream: :class:`Reply` builds it from the turn's parts (``te
 :class:`RawStream` a recorded ``sse`` body verbatim, event by event.
 :func:`stream_events` renders the events (cut short by the turn's ``sse_error``), and
 :func:`scripted_error` the status, body fields and headers of an ``error`` turn. Token counts
-a built turn leaves out are rough estimates (four characters a token).
+a built turn leaves out are rough estimates (four characters a token). The events themselves
+are written and read by the stub's own :mod:`recorder.testing.events`.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import re
 import secrets
 import string
 from typing import Any, Protocol
 
-from recorder.sse import assemble, synthesize
+from recorder.testing.events import (
+    compact_json,
+    encode_event,
+    read_events,
+    split_events,
+    write_events,
+)
 from recorder.testing.match import last_user_text
 
 _BASE62 = string.ascii_letters + string.digits
-
-_JSON_SEPARATORS = (",", ":")
 
 _DEFAULT_ERROR_TYPES: dict[int, str] = {
     400: "invalid_request_error",
@@ -49,7 +53,7 @@ def random_id(prefix: str, n: int = 24) -> str:
 
 
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, separators=_JSON_SEPARATORS, ensure_ascii=False)
+    return compact_json(obj)
 
 
 def _rough_tokens(text: str) -> int:
@@ -147,76 +151,10 @@ class Reply:
             "usage": self.usage,
         }
 
-    def events(self) -> list[tuple[str, dict]]:
-        start_usage = dict(self.usage, output_tokens=1)
-        events: list[tuple[str, dict]] = [
-            (
-                "message_start",
-                {
-                    "type": "message_start",
-                    "message": {
-                        "id": self.id,
-                        "type": "message",
-                        "role": "assistant",
-                        "model": self.model,
-                        "content": [],
-                        "stop_reason": None,
-                        "stop_sequence": None,
-                        "usage": start_usage,
-                    },
-                },
-            ),
-            ("ping", {"type": "ping"}),
-        ]
-        for index, block in enumerate(self.content):
-            kind = block["type"]
-            if kind == "thinking":
-                start = {"type": "thinking", "thinking": "", "signature": ""}
-                deltas = [
-                    {"type": "thinking_delta", "thinking": chunk}
-                    for chunk in _split_words(block["thinking"])
-                ]
-                deltas.append({"type": "signature_delta", "signature": block["signature"]})
-            elif kind == "text":
-                start = {"type": "text", "text": ""}
-                deltas = [
-                    {"type": "text_delta", "text": chunk} for chunk in _split_words(block["text"])
-                ]
-            else:
-                start = {"type": "tool_use", "id": block["id"], "name": block["name"], "input": {}}
-                deltas = [
-                    {"type": "input_json_delta", "partial_json": chunk}
-                    for chunk in _split_json(dumps(block["input"]))
-                ]
-            events.append(
-                (
-                    "content_block_start",
-                    {"type": "content_block_start", "index": index, "content_block": start},
-                )
-            )
-            for delta in deltas:
-                events.append(
-                    (
-                        "content_block_delta",
-                        {"type": "content_block_delta", "index": index, "delta": delta},
-                    )
-                )
-            events.append(("content_block_stop", {"type": "content_block_stop", "index": index}))
-        events.append(
-            (
-                "message_delta",
-                {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence},
-                    "usage": {"output_tokens": self.usage["output_tokens"]},
-                },
-            )
-        )
-        events.append(("message_stop", {"type": "message_stop"}))
-        return events
-
     def event_bytes(self) -> list[bytes]:
-        return [_sse_bytes(name, data) for name, data in self.events()]
+        return write_events(self.message(), cut_text=_split_words,
+                            cut_input=lambda value: _split_json(dumps(value)),
+                            opening_output_tokens=1)
 
     @property
     def stream_error(self) -> dict | None:
@@ -233,7 +171,7 @@ class RecordedReply:
         return copy.deepcopy(self._message)
 
     def event_bytes(self) -> list[bytes]:
-        return _split_stream(synthesize(self._message))
+        return write_events(self._message)
 
     @property
     def stream_error(self) -> dict | None:
@@ -245,13 +183,13 @@ class RawStream:
 
     def __init__(self, text: str) -> None:
         self._text = text
-        self._assembled = assemble(text)
+        self._assembled = read_events(text)
 
     def message(self) -> dict:
         return {k: v for k, v in self._assembled.items() if k != "error"}
 
     def event_bytes(self) -> list[bytes]:
-        return _split_stream(self._text)
+        return split_events(self._text)
 
     @property
     def stream_error(self) -> dict | None:
@@ -276,22 +214,13 @@ def reply_for(turn: dict, body: dict, script_model: str | None) -> Answer:
     return Reply(turn, body, script_model)
 
 
-def _split_stream(text: str) -> list[bytes]:
-    """The events of an event-stream text, each with its blank line, bytes for bytes."""
-    return [part.encode() for part in re.split(r"(?<=\n\n)|(?<=\r\n\r\n)", text) if part]
-
-
-def _sse_bytes(name: str, data: dict) -> bytes:
-    return f"event: {name}\ndata: {dumps(data)}\n\n".encode()
-
-
 def stream_events(reply: Answer, turn: dict) -> list[bytes]:
     """The SSE events of ``reply``, each encoded; an ``sse_error`` turn cuts them short."""
     events = reply.event_bytes()
     sse_error = turn.get("sse_error")
     if sse_error is not None:
         cut = min(sse_error.get("after_events", 0), len(events))
-        error_event = _sse_bytes(
+        error_event = encode_event(
             "error",
             {
                 "type": "error",

@@ -187,9 +187,7 @@ class _Handler(BaseHTTPRequestHandler):
         if route == "/_stub/health":
             self._send_json(200, {"ok": True, "served": stub.served})
         elif route == "/_stub/requests":
-            with stub._lock:
-                snapshot = list(stub.requests)
-            self._send_json(200, snapshot)
+            self._send_json(200, stub.received())
         else:
             self._not_found()
 
@@ -252,13 +250,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _messages(self, raw: bytes) -> None:
         stub = self.server.stub
         body, problem = self._parse_json(raw)
-        stub._record(
-            {
-                "path": self.path,
-                "headers": {k.lower(): v for k, v in self.headers.items()},
-                "body": body,
-            }
-        )
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        stub.receive(self.path, headers, body)
         if body is None:
             self._send_error(400, "invalid_request_error", problem or "invalid body")
             return
@@ -267,8 +260,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(400, "invalid_request_error", problem)
             return
 
-        headers = {k.lower(): v for k, v in self.headers.items()}
-        turn, script_model = stub._pick_turn(body, attempt(headers))
+        turn, script_model = stub.turn_for(body, attempt(headers))
         if turn is None:
             # Retrying cannot help, so tell the SDK not to (keeps failing tests fast).
             self._send_error(500, "api_error", _exhausted(body), x_should_retry="false")
@@ -453,8 +445,23 @@ class StubServer:
             self._next = 0
             self.served = 0
 
-    def _pick_turn(self, body: dict, attempt_number: int = 0) -> tuple[dict | None, str | None]:
-        """The turn answering a valid request (``None``: script exhausted) and the script model."""
+    # -- what the request handler asks ---------------------------------------------------
+
+    def receive(self, path: str, headers: dict[str, str], body: dict | None) -> None:
+        """Note a ``POST /v1/messages`` in :attr:`requests` (``body`` is ``None`` if unreadable)."""
+        with self._lock:
+            self.requests.append({"path": path, "headers": headers, "body": body})
+
+    def received(self) -> list[dict]:
+        """A copy of :attr:`requests`, taken while no request is being noted."""
+        with self._lock:
+            return list(self.requests)
+
+    def turn_for(self, body: dict, attempt_number: int = 0) -> tuple[dict | None, str | None]:
+        """The turn answering a valid request (``None``: script exhausted) and the script model.
+
+        A turn found counts as served.
+        """
         with self._lock:
             script = self._script
             turn = pick(script, body, attempt_number, self._next_in_sequence)
@@ -468,8 +475,4 @@ class StubServer:
             self._next += 1
             return turns[self._next - 1]
         return None
-
-    def _record(self, entry: dict) -> None:
-        with self._lock:
-            self.requests.append(entry)
 

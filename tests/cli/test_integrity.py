@@ -169,8 +169,8 @@ def test_a_cassette_has_one_writer(tmp_path: Path, env: dict[str, str]) -> None:
             assert "CassetteLocked" in refused.stderr
             assert f"pid {proc.pid}" in refused.stderr and run in refused.stderr
         with pytest.raises(Exception, match="being written by") as info:
-            from replayer import forking
-            forking.resume(cassette).__enter__()
+            from replayer import resume
+            resume(cassette).__enter__()
         assert type(info.value).__name__ == "CassetteLocked"
     finally:
         _, err = proc.communicate(timeout=120)

@@ -31,6 +31,8 @@ from recorder.errors import (
     CassetteNotFound,
     ConfigError,
     CorruptCassette,
+    PathTaken,
+    SessionError,
     SignatureError,
     TornCassette,
     UnserializableValue,
@@ -451,7 +453,7 @@ def test_unknown_fsync_policy_is_a_config_error(tmp_path: Path, policy: str) -> 
 def test_writer_refuses_to_overwrite_unless_asked(tmp_path: Path) -> None:
     path = write_cassette(tmp_path / "run.jsonl")
     before = path.read_bytes()
-    with pytest.raises(ConfigError, match="already exists"):
+    with pytest.raises(PathTaken, match="already exists"):
         CassetteWriter(path, {"run": "r_second"}, KEY)
     assert path.read_bytes() == before
 
@@ -464,7 +466,7 @@ def test_writer_refuses_to_overwrite_unless_asked(tmp_path: Path) -> None:
 def test_a_closed_writer_refuses_more_lines(tmp_path: Path) -> None:
     writer = CassetteWriter(tmp_path / "run.jsonl", {}, KEY)
     writer.close({"status": "completed"})
-    with pytest.raises(ConfigError, match="closed"):
+    with pytest.raises(SessionError, match="closed"):
         writer.append({"kind": "effect", "name": "x", "value": 1})
 
 

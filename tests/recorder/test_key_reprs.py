@@ -43,7 +43,7 @@ def test_keys_and_keyrings_show_ids_only(tmp_path: Path) -> None:
     writer = CassetteWriter(tmp_path / "w.jsonl", {"run": "r_w"}, key)
     with recorder.record(tmp_path / "r.jsonl") as rec:
         recorder.value("x", lambda: 1)
-    plan = replayer.forking.plan_fork(tmp_path / "r.jsonl", 0, sets=["/value=2"])
+    plan = replayer.plan_fork(tmp_path / "r.jsonl", 0, sets=["/value=2"])
     for obj in (writer, rec, plan, plan.parent):
         assert not any(form in repr(obj) for form in _forms(KEY)), type(obj)
 
@@ -68,7 +68,7 @@ def test_a_showlocals_traceback_shows_no_key(pytester: pytest.Pytester) -> None:
         def test_sessions_and_plans(tmp_path):
             with recorder.record(tmp_path / "r.jsonl", keyring=load_keyring()) as rec:
                 recorder.value("x", lambda: 1)
-            plan = replayer.forking.plan_fork(tmp_path / "r.jsonl", 0, sets=["/value=2"],
+            plan = replayer.plan_fork(tmp_path / "r.jsonl", 0, sets=["/value=2"],
                                               keyring=load_keyring())
             assert (rec, plan) is None
     ''')

@@ -39,8 +39,8 @@ from recorder.capture.exchange import classify, fingerprint
 from recorder.capture.redact import REDACTED, RULES, Redaction, _replacement, _Scanner
 from recorder.cassette import load
 from recorder.errors import ConfigError
-from recorder.harness import settings as config
 from recorder.harness.progress import Progress, request_cancel, runs_dir, status_path
+from recorder.harness.settings import resolve as resolve_settings
 from recorder.testing.server import StubServer
 from viewer.index import RunIndex, index_path
 
@@ -246,7 +246,7 @@ def _sse(pieces: list[str]) -> bytes:
 
 
 def test_a_secret_streamed_in_pieces_is_taken_out_of_every_piece() -> None:
-    from recorder.sse import assemble
+    from recorder.providers._anthropic_sse import assemble
 
     secret = SHAPES["anthropic"]
     pieces = ["Your key is ", secret[:5], secret[5:9], secret[9:20], secret[20:] + " ok", "."]
@@ -466,7 +466,7 @@ def test_pyproject_redact_table_is_checked(tmp_path: Path,
     monkeypatch.setenv("DEJA_CONFIG", str(pyproject))
     pyproject.write_text('[tool.deja.redact]\nheaders = ["x-a"]\nbody_paths = ["/m/u"]\n'
                          'patterns = ["p-[0-9]+"]\nquery = ["sess"]\n')
-    rules = config.resolve(redact_patterns=["q-[0-9]+"]).redaction
+    rules = resolve_settings(redact_patterns=["q-[0-9]+"]).redaction
     assert rules.to_header()["patterns"] == ["p-[0-9]+", "q-[0-9]+"]  # both apply
     assert rules.to_header()["headers"] == ["x-a"] and rules.body_paths == ("/m/u",)
     bad = {'patterns = ["("]': "redact.patterns: redact pattern '\\('",

@@ -31,8 +31,15 @@ import recorder
 import replayer
 from deja.cli import main as cli
 from recorder.cassette import load
-from recorder.errors import ConfigError, Divergence, SignatureError, UnverifiedCassette
-from recorder.sse import assemble
+from recorder.errors import (
+    Divergence,
+    EditError,
+    NoSuchStep,
+    PathTaken,
+    SignatureError,
+    UnverifiedCassette,
+)
+from recorder.providers._anthropic_sse import assemble
 from recorder.testing.server import StubServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -592,7 +599,7 @@ def test_step_out_of_range(spiral_parent: Path) -> None:
     n = len(load(spiral_parent).observations)
     refused(spiral_parent, ["--set", "result=x"], "fork step 99 is out of range",
             f"steps 0-{n - 1}", "deja show", at="99")
-    with pytest.raises(ConfigError, match="out of range"):
+    with pytest.raises(NoSuchStep, match="out of range"):
         replayer.fork(spiral_parent, at=99, sets=["result=x"])
     # The end line is not a step that can be forked.
     refused(spiral_parent, ["--set", "status=completed"], "out of range", at=str(n))
@@ -605,7 +612,7 @@ def test_a_patch_that_does_not_apply(spiral_parent: Path, tmp_path: Path) -> Non
     patch.write_text(json.dumps([{"op": "replace", "path": "/content/7/text", "value": "x"}]))
     refused(spiral_parent, ["--patch", str(patch)], "does not apply to step 0",
             "/content/0/text", "/content/1/input/query", at="0")
-    with pytest.raises(ConfigError, match="does not apply to step 1"):
+    with pytest.raises(EditError, match="does not apply to step 1"):
         replayer.fork(spiral_parent, at=1, patch=[{"op": "remove", "path": "/nothing"}])
 
 
@@ -645,7 +652,7 @@ def test_one_edit_exactly(spiral_parent: Path, tmp_path: Path) -> None:
     refused(spiral_parent, ["--patch", str(patch), "--replace", str(replacement)],
             "exactly one edit")
     refused(spiral_parent, [], "exactly one edit", "--set PATH=VALUE")
-    with pytest.raises(ConfigError, match="exactly one edit"):
+    with pytest.raises(EditError, match="exactly one edit"):
         replayer.fork(spiral_parent, at=1)
 
 
@@ -657,7 +664,7 @@ def test_an_output_that_exists(spiral_parent: Path) -> None:
     assert taken.read_text() == "not mine\n"
     refused(spiral_parent, ["--set", f"result={GOOD}", "-o", str(spiral_parent)],
             "already exists")
-    with pytest.raises(ConfigError, match="already exists"):
+    with pytest.raises(PathTaken, match="already exists"):
         replayer.fork(spiral_parent, at=1, sets=[f"result={GOOD}"], out=taken)
 
 
@@ -671,7 +678,7 @@ def test_a_control_step_cannot_be_forked(spiral_parent: Path, stub: Any,
     control = next(o["seq"] for o in load(first).observations if o["kind"] == "control")
     refused(first, ["--set", "event=x"], f"step {control} is a 'control' line",
             "editable kinds are model, http, tool", at=str(control))
-    with pytest.raises(ConfigError, match="'control' line"):
+    with pytest.raises(EditError, match="'control' line"):
         replayer.fork(first, at=control, sets=["event=x"])
 
 

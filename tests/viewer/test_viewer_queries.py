@@ -32,7 +32,7 @@ import pytest
 import recorder
 import replayer
 from recorder.cassette import load
-from recorder.errors import ConfigError
+from recorder.errors import NoSuchRun, NoSuchStep, UsageError
 from recorder.harness.progress import Progress, cancel_path
 from recorder.testing.server import StubServer
 from viewer import queries
@@ -363,7 +363,7 @@ def test_step_detail_truncates_large_payloads_and_shows_image_bytes(corpus: Corp
     control = queries.step_detail(corpus.path("budget"), 2)
     assert control.kind == "control" and control.control["event"] == "budget_exhausted"
     assert not control.editable
-    with pytest.raises(ConfigError, match="no step 99"):
+    with pytest.raises(NoSuchStep, match="no step 99"):
         queries.step_detail(path, 99)
 
 
@@ -383,7 +383,7 @@ def test_diff_names_the_first_divergence(corpus: Corpus, index: RunIndex) -> Non
     by_path = queries.diff(None, corpus.path("spiral"), corpus.path("fixed"))
     assert by_path.first_divergence == 1 and len(by_path.rows) == len(view.rows)
     assert queries.diff(index, ids["rich"], "rich.jsonl").result.same
-    with pytest.raises(ConfigError, match="no run"):
+    with pytest.raises(NoSuchRun, match="no run"):
         queries.diff(index, ids["rich"], "r_nope")
 
 
@@ -410,9 +410,9 @@ def test_live_status_and_cancel(deja_home: Path) -> None:
     progress.update(status="cancelled", ended=True, force=True)
     ended = queries.live("r_live_1")
     assert ended["ended"] and not ended["running"]
-    with pytest.raises(ConfigError, match="already ended"):
+    with pytest.raises(UsageError, match="already ended"):
         queries.cancel("r_live_1")
-    with pytest.raises(ConfigError, match="no run"):
+    with pytest.raises(NoSuchRun, match="no run"):
         queries.cancel("r_missing")
     # A record left "running" by a process that is gone: not running, and said so.
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],

@@ -25,9 +25,7 @@ import json
 import threading
 from typing import Any
 
-from recorder._summary import summarize
-from recorder.cassette.canonical import fingerprint
-from recorder.providers import model_provider
+from recorder import providers  # a module reference: providers imports this package
 
 _DERIVED = ("usage", "stop_reason", "api_error", "message_id", "model", "stream", "fp")
 
@@ -67,7 +65,7 @@ class Compactor:
             req, resp, url = self._req, self._resp, self._url
         for key in _DERIVED:
             obs.pop(key, None)
-        if model_provider("POST", obs["url"]) == obs.get("provider"):
+        if providers.model_provider("POST", obs["url"]) == obs.get("provider"):
             del obs["provider"]
         if url is not None and obs["url"] == url[1]:
             obs["url"] = url[0]
@@ -110,7 +108,9 @@ def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any) ->
     if isinstance(line.get("url"), int):
         line["url"] = earlier[line["url"]]["url"]
     url = line.get("url") or ""
-    line.setdefault("provider", model_provider("POST", url) or "anthropic")
+    line.setdefault("provider", providers.model_provider("POST", url)
+                    or providers.default().name)
+    provider = providers.for_line(line)
     headers = line.get("request_headers")
     if isinstance(headers, int):
         line["request_headers"] = earlier[headers]["request_headers"]
@@ -125,17 +125,16 @@ def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any) ->
             response["headers"] = [b if h is None else h
                                    for h, b in zip(response["headers"], base_headers, strict=True)]
         if "usage" not in line:
-            ctype = next((v for k, v in response.get("headers") or []
-                          if k.lower() == "content-type"), "")
             body = response["body"].encode("utf-8") if response.get("encoding") is None else b""
-            summary = summarize(line["provider"], response.get("status", 0), ctype, body)
+            summary = provider.summarize(response.get("status", 0),
+                                         response.get("headers") or [], body)
             line["usage"] = summary.get("usage") or None
             line["stop_reason"] = summary.get("stop_reason")
             line["message_id"] = summary.get("message_id")
             if summary.get("error"):
                 line["api_error"] = summary["error"]
     if isinstance(request, dict):
-        line.setdefault("model", request.get("model"))
-        line.setdefault("stream", bool(request.get("stream")))
-    line.setdefault("fp", fingerprint("model", "POST", url, request))
+        line.setdefault("model", provider.request_model(request))
+        line.setdefault("stream", provider.request_streams(request))
+    line.setdefault("fp", provider.fingerprint("POST", url, request))
     line.setdefault("message_id", None)

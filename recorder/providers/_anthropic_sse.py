@@ -1,5 +1,8 @@
 """The Anthropic Messages SSE stream: assemble it into a message, or synthesise one.
 
+The stream codec of :class:`recorder.providers.anthropic.AnthropicProvider`; readers go
+through the provider (``assemble``, ``synthesize``, ``message``).
+
 ``assemble`` turns a recorded event stream into the message the SDK would build from it
 (content blocks with text, tool input parsed from ``input_json_delta``, thinking, stop
 reason, usage). ``synthesize`` does the reverse for an edited message, producing a valid
@@ -11,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from recorder._summary import sse_events
+from recorder.providers import sse_events
 
 
 def assemble(text: str) -> dict[str, Any]:

@@ -1,0 +1,88 @@
+"""The Anthropic Messages API (``POST /v1/messages``) as deja reads and writes it.
+
+A response is one JSON message, or the verbatim SSE event stream of a streamed call:
+``message_start`` carries the id, model and input usage, ``content_block_*`` the content,
+``message_delta`` the stop reason and output usage, ``error`` an error that came after the
+headers. Usage has the cache counts (``cache_creation_input_tokens``,
+``cache_read_input_tokens``) the price table charges for. Assembling a stream into the
+message and synthesising a stream from a message live in
+:mod:`recorder.providers._anthropic_sse`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from recorder.providers import Headers, Provider, Summary, sse_events, token_counts
+from recorder.providers._anthropic_sse import assemble, synthesize
+
+__all__ = ["AnthropicProvider"]
+
+
+class AnthropicProvider(Provider):
+    name: str = "anthropic"
+    endpoints: tuple[str, ...] = ("/v1/messages",)
+
+    def assemble(self, text: str) -> dict[str, Any]:
+        return assemble(text)
+
+    def synthesize(self, message: dict[str, Any]) -> str:
+        return synthesize(message)
+
+    def usage(self, message: Any) -> dict[str, int]:
+        return token_counts(message.get("usage")) if isinstance(message, dict) else {}
+
+    def stop_reason(self, message: Any) -> Any:
+        return message.get("stop_reason") if isinstance(message, dict) else None
+
+    def summarize(self, status: int, headers: Headers, body: bytes) -> Summary:
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError:
+            return {}
+        try:
+            if self.is_stream(headers):
+                return self._from_stream(text)
+            doc = json.loads(text) if text else None
+        except ValueError:
+            return {}
+        if not isinstance(doc, dict):
+            return {}
+        if status >= 400 or doc.get("type") == "error":
+            return {"error": _error(doc.get("error"))}
+        return {"message_id": doc.get("id"), "model": doc.get("model"),
+                "stop_reason": self.stop_reason(doc), "usage": self.usage(doc)}
+
+    @staticmethod
+    def _from_stream(text: str) -> Summary:
+        """Read event by event, so that a stream cut short still says what it said."""
+        usage: dict[str, int] = {}
+        out: Summary = {"usage": usage}
+        for event, data in sse_events(text):
+            try:
+                doc = json.loads(data)
+            except ValueError:
+                continue
+            if not isinstance(doc, dict):
+                continue
+            kind = doc.get("type", event)
+            if kind == "message_start":
+                msg = doc.get("message") or {}
+                out["message_id"] = msg.get("id")
+                out["model"] = msg.get("model")
+                usage.update(token_counts(msg.get("usage")))
+            elif kind == "message_delta":
+                delta = doc.get("delta") or {}
+                if delta.get("stop_reason"):
+                    out["stop_reason"] = delta["stop_reason"]
+                usage.update(token_counts(doc.get("usage")))
+            elif kind == "error":
+                out["error"] = _error(doc.get("error"))
+        return out
+
+
+def _error(err: Any) -> dict[str, Any]:
+    """The type and message of an API error object."""
+    err = err if isinstance(err, dict) else {}
+    return {"type": err.get("type"), "message": err.get("message")}

@@ -1,0 +1,143 @@
+"""Fork a run at a step with an edited observation.
+
+Fork::
+
+    with replayer.fork("cassettes/r_1.jsonl", at=5,
+                       patch=[{"op": "replace", "path": "/result", "value": '{"results": []}'}]
+                       ) as run:
+        agent()                      # steps 0-4 replayed, step 5 edited, then live
+
+Steps before ``at`` replay from the parent (its signature must verify); at ``at`` the
+agent receives the edited observation; after it, calls go live (or to ``then_replay``).
+The new cassette starts with a copy of the parent's steps before ``at``, then the edited
+step (``"edited": true``), a ``fork_edit`` control line holding the patch, then the live
+steps. Its header names the parent (``run``, ``step``) and ``prefix_sig``, the parent's
+signature just before the fork step, which pins the exact prefix forked from. The parent
+file is never written.
+
+Every input is checked before anything is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, cast
+
+from recorder.capture.session import Scope
+from recorder.cassette import Cassette, CassetteWriter, load
+from recorder.cassette.keys import Keyring, load_keyring
+from recorder.cassette.schema import Observation, run_file, utc_stamp
+from recorder.errors import CannotLaunch, EditError, NoSuchStep, PathTaken
+from recorder.record import launch_dir, new_run_id, portable_launch
+from replayer import continuation
+from replayer import edit as _edit
+from replayer.continuation import ContinuationSession
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkPlan:
+    """A checked fork, ready to run: nothing has been written yet."""
+
+    parent: Cassette
+    at: int
+    original: Observation
+    edited: Observation  # the original line with its edit applied
+    patch: list[dict[str, Any]]
+    out: Path
+    run_id: str
+
+
+def plan_fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | None = None,
+              replace: Any = None, sets: list[str] | tuple[str, ...] = (),
+              out: str | Path | None = None, keyring: Keyring | None = None,
+              run_id: str | None = None, allow_torn: bool = False) -> ForkPlan:
+    """Check a fork (parent signature, step, edit) and work out the edited step.
+    ``allow_torn``: a parent whose last line is torn forks from its intact lines."""
+    ring = keyring or load_keyring(create=False)
+    parent = load(cassette, keyring=ring, require_signature=True, allow_incomplete=True,
+                  allow_torn=allow_torn)
+    original = _forkable_step(parent, at)
+    if sum(x is not None for x in (patch, replace, tuple(sets) or None)) != 1:
+        raise EditError("give exactly one edit: a JSON patch, a replacement document, or "
+                        "--set PATH=VALUE pairs")
+    doc = _edit.view(original)
+    ops = _edit.set_patch(sets, doc) if sets else patch
+    edited_doc, applied = _edit.apply(doc, patch=ops, replace=replace, step=at)
+    run_id = run_id or new_run_id()
+    # a copy of ``original`` with its result side replaced: a line of the same kind
+    edited = cast(Observation, _edit.rebuild(original, edited_doc))
+    return ForkPlan(parent, at, original, edited, applied, _fork_path(parent, out, run_id),
+                    run_id)
+
+
+def _forkable_step(parent: Cassette, at: int) -> Observation:
+    n = len(parent.observations)
+    if not 0 <= at < n:
+        raise NoSuchStep(f"{parent.path}: fork step {at} is out of range; the run has steps "
+                         f"0-{n - 1} (see `deja show {parent.path}`)")
+    original = parent.observations[at]
+    if "within" in original:
+        raise EditError(f"step {at} happened inside tool call {original['within']}; fork at "
+                        "the tool's own step instead")
+    return original
+
+
+def _fork_path(parent: Cassette, out: str | Path | None, run_id: str) -> Path:
+    """Where the fork is written: ``out`` (a file, or a directory for ``<run>.jsonl``),
+    else next to its parent; never over an existing file, never over the parent."""
+    target = run_file(out if out is not None else parent.path.parent, run_id)
+    if target.exists():
+        raise PathTaken(f"{target} already exists; choose another -o")
+    if target.resolve() == parent.path.resolve():
+        raise PathTaken("a fork never writes its parent; choose another -o")
+    return target
+
+
+def fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | None = None,
+         replace: Any = None, sets: list[str] | tuple[str, ...] = (),
+         out: str | Path | None = None, then_replay: str | Path | None = None,
+         keyring: Keyring | None = None, fsync: str = "turn",
+         allow_torn: bool = False) -> Scope[ContinuationSession]:
+    """Fork ``cassette`` at step ``at`` with an edit; see the module docstring."""
+    ring = keyring or load_keyring(create=False)
+    plan = plan_fork(cassette, at, patch=patch, replace=replace, sets=sets, out=out,
+                     keyring=ring, allow_torn=allow_torn)
+    # Its steps are re-signed into the fork: it must verify like the parent.
+    other = (load(then_replay, keyring=ring, require_signature=True, allow_incomplete=True)
+             if then_replay else None)
+    return continuation.scope(
+        lambda: start_fork(plan, then_replay=other, keyring=ring, fsync=fsync),
+        abandon_on_divergence=False, name=f"fork({cassette})")
+
+
+def start_fork(plan: ForkPlan, *, then_replay: Cassette | None = None,
+               keyring: Keyring | None = None, fsync: str = "turn",
+               ran_in: Path | None = None) -> ContinuationSession:
+    """Write the fork's prefix and return its (not yet started) session. ``ran_in``: the
+    directory the fork's command runs in (default: the parent's, else this one)."""
+    ring = keyring or load_keyring()
+    parent, at = plan.parent, plan.at
+    signing = ring.signing or continuation.signing_key(parent, ring)
+    header = {k: v for k, v in parent.header.items() if k not in ("format", "key_id")}
+    header.update(run=plan.run_id, created=utc_stamp(), parent={"run": parent.run, "step": at,
+                                           "prefix_sig": parent.sigs[at],
+                                           "path": str(parent.path)})
+    if ran_in is None:
+        try:  # the fork re-runs the parent's command: from the parent's directory
+            ran_in = launch_dir(parent.path, parent.header)
+        except CannotLaunch:  # a copied parent: where this runs
+            ran_in = Path.cwd()
+    launch = portable_launch([], ran_in, plan.out)
+    header.update(cwd=launch["cwd"], cassette=launch["cassette"])
+    writer = CassetteWriter(plan.out, header, signing, fsync)
+    for obs in parent.observations[:at]:
+        writer.append_copy(obs, parent.requests.get(obs["seq"]))
+    writer.append_copy(plan.edited, parent.requests.get(at))
+    writer.append({"kind": "control", "event": "fork_edit",
+                   "detail": {"parent": parent.run, "step": at, "patch": plan.patch}},
+                  sync=True)
+    prefix = dataclasses.replace(parent, observations=(*parent.observations[:at], plan.edited),
+                                 end=None)
+    return ContinuationSession(prefix, writer, then_replay=then_replay, fsync=fsync,
+                               keyring=ring)

@@ -1,0 +1,265 @@
+"""The layering of deja's packages, checked from the source so that it cannot drift.
+
+Every rule here reads the modules' imports with ``ast`` (imports inside functions and under
+``TYPE_CHECKING`` included), so a rule holds without anything being imported or run:
+
+- the top-level packages form layers, each importing only from the layers below it;
+- the stub server (``recorder.testing``) is a test fake that imports nothing else of deja;
+- the cassette format and the providers know nothing of capture, the harness or recording;
+- a private module or name (``_x``) is used only inside the package that owns it;
+- a package's ``__init__`` says what it exports in ``__all__``;
+- a test file stays short enough to read.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# Lowest first; a package imports only from its own layer's package and the layers below.
+# Packages sharing a layer are siblings and do not import each other. Packages that do not
+# exist yet are checked once they do.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("recorder",),
+    ("replayer",),
+    ("proxy", "runs"),
+    ("viewer",),
+    ("deja",),
+)
+PACKAGES = tuple(name for layer in LAYERS for name in layer if (ROOT / name).is_dir())
+LAYER_OF = {name: rank for rank, layer in enumerate(LAYERS) for name in layer}
+TEST_FAKE = "recorder.testing"
+# What the cassette format and the providers must not know about.
+FORMAT_PACKAGES = ("recorder.cassette", "recorder.providers")
+ABOVE_FORMAT = ("recorder.capture", "recorder.harness", "recorder.record")
+MAX_TEST_LINES = 800
+
+
+@dataclass(frozen=True)
+class Use:
+    """One module of deja used by another: imported, or a private member reached through one."""
+
+    importer: str  # dotted name of the module that imports
+    target: str  # dotted name of what it uses: a module, or a module's (or class's) member
+    line: int
+
+    def where(self) -> str:
+        return f"{self.importer}:{self.line} uses {self.target}"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def package_of(module: str) -> str:
+    """The package a module belongs to (a package's ``__init__`` belongs to the package)."""
+    path = ROOT.joinpath(*module.split("."))
+    return module if path.is_dir() else module.rpartition(".")[0]
+
+
+def is_package(dotted: str) -> bool:
+    return (ROOT.joinpath(*dotted.split(".")) / "__init__.py").is_file()
+
+
+def is_module(dotted: str) -> bool:
+    return is_package(dotted) or ROOT.joinpath(*dotted.split(".")).with_suffix(".py").is_file()
+
+
+def source_files() -> list[Path]:
+    return sorted(p for name in PACKAGES for p in (ROOT / name).rglob("*.py"))
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _absolute(importer: str, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = package_of(importer).split(".")
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def uses(path: Path) -> Iterator[Use]:
+    """What the module at ``path`` uses of deja: its imports, and ``alias._private``."""
+    importer = module_name(path)
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bound: dict[str, str] = {}  # local name -> the deja module or member it stands for
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in LAYER_OF:
+                    yield Use(importer, alias.name, node.lineno)
+                    if alias.asname:
+                        bound[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(importer, node)
+            if source.split(".")[0] not in LAYER_OF:
+                continue
+            for alias in node.names:
+                target = source if alias.name == "*" else f"{source}.{alias.name}"
+                yield Use(importer, target, node.lineno)
+                bound[alias.asname or alias.name] = target
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in bound and is_private(node.attr)):
+            yield Use(importer, f"{bound[node.value.id]}.{node.attr}", node.lineno)
+
+
+ALL_USES = [use for path in source_files() for use in uses(path)]
+
+
+def top(dotted: str) -> str:
+    return dotted.split(".")[0]
+
+
+def inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def owner_of_private(target: str) -> str | None:
+    """The package a private module or name belongs to; ``None`` when nothing is private.
+
+    ``recorder.cassette._compact`` and ``recorder.cassette._compact.pack`` belong to
+    ``recorder.cassette``; ``recorder.intents._key`` and ``replayer.replay.Session._take``
+    to ``recorder`` and ``replayer``, the packages of the modules that define them.
+    """
+    parts = target.split(".")
+    for index, part in enumerate(parts):
+        if is_private(part):
+            prefix = ".".join(parts[:index])
+            while prefix and not is_module(prefix):  # a class's member: up to its module
+                prefix = prefix.rpartition(".")[0]
+            return prefix if is_package(prefix) else prefix.rpartition(".")[0]
+    return None
+
+
+def report(found: list[str], rule: str) -> str:
+    return f"{rule}:\n  " + "\n  ".join(sorted(set(found)))
+
+
+# ----------------------------------------------------------------------- the rules
+
+
+def test_the_checks_see_the_source() -> None:
+    assert {"recorder", "replayer", "viewer", "deja"} <= set(PACKAGES)
+    assert len(ALL_USES) > 100
+    assert owner_of_private("recorder.cassette._compact.pack") == "recorder.cassette"
+    assert owner_of_private("recorder.cassette.reader._x") == "recorder.cassette"
+    assert owner_of_private("recorder.testing.server.StubServer._lock") == "recorder.testing"
+    assert owner_of_private("recorder.cassette.reader.load") is None
+
+
+def test_no_package_imports_a_layer_above_it_or_a_sibling() -> None:
+    found = [
+        use.where() for use in ALL_USES
+        if top(use.target) != top(use.importer)
+        and LAYER_OF[top(use.target)] >= LAYER_OF[top(use.importer)]
+    ]
+    assert not found, report(found, "imports of a package above or beside the importer's")
+
+
+def test_the_stub_server_imports_nothing_else_of_deja() -> None:
+    found = [
+        use.where() for use in ALL_USES
+        if inside(use.importer, TEST_FAKE) and not inside(use.target, TEST_FAKE)
+    ]
+    assert not found, report(found, f"{TEST_FAKE} importing the rest of deja")
+
+
+def test_the_recorder_does_not_depend_on_its_test_fake() -> None:
+    found = [
+        use.where() for use in ALL_USES
+        if top(use.importer) == "recorder" and not inside(use.importer, TEST_FAKE)
+        and inside(use.target, TEST_FAKE)
+    ]
+    assert not found, report(found, f"the recorder importing {TEST_FAKE}")
+
+
+def test_the_cassette_and_the_providers_know_nothing_of_capture_or_recording() -> None:
+    found = [
+        use.where() for use in ALL_USES
+        if any(inside(use.importer, low) for low in FORMAT_PACKAGES)
+        and any(inside(use.target, high) for high in ABOVE_FORMAT)
+    ]
+    assert not found, report(found, "the cassette or the providers importing what builds on them")
+
+
+def test_private_modules_and_names_stay_in_their_package() -> None:
+    found = []
+    for use in ALL_USES:
+        owner = owner_of_private(use.target)
+        if owner is not None and not inside(use.importer, owner):
+            found.append(f"{use.where()} (private to {owner})")
+    assert not found, report(found, "private modules or names used outside their package")
+
+
+def _bound_public_names(tree: ast.Module) -> tuple[set[str], set[str]]:
+    """The public names an ``__init__`` defines or re-exports (what ``__all__`` must hold),
+    and those it imports of deja for its own use (what ``__all__`` may hold)."""
+    defined: set[str] = set()
+    imported: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defined.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.ImportFrom) and (node.level or top(node.module or "")
+                                                   in LAYER_OF):
+            imported.update(alias.asname or alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            imported.update(alias.asname for alias in node.names
+                            if alias.asname and top(alias.name) in LAYER_OF)
+    # An imported name the module uses itself is its own; one it never uses is re-exported.
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    public = {name for name in defined | imported if not name.startswith("_")}
+    internal = {name for name in imported & used if name not in defined}
+    return public - internal, public
+
+
+def _declared_all(tree: ast.Module) -> list[str] | None:
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            return list(ast.literal_eval(value))
+    return None
+
+
+INITS = [p for p in source_files() if p.name == "__init__.py"]
+
+
+@pytest.mark.parametrize("init", INITS, ids=[module_name(p) for p in INITS])
+def test_every_package_declares_what_it_exports(init: Path) -> None:
+    tree = ast.parse(init.read_text())
+    declared = _declared_all(tree)
+    where = init.relative_to(ROOT)
+    assert declared is not None, f"{where} has no __all__ (an empty package says __all__ = [])"
+    assert len(declared) == len(set(declared)), f"{where}: a name twice in __all__"
+    exported, bound = _bound_public_names(tree)
+    assert exported <= set(declared) <= bound, (
+        f"{where}: __all__ and the public names it binds differ: "
+        f"only in __all__ {sorted(set(declared) - bound)}, "
+        f"defined or re-exported but not in __all__ {sorted(exported - set(declared))}")
+
+
+def test_no_test_file_is_over_800_lines() -> None:
+    long = {
+        str(p.relative_to(ROOT)): n for p in sorted((ROOT / "tests").rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_TEST_LINES
+    }
+    assert not long, f"test files over {MAX_TEST_LINES} lines (split them by topic): {long}"
