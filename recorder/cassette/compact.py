@@ -108,8 +108,8 @@ def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any) ->
     if isinstance(line.get("url"), int):
         line["url"] = earlier[line["url"]]["url"]
     url = line.get("url") or ""
-    line.setdefault("provider", providers.model_provider("POST", url)
-                    or providers.default().name)
+    if "provider" not in line:
+        line["provider"] = providers.model_provider("POST", url) or providers.default().name
     provider = providers.for_line(line)
     headers = line.get("request_headers")
     if isinstance(headers, int):

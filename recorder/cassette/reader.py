@@ -11,10 +11,10 @@ checked in its place (:func:`_checked`), and restored with its model request
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 from recorder.cassette import _delta, _validate, compact, trust
 from recorder.cassette.format import KINDS, READABLE_FORMATS
@@ -169,7 +169,8 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
     ``allow_torn``; a missing end line unless ``allow_incomplete``.
 
     The lines go through the steps below one at a time (each line is parsed, verified and
-    checked before the next is read), so the first fault in the file is the one reported.
+    checked before the next is read: :func:`_body`), so the first fault in the file is the
+    one reported.
     """
     path = Path(path)
     if keyring is None:
@@ -183,13 +184,12 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
                            require_signature=require_signature)
     key = verdict.key
     _verify_header(key, header, header_sig, path)
-    sigs = [header_sig if isinstance(header_sig, str) else ""]
-    body = _restore(_checked(_verified(_parsed(lines, path), key, sigs, path), path), path)
+    body = _body(lines, key, header_sig, path)
     _report_unfinished(path, body, len(lines), torn, verified=key is not None,
                        allow_torn=allow_torn, allow_incomplete=allow_incomplete)
     return Cassette(path=path, header=cast(Header, header), observations=tuple(body.observations),
                     end=body.end, verified=key is not None, verify_note=verdict.note,
-                    torn_offset=torn, requests=body.requests, sigs=tuple(sigs), size=size,
+                    torn_offset=torn, requests=body.requests, sigs=tuple(body.sigs), size=size,
                     end_offset=body.end_offset)
 
 
@@ -233,87 +233,80 @@ def _verify_header(key: bytes | None, header: dict[str, Any], sig: object, path:
             "committed", path=path, seq=None)
 
 
-class _Read(NamedTuple):
-    """One observation line as parsed: where it is, and its JSON without its sig."""
-
-    offset: int  # the byte it starts at
-    number: int  # its line number in the file (the header is line 1)
-    seq: int  # the seq it must have
-    line: Any  # a dict, unless the file is corrupt (the next steps refuse it then)
-    sig: object
-
-
-def _parsed(lines: list[tuple[int, bytes]], path: Path) -> Iterator[_Read]:
-    """Step 1: each line after the header, parsed strictly."""
-    for index, (offset, raw) in enumerate(lines[1:], start=1):
-        seq = index - 1
-        line = _validate.parse_line(raw, path, f"line {index + 1} (seq {seq})", seq)
-        sig = line.pop("sig", None) if isinstance(line, dict) else None
-        yield _Read(offset, index + 1, seq, line, sig)
-
-
-def _verified(reads: Iterable[_Read], key: bytes | None, sigs: list[str],
-              path: Path) -> Iterator[_Read]:
-    """Step 2: each line signed by the line before it (with ``key``; unchecked without
-    one). ``sigs`` holds the header's sig and gets each line's."""
-    prev = sigs[-1]
-    for read in reads:
-        if key is not None and not _signed(key, prev, read.line, read.sig, path, read.seq):
-            raise SignatureError(
-                f"{path}: signature check failed at seq {read.seq} (line {read.number}): the "
-                "line was edited, inserted, deleted or moved after it was written. Do "
-                "not trust this cassette; restore it from where it was committed",
-                path=path, seq=read.seq)
-        prev = read.sig if isinstance(read.sig, str) else ""
-        sigs.append(prev)
-        yield read
-
-
-def _checked(reads: Iterable[_Read], path: Path) -> Iterator[tuple[int, Line]]:
-    """Step 3: each line in its place (dense seq, a known kind, nothing after the end
-    line) with the field types deja writes; with the offset it starts at."""
-    end_seq: int | None = None
-    for read in reads:
-        line, seq = read.line, read.seq
-        if not isinstance(line, dict) or line.get("seq") != seq:
-            got = line.get("seq") if isinstance(line, dict) else None
-            raise CorruptCassette(f"{path}: line {read.number} has seq {got!r}, expected "
-                                  f"{seq}: lines were deleted, inserted or reordered",
-                                  path=path, seq=seq)
-        if not isinstance(line.get("kind"), str) or line["kind"] not in KINDS:
-            raise CorruptCassette(f"{path}: seq {seq} has unknown kind {line.get('kind')!r}",
-                                  path=path, seq=seq)
-        if end_seq is not None:
-            raise CorruptCassette(f"{path}: seq {seq} follows the end line (seq {end_seq})",
-                                  path=path, seq=seq)
-        _validate.check_line(line, path, seq)
-        if line["kind"] == Kind.END:
-            end_seq = seq
-        yield read.offset, cast(Line, line)
-
-
 @dataclass
 class _Body:
-    """What the observation lines make: the steps, the model requests, the end line."""
+    """What the observation lines make: the steps, the model requests, the end line, and
+    each line's sig (the header's first)."""
 
+    sigs: list[str]
     observations: list[Observation] = field(default_factory=list)
     requests: dict[int, Any] = field(default_factory=dict)
     end: EndLine | None = None
     end_offset: int | None = None
 
 
-def _restore(lines: Iterable[tuple[int, Line]], path: Path) -> _Body:
-    """Step 4: the steps with their compact fields restored, each model request rebuilt
-    from its delta, and the end line."""
-    body = _Body()
-    for offset, line in lines:
-        if line["kind"] == Kind.END:
-            body.end, body.end_offset = cast(EndLine, line), offset
-            continue
-        if line["kind"] == Kind.MODEL:
-            _restore_model(cast(ModelLine, line), body, path)
-        body.observations.append(cast(Observation, line))
+def _body(lines: list[tuple[int, bytes]], key: bytes | None, header_sig: object,
+          path: Path) -> _Body:
+    """The lines after the header, each through the steps in turn before the next one is
+    read: parsed strictly (:func:`_parsed`), signed by the line before it
+    (:func:`_verified`), in its place with the field types deja writes (:func:`_checked`),
+    its compact fields restored (:func:`_restore`)."""
+    body = _Body(sigs=[header_sig if isinstance(header_sig, str) else ""])
+    for index, (offset, raw) in enumerate(lines[1:], start=1):
+        number, seq = index + 1, index - 1
+        line, sig = _parsed(raw, number, seq, path)
+        _verified(line, sig, key, body.sigs, number, seq, path)
+        _checked(line, body, number, seq, path)
+        _restore(cast(Line, line), offset, body, path)
     return body
+
+
+def _parsed(raw: bytes, number: int, seq: int, path: Path) -> tuple[Any, object]:
+    """Step 1: the line parsed strictly, and its sig taken off it."""
+    line = _validate.parse_line(raw, path, f"line {number} (seq {seq})", seq)
+    sig = line.pop("sig", None) if isinstance(line, dict) else None
+    return line, sig
+
+
+def _verified(line: Any, sig: object, key: bytes | None, sigs: list[str], number: int,
+              seq: int, path: Path) -> None:
+    """Step 2: the line signed by the one before it (with ``key``; unchecked without
+    one); ``sigs`` gets its sig."""
+    if key is not None and not _signed(key, sigs[-1], line, sig, path, seq):
+        raise SignatureError(
+            f"{path}: signature check failed at seq {seq} (line {number}): the "
+            "line was edited, inserted, deleted or moved after it was written. Do "
+            "not trust this cassette; restore it from where it was committed",
+            path=path, seq=seq)
+    sigs.append(sig if isinstance(sig, str) else "")
+
+
+def _checked(line: Any, body: _Body, number: int, seq: int, path: Path) -> None:
+    """Step 3: the line in its place (dense seq, a known kind, nothing after the end
+    line) with the field types deja writes."""
+    if not isinstance(line, dict) or line.get("seq") != seq:
+        got = line.get("seq") if isinstance(line, dict) else None
+        raise CorruptCassette(f"{path}: line {number} has seq {got!r}, expected "
+                              f"{seq}: lines were deleted, inserted or reordered",
+                              path=path, seq=seq)
+    if not isinstance(line.get("kind"), str) or line["kind"] not in KINDS:
+        raise CorruptCassette(f"{path}: seq {seq} has unknown kind {line.get('kind')!r}",
+                              path=path, seq=seq)
+    if body.end is not None:
+        raise CorruptCassette(f"{path}: seq {seq} follows the end line (seq "
+                              f"{body.end['seq']})", path=path, seq=seq)
+    _validate.check_line(line, path, seq)
+
+
+def _restore(line: Line, offset: int, body: _Body, path: Path) -> None:
+    """Step 4: a step with its compact fields restored (a model line's request rebuilt
+    from its delta), or the end line, kept with the byte it starts at."""
+    if line["kind"] == Kind.END:
+        body.end, body.end_offset = cast(EndLine, line), offset
+        return
+    if line["kind"] == Kind.MODEL:
+        _restore_model(cast(ModelLine, line), body, path)
+    body.observations.append(cast(Observation, line))
 
 
 def _restore_model(line: ModelLine, body: _Body, path: Path) -> None:

@@ -190,6 +190,10 @@ def token_counts(usage: Any, keys: Sequence[str] = USAGE_KEYS) -> dict[str, int]
 _lock = threading.Lock()
 _providers: dict[str, Provider] = {}
 _DEFAULT = "anthropic"
+# (method, url) -> its provider: a run calls a handful of URLs thousands of times, and a
+# cassette's reader asks for every model line. Cleared whenever the registry changes.
+_by_url: dict[tuple[str, str], Provider | None] = {}
+_BY_URL_MAX = 1024
 
 
 def register(provider: Provider, *, replace: bool = False) -> Provider:
@@ -217,6 +221,7 @@ def register(provider: Provider, *, replace: bool = False) -> Provider:
                                   f"{sorted(taken)[0]!r} already belongs to {other.name!r}; "
                                   "unregister that provider first")
         _providers[provider.name] = provider
+        _by_url.clear()
     return provider
 
 
@@ -228,6 +233,7 @@ def unregister(name: str) -> None:
                           "with replace=True instead")
     with _lock:
         _providers.pop(name, None)
+        _by_url.clear()
 
 
 def names() -> tuple[str, ...]:
@@ -258,10 +264,16 @@ def default() -> Provider:
 
 def for_url(method: str, url: str) -> Provider | None:
     """The provider of a model endpoint, or None when ``method url`` is not a model call."""
-    for provider in tuple(_providers.values()):
-        if provider.is_model_call(method, url):
-            return provider
-    return None
+    key = (method, url)
+    try:
+        return _by_url[key]
+    except KeyError:
+        pass
+    found = next((p for p in tuple(_providers.values()) if p.is_model_call(method, url)), None)
+    if len(_by_url) >= _BY_URL_MAX:
+        _by_url.clear()
+    _by_url[key] = found
+    return found
 
 
 def model_provider(method: str, url: str) -> str | None:
