@@ -39,8 +39,8 @@ from typing import Any
 import workloads as w
 
 import recorder
+from recorder.canonical import digest
 from recorder.cassette import CassetteWriter, load
-from recorder.cassette.canonical import digest
 from recorder.cassette.keys import load_keyring, require_signing_key
 from recorder.record import new_run_id
 from viewer import queries

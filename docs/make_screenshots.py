@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path[:0] = [str(ROOT / "tests" / "viewer"), str(ROOT / "tests")]  # its corpus, and conftest
 MAX_BYTES = 400_000
 WIDTH = 1400
 NAMES = ("viewer-run.png", "viewer-step.png", "viewer-diff.png", "viewer-fork.png")

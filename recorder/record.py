@@ -32,6 +32,7 @@ from typing import Any
 
 from recorder import effects, providers
 from recorder import values as _values
+from recorder.canonical import digest, fingerprint
 from recorder.capture import session
 from recorder.capture import vcr as capture
 from recorder.capture.exchange import (
@@ -39,14 +40,11 @@ from recorder.capture.exchange import (
     HttpResponse,
     Redaction,
     classify,
-    fingerprint,
-    model_provider,
     response_record,
     semantic_headers,
     upstream,
 )
 from recorder.cassette import CassetteWriter, Fsync, compact
-from recorder.cassette.canonical import digest
 from recorder.cassette.keys import Keyring, load_keyring, require_signing_key
 from recorder.cassette.schema import (
     EndStatus,
@@ -65,6 +63,7 @@ from recorder.errors import (
 from recorder.harness.guards import BreakerSettings, Budgets, Clock, LoopSettings
 from recorder.harness.run_guard import RunGuard
 from recorder.harness.settings import resolve as resolve_settings
+from recorder.providers import model_provider
 
 log = logging.getLogger("deja.recorder")
 
@@ -329,7 +328,7 @@ class RecordSession(session.Session):
     def log_control(self, event: str, detail: dict[str, Any]) -> None:
         """Log a control event (a guard's decision, a fork's edit, a resume), forced to
         disk before the run goes on."""
-        self._append({"kind": "control", "event": event, "detail": detail}, sync=True)
+        self.append_line({"kind": "control", "event": event, "detail": detail}, sync=True)
 
     def _stop(self) -> None:
         try:
@@ -415,7 +414,8 @@ class RecordSession(session.Session):
         if error is not None:
             obs["error"] = {**self._error(error), "has_response": response is not None}
         if request.original_body is not None:
-            obs["clamped_max_tokens"] = json.loads(request.body).get("max_tokens")
+            obs["clamped_max_tokens"] = providers.for_line(obs).request_max_tokens(
+                json.loads(request.body))
         counted = dict(obs)  # as a reader sees it: compaction drops what it can derive
         self._write_exchange(obs, body if is_model else None)
         with self._lock:
@@ -457,11 +457,11 @@ class RecordSession(session.Session):
         """Append an exchange's line: a model line compacted (what the reader can derive is
         left out) with its request body, an HTTP line as it is."""
         if obs["kind"] != "model":
-            self._append(obs)
+            self.append_line(obs)
             return
         url, full_req = obs["url"], obs["request_headers"]
         full_resp = obs["response"]["headers"] if "response" in obs else None
-        line = self._append(self._compactor.compact(obs), request_body=request_body,
+        line = self.append_line(self._compactor.compact(obs), request_body=request_body,
                             has_request=True)
         self._compactor.written(line["seq"], url, full_req, full_resp)
 
@@ -469,7 +469,9 @@ class RecordSession(session.Session):
     # field in end_http: their bodies are large and redacted as raw bytes).
     _REDACTED_WHOLE = frozenset({"tool", "intent", "outcome", "effect", "control"})
 
-    def _append(self, obs: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    def append_line(self, obs: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+        """Write one observation line (marked ``within`` the running tool call, redacted
+        whole unless a model or HTTP line); its ``kwargs`` go to the writer."""
         assert self.writer is not None
         within = _within.get()
         if within is not None:
@@ -494,7 +496,7 @@ class RecordSession(session.Session):
 
     def _open_intent(self, tool: session.ToolSpec, args: dict[str, Any]) -> tuple[int, str]:
         key = self._args_key(args)
-        line = self._append({"kind": "intent", "name": tool.name, "args": key,
+        line = self.append_line({"kind": "intent", "name": tool.name, "args": key,
                              "fp": digest(["tool", tool.name, key]),
                              "t": round(time.time(), 3)}, sync=True)
         return line["seq"], f"{self.run_id}:{line['seq']}"
@@ -569,7 +571,7 @@ class RecordSession(session.Session):
             except UnserializableValue as exc:
                 refused = exc
                 obs["error"] = self._error(exc)
-        self._append(obs, sync=tool.side_effect)
+        self.append_line(obs, sync=tool.side_effect)
         with self._lock:
             add_step(self.totals, obs)
         if refused is not None:
@@ -599,7 +601,7 @@ class RecordSession(session.Session):
             obs["error"] = error
         if site is not None:
             obs["site"] = site.record()
-        self._append(obs)
+        self.append_line(obs)
         with self._lock:
             add_step(self.totals, obs)
         if refused is not None:

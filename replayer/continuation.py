@@ -137,12 +137,12 @@ class ContinuationSession(RecordSession):
         """Log an observation served from ``source`` as if it had come from the network."""
         copy = {k: v for k, v in obs.items() if k not in ("seq", "sig", "request")}
         if obs["kind"] == "model":
-            self._append(copy, request_body=source.cassette.requests.get(obs["seq"]),
+            self.append_line(copy, request_body=source.cassette.requests.get(obs["seq"]),
                          has_request=True)
         else:
             if "request" in obs:
                 copy["request"] = obs["request"]
-            self._append(copy)
+            self.append_line(copy)
         self._count(obs)
 
     def decide(self, tool: session.ToolSpec, args: dict[str, Any]) -> Decision:
@@ -153,6 +153,7 @@ class ContinuationSession(RecordSession):
             if decision.action is not Action.SETTLE:
                 return decision
             self.go_live()
+            assert decision.intent is not None
             return self._settle(tool, args, decision.intent)
         if self.then is not None:
             return Decision.answer(self._then_tool(tool, args))
@@ -196,14 +197,14 @@ class ContinuationSession(RecordSession):
         decision = self.decide(tool, args)
         if decision.action is Action.ANSWER:
             return decision.value
-        return self.run_tool(tool, args, run, intent=decision.intent)
+        return self.run_tool(tool, args, run, intent=decision.key)
 
     async def call_tool_async(self, tool: session.ToolSpec, args: dict[str, Any],
                               run: Callable[[str | None], Any]) -> Any:
         decision = self.decide(tool, args)
         if decision.action is Action.ANSWER:
             return decision.value
-        return await self.run_tool_async(tool, args, run, intent=decision.intent)
+        return await self.run_tool_async(tool, args, run, intent=decision.key)
 
     def _then_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> Any:
         """Serve a tool call from ``then_replay`` and log it as a live call would be.
@@ -219,7 +220,7 @@ class ContinuationSession(RecordSession):
             # The other run stopped inside this side effect: nothing to copy, nothing known.
             raise self.then.unsettled(tool, obs)
         side_effect = outcome is not None
-        line = self._append({k: v for k, v in obs.items() if k not in ("seq", "sig")},
+        line = self.append_line({k: v for k, v in obs.items() if k not in ("seq", "sig")},
                             sync=side_effect)
         if outcome is not None:
             copy = {k: v for k, v in outcome.items() if k not in ("seq", "sig")}
@@ -229,7 +230,7 @@ class ContinuationSession(RecordSession):
             # the system it changed (the copied result may well contain it). A lookup by key
             # must find that effect; a key minted here was never sent anywhere, and checking
             # by it would report the effect as not done and invite running it again.
-            self._append(copy, sync=True)
+            self.append_line(copy, sync=True)
             self._count(outcome)
         else:
             self._count(obs)
@@ -248,6 +249,6 @@ class ContinuationSession(RecordSession):
         line.update({k: obs[k] for k in ("value", "error") if k in obs})
         if site is not None:
             line["site"] = site.record()
-        self._append(line)
+        self.append_line(line)
         self._count(obs)
         return self.then.effect_value(obs)

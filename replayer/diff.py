@@ -23,9 +23,9 @@ from typing import Any
 import jsonpatch
 
 from recorder import providers
+from recorder.canonical import decode_body
 from recorder.capture.exchange import pretty
 from recorder.cassette import Cassette
-from recorder.cassette.canonical import decode_body
 from recorder.cassette.rows import step_count
 from recorder.cassette.schema import Line, is_bookkeeping
 from recorder.values import decode

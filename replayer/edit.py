@@ -25,7 +25,7 @@ from typing import Any
 import jsonpatch
 
 from recorder import providers
-from recorder.cassette.canonical import decode_body, encode_body
+from recorder.canonical import decode_body, encode_body
 from recorder.errors import EditError
 from recorder.providers.pricing import PriceTable
 from recorder.values import decode, encode

@@ -27,7 +27,7 @@ from typing import Any, cast
 from recorder.capture.session import Scope
 from recorder.cassette import Cassette, CassetteWriter, load
 from recorder.cassette.keys import Keyring, load_keyring
-from recorder.cassette.schema import Observation, run_file, utc_stamp
+from recorder.cassette.schema import Control, Kind, Observation, run_file, utc_stamp
 from recorder.errors import CannotLaunch, EditError, NoSuchStep, PathTaken
 from recorder.record import launch_dir, new_run_id, portable_launch
 from replayer import continuation
@@ -57,10 +57,13 @@ def plan_fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | No
     ring = keyring or load_keyring(create=False)
     parent = load(cassette, keyring=ring, require_signature=True, allow_incomplete=True,
                   allow_torn=allow_torn)
-    original = _forkable_step(parent, at)
+    original = _step(parent, at)
     if sum(x is not None for x in (patch, replace, tuple(sets) or None)) != 1:
         raise EditError("give exactly one edit: a JSON patch, a replacement document, or "
                         "--set PATH=VALUE pairs")
+    if "within" in original:
+        raise EditError(f"step {at} happened inside tool call {original['within']}; fork at "
+                        "the tool's own step instead")
     doc = _edit.view(original)
     ops = _edit.set_patch(sets, doc) if sets else patch
     edited_doc, applied = _edit.apply(doc, patch=ops, replace=replace, step=at)
@@ -71,16 +74,12 @@ def plan_fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | No
                     run_id)
 
 
-def _forkable_step(parent: Cassette, at: int) -> Observation:
+def _step(parent: Cassette, at: int) -> Observation:
     n = len(parent.observations)
     if not 0 <= at < n:
         raise NoSuchStep(f"{parent.path}: fork step {at} is out of range; the run has steps "
                          f"0-{n - 1} (see `deja show {parent.path}`)")
-    original = parent.observations[at]
-    if "within" in original:
-        raise EditError(f"step {at} happened inside tool call {original['within']}; fork at "
-                        "the tool's own step instead")
-    return original
+    return parent.observations[at]
 
 
 def _fork_path(parent: Cassette, out: str | Path | None, run_id: str) -> Path:
@@ -134,7 +133,7 @@ def start_fork(plan: ForkPlan, *, then_replay: Cassette | None = None,
     for obs in parent.observations[:at]:
         writer.append_copy(obs, parent.requests.get(obs["seq"]))
     writer.append_copy(plan.edited, parent.requests.get(at))
-    writer.append({"kind": "control", "event": "fork_edit",
+    writer.append({"kind": Kind.CONTROL.value, "event": Control.FORK_EDIT.value,
                    "detail": {"parent": parent.run, "step": at, "patch": plan.patch}},
                   sync=True)
     prefix = dataclasses.replace(parent, observations=(*parent.observations[:at], plan.edited),

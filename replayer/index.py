@@ -19,8 +19,8 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
+from recorder.canonical import digest
 from recorder.cassette import Cassette
-from recorder.cassette.canonical import digest
 from recorder.cassette.schema import STOPS
 from recorder.effects import Site
 

@@ -191,8 +191,8 @@ class Action(enum.StrEnum):
     """What happens to a tool call a log is asked to answer."""
 
     ANSWER = "answer"  # answered from the log: the body does not run
-    RUN = "run"  # the body runs live (with ``intent``: the key of an intent found not done)
-    SETTLE = "settle"  # the log ends inside this side effect: settle it first
+    RUN = "run"  # the body runs live (with ``key``: an intent's, found not done)
+    SETTLE = "settle"  # the log ends inside this side effect (``intent``): settle it first
 
 
 @dataclass(frozen=True)
@@ -202,15 +202,20 @@ class Decision:
 
     action: Action
     value: Any = None  # ANSWER: the tool's result
-    intent: Any = None  # SETTLE: the intent observation; RUN: its (seq, key), if any
+    intent: Mapping[str, Any] | None = None  # SETTLE: the intent line with no outcome
+    key: tuple[int, str] | None = None  # RUN: the (seq, key) of the intent it settles
 
     @classmethod
     def answer(cls, value: Any) -> Decision:
         return cls(Action.ANSWER, value=value)
 
     @classmethod
-    def run(cls, intent: tuple[int, str] | None = None) -> Decision:
-        return cls(Action.RUN, intent=intent)
+    def run(cls, key: tuple[int, str] | None = None) -> Decision:
+        return cls(Action.RUN, key=key)
+
+    @classmethod
+    def settle(cls, intent: Mapping[str, Any]) -> Decision:
+        return cls(Action.SETTLE, intent=intent)
 
 
 class ReplaySession(session.Session):
@@ -383,8 +388,8 @@ class ReplaySession(session.Session):
         for a side effect the recording ended inside, the intent to settle."""
         obs = self.take_tool(tool, args)
         if obs["kind"] == "intent" and obs["seq"] not in self.index.outcomes:
-            return Decision(Action.SETTLE, intent=obs)
-        return Decision(Action.ANSWER, value=self.tool_value(tool, obs))
+            return Decision.settle(obs)
+        return Decision.answer(self.tool_value(tool, obs))
 
     def take_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> Mapping[str, Any]:
         """The recorded observation that answers this call (a divergence if none does)."""

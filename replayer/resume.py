@@ -21,6 +21,7 @@ from typing import Any
 from recorder.capture.session import Scope
 from recorder.cassette import RESUMABLE_ENDS, Cassette, CassetteWriter, load
 from recorder.cassette.keys import Keyring, load_keyring
+from recorder.cassette.schema import Control
 from recorder.errors import NotResumable
 from replayer import continuation
 from replayer.continuation import ContinuationSession
@@ -64,6 +65,6 @@ def start_resume(loaded: Cassette, *, keyring: Keyring | None = None,
         detail["after_end"] = {k: v for k, v in loaded.end.items() if k != "seq"}
 
     def on_live(session: ContinuationSession) -> None:
-        session.log_control("resumed", detail)
+        session.log_control(Control.RESUMED, detail)
 
     return ContinuationSession(loaded, writer, on_live=on_live, fsync=fsync, keyring=ring)

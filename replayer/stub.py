@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from recorder import providers
-from recorder.cassette.canonical import decode_body
+from recorder.canonical import decode_body
 from recorder.testing.match import first_user_text, is_failure, last_user_text, position
 from recorder.testing.script import StubScriptError
 

@@ -129,7 +129,7 @@ def inside(module: str, package: str) -> bool:
 def owner_of_private(target: str) -> str | None:
     """The package a private module or name belongs to; ``None`` when nothing is private.
 
-    ``recorder.cassette._compact`` and ``recorder.cassette._compact.pack`` belong to
+    ``recorder.cassette._delta`` and ``recorder.cassette._delta.encode`` belong to
     ``recorder.cassette``; ``recorder.intents._key`` and ``replayer.replay.Session._take``
     to ``recorder`` and ``replayer``, the packages of the modules that define them.
     """
@@ -153,7 +153,7 @@ def report(found: list[str], rule: str) -> str:
 def test_the_checks_see_the_source() -> None:
     assert {"recorder", "replayer", "viewer", "deja"} <= set(PACKAGES)
     assert len(ALL_USES) > 100
-    assert owner_of_private("recorder.cassette._compact.pack") == "recorder.cassette"
+    assert owner_of_private("recorder.cassette._delta.encode") == "recorder.cassette"
     assert owner_of_private("recorder.cassette.reader._x") == "recorder.cassette"
     assert owner_of_private("recorder.testing.server.StubServer._lock") == "recorder.testing"
     assert owner_of_private("recorder.cassette.reader.load") is None

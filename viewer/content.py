@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from recorder import providers
-from recorder.cassette.canonical import decode_body
+from recorder.canonical import decode_body
 from recorder.providers import Provider
 from recorder.values import decode
 

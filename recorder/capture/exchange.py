@@ -17,26 +17,21 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from recorder import providers
-from recorder.capture.redact import REDACTED, SECRET_HEADERS, Redaction
-from recorder.cassette.canonical import (
+from recorder.canonical import (
     canonical,
     decode_body,
     encode_body,
     fingerprint,
-    http_target,
 )
+from recorder.capture.redact import Redaction
 from recorder.errors import UnserializableValue
 from recorder.providers import (
-    VOLATILE_HEADER_PREFIXES,
-    VOLATILE_HEADERS,
     model_provider,
     volatile_header,
 )
 
-__all__ = ["REDACTED", "RETRYABLE_STATUSES", "SECRET_HEADERS", "VOLATILE_HEADERS",
-           "VOLATILE_HEADER_PREFIXES", "HttpRequest", "HttpResponse", "Redaction", "classify",
-           "fingerprint", "http_target", "json_body", "model_provider", "pretty",
-           "request_fingerprint", "response_from_record", "response_record",
+__all__ = ["RETRYABLE_STATUSES", "HttpRequest", "HttpResponse", "classify", "json_body",
+           "pretty", "request_fingerprint", "response_from_record", "response_record",
            "semantic_headers", "upstream"]
 
 # Statuses after which the SDKs retry; on replay their wait is cut to nothing.

@@ -1,13 +1,16 @@
 """The cassette: one run's observation log, JSON Lines, signed with an HMAC chain.
 
+- :mod:`.schema`: what each line holds, and the rules every reader of a line shares;
 - :mod:`.format`: the format version, the fsync policy, which ends can be resumed;
 - :mod:`.writer`: the append-only writer (one ``write`` per line, group commit);
 - :mod:`.reader`: :func:`load`, which parses, verifies and restores a cassette;
 - :mod:`.signing`: the chain of signatures; :mod:`.keys`: where keys come from;
   :mod:`.trust`: whether a loaded cassette can be trusted; :mod:`.lock`: one writer
   per cassette;
-- :mod:`.canonical`: the byte form signatures and fingerprints are computed over;
+- :mod:`.compact`: what a model line leaves out on disk, and how the reader restores it;
 - :mod:`.rows`: a cassette as rows (steps, totals, summaries) for every reader.
+
+The byte form that lines are signed and fingerprinted in is :mod:`recorder.canonical`.
 """
 
 from recorder.cassette.format import FORMAT, KINDS, READABLE_FORMATS, RESUMABLE_ENDS, Fsync

@@ -65,8 +65,9 @@ class Compactor:
             req, resp, url = self._req, self._resp, self._url
         for key in _DERIVED:
             obs.pop(key, None)
-        if providers.model_provider("POST", obs["url"]) == obs.get("provider"):
-            del obs["provider"]
+        named = obs.get("provider")
+        if named in providers.BUILT_IN and providers.model_provider("POST", obs["url"]) == named:
+            del obs["provider"]  # a reader finds it again by the URL
         if url is not None and obs["url"] == url[1]:
             obs["url"] = url[0]
         headers = obs.get("request_headers")

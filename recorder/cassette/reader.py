@@ -1,10 +1,10 @@
 """Reading a cassette: parse every line, verify the chain, restore the compact fields.
 
 :func:`load` reads the file and its header, decides which key to verify with
-(:mod:`recorder.cassette.trust`), then takes each observation line through four steps:
-parsed (:func:`_parsed`), verified against the line before it (:func:`_verified`),
-checked in its place (:func:`_checked`), and restored with its model request
-(:func:`_restore`); last, an unfinished file is refused unless allowed
+(:mod:`recorder.cassette.trust`), then takes each observation line through four steps
+(:func:`_body`): parsed (:func:`_parsed`), verified against the line before it
+(:func:`_verified`), checked in its place (:func:`_checked`), and restored with its model
+request (:func:`_restore`); last, an unfinished file is refused unless allowed
 (:func:`_report_unfinished`).
 """
 

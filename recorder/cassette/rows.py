@@ -30,23 +30,19 @@ from urllib.parse import urlsplit
 from recorder.cassette import Cassette
 from recorder.cassette.reader import peek_header
 from recorder.cassette.schema import (
-    BOOKKEEPING,
     Control,
     Kind,
     StepTotals,
     control_event,
     error_of,
-    is_bookkeeping,
     totals_of,
 )
 
 __all__ = [
-    "BOOKKEEPING",
     "STEP_COLUMNS",
     "children_of",
     "describe_split",
     "describe_totals",
-    "is_bookkeeping",
     "live_from",
     "run_status",
     "run_summary",
@@ -143,9 +139,9 @@ def live_from(cassette: Cassette) -> int:
 
 def run_totals(cassette: Cassette) -> dict[str, Any]:
     """The run's totals: ``all`` (:func:`~recorder.cassette.schema.totals_of` every step)
-    and, for a fork or a
-    resumed run, ``replayed`` and ``live`` split at ``live_from``, with ``replayed_from``
-    saying where the replayed part came from. For any other run those three are None."""
+    and, for a fork or a resumed run, ``replayed`` and ``live`` split at ``live_from``,
+    with ``replayed_from`` saying where the replayed part came from. For any other run
+    those three are None."""
     start = live_from(cassette)
     steps = cassette.observations
     out: dict[str, Any] = {"all": totals_of(steps), "live_from": start, "replayed_from": None,

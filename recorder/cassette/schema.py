@@ -338,20 +338,21 @@ def run_file(path: str | Path, run_id: str) -> Path:
     """The cassette file a run writes when it is told ``path``.
 
     An existing directory, or a name that ends in a separator or has no suffix, is a
-    directory: the file is ``<run_id>.jsonl`` in it. A name ending in ``.jsonl`` is the
-    file itself. Anything else (``run.json``, an existing file without a suffix) is
-    refused with :class:`ConfigError`, rather than guessed at.
+    directory: the file is ``<run_id>.jsonl`` in it. A name with a suffix (``run.jsonl``)
+    is the file itself. An existing file without a suffix is refused with
+    :class:`ConfigError`, rather than guessed at.
     """
     text = os.fspath(path)
     target = Path(text)
     if target.is_dir() or text.endswith(("/", os.sep)):
         return target / f"{run_id}.jsonl"
-    if target.suffix == ".jsonl":
+    if target.suffix:
         return target
-    if target.suffix == "" and not target.exists():
+    if not target.exists():
         return target / f"{run_id}.jsonl"
-    raise ConfigError(f"{target} is neither a cassette file nor a directory: name a file "
-                      f"ending in .jsonl, or a directory to create <run id>.jsonl in")
+    raise ConfigError(f"{target} is a file without a suffix, not a cassette (.jsonl) nor a "
+                      "directory: name a file ending in .jsonl, or a directory to create "
+                      "<run id>.jsonl in")
 
 
 def utc_stamp(timespec: Literal["seconds", "milliseconds"] = "milliseconds") -> str:

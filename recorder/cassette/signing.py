@@ -11,7 +11,7 @@ import hashlib
 import hmac
 from typing import Any
 
-from recorder.cassette.canonical import canonical
+from recorder.canonical import canonical
 
 
 def mac(key: bytes, prev_sig: str, body: bytes) -> bytes:

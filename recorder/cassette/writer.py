@@ -1,11 +1,5 @@
-"""The cassette: one run's observation log, JSON Lines, signed, append-only.
-
-Line 1 is the header; its first field is the format version. Every further line is one
-observation with a dense ``seq``; the last line of a finished run is ``kind: "end"``.
-Each line ends with ``sig`` = base64url(HMAC-SHA256(key, previous sig + canonical JSON of
-the line without ``sig``)), unpadded, the header's previous sig being empty. Editing,
-inserting, deleting or reordering a line breaks the chain at that line, and the reader
-names it.
+"""Writing a cassette: append-only, one signed line at a time (the chain is in
+:mod:`recorder.cassette.signing`, the lines in :mod:`recorder.cassette.schema`).
 
 The writer makes one ``write`` per line, before the observation reaches the agent: a
 process killed at any point loses nothing it wrote, and one killed in the middle of a
@@ -32,9 +26,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from recorder.canonical import canonical
 from recorder.cassette import _delta
 from recorder.cassette import lock as writer_lock
-from recorder.cassette.canonical import canonical
 from recorder.cassette.format import FORMAT, RESUMABLE_ENDS, TURN_SYNC_KINDS, Fsync
 from recorder.cassette.keys import key_id
 from recorder.cassette.schema import Kind

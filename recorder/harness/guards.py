@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from recorder.cassette.canonical import digest
+from recorder.canonical import digest
 from recorder.errors import ConfigError
 
 Clock = Callable[[], float]

@@ -15,8 +15,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from recorder import providers
 from recorder.capture.exchange import HttpRequest, upstream
 from recorder.capture.redact import DEFAULT, Redaction
+from recorder.cassette.schema import Control
 from recorder.errors import (
     BudgetExhausted,
     Cancelled,
@@ -111,7 +113,8 @@ class RunGuard:
             reason = self._cancel_seen.get("reason") or "cancel requested"
             raise self._stop(Cancelled(
                 f"run {self.run} was cancelled ({reason}); stopped before {what}",
-                reason="cancelled", detail={"before": what, **self._cancel_seen}), "cancelled")
+                reason="cancelled", detail={"before": what, **self._cancel_seen}),
+                Control.CANCELLED)
         b = self.budgets
         if b.seconds is not None and self.elapsed() >= b.seconds:
             raise self._budget("seconds", round(self.elapsed(), 3), b.seconds, what)
@@ -122,7 +125,7 @@ class RunGuard:
             f"{what}. Raise the budget (record(budgets=...), [tool.deja.budgets] or the "
             "--max-* flags) to let it run further", reason=f"{name}_budget",
             detail={"budget": name, "used": used, "limit": limit, "before": what}),
-            "budget_exhausted")
+            Control.BUDGET_EXHAUSTED)
 
     def before_call(self, request: HttpRequest, provider: str | None) -> None:
         """Before a request goes out: cancel, budgets, per-turn ceiling, circuit breaker."""
@@ -130,7 +133,7 @@ class RunGuard:
                 f"{self.redaction.url(request.url)}")
         self._common(what)
         if provider:
-            self._model_budgets(request, what)
+            self._model_budgets(request, providers.get(provider), what)
         if self.settings.breaker.enabled:
             host = upstream(request.url)
             allowed, detail = BREAKERS.get(host, self.settings.breaker).allow()
@@ -139,10 +142,11 @@ class RunGuard:
                     f"circuit open for {host}: too many failures in the last "
                     f"{self.settings.breaker.window:g}s; calls fail fast for "
                     f"{detail.get('retry_in_s')}s more (nothing was sent)",
-                    reason="circuit_open", detail=detail), "circuit_open")
+                    reason="circuit_open", detail=detail), Control.CIRCUIT_OPEN)
         self.progress.update(step=f"waiting for {what}", elapsed_s=round(self.elapsed(), 3))
 
-    def _model_budgets(self, request: HttpRequest, what: str) -> None:
+    def _model_budgets(self, request: HttpRequest, provider: providers.Provider,
+                       what: str) -> None:
         b = self.budgets
         if b.turns is not None and self.turns >= b.turns:
             raise self._budget("turns", self.turns, b.turns, what)
@@ -158,18 +162,19 @@ class RunGuard:
             return
         if not isinstance(body, dict):
             return
-        if b.dollars is not None and self.settings.prices.lookup(body.get("model")) is None:
+        model = provider.request_model(body)
+        if b.dollars is not None and self.settings.prices.lookup(model) is None:
             raise ConfigError(
                 f"run {self.run} has a dollar budget but no price for model "
-                f"{body.get('model')!r}; add it (record(prices=...) or [tool.deja.prices]) "
+                f"{model!r}; add it (record(prices=...) or [tool.deja.prices]) "
                 "so that spending can be counted. Nothing was sent")
-        asked = body.get("max_tokens")
+        asked = provider.request_max_tokens(body)
         if b.max_tokens is not None and isinstance(asked, int) and asked > b.max_tokens:
             if b.max_tokens_mode is MaxTokens.CLAMP:
-                body["max_tokens"] = b.max_tokens
+                body = provider.with_max_tokens(body, b.max_tokens)
                 request.original_body = request.body
                 request.body = json.dumps(body, separators=(",", ":")).encode("utf-8")
-                self._emit("max_tokens_clamped", {"asked": asked, "limit": b.max_tokens})
+                self._emit(Control.MAX_TOKENS_CLAMPED, {"asked": asked, "limit": b.max_tokens})
                 return
             raise self._budget("max_tokens", asked, b.max_tokens, what)
 
@@ -199,7 +204,7 @@ class RunGuard:
                 f"run {self.run}: tool {name} called with the same arguments "
                 f"{loop.get('times', 2)} times within the last {loop['window']} tool calls "
                 f"({loop['pattern']}); stopped before running it again",
-                reason="loop_detected", detail=loop), "loop_detected")
+                reason="loop_detected", detail=loop), Control.LOOP_DETECTED)
         self.progress.update(step=f"tool {name}({_short(args)})",
                              elapsed_s=round(self.elapsed(), 3))
 

@@ -12,7 +12,7 @@ Built in: :mod:`recorder.providers.anthropic` (the Messages API), and the OpenAI
 deja has always recognised, read as they always were (:mod:`recorder.providers._fallback`).
 
 This package sits below capture, cassette reading and replay: it imports only
-:mod:`recorder.errors`, :mod:`recorder.cassette.canonical` and its own modules.
+:mod:`recorder.errors`, :mod:`recorder.canonical` and its own modules.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 from urllib.parse import urlsplit
 
-from recorder.cassette.canonical import fingerprint as _fingerprint
+from recorder.canonical import fingerprint as _fingerprint
 from recorder.errors import ConfigError
 from recorder.providers.pricing import PriceTable
 
-__all__ = ["USAGE_KEYS", "VOLATILE_HEADERS", "VOLATILE_HEADER_PREFIXES", "Headers", "Provider",
-           "Summary", "default", "endpoints", "for_line", "for_url", "get", "model_provider",
+__all__ = ["BUILT_IN", "USAGE_KEYS", "VOLATILE_HEADERS", "VOLATILE_HEADER_PREFIXES", "Headers",
+           "Provider", "Summary", "default", "endpoints", "for_line", "for_url", "get", "model_provider",
            "names", "register", "sse_events", "token_counts", "unregister", "volatile_header"]
 
 Headers = Iterable[Sequence[str]]  # (name, value) pairs, as received or as stored
@@ -94,12 +94,21 @@ class Provider(ABC):
 
     def fingerprint(self, method: str, url: str, body: Any) -> str:
         """What a replayed model call is matched by (see
-        :func:`recorder.cassette.canonical.fingerprint`)."""
+        :func:`recorder.canonical.fingerprint`)."""
         return _fingerprint("model", method, url, self.semantic_request(body))
 
     def request_model(self, body: Any) -> Any:
         """The model a request asks for (None when it names none)."""
         return body.get("model") if isinstance(body, dict) else None
+
+    def request_max_tokens(self, body: Any) -> Any:
+        """The ceiling on output tokens a request asks for (None when it sets none)."""
+        return body.get("max_tokens") if isinstance(body, dict) else None
+
+    def with_max_tokens(self, body: dict[str, Any], limit: int) -> dict[str, Any]:
+        """``body`` with its output-token ceiling lowered to ``limit`` (the budget's
+        ``clamp`` mode)."""
+        return {**body, "max_tokens": limit}
 
     def request_streams(self, body: Any) -> bool:
         """Does the request ask for a streamed response?"""
@@ -288,6 +297,11 @@ def for_line(obs: Mapping[str, Any]) -> Provider:
     name = obs.get("provider")
     provider = _providers.get(name) if isinstance(name, str) else None
     return provider if provider is not None else default()
+
+
+# The providers every deja reads: a line of theirs may leave its provider out (the reader
+# finds it by the URL); any other provider's lines always name it.
+BUILT_IN = frozenset({"anthropic", "openai"})
 
 
 def _register_builtins() -> None:

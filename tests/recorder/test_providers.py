@@ -292,7 +292,9 @@ def test_a_registered_provider_is_recorded_and_replayed_through_the_seam(
     assert all(o["cost_usd"] == round((11 * 2 + 5 * 8 + 4 * 0.5) / 1e6, 8) for o in lines)
     assert "ttft_ms" in lines[1] and "ttft_ms" not in lines[0]  # the toy's own stream rule
     raw = [json.loads(line) for line in path.read_text().splitlines()]
-    assert not any("provider" in line for line in raw if line.get("kind") == "model")
+    # not a built-in provider: named on every line, so a reader without it registered
+    # does not take its lines for Anthropic's
+    assert all(line["provider"] == "toy" for line in raw if line.get("kind") == "model")
 
     served = _ToyHandler.served
     with replayer.replay(path) as replay:  # new nonces; the server is never asked

@@ -35,7 +35,8 @@ from conftest import API_KEY, MODEL
 import recorder
 import replayer
 from deja.cli import main
-from recorder.capture.exchange import classify, fingerprint
+from recorder.canonical import fingerprint
+from recorder.capture.exchange import classify
 from recorder.capture.redact import REDACTED, RULES, Redaction, _replacement, _Scanner
 from recorder.cassette import load
 from recorder.errors import ConfigError

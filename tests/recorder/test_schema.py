@@ -213,8 +213,7 @@ def test_a_run_file_is_a_jsonl_file_or_goes_in_a_directory(tmp_path: Path) -> No
     assert run_file(folder, "r_1") == folder / "r_1.jsonl"
     assert run_file(tmp_path / "new", "r_1") == tmp_path / "new" / "r_1.jsonl"
     assert run_file(f"{tmp_path / 'new.d'}{os.sep}", "r_1") == tmp_path / "new.d" / "r_1.jsonl"
-    with pytest.raises(errors.ConfigError, match="neither a cassette file nor a directory"):
-        run_file(tmp_path / "run.json", "r_1")
+    assert run_file(tmp_path / "run.json", "r_1") == tmp_path / "run.json"  # as record() had it
     plain = tmp_path / "notes"
     plain.write_text("")
     with pytest.raises(errors.ConfigError, match=r"name a file ending in \.jsonl"):
@@ -226,13 +225,20 @@ def test_record_and_fork_put_their_file_by_that_rule(retried: Path, tmp_path: Pa
     with recorder.record(folder) as run:
         recorder.uuid4()
     assert run.path == folder / f"{run.run_id}.jsonl"
-    with pytest.raises(errors.ConfigError, match="neither a cassette file"):
-        recorder.record(tmp_path / "run.json").__enter__()
+    with recorder.record(tmp_path / "run.json") as named:  # a suffix names the file
+        recorder.uuid4()
+    assert named.path == tmp_path / "run.json" and named.path.is_file()
+    plain = tmp_path / "notes"
+    plain.write_text("")
+    with pytest.raises(errors.ConfigError, match="a file without a suffix"):
+        recorder.record(plain).__enter__()
     model = next(line["seq"] for line in read_lines(retried)
                  if line.get("kind") == "model" and line["response"]["status"] == 200)
     edit = ["content.0.text=x"]
-    with pytest.raises(errors.ConfigError, match="neither a cassette file"):
-        replayer.plan_fork(retried, model, sets=edit, out=tmp_path / "f.json")
+    assert replayer.plan_fork(retried, model, sets=edit,
+                              out=tmp_path / "f.json").out == tmp_path / "f.json"
+    with pytest.raises(errors.ConfigError, match="a file without a suffix"):
+        replayer.plan_fork(retried, model, sets=edit, out=plain)
     plan = replayer.plan_fork(retried, model, sets=edit, out=folder)
     assert plan.out == folder / f"{plan.run_id}.jsonl"
 

@@ -22,8 +22,8 @@ from conftest import API_KEY, MODEL
 
 import recorder
 import replayer
+from recorder.canonical import canonical
 from recorder.cassette import load
-from recorder.cassette.canonical import canonical
 from recorder.errors import UnserializableValue
 from recorder.values import MAX_DEPTH, encode
 
