@@ -29,8 +29,9 @@ from recorder.errors import ConfigError
 from recorder.providers.pricing import PriceTable
 
 __all__ = ["BUILT_IN", "USAGE_KEYS", "VOLATILE_HEADERS", "VOLATILE_HEADER_PREFIXES", "Headers",
-           "Provider", "Summary", "default", "endpoints", "for_line", "for_url", "get", "model_provider",
-           "names", "register", "sse_events", "token_counts", "unregister", "volatile_header"]
+           "Provider", "Summary", "default", "endpoints", "for_line", "for_url", "get",
+           "model_provider", "names", "register", "sse_events", "token_counts", "unregister",
+           "volatile_header"]
 
 Headers = Iterable[Sequence[str]]  # (name, value) pairs, as received or as stored
 
