@@ -1,11 +1,12 @@
 # One command each, on a fresh machine with Python 3.11+ and make:
 #   make demo    record an example agent against the stub model, replay it offline, show it
 #   make test    ruff and mypy (make check), then the whole test suite
-#   make bench   benchmarks, side by side with vcrpy
+#   make bench   benchmarks, side by side with vcrpy, agent-rewind and the SDK's floor
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.deja-installed
+BENCH_STAMP := $(VENV)/.deja-bench-installed
 
 .PHONY: demo check test stress bench lint clean chromium
 
@@ -36,7 +37,12 @@ stress: $(STAMP)
 	DEJA_CRASH_SEEDS=200 $(BIN)/python -m pytest tests/replayer/test_crash_resume.py
 	DEJA_TAMPER=full $(BIN)/python -m pytest tests/replayer/test_tamper.py
 
-bench: $(STAMP)
+# The benchmark's extra anchors (agent-rewind), installed once beside the test extras.
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install -q -e '.[test,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(BIN)/python bench/run.py
 
 lint: $(STAMP)

@@ -1,23 +1,25 @@
-"""Row 4: cassette bytes of one long conversation vs the conversation's unique content.
+"""Cassette bytes of one long agent conversation vs the conversation's unique content.
 
-One conversation of T turns: each turn appends a new user message, sends the whole
-conversation (``messages.create``, not streamed) and appends the assistant's reply, so
-request t repeats the t-1 turns before it. The same conversation is recorded by deja
-(default settings) and by vcrpy.
+One conversation of T turns (:func:`workloads.conversation`): each turn sends the whole
+conversation so far (``messages.create``, not streamed, with the tool definitions), the model
+calls ``search`` and ``read_file`` alternately and the tool's result is appended as the next
+user message, so request t repeats the t-1 turns before it. Tool results are short (~100
+characters) or long (``large_chars``). The same conversation is recorded by deja (default
+settings), agent-rewind (``rewind.patch_anthropic()`` + ``rewind.record(path)``, defaults)
+and vcrpy (record_mode="all"); vcrpy only up to ``vcr_max_turns`` turns (it stores every
+request whole, in YAML, and takes minutes beyond that).
 
 Unique content U = sum of len(canonical JSON) of every distinct message of every request
 + sum of len(canonical JSON) of every distinct request body without its ``messages``
-(model, max_tokens, ...) + sum of the byte lengths of all response bodies as received.
-Canonical JSON: sorted keys, separators (",", ":"), UTF-8, non-ASCII kept. Requests are
-taken from what the stub server received; response bodies from the SDK's raw response.
-Ratio = cassette file bytes / U.
+(model, max_tokens, tools, ...) + sum of the byte lengths of all response bodies as
+received. Canonical JSON: sorted keys, separators (",", ":"), UTF-8, non-ASCII kept.
+Requests and response bodies are taken from one live run of the same conversation through
+an in-process capture transport (:class:`workloads.Capture`). Ratio = cassette bytes / U.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,43 +28,20 @@ import workloads as w
 import recorder
 
 
-def user_text(i: int) -> str:
-    return (f"Step {i}: the search tool returned {i * 7 % 23 + 1} rows for query q{i}. "
-            "Summarize what changed since the previous step and say what to check next.")
-
-
 def canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def long_text(chars: int) -> Callable[[int], str]:
-    """User messages of about ``chars`` characters (for the informative second run)."""
-    def text(i: int) -> str:
-        base = user_text(i) + " Context: "
-        filler = " ".join(f"row{i}-{k}=value{(i * 31 + k) % 97}" for k in range(chars // 16))
-        return (base + filler)[:chars]
-    return text
-
-
-def conversation(url: str, turns: int, text: Callable[[int], str] = user_text,
-                 times: list[float] | None = None) -> list[bytes]:
-    """Run the conversation; the raw response bodies (and each turn's time into ``times``)."""
-    c = w.client(url)
-    messages: list[dict[str, Any]] = []
-    bodies = []
-    for i in range(turns):
-        messages.append({"role": "user", "content": text(i)})
-        t0 = time.perf_counter()
-        raw = c.messages.with_raw_response.create(model=w.MODEL, max_tokens=w.MAX_TOKENS * 4,
-                                                   messages=list(messages))
-        if times is not None:
-            times.append(time.perf_counter() - t0)
-        bodies.append(raw.http_response.content)
-        reply = raw.parse()
-        if reply.content[0].text != f"ok {text(i)}":
-            raise RuntimeError(f"turn {i}: unexpected reply {reply.content[0].text!r}")
-        messages.append({"role": "assistant", "content": reply.content[0].text})
-    return bodies
+def _live(turns: int, chars: int) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The conversation run live once through :class:`workloads.Capture`: every request body
+    as sent and every response body as received."""
+    with w.stub(w.agent_script(turns, echo=False)) as server:
+        cap = w.Capture(server.url)
+        try:
+            w.conversation(cap.client(), 0, turns, chars=chars, echo=False)
+        finally:
+            cap.close()
+    return [json.loads(b) for b in cap.requests], [r[2] for r in cap.responses]
 
 
 def unique_bytes(requests: list[dict[str, Any]], bodies: list[bytes]) -> dict[str, int]:
@@ -77,15 +56,25 @@ def unique_bytes(requests: list[dict[str, Any]], bodies: list[bytes]) -> dict[st
     return out
 
 
-def _deja(d: Path, name: str, turns: int, text: Callable[[int], str],
-          times: list[float] | None = None) -> tuple[Path, Any, Any]:
-    path = d / f"{name}.jsonl"
-    with w.stub() as server:
-        with recorder.record(path, budgets=recorder.Budgets()):
-            bodies = conversation(server.url, turns, text, times)
-        requests = [r["body"] for r in server.requests]
-    w.assert_unpatched("after deja recording")
-    return path, bodies, requests
+def _record(tool: str, path: Path, turns: int, chars: int,
+            times: list[float] | None = None) -> Path:
+    """Record the conversation with one tool (deja at its defaults, vcrpy with
+    record_mode="all", agent-rewind with rewind.record(path))."""
+    with w.stub(w.agent_script(turns, echo=False)) as server:
+        def go() -> None:
+            w.conversation(w.client(server.url), 0, turns, chars=chars, echo=False,
+                           times=times)
+        if tool == "deja":
+            with recorder.record(path, budgets=recorder.Budgets()):
+                go()
+        elif tool == "vcr":
+            with w.vcr_instance("all").use_cassette(str(path)):
+                go()
+        else:
+            with w.rewind_patched() as rw, rw.record(path):
+                go()
+    w.assert_unpatched(f"after {tool} recording")
+    return path
 
 
 def _late_overhead(d: Path, turns: int, n_rounds: int) -> dict[str, Any]:
@@ -99,15 +88,15 @@ def _late_overhead(d: Path, turns: int, n_rounds: int) -> dict[str, Any]:
         kind = order[0]
         times: list[float] = []
         if kind == "live":
-            with w.stub() as server:
-                conversation(server.url, turns, user_text, times)
+            with w.stub(w.agent_script(turns, echo=False)) as server:
+                w.conversation(w.client(server.url), 0, turns, echo=False, times=times)
         else:
-            _deja(d, f"late-{r}", turns, user_text, times)
+            _record("deja", d / f"late-{r}.jsonl", turns, 0, times)
         late[kind] += times[-tail:]
         early[kind] += times[:tail]
     med = {k: w.ms(w.median(v)) for k, v in late.items()}
     med_early = {k: w.ms(w.median(v)) for k, v in early.items()}
-    return {"turns": f"{turns - tail + 1}-{turns}", "median_ms": med,
+    return {"turns": f"{turns - tail + 1}-{turns}", "of_turns": turns, "median_ms": med,
             "overhead_ms": med["deja"] - med["live"],
             "first_turns_overhead_ms": med_early["deja"] - med_early["live"],
             "messages_per_request": [2 * (turns - tail) + 1, 2 * turns - 1]}
@@ -121,32 +110,37 @@ def _growth(path: Path, turns: int) -> dict[str, float]:
             "second_half_per_turn": sum(len(x) + 1 for x in lines[half:]) / (turns - half)}
 
 
-def run(*, turns: int = 200, large_chars: int = 0, late_rounds: int = 2) -> dict[str, Any]:
+def _one(d: Path, turns: int, chars: int, vcr_max_turns: int,
+         have_rewind: bool) -> dict[str, Any]:
+    requests, bodies = _live(turns, chars)
+    unique = unique_bytes(requests, bodies)
+    tag = f"{turns}-{chars or 'short'}"
+    paths = {"deja": _record("deja", d / f"deja-{tag}.jsonl", turns, chars)}
+    if have_rewind:
+        paths["rewind"] = _record("rewind", d / f"rewind-{tag}.rewind", turns, chars)
+    if turns <= vcr_max_turns:
+        paths["vcr"] = _record("vcr", d / f"vcr-{tag}.yaml", turns, chars)
+    sizes = {k: p.stat().st_size for k, p in paths.items()}
+    out = {"turns": turns, "message_chars": chars, "requests": len(requests), "unique": unique,
+           "full_requests_bytes": sum(len(canonical(r)) for r in requests),
+           "cassette_bytes": sizes,
+           "ratio": {k: v / unique["total"] for k, v in sizes.items()},
+           "growth": _growth(paths["deja"], turns)}
+    for p in paths.values():
+        p.unlink()
+    return out
+
+
+def run(*, turns: tuple[int, ...] = (50, 200, 800), large_chars: int = 1000,
+        vcr_max_turns: int = 200, late_turns: int = 200, late_rounds: int = 2
+        ) -> dict[str, Any]:
+    have_rewind = w.rewind_version() is not None
     with w.measurement("cassette size"), w.tempdir("size") as d:
-        deja_path, bodies, requests = _deja(d, "deja", turns, user_text)
-        vcr_path = d / "vcr.yaml"
-        with w.stub() as server, w.vcr_instance("all").use_cassette(str(vcr_path)):
-            conversation(server.url, turns)
-        w.assert_unpatched("after vcrpy recording")
-        unique = unique_bytes(requests, bodies)
-        # Whole requests, for scale: what storing every request in full would take.
-        full_requests = sum(len(canonical(r)) for r in requests)
-        sizes = {"deja": deja_path.stat().st_size, "vcr": vcr_path.stat().st_size}
-        out: dict[str, Any] = {
-            "turns": turns, "requests": len(requests), "unique": unique,
-            "full_requests_bytes": full_requests, "cassette_bytes": sizes,
-            "ratio": {k: v / unique["total"] for k, v in sizes.items()},
-            "growth": _growth(deja_path, turns),
-        }
-        if large_chars:
-            # Informative only (the target is judged on the run above): same conversation
-            # with longer user messages, to show how the fixed per-turn metadata amortizes.
-            path, bodies, requests = _deja(d, "deja-long", turns, long_text(large_chars))
-            big_unique = unique_bytes(requests, bodies)
-            size = path.stat().st_size
-            out["large_messages"] = {"message_chars": large_chars, "unique": big_unique,
-                                     "cassette_bytes": {"deja": size},
-                                     "ratio": {"deja": size / big_unique["total"]}}
+        runs = [_one(d, t, chars, vcr_max_turns, have_rewind)
+                for t in turns for chars in (0, large_chars)]
+        out: dict[str, Any] = {"runs": runs, "vcr_max_turns": vcr_max_turns,
+                               "large_chars": large_chars,
+                               "rewind_version": w.rewind_version()}
         if late_rounds:
-            out["late_overhead"] = _late_overhead(d, turns, late_rounds)
+            out["late_overhead"] = _late_overhead(d, late_turns, late_rounds)
         return out

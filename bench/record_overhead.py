@@ -1,16 +1,20 @@
 """Row 2: what recording adds to each call.
 
-The same N non-streamed calls go to one stub server three ways: live (nothing
-installed), inside ``recorder.record(tmpdir)`` at the default durability (fsync="turn":
-model lines are forced to disk by a background group commit, off the call), and inside a
-vcrpy cassette (record_mode="all"). Each call is timed on its own; the rounds rotate the order
-of the three variants. Overhead = median per-call time of the variant minus the median
-per-call time live, over all rounds' samples (difference of medians). Opening and closing
-the session/cassette (deja's header and end line, vcrpy's save of the YAML file) is not
-part of any call and is reported separately. For context two more numbers are taken:
-deja at fsync="exit" (the same work without the per-turn fsync) and the bare cost of
-one append + fsync of a cassette-sized line in the same directory (a fifth block of the
-same rounds, so it sees the same disk conditions).
+The same N non-streamed calls (the agent workload of :func:`workloads.agent_run`:
+conversations of ``workloads.CONV_TURNS`` calls whose history grows turn by turn, two tools
+alternating) go to one stub server four ways: live (nothing installed), inside
+``recorder.record(tmpdir)`` at the default durability (fsync="turn": model lines are forced to
+disk by a background group commit, off the call), inside a vcrpy cassette
+(record_mode="all"), and inside agent-rewind's ``rewind.record(path)`` with
+``rewind.patch_anthropic()`` installed (its default: one flushed JSON line per call, no
+fsync). Each call is timed on its own; the rounds rotate the order of the variants.
+Overhead = median per-call time of the variant minus the median per-call time live, over
+all rounds' samples (difference of medians). Opening and closing the session/cassette
+(deja's header and end line, vcrpy's save of the YAML file, agent-rewind's header) is not
+part of any call and is reported separately. For context two more numbers are taken: deja
+at fsync="exit" (the same work without the per-turn fsync) and the bare cost of one append +
+fsync of a cassette-sized line in the same directory (a block of the same rounds, so it sees
+the same disk conditions).
 """
 
 from __future__ import annotations
@@ -42,18 +46,19 @@ def raw_fsync(path: Path, n: int, size: int = 1700) -> list[float]:
 
 
 def run(*, n: int = 300, n_rounds: int = 5) -> dict[str, Any]:
-    variants = ("live", "deja", "deja_exit", "vcr")
+    have_rewind = w.rewind_version() is not None
+    variants = ("live", "deja", "deja_exit", "vcr", *(("rewind",) if have_rewind else ()))
     samples: dict[str, list[float]] = {k: [] for k in variants}
     per_round: dict[str, list[float]] = {k: [] for k in variants}
     open_close: dict[str, list[float]] = {k: [] for k in variants if k != "live"}
-    indices = range(n)
-    with w.measurement("record overhead"), w.tempdir("overhead") as d, w.stub() as server:
+    with (w.measurement("record overhead"), w.tempdir("overhead") as d,
+          w.stub(w.agent_script(w.CONV_TURNS)) as server):
         url = server.url
-        counter = {"deja": 0, "deja_exit": 0, "vcr": 0}
+        counter = {"deja": 0, "deja_exit": 0, "vcr": 0, "rewind": 0}
 
         def live() -> None:
-            times, out = w.timed_calls(w.client(url), indices)
-            w.check_echo(out, indices)
+            times: list[float] = []
+            w.agent_run(w.client(url), n, times=times)
             samples["live"].extend(times)
             per_round["live"].append(w.median(times))
 
@@ -64,11 +69,11 @@ def run(*, n: int = 300, n_rounds: int = 5) -> dict[str, Any]:
             with recorder.record(d / f"{kind}-{counter[kind]}.jsonl",
                                  budgets={"turns": 1_000_000}, **kwargs):
                 t1 = time.perf_counter()
-                times, out = w.timed_calls(w.client(url), indices)
+                times: list[float] = []
+                w.agent_run(w.client(url), n, times=times)
                 t2 = time.perf_counter()
             t3 = time.perf_counter()
             w.assert_unpatched("after deja recording")
-            w.check_echo(out, indices)
             samples[kind].extend(times)
             per_round[kind].append(w.median(times))
             open_close[kind].append((t1 - t0) + (t3 - t2))
@@ -81,14 +86,29 @@ def run(*, n: int = 300, n_rounds: int = 5) -> dict[str, Any]:
             t0 = time.perf_counter()
             with w.vcr_instance("all").use_cassette(str(d / f"vcr-{counter['vcr']}.yaml")):
                 t1 = time.perf_counter()
-                times, out = w.timed_calls(w.client(url), indices)
+                times: list[float] = []
+                w.agent_run(w.client(url), n, times=times)
                 t2 = time.perf_counter()
             t3 = time.perf_counter()
             w.assert_unpatched("after vcrpy recording")
-            w.check_echo(out, indices)
             samples["vcr"].extend(times)
             per_round["vcr"].append(w.median(times))
             open_close["vcr"].append((t1 - t0) + (t3 - t2))
+
+        def rewind() -> None:
+            counter["rewind"] += 1
+            with w.rewind_patched() as rw:
+                t0 = time.perf_counter()
+                with rw.record(d / f"rewind-{counter['rewind']}.rewind"):
+                    t1 = time.perf_counter()
+                    times: list[float] = []
+                    w.agent_run(w.client(url), n, times=times)
+                    t2 = time.perf_counter()
+                t3 = time.perf_counter()
+            w.assert_unpatched("after agent-rewind recording")
+            samples["rewind"].extend(times)
+            per_round["rewind"].append(w.median(times))
+            open_close["rewind"].append((t1 - t0) + (t3 - t2))
 
         live()  # warm-up: imports, connection pool, stub threads
         samples["live"].clear()
@@ -98,14 +118,18 @@ def run(*, n: int = 300, n_rounds: int = 5) -> dict[str, Any]:
         def fsync() -> None:
             fsync_samples.extend(raw_fsync(d / "fsync.probe", n))
 
-        w.run_blocks({"live": live, "deja": deja, "deja_exit": deja_exit, "vcr": vcr,
-                      "fsync": fsync}, n_rounds)
+        blocks = {"live": live, "deja": deja, "deja_exit": deja_exit, "vcr": vcr,
+                  "fsync": fsync}
+        if have_rewind:
+            blocks["rewind"] = rewind
+        w.run_blocks(blocks, n_rounds)
         fsync_ms = w.ms(w.median(fsync_samples))
 
     med = {k: w.ms(w.median(v)) for k, v in samples.items()}
     return {
         "raw_fsync_ms": fsync_ms,
-        "n": n, "rounds": n_rounds,
+        "n": n, "rounds": n_rounds, "conv_turns": w.CONV_TURNS,
+        "rewind_version": w.rewind_version(),
         "median_per_call_ms": med,
         "overhead_ms": {k: med[k] - med["live"] for k in variants if k != "live"},
         "per_round_median_ms": {k: [round(w.ms(x), 4) for x in v] for k, v in per_round.items()},

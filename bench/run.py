@@ -2,9 +2,11 @@
 
 Prints one table (metric | deja | anchor | target | result) and writes
 ``bench/results/latest.json``. Everything runs offline against a stub Anthropic server on
-127.0.0.1 with the real anthropic SDK. Every value is a median of several samples taken in
-this run; ratios are computed from medians of this run. Exits 0 whatever the results:
-benchmarks are not tests; failed targets are printed as FAIL.
+127.0.0.1 with the real anthropic SDK. The anchors: vcrpy, agent-rewind (the ``bench`` extra,
+which ``make bench`` installs; without it its cells say so) and the SDK's own floor (the same
+calls answered from memory by an in-process ``httpx2.MockTransport``). Every value is a
+median of several samples taken in this run; ratios are computed from medians of this run.
+Exits 0 whatever the results: benchmarks are not tests; failed targets are printed as FAIL.
 
 Measurements (``--only`` names): replay, overhead, ttft, size, resume, viewer (the viewer's first
 paint in headless Chromium, which needs Debian's chromium: ``make chromium``).
@@ -67,54 +69,99 @@ def _kb(n: int) -> str:
 
 def rows_replay(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     s, big = str(r["small"]), str(r["large"])
-    d, v = r["deja"], r["vcr"]
-    speed_ok = r["speedup_large"] >= 30
-    scale_ok = r["deja_scaling"] <= 1.1
-    sampled = (f"; vcrpy @{big}: {r['vcr_large_calls_replayed']} of {big} calls replayed "
-               "(uniform sample), once") if r["vcr_large_sampled"] else f"; vcrpy @{big}: once"
-    rows: list[Row] = [
-        (f"Replay per call @{s} calls",
-         f"{_fmt_ms(d[s]['per_call_ms'])} (load {_fmt_ms(d[s]['load_ms'])})",
-         f"vcrpy {_fmt_ms(v[s]['per_call_ms'])} (load {_fmt_ms(v[s]['load_ms'])})",
-         "-", f"info ({r['speedup_small']:.0f}x faster)"),
-        (f"Replay per call @{big} calls",
-         f"{_fmt_ms(d[big]['per_call_ms'])} (load {_fmt_ms(d[big]['load_ms'])})",
-         f"vcrpy {_fmt_ms(v[big]['per_call_ms'])} (load {_fmt_ms(v[big]['load_ms'])})",
-         ">= 30x faster than vcrpy", _verdict(speed_ok, f"{r['speedup_large']:.0f}x")),
-        (f"Replay per call @{big} / @{s}",
-         f"{r['deja_scaling']:.2f}x", f"vcrpy {r['vcr_scaling']:.1f}x", "<= 1.1x",
-         _verdict(scale_ok)),
-    ]
-    notes = [f"replay: per call = (time of N calls)/N with a fresh client made inside the "
-             f"replay (its construction, {_fmt_ms(d[s]['client_ms'])}, timed apart); load "
-             f"(cassette read + signature check + patches) excluded and shown; deja median of "
-             f"{d[s]['repeats']} replays per size, vcrpy @{s} median of {v[s]['repeats']}"
-             f"{sampled}. Ratios use per-call medians."]
-    fails = []
-    if not speed_ok:
-        fails.append(f"replay @{big}: deja only {r['speedup_large']:.1f}x faster than vcrpy")
-    if not scale_ok:
-        fails.append(f"replay: deja per call grows {r['deja_scaling']:.2f}x from {s} to {big}")
+    have_rw = r["rewind_version"] is not None
+    rows: list[Row] = []
+    fails: list[str] = []
+    for mode, label in (("json", "JSON"), ("sse", "SSE")):
+        m = r[mode]
+        d, v, fl, ratio = m["deja"], m["vcr"], m["floor"], m["ratio"]
+        for n in (s, big):
+            checks = [ratio["floor"][n] <= 1.2]
+            detail = [f"{ratio['floor'][n]:.2f}x floor"]
+            target = ["<= 1.2x floor"]
+            anchors = [f"floor {_fmt_ms(fl[n]['per_call_ms'])}"]
+            if have_rw:
+                rw = m["rewind"]
+                checks.insert(0, ratio["rewind"][n] <= 1.0)
+                detail.insert(0, f"{ratio['rewind'][n]:.2f}x agent-rewind")
+                target.insert(0, "<= agent-rewind")
+                anchors.insert(0, f"agent-rewind {_fmt_ms(rw[n]['per_call_ms'])} "
+                                  f"(load {_fmt_ms(rw[n]['load_ms'])})")
+            else:
+                anchors.insert(0, "agent-rewind: not installed")
+            anchors.append(f"vcrpy {_fmt_ms(v[n]['per_call_ms'])} "
+                           f"({ratio['vcr_speedup'][n]:.0f}x slower)")
+            if mode == "json" and n == big:
+                checks.append(ratio["vcr_speedup"][n] >= 30)
+                detail.append(f"{ratio['vcr_speedup'][n]:.0f}x vcrpy")
+                target.append(">= 30x faster than vcrpy")
+            ok = all(checks)
+            rows.append((f"Replay per call, {label}, @{n} calls",
+                         f"{_fmt_ms(d[n]['per_call_ms'])} (load {_fmt_ms(d[n]['load_ms'])})",
+                         "; ".join(anchors), ", ".join(target), _verdict(ok, ", ".join(detail))))
+            if not ok:
+                fails.append(f"replay {label} @{n}: deja {_fmt_ms(d[n]['per_call_ms'])} per call"
+                             f" = {', '.join(detail)}")
+        sc = ratio["scaling"]
+        scale_ok = sc["deja"] <= 1.1
+        rows.append((f"Replay per call, {label}, @{big} / @{s}", f"{sc['deja']:.2f}x",
+                     (f"agent-rewind {sc['rewind']:.2f}x; " if have_rw else "")
+                     + f"floor {sc['floor']:.2f}x; vcrpy {sc['vcr']:.1f}x",
+                     "<= 1.1x", _verdict(scale_ok, f"{sc['deja']:.2f}x")))
+        if not scale_ok:
+            fails.append(f"replay {label}: deja per call grows {sc['deja']:.2f}x from {s} to "
+                         f"{big} calls")
+    j = r["json"]
+    vcr_big = (f"vcrpy @{big}: {j['vcr_large_calls_replayed']} of {big} calls replayed (whole "
+               "conversations centred in equal slices of the cassette), once"
+               if r["vcr_large_sampled"] else f"vcrpy @{big}: all calls, once")
+    notes = [
+        f"replay: agent workload, conversations of {r['conv_turns']} calls whose history grows "
+        f"turn by turn (search and read_file tool calls alternating, each request carries the "
+        f"whole conversation, tool definitions included), {int(s) // r['conv_turns']} and "
+        f"{int(big) // r['conv_turns']} conversations; JSON = messages.create, SSE = "
+        "messages.create(stream=True) with every event iterated and the reply assembled. "
+        "Per call = (time of N calls)/N with a fresh client made inside the replay "
+        f"(construction, {_fmt_ms(j['deja'][s]['client_ms'])}, timed apart); load (read, "
+        "verify, install patches) excluded and shown. deja, agent-rewind and floor: median of "
+        f"{j['deja'][s]['repeats']} replays per size, rounds rotated; vcrpy @{s} median of "
+        f"{j['vcr'][s]['repeats']}; {vcr_big}. Ratios use per-call medians.",
+        "replay anchors: agent-rewind "
+        + (r["rewind_version"] or "not installed (make bench installs .[bench])")
+        + " = rewind.patch_anthropic() + rewind.replay(path) (strict matching): it replaces "
+        "Messages.create and revives the stored reply into SDK types, so it skips the SDK's "
+        "HTTP path altogether; SDK floor = the same client with http_client=httpx2.Client("
+        "transport=httpx2.MockTransport(...)) answering the recorded response bytes in order "
+        "from memory (request building, httpx2, response parsing; no lookup, no storage). "
+        "deja answers at httpx2's transport, inside the SDK's HTTP path, so the floor bounds it "
+        "from below; agent-rewind is not bound by it."]
     return rows, notes, fails
 
 
 def rows_overhead(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     o, m = r["overhead_ms"], r["median_per_call_ms"]
     ok = o["deja"] <= 0.3
+    rw = (f"; agent-rewind {o['rewind']:+.3f} ms ({_fmt_ms(m['rewind'])})" if "rewind" in o
+          else "; agent-rewind: not installed")
     rows: list[Row] = [(
         f"Recording overhead per call (N={r['n']})",
         f"{o['deja']:+.3f} ms ({_fmt_ms(m['deja'])} vs live {_fmt_ms(m['live'])})",
-        f"vcrpy {o['vcr']:+.3f} ms ({_fmt_ms(m['vcr'])})",
-        "<= 0.3 ms", _verdict(ok)),
+        f"vcrpy {o['vcr']:+.3f} ms ({_fmt_ms(m['vcr'])}){rw}",
+        "<= 0.3 ms", _verdict(ok, f"{o['deja']:+.3f} ms")),
         ("  same, deja at fsync='exit'",
          f"{o['deja_exit']:+.3f} ms", f"bare append+fsync {r['raw_fsync_ms']:.3f} ms", "-",
          "info")]
+    oc = r["open_close_ms"]
     notes = [f"overhead: {r['method']}, {r['rounds']} rounds x {r['n']} calls per variant, "
-             "order rotated; deja at default fsync='turn' (model lines forced to disk by the "
+             f"order rotated; the replay's agent workload (conversations of "
+             f"{r['conv_turns']} calls, growing history, alternating tools), not streamed. "
+             "deja at default fsync='turn' (model lines forced to disk by the "
              "background group commit, at most every 10 ms). Session open+close: deja "
-             f"{_fmt_ms(r['open_close_ms']['deja'])}, vcrpy "
-             f"{_fmt_ms(r['open_close_ms']['vcr'])} (YAML save). vcrpy records with its defaults "
-             "(record_mode='all', default matchers)."]
+             f"{_fmt_ms(oc['deja'])}, vcrpy {_fmt_ms(oc['vcr'])} (YAML save)"
+             + (f", agent-rewind {_fmt_ms(oc['rewind'])}" if "rewind" in oc else "")
+             + ". vcrpy records with its defaults (record_mode='all', default matchers); "
+             "agent-rewind with rewind.patch_anthropic() + rewind.record(path), its defaults "
+             "(a flushed JSON line per call holding the whole request, no fsync)."]
     fails = [] if ok else [f"recording overhead {o['deja']:.3f} ms per call > 0.3 ms"]
     return rows, notes, fails
 
@@ -138,43 +185,53 @@ def rows_ttft(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
 
 
 def rows_size(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
-    u, b, ratio = r["unique"], r["cassette_bytes"], r["ratio"]
-    ok = ratio["deja"] <= 1.5
-    turns = r["turns"]
-    per_turn_extra = (b["deja"] - u["total"]) / turns
-    rows: list[Row] = [(
-        f"Cassette bytes / unique content ({turns} turns)",
-        f"{ratio['deja']:.2f}x ({_kb(b['deja'])})",
-        f"vcrpy {ratio['vcr']:.1f}x ({_kb(b['vcr'])})",
-        "<= 1.5x", _verdict(ok))]
-    big = r.get("large_messages")
-    if big:
-        rows.append((
-            f"  same, ~{big['message_chars']}-char messages",
-            f"{big['ratio']['deja']:.2f}x ({_kb(big['cassette_bytes']['deja'])})",
-            "-", "-", "info"))
+    rows: list[Row] = []
+    fails: list[str] = []
+    for one in r["runs"]:
+        ratio, b, turns = one["ratio"], one["cassette_bytes"], one["turns"]
+        kind = f"~{one['message_chars']}-char" if one["message_chars"] else "short"
+        ok = ratio["deja"] <= 1.3
+        anchors = [f"agent-rewind {ratio['rewind']:.1f}x ({_kb(b['rewind'])})" if "rewind" in b
+                   else "agent-rewind: not installed",
+                   f"vcrpy {ratio['vcr']:.1f}x ({_kb(b['vcr'])})" if "vcr" in b
+                   else f"vcrpy: skipped (> {r['vcr_max_turns']} turns)"]
+        rows.append((f"Cassette bytes / unique content, {turns} turns, {kind} tool results",
+                     f"{ratio['deja']:.2f}x ({_kb(b['deja'])})", "; ".join(anchors),
+                     "<= 1.3x", _verdict(ok, f"{ratio['deja']:.2f}x")))
+        if not ok:
+            extra = (b["deja"] - one["unique"]["total"]) / turns
+            fails.append(f"size, {turns} turns, {kind}: deja cassette is {ratio['deja']:.2f}x "
+                         f"its unique content (> 1.3x); ~{extra:,.0f} B/turn beyond U against "
+                         f"{one['unique']['total'] / turns:,.0f} B/turn of content")
     late = r.get("late_overhead")
     if late:
         rows.append((
-            f"Recording overhead per call, turns {late['turns']}",
-            f"{late['overhead_ms']:+.3f} ms (turns 1-{turns // 4}: "
+            f"Recording overhead per call, turns {late['turns']} of {late['of_turns']}",
+            f"{late['overhead_ms']:+.3f} ms (turns 1-{late['of_turns'] // 4}: "
             f"{late['first_turns_overhead_ms']:+.3f})",
             f"live {_fmt_ms(late['median_ms']['live'])}", "-", "info"))
+    first = r["runs"][0]
+    u = first["unique"]
+    per_turn = ", ".join(
+        f"{one['turns']}{'L' if one['message_chars'] else 'S'}: "
+        f"{(one['cassette_bytes']['deja'] - one['unique']['total']) / one['turns']:,.0f} B "
+        f"(halves {one['growth']['first_half_per_turn']:,.0f}/"
+        f"{one['growth']['second_half_per_turn']:,.0f} B/turn)" for one in r["runs"])
     notes = [
-        f"size: unique content U = sum len(canonical JSON) of each distinct message "
-        f"({u['distinct_messages']} messages, {_kb(u['messages'])}) + each distinct request "
-        f"without messages ({u['request_params']} B) + every response body as received "
-        f"({_kb(u['responses'])}); U = {_kb(u['total'])}. Canonical JSON = sorted keys, "
-        f"',' ':' separators, UTF-8. Full requests would be {_kb(r['full_requests_bytes'])}.",
-        f"size: deja stores {per_turn_extra:,.0f} B per turn beyond U (per-line metadata: "
-        f"response headers, signature, timing, cost, request delta references); "
-        f"the last half of the turns cost {r['growth']['second_half_per_turn']:,.0f} B/turn "
-        f"vs {r['growth']['first_half_per_turn']:,.0f} B/turn for the first half "
-        f"(linear growth)."]
-    fails = [] if ok else [
-        f"size: deja cassette is {ratio['deja']:.2f}x its unique content (> 1.5x); "
-        f"fixed ~{per_turn_extra:,.0f} B/turn of metadata against "
-        f"{u['total'] / turns:,.0f} B/turn of content"]
+        "size: one agent conversation of T turns (whole history in every request, search and "
+        f"read_file alternating, tool results ~100 chars or ~{r['large_chars']} chars), "
+        "recorded by deja (defaults), agent-rewind (rewind.patch_anthropic() + rewind.record, "
+        "defaults) and vcrpy (record_mode='all'"
+        f"; skipped beyond {r['vcr_max_turns']} turns, where its YAML of every whole request "
+        "takes minutes). Unique content U = sum len(canonical JSON) of each distinct message + "
+        "each distinct request without messages (model, max_tokens, tools) + every response "
+        "body as received, taken from one live run through an in-process capture transport; "
+        "canonical JSON = sorted keys, ',' ':' separators, UTF-8. E.g. "
+        f"{first['turns']} turns, short: {u['distinct_messages']} messages, U = "
+        f"{_kb(u['total'])}, full requests would be {_kb(first['full_requests_bytes'])}.",
+        f"size: deja bytes per turn beyond U (per-line metadata: response headers, signature, "
+        f"timing, cost, request delta references), and per-turn bytes of the first/second "
+        f"half of the cassette: {per_turn}."]
     return rows, notes, fails
 
 
@@ -244,18 +301,20 @@ MEASURES = {
 
 def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
     if quick:
-        return {"replay": {"small": 50, "large": 500, "repeats": 3, "vcr_repeats": 2,
+        return {"replay": {"small": 40, "large": 400, "repeats": 3, "vcr_repeats": 1,
                            "stride": 10, "full_vcr": full_vcr},
                 "overhead": {"n": 100, "n_rounds": 2},
                 "ttft": {"calls_per_block": 5, "n_rounds": 1},
-                "size": {"turns": 50, "large_chars": 1000},
+                "size": {"turns": (20, 50), "large_chars": 1000, "vcr_max_turns": 50,
+                         "late_turns": 50},
                 "resume": {"steps": 1000, "repeats": 3},
                 "viewer": {"steps": 2000, "loads": 3, "runs": 2000, "repeats": 5}}
-    return {"replay": {"small": 200, "large": 2000, "repeats": 5, "vcr_repeats": 5,
-                       "stride": 10, "full_vcr": full_vcr},
+    return {"replay": {"small": 200, "large": 2000, "repeats": 5, "vcr_repeats": 1,
+                       "stride": 100, "full_vcr": full_vcr},
             "overhead": {"n": 300, "n_rounds": 5},
             "ttft": {"calls_per_block": 10, "n_rounds": 2},
-            "size": {"turns": 200, "large_chars": 1000},
+            "size": {"turns": (50, 200, 800), "large_chars": 1000, "vcr_max_turns": 200,
+                     "late_turns": 200},
             "resume": {"steps": 1000, "repeats": 5},
             "viewer": {"steps": 2000, "loads": 5, "runs": 10_000, "repeats": 7}}
 

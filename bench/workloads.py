@@ -3,7 +3,9 @@
 Everything here is offline (127.0.0.1). A measurement starts its own stub server and
 stops it when done (:func:`stub`), works in its own temporary directory (:func:`tempdir`),
 and checks before and after that no HTTP patches (deja's or vcrpy's) are left active
-(:func:`assert_unpatched`), so deja and vcrpy are never measured on top of each other.
+(:func:`assert_unpatched`), so deja, vcrpy and agent-rewind are never measured on top of each
+other. The SDK's floor (:func:`floor_client`) answers the same calls from memory through an
+in-process transport: the cost of the SDK's own HTTP path, which no replay through it beats.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import http.client
+import json
 import statistics
 import tempfile
 import time
@@ -29,13 +32,16 @@ API_KEY = "sk-bench"
 MAX_TOKENS = 64
 ECHO_SCRIPT = {"default": {"text": "ok {echo}"}}
 
-# The transport methods both deja and vcrpy patch, as they are with nothing installed.
+# The transport methods deja and vcrpy patch, and the SDK methods agent-rewind patches, as
+# they are with nothing installed.
 _PRISTINE: dict[str, Any] = {
     "httpx2.HTTPTransport.handle_request": httpx2.HTTPTransport.handle_request,
     "httpx2.AsyncHTTPTransport.handle_async_request":
         httpx2.AsyncHTTPTransport.handle_async_request,
     "http.client.HTTPConnection": http.client.HTTPConnection,
     "http.client.HTTPSConnection": http.client.HTTPSConnection,
+    "anthropic Messages.create": anthropic.resources.messages.Messages.create,
+    "anthropic Messages.stream": anthropic.resources.messages.Messages.stream,
 }
 
 
@@ -46,11 +52,14 @@ def _current() -> dict[str, Any]:
             httpx2.AsyncHTTPTransport.handle_async_request,
         "http.client.HTTPConnection": http.client.HTTPConnection,
         "http.client.HTTPSConnection": http.client.HTTPSConnection,
+        "anthropic Messages.create": anthropic.resources.messages.Messages.create,
+        "anthropic Messages.stream": anthropic.resources.messages.Messages.stream,
     }
 
 
 def assert_unpatched(where: str) -> None:
-    """Fail loudly if a deja session or a vcrpy cassette is still patching HTTP."""
+    """Fail loudly if a deja session, a vcrpy cassette or agent-rewind's SDK patch is still
+    installed."""
     changed = [name for name, obj in _current().items() if obj is not _PRISTINE[name]]
     if changed or recorder.active() is not None:
         raise RuntimeError(f"{where}: HTTP patches still active ({changed or 'deja session'}); "
@@ -152,3 +161,205 @@ def run_blocks(blocks: dict[str, Callable[[], None]], n_rounds: int) -> None:
         for name in order:
             gc.collect()
             blocks[name]()
+
+
+# ---------------------------------------------------------------------------- agent workload
+#
+# Conversations shaped like an agent's: a task, then turn after turn the model calls a tool
+# (``search`` and ``read_file`` alternately), the tool's result goes back as the next user
+# message, and every request carries the whole conversation so far; the last turn of a
+# conversation is a plain text answer. Many such conversations make up a run, so a run of
+# N calls has the same per-call request sizes whatever N is.
+
+TOOLS = ("search", "read_file")
+TOOL_DEFS = [
+    {"name": "search", "description": "Search the knowledge base.",
+     "input_schema": {"type": "object", "properties": {"query": {"type": "string"}},
+                      "required": ["query"]}},
+    {"name": "read_file", "description": "Read a file of the workspace.",
+     "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
+                      "required": ["path"]}},
+]
+CONV_TURNS = 20  # model calls per conversation in the replay and overhead runs
+
+
+def _tool_input(k: int) -> dict[str, str]:
+    return {"query": f"q{k}"} if k % 2 == 0 else {"path": f"src/file{k}.py"}
+
+
+def agent_script(turns: int, echo: bool = True) -> dict[str, Any]:
+    """The stub's script: turn k (the k-th call of a conversation) calls tool k % 2 with a
+    fixed input and id; the last turn answers in text. With ``echo`` each reply's text is
+    ``ok <last user message>``, so a reply served for the wrong request shows."""
+    out = []
+    for k in range(turns):
+        text = "ok {echo}" if echo else f"step {k} done"
+        turn: dict[str, Any] = {"text": text}
+        if k < turns - 1:
+            turn["tool_use"] = {"name": TOOLS[k % 2], "input": _tool_input(k),
+                                "id": f"toolu_{k:06d}"}
+        out.append(turn)
+    return {"select": "conversation", "turns": out}
+
+
+def task_text(conv: int) -> str:
+    return f"Task {conv}: find why the nightly build of module m{conv % 17} fails, and fix it."
+
+
+def tool_output(conv: int, k: int, chars: int = 0) -> str:
+    """The result of tool call k of conversation ``conv``; about ``chars`` long if given."""
+    base = (f"conversation {conv}, call {k}: {TOOLS[k % 2]} returned {(conv * 7 + k) % 23 + 1} "
+            f"rows; the newest mentions m{(conv + k) % 17}.")
+    if chars <= len(base):
+        return base
+    filler = " ".join(f"row{k}-{j}=value{(conv * 31 + k * 7 + j) % 97}"
+                      for j in range(chars // 12))
+    return (base + " " + filler)[:chars]
+
+
+def _collect_stream(events: Any) -> tuple[str, list[dict[str, Any]]]:
+    """Text and tool_use blocks of a streamed reply, assembled from its raw events."""
+    text: list[str] = []
+    tools: list[dict[str, Any]] = []
+    partial: dict[int, list[str]] = {}
+    for ev in events:
+        kind = ev.type
+        if kind == "content_block_delta":
+            delta = ev.delta
+            if delta.type == "text_delta":
+                text.append(delta.text)
+            elif delta.type == "input_json_delta":
+                partial[ev.index].append(delta.partial_json)
+        elif kind == "content_block_start" and ev.content_block.type == "tool_use":
+            block = ev.content_block
+            tools.append({"type": "tool_use", "id": block.id, "name": block.name, "input": {}})
+            partial[ev.index] = []
+        elif kind == "content_block_stop" and ev.index in partial:
+            raw = "".join(partial.pop(ev.index))
+            tools[-1]["input"] = json.loads(raw) if raw else {}
+    return "".join(text), tools
+
+
+def agent_call(c: anthropic.Anthropic, messages: list[dict[str, Any]], stream: bool,
+               max_tokens: int = MAX_TOKENS) -> tuple[str, list[dict[str, Any]]]:
+    """One model call with the whole conversation; the reply's text and tool_use blocks."""
+    if stream:
+        events = c.messages.create(model=MODEL, max_tokens=max_tokens, messages=messages,
+                                   tools=TOOL_DEFS, stream=True)
+        return _collect_stream(events)
+    msg = c.messages.create(model=MODEL, max_tokens=max_tokens, messages=messages,
+                            tools=TOOL_DEFS)
+    text = "".join(b.text for b in msg.content if b.type == "text")
+    tools = [{"type": "tool_use", "id": b.id, "name": b.name, "input": b.input}
+             for b in msg.content if b.type == "tool_use"]
+    return text, tools
+
+
+def conversation(c: anthropic.Anthropic, conv: int, turns: int, *, stream: bool = False,
+                 chars: int = 0, echo: bool = True, times: list[float] | None = None) -> None:
+    """Run conversation ``conv`` of ``turns`` model calls, checking every reply; each call's
+    wall time goes into ``times`` if given."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": task_text(conv)}]
+    for k in range(turns):
+        t0 = time.perf_counter()
+        text, tools = agent_call(c, list(messages), stream)
+        if times is not None:
+            times.append(time.perf_counter() - t0)
+        last = messages[-1]["content"]
+        last_text = last if isinstance(last, str) else last[0]["content"]
+        want = f"ok {last_text}" if echo else f"step {k} done"
+        want_tools = [] if k == turns - 1 else [TOOLS[k % 2]]
+        if text != want or [t["name"] for t in tools] != want_tools:
+            raise RuntimeError(f"conversation {conv}, call {k}: unexpected reply {text[:60]!r} "
+                               f"with tools {[t['name'] for t in tools]}")
+        messages.append({"role": "assistant",
+                         "content": [{"type": "text", "text": text}, *tools]})
+        if tools:
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": tools[0]["id"],
+                 "content": tool_output(conv, k, chars)}]})
+
+
+def agent_run(c: anthropic.Anthropic, n_calls: int, *, stream: bool = False,
+              convs: list[int] | range | None = None, times: list[float] | None = None) -> int:
+    """``n_calls`` calls as conversations of :data:`CONV_TURNS` calls (or only the
+    conversations ``convs`` of that run); returns the number of calls made."""
+    if n_calls % CONV_TURNS:
+        raise ValueError(f"n_calls={n_calls} is not a multiple of {CONV_TURNS}")
+    todo = range(n_calls // CONV_TURNS) if convs is None else convs
+    for conv in todo:
+        conversation(c, conv, CONV_TURNS, stream=stream, times=times)
+    return len(todo) * CONV_TURNS
+
+
+# ---------------------------------------------------------------------------- SDK floor
+
+
+class Capture:
+    """Every exchange of the SDK with the stub, kept in memory: request bodies and whole
+    responses (status, headers, body bytes), for the in-process floor and for counting
+    unique content."""
+
+    _DROP = frozenset({"content-length", "transfer-encoding", "connection", "content-encoding"})
+
+    def __init__(self, url: str) -> None:
+        self.requests: list[bytes] = []
+        self.responses: list[tuple[int, list[tuple[str, str]], bytes]] = []
+        self.url = url
+        self._upstream = httpx2.Client(timeout=60)
+
+    def _handle(self, request: httpx2.Request) -> httpx2.Response:
+        body = request.read()
+        self.requests.append(body)
+        up = self._upstream.send(self._upstream.build_request(
+            request.method, str(request.url), headers=request.headers, content=body))
+        headers = [(k, v) for k, v in up.headers.items() if k.lower() not in self._DROP]
+        self.responses.append((up.status_code, headers, up.content))
+        return httpx2.Response(up.status_code, headers=headers, content=up.content)
+
+    def client(self) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=self.url, api_key=API_KEY,
+                                   http_client=httpx2.Client(
+                                       transport=httpx2.MockTransport(self._handle)))
+
+    def close(self) -> None:
+        self._upstream.close()
+
+
+def floor_client(answers: list[tuple[int, list[tuple[str, str]], bytes]]) -> anthropic.Anthropic:
+    """The SDK's own floor: the real client and its whole HTTP path (request building,
+    httpx2, response parsing), answered in order from memory by an in-process
+    ``httpx2.MockTransport``, no socket, no matching."""
+    it = iter(answers)
+
+    def handle(request: httpx2.Request) -> httpx2.Response:
+        status, headers, body = next(it)
+        return httpx2.Response(status, headers=headers, content=body)
+
+    return anthropic.Anthropic(base_url="http://floor.invalid", api_key=API_KEY,
+                               http_client=httpx2.Client(transport=httpx2.MockTransport(handle)))
+
+
+# ---------------------------------------------------------------------------- agent-rewind
+
+
+def rewind_version() -> str | None:
+    """agent-rewind's version if it is installed (``make bench`` installs the pinned one)."""
+    try:
+        import rewind
+    except ImportError:
+        return None
+    return str(rewind.__version__)
+
+
+@contextlib.contextmanager
+def rewind_patched() -> Iterator[Any]:
+    """agent-rewind's anthropic patch (class-level ``Messages.create``/``stream``), removed
+    on exit; yields the ``rewind`` module (``rewind.record(path)`` / ``rewind.replay(path)``)."""
+    import rewind
+
+    unpatch = rewind.patch_anthropic()
+    try:
+        yield rewind
+    finally:
+        unpatch()
