@@ -5,7 +5,7 @@ raw HTTP, and a recorded message.
 from __future__ import annotations
 
 import http.client
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anthropic
@@ -26,17 +26,9 @@ def create(client: anthropic.Anthropic, **kwargs: object) -> anthropic.types.Mes
 
 
 @pytest.fixture
-def make_server() -> Iterator:
-    servers: list[StubServer] = []
-
-    def make(script: dict) -> StubServer:
-        server = StubServer(script).start()
-        servers.append(server)
-        return server
-
-    yield make
-    for server in servers:
-        server.stop()
+def make_server(stub: Callable[[dict], StubServer]) -> Callable[[dict], StubServer]:
+    """The suite's ``stub`` fixture (tests/conftest.py), under the name these tests use."""
+    return stub
 
 
 @pytest.fixture
