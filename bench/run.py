@@ -8,7 +8,8 @@ calls answered from memory by an in-process ``httpx2.MockTransport``). Every val
 median of several samples taken in this run; ratios are computed from medians of this run.
 Exits 0 whatever the results: benchmarks are not tests; failed targets are printed as FAIL.
 
-Measurements (``--only`` names): replay, overhead, ttft, size, resume, viewer (the viewer's first
+Measurements (``--only`` names): replay, overhead, ttft, size, resume, load (loading a
+10,000-line cassette), memory (peak memory of a 2,000-call replay), viewer (the viewer's first
 paint in headless Chromium, which needs Debian's chromium: ``make chromium``).
 """
 
@@ -31,7 +32,7 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results" / "latest.json"
-NAMES = ("replay", "overhead", "ttft", "size", "resume", "viewer")
+NAMES = ("replay", "overhead", "ttft", "size", "resume", "load", "memory", "viewer")
 
 # No real home is touched: a throwaway DEJA_HOME and signing key for this process.
 _HOME = tempfile.mkdtemp(prefix="deja-bench-home-")
@@ -43,6 +44,7 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 import cassette_size  # noqa: E402
+import load_speed  # noqa: E402
 import record_overhead  # noqa: E402
 import replay_speed  # noqa: E402
 import resume_speed  # noqa: E402
@@ -89,8 +91,10 @@ def rows_replay(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
                                   f"(load {_fmt_ms(rw[n]['load_ms'])})")
             else:
                 anchors.insert(0, "agent-rewind: not installed")
+            sampled = (f", {m['vcr_large_calls_replayed']} calls sampled"
+                       if n == big and r["vcr_large_sampled"] else "")
             anchors.append(f"vcrpy {_fmt_ms(v[n]['per_call_ms'])} "
-                           f"({ratio['vcr_speedup'][n]:.0f}x slower)")
+                           f"({ratio['vcr_speedup'][n]:.0f}x slower{sampled})")
             if mode == "json" and n == big:
                 checks.append(ratio["vcr_speedup"][n] >= 30)
                 detail.append(f"{ratio['vcr_speedup'][n]:.0f}x vcrpy")
@@ -112,9 +116,17 @@ def rows_replay(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
             fails.append(f"replay {label}: deja per call grows {sc['deja']:.2f}x from {s} to "
                          f"{big} calls")
     j = r["json"]
-    vcr_big = (f"vcrpy @{big}: {j['vcr_large_calls_replayed']} of {big} calls replayed (whole "
-               "conversations centred in equal slices of the cassette), once"
-               if r["vcr_large_sampled"] else f"vcrpy @{big}: all calls, once")
+    k = j["vcr_large_calls_replayed"] // r["conv_turns"]
+    vcr_small = (f"vcrpy @{s}: all {s} calls replayed once" if j["vcr"][s]["repeats"] == 1
+                 else f"vcrpy @{s}: median of {j['vcr'][s]['repeats']} replays of all {s} calls")
+    vcr_big = ((f"vcrpy @{big}: only {k} whole conversation{'s' if k > 1 else ''} of "
+                f"{r['conv_turns']} calls replayed ({j['vcr_large_calls_replayed']} of {big} "
+                + ("calls, the conversation in the middle of the cassette" if k == 1 else
+                   f"calls, one centred in each of {k} equal slices of the cassette")
+                + "), once, from the whole cassette loaded; its per call is the mean over those "
+                "calls, which estimates the full run's because its matcher's cost grows "
+                "linearly with the match's position (--full-vcr replays all)")
+               if r["vcr_large_sampled"] else f"vcrpy @{big}: all {big} calls replayed once")
     notes = [
         f"replay: agent workload, conversations of {r['conv_turns']} calls whose history grows "
         f"turn by turn (search and read_file tool calls alternating, each request carries the "
@@ -124,8 +136,8 @@ def rows_replay(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         "Per call = (time of N calls)/N with a fresh client made inside the replay "
         f"(construction, {_fmt_ms(j['deja'][s]['client_ms'])}, timed apart); load (read, "
         "verify, install patches) excluded and shown. deja, agent-rewind and floor: median of "
-        f"{j['deja'][s]['repeats']} replays per size, rounds rotated; vcrpy @{s} median of "
-        f"{j['vcr'][s]['repeats']}; {vcr_big}. Ratios use per-call medians.",
+        f"{j['deja'][s]['repeats']} replays per size, rounds rotated; {vcr_small}; {vcr_big}; "
+        "JSON and SSE alike. Ratios use per-call medians.",
         "replay anchors: agent-rewind "
         + (r["rewind_version"] or "not installed (make bench installs .[bench])")
         + " = rewind.patch_anthropic() + rewind.replay(path) (strict matching): it replaces "
@@ -289,12 +301,89 @@ def rows_resume(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     return rows, notes, fails
 
 
+def rows_load(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+    d, fl, lines = r["deja"], r["json_floor"], r["lines"]
+    ok = d["median_ms"] <= 500.0
+    anchors = [f"json.loads of every line {_fmt_ms(fl['median_ms'])} "
+               f"(deja {d['median_ms'] / fl['median_ms']:.0f}x that)"]
+    rw = r.get("rewind")
+    if rw:
+        anchors.append(f"agent-rewind Trace.load {rw['load']['median_ms'] / 1000:.2f} s, "
+                       f"Trace.open {rw['open']['median_ms'] / 1000:.2f} s ({_kb(rw['bytes'])})")
+    else:
+        anchors.append("agent-rewind: skipped" if r["rewind_skipped"]
+                       else "agent-rewind: not installed")
+    rows: list[Row] = [(
+        f"Load + verify, {lines:,}-line cassette",
+        f"{d['median_ms'] / 1000:.2f} s (min {d['min_ms'] / 1000:.2f} s; "
+        f"{r['per_line_us']:.0f} µs/line; {_kb(r['bytes'])})",
+        "; ".join(anchors), "<= 0.5 s", _verdict(ok, f"{d['median_ms'] / 1000:.2f} s"))]
+    notes = [
+        f"load: one agent run recorded through the SDK against the stub until the cassette "
+        f"had {lines:,} lines: {r['model_calls']:,} model calls in conversations of "
+        f"{r['conv_turns']} calls with growing history, each tool_use reply followed by the "
+        f"@recorder.tool it names ({r['tool_calls']:,} tool lines, search/read_file "
+        f"alternating), plus header and end line; {_kb(r['bytes'])}, recorded in "
+        f"{r['record_ms'] / 1000:.0f} s. "
+        f"recorder.cassette.load(path) (read, parse, verify the HMAC chain, restore compact "
+        f"fields; verified=True checked), median of {r['repeats']} after one untimed load: "
+        f"{', '.join(f'{x:.0f}' for x in d['samples_ms'])} ms. Anchors on the same run: "
+        f"read + json.loads of every line of the same file (the floor of any JSON-lines "
+        f"reader), median of {r['repeats']}; the loads' order rotated round by round"
+        + (f"; agent-rewind {r['rewind_version']} recording the same pass "
+           f"(rewind.patch_anthropic() + rewind.record, @rewind.tool under @recorder.tool; "
+           f"{rw['events']:,} events holding every whole request, {_kb(rw['bytes'])}): "
+           f"rewind.trace.Trace.load (eager, every event parsed) and Trace.open (lazy: an "
+           f"index of events, bodies parsed on access, what its replay uses), median of "
+           f"{rw['repeats']}; neither verifies anything" if rw else "")
+        + "; vcrpy not measured (its YAML of every whole request takes minutes to load)."]
+    fails = [] if ok else [f"load + verify of a {lines:,}-line cassette "
+                           f"{d['median_ms'] / 1000:.2f} s (> 0.5 s)"]
+    return rows, notes, fails
+
+
+def rows_memory(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+    rss, traced, size = r["rss"], r["traced"], r["bytes"]
+    used = r["rss_over_baseline_bytes"]
+    ok = r["ratio_rss"] < 2.0
+    rows: list[Row] = [(
+        f"Replay memory, {r['calls']:,}-call run (JSON)",
+        f"peak RSS +{_kb(used)} = {r['ratio_rss']:.1f}x file (loaded: "
+        f"+{_kb(r['rss_loaded_over_baseline_bytes'])}); tracemalloc peak "
+        f"{_kb(traced['traced_peak_bytes'])} = {r['ratio_traced']:.1f}x file (loaded: "
+        f"{_kb(traced['traced_loaded_bytes'])})",
+        f"file {_kb(size)}; interpreter (baseline RSS) {_kb(rss['baseline_bytes'])}",
+        "peak - interpreter < 2x file", _verdict(ok, f"{r['ratio_rss']:.1f}x"))]
+    notes = [
+        f"memory: the replay rows' JSON workload ({r['calls']:,} calls, conversations of "
+        f"{r['conv_turns']}) recorded, then replayed with replayer.replay in a fresh "
+        "interpreter (nothing else of this run in it), the stub stopped. Baseline = peak RSS "
+        "after importing everything and making the client; deja = peak RSS after the replay "
+        f"({_kb(rss['peak_bytes'])}) minus it. Peak RSS = {rss['source']} (the child's own "
+        "high-water mark; getrusage ru_maxrss, which after fork + exec also counts the "
+        f"parent's peak, read {_kb(rss['ru_maxrss_baseline_bytes'])} -> "
+        f"{_kb(rss['ru_maxrss_peak_bytes'])}). A second fresh "
+        "interpreter, run beside it, replays under tracemalloc started after the baseline: "
+        "its peak counts Python allocations only (not allocator slack). Loaded = the same "
+        "peaks once replayer.replay has loaded the cassette, before the first call. One child "
+        "each; replay took "
+        f"{rss['replay_s']:.1f} s (traced {traced['replay_s']:.1f} s)."]
+    fails = [] if ok else [f"replay memory of a {r['calls']:,}-call run: peak RSS "
+                           f"+{_kb(used)} over the interpreter = {r['ratio_rss']:.1f}x the "
+                           f"cassette's {_kb(size)} (>= 2x); "
+                           f"+{_kb(r['rss_loaded_over_baseline_bytes'])} of it already once the "
+                           "cassette is loaded"]
+    return rows, notes, fails
+
+
 MEASURES = {
     "replay": (replay_speed.run, rows_replay),
     "overhead": (record_overhead.run, rows_overhead),
     "ttft": (ttft.run, rows_ttft),
     "size": (cassette_size.run, rows_size),
     "resume": (resume_speed.run, rows_resume),
+    "load": (load_speed.run_load, rows_load),
+    "memory": (load_speed.run_memory, rows_memory),
     "viewer": (viewer_speed.run, rows_viewer),
 }
 
@@ -308,6 +397,8 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
                 "size": {"turns": (20, 50), "large_chars": 1000, "vcr_max_turns": 50,
                          "late_turns": 50},
                 "resume": {"steps": 1000, "repeats": 3},
+                "load": {"lines": 2000, "repeats": 3, "rewind_repeats": 1},
+                "memory": {"calls": 400},
                 "viewer": {"steps": 2000, "loads": 3, "runs": 2000, "repeats": 5}}
     return {"replay": {"small": 200, "large": 2000, "repeats": 5, "vcr_repeats": 1,
                        "stride": 100, "full_vcr": full_vcr},
@@ -316,6 +407,8 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
             "size": {"turns": (50, 200, 800), "large_chars": 1000, "vcr_max_turns": 200,
                      "late_turns": 200},
             "resume": {"steps": 1000, "repeats": 5},
+            "load": {"lines": 10_000, "repeats": 5, "rewind_repeats": 3},
+            "memory": {"calls": 2000},
             "viewer": {"steps": 2000, "loads": 5, "runs": 10_000, "repeats": 7}}
 
 

@@ -72,8 +72,76 @@ def fingerprint(kind: str, method: str, url: str, body: Any) -> str:
     """What a replayed call is matched by: the semantic request, never volatile headers.
 
     A model call is identified by its endpoint path and JSON body (model, system, messages,
-    tools, parameters), not the host, so a replay may point the agent at another base URL.
+    tools, parameters), not the host, so a replay may point the agent at another base URL
+    (see :func:`model_fingerprint`, which a provider uses for its calls).
     """
     if kind == "model":
-        return digest(["model", method.upper(), urlsplit(url).path.rstrip("/"), body])
+        return model_fingerprint(method, url, body)
     return digest(["http", method.upper(), http_target(url), body])
+
+
+class Parts:
+    """The digests of model requests' parts, kept so that a request that repeats the parts
+    of one before it (a conversation resends all of its history) hashes only what it adds.
+
+    A part is remembered by its object (a cassette's requests share their history with the
+    request they extend, object for object) or by its exact JSON text as received (equal
+    text is an equal value, types included; equality of parsed values would take ``1``,
+    ``1.0`` and ``True`` for one another). Bounded: it starts over past :attr:`LIMIT`
+    parts.
+    """
+
+    LIMIT = 16384
+
+    def __init__(self) -> None:
+        self._by_object: dict[int, tuple[Any, str]] = {}
+        self._by_text: dict[str, str] = {}
+
+    def of(self, value: Any, text: str | None = None) -> str:
+        if text is not None:
+            known = self._by_text.get(text)
+            if known is None:
+                if len(self._by_text) >= self.LIMIT:
+                    self._by_text.clear()
+                known = self._by_text[text] = digest(value)
+            return known
+        hit = self._by_object.get(id(value))
+        if hit is not None and hit[0] is value:
+            return hit[1]
+        if len(self._by_object) >= self.LIMIT:
+            self._by_object.clear()
+        out = digest(value)
+        self._by_object[id(value)] = (value, out)
+        return out
+
+
+# The raw JSON text of a request's top-level fields, and of each of its messages.
+Texts = tuple[dict[str, str], list[str]]
+
+
+def model_fingerprint(method: str, url: str, body: Any, parts: Parts | None = None,
+                      texts: Texts | None = None) -> str:
+    """A model call's fingerprint: its endpoint path and its semantic request.
+
+    A request with a ``messages`` list is hashed as the digests of its parts (each
+    top-level field, each message), so that ``parts`` can remember the history a
+    conversation repeats; ``texts`` are the parts as received (see :class:`Parts`). Two
+    requests have the same fingerprint exactly when every part has the same canonical
+    JSON. Anything else is hashed whole.
+    """
+    path = urlsplit(url).path.rstrip("/")
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list):
+        return digest(["model", method.upper(), path, body])
+    of = parts.of if parts is not None else _part
+    fields, bodies = texts if texts is not None else ({}, None)
+    head = {k: of(v, fields.get(k)) for k, v in body.items() if k != "messages"}
+    if bodies is not None and len(bodies) == len(messages):
+        listed = [of(m, t) for m, t in zip(messages, bodies, strict=True)]
+    else:
+        listed = [of(m, None) for m in messages]
+    return digest(["model/parts", method.upper(), path, head, listed])
+
+
+def _part(value: Any, text: str | None = None) -> str:
+    return digest(value)

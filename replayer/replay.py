@@ -31,13 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from recorder import values as _values
+from recorder.canonical import Parts
 from recorder.capture import session
 from recorder.capture import vcr as capture
 from recorder.capture.exchange import (
     HttpRequest,
     HttpResponse,
     Redaction,
-    classify,
+    classify_texts,
     request_fingerprint,
     response_from_record,
 )
@@ -230,6 +231,7 @@ class ReplaySession(session.Session):
         self.index = Index(cassette)
         # Exactly the rules the recording used, so requests fingerprint the same way.
         self.redaction = Redaction.from_header(cassette.header.get("redact"))
+        self._parts = Parts()  # the history the agent resends, hashed once
         self._lock = threading.Lock()
         self.divergence: DivergenceInfo | None = None
         self.notes: list[str] = []
@@ -351,10 +353,10 @@ class ReplaySession(session.Session):
     def match_http(self, request: HttpRequest) -> Mapping[str, Any]:
         """The recorded observation that answers ``request``; a Divergence if none does."""
         self.raise_recorded_stop()
-        kind, provider, body = classify(request.method, request.url, request.body,
-                                        self.redaction)
+        kind, provider, body, texts = classify_texts(request.method, request.url,
+                                                     request.body, self.redaction)
         url = self.redaction.url(request.url)
-        fp = request_fingerprint(kind, provider, request.method, url, body)
+        fp = request_fingerprint(kind, provider, request.method, url, body, self._parts, texts)
         obs = self.index.take(("net", fp))
         if obs is None:
             actual: Any = body if kind == "model" else {

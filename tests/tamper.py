@@ -105,12 +105,15 @@ def _canonical(doc: Any) -> bytes:
 
 
 def resign(docs: list[Line], key: bytes) -> list[bytes]:
-    """Sign every line again with ``key``, the way the README describes the chain."""
+    """Sign every line again with ``key``, the way the README describes the chain: over
+    each line's bytes as written without its ``sig`` (deja/2), or over its canonical JSON
+    (deja/1)."""
     header = {**docs[0], "key_id": key_id(key)}
+    signed = _canonical if header.get("format") == "deja/1" else dump
     out, prev = [], ""
     for doc in [header, *docs[1:]]:
         body = {k: v for k, v in doc.items() if k != "sig"}
-        mac = hmac.digest(key, prev.encode("ascii") + _canonical(body), hashlib.sha256)
+        mac = hmac.digest(key, prev.encode("ascii") + signed(body), hashlib.sha256)
         prev = base64.urlsafe_b64encode(mac).rstrip(b"=").decode("ascii")
         out.append(dump({**body, "sig": prev}))
     return out

@@ -26,7 +26,9 @@ import threading
 from typing import Any
 
 from recorder import providers  # a module reference: providers imports this package
+from recorder.canonical import Parts
 
+_NO_DOC = object()  # a response body stored as text, not as JSON
 _DERIVED = ("usage", "stop_reason", "api_error", "message_id", "model", "stream", "fp")
 
 
@@ -104,8 +106,11 @@ def _phrase(status: int) -> str:
     return http.client.responses.get(status, "")
 
 
-def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any) -> None:
-    """Reader side: restore a model line in place; ``earlier`` holds the lines before it."""
+def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any,
+           parts: Parts | None = None) -> None:
+    """Reader side: restore a model line in place; ``earlier`` holds the lines before it,
+    ``parts`` the digests of the request parts seen so far (the fingerprint of a request
+    hashes only what it adds to its conversation)."""
     if isinstance(line.get("url"), int):
         line["url"] = earlier[line["url"]]["url"]
     url = line.get("url") or ""
@@ -117,8 +122,10 @@ def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any) ->
         line["request_headers"] = earlier[headers]["request_headers"]
     response = line.get("response")
     if response is not None:
+        doc = _NO_DOC
         if "body_json" in response:
-            response["body"] = json_text(response.pop("body_json"))
+            doc = response.pop("body_json")
+            response["body"] = json_text(doc)
         response.setdefault("reason", _phrase(response.get("status", 0)))
         base = response.pop("headers_base", None)
         if base is not None:
@@ -127,8 +134,9 @@ def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any) ->
                                    for h, b in zip(response["headers"], base_headers, strict=True)]
         if "usage" not in line:
             body = response["body"].encode("utf-8") if response.get("encoding") is None else b""
-            summary = provider.summarize(response.get("status", 0),
-                                         response.get("headers") or [], body)
+            status, headers = response.get("status", 0), response.get("headers") or []
+            summary = (provider.summarize(status, headers, body) if doc is _NO_DOC
+                       else provider.summarize_parsed(status, headers, body, doc))
             line["usage"] = summary.get("usage") or None
             line["stop_reason"] = summary.get("stop_reason")
             line["message_id"] = summary.get("message_id")
@@ -137,5 +145,6 @@ def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any) ->
     if isinstance(request, dict):
         line.setdefault("model", provider.request_model(request))
         line.setdefault("stream", provider.request_streams(request))
-    line.setdefault("fp", provider.fingerprint("POST", url, request))
+    if "fp" not in line:
+        line["fp"] = provider.fingerprint("POST", url, request, parts)
     line.setdefault("message_id", None)

@@ -13,8 +13,9 @@ from recorder.errors import (
     ConfigError,
 )
 
-FORMAT = "deja/1"
-READABLE_FORMATS = (FORMAT,)
+FORMAT = "deja/2"  # what the writer writes: each line signed over its exact bytes
+V1 = "deja/1"  # signed over each line's canonical JSON; still read, and continued by a resume
+READABLE_FORMATS = (FORMAT, V1)
 KINDS: tuple[str, ...] = tuple(kind.value for kind in Kind)
 
 

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from recorder.canonical import Parts
 from recorder.cassette import _delta, _validate, compact, trust
-from recorder.cassette.format import KINDS, READABLE_FORMATS
+from recorder.cassette.format import KINDS, READABLE_FORMATS, V1
 from recorder.cassette.keys import Keyring, load_keyring
 from recorder.cassette.schema import EndLine, Header, Kind, Line, ModelLine, Observation
-from recorder.cassette.signing import check_sig
+from recorder.cassette.signing import check_bytes, check_sig, line_bytes, split_signed
 from recorder.errors import (
     CassetteNotFound,
     CorruptCassette,
@@ -96,6 +97,7 @@ def _lines(path: Path) -> tuple[list[tuple[int, bytes]], int | None, int]:
 
 def _signed(key: bytes, prev: str, line: dict[str, Any], sig: object, path: Path,
             seq: int | None) -> bool:
+    """Does ``sig`` sign ``line`` by the rules of ``deja/1`` (its canonical form)?"""
     try:
         return check_sig(key, prev, line, sig)
     except UnicodeEncodeError:
@@ -109,21 +111,36 @@ def _signed(key: bytes, prev: str, line: dict[str, Any], sig: object, path: Path
                               path=path, seq=seq) from None
 
 
-def _chain(lines: list[tuple[int, bytes]], path: Path, header_sig: object
-           ) -> Iterator[tuple[str, dict[str, Any], object]]:
-    """Each observation line (without its sig) with the stored sig of the line before it
-    and its own, for the trust decision; stops at the first line that cannot be read."""
+def _check_v2(key: bytes, prev: str, line: dict[str, Any] | bytes, sig: object) -> bool:
+    """Does ``sig`` sign ``line`` by the rules of ``deja/2``: its signed bytes as read, or a
+    parsed line (a header with its ``key_id`` restored) serialised as the writer does."""
+    body = line if isinstance(line, bytes) else line_bytes(line)
+    return check_bytes(key, prev, body, sig)
+
+
+def _chain(lines: list[tuple[int, bytes]], path: Path, header_sig: object, v1: bool
+           ) -> Iterator[tuple[str, Any, object]]:
+    """Each observation line as its signature covers it (``deja/1``: parsed, without its
+    sig; ``deja/2``: its signed bytes) with the stored sig of the line before it and its
+    own, for the trust decision; stops at the first line that cannot be read."""
     prev = header_sig
     for index, (_, raw) in enumerate(lines[1:], start=1):
-        try:
-            line = _validate.parse_line(raw, path, f"line {index + 1}", index - 1)
-        except CorruptCassette:
-            return
-        if not isinstance(line, dict):
-            return
-        sig = line.pop("sig", None)
+        payload: Any
+        if v1:
+            try:
+                payload = _validate.parse_line(raw, path, f"line {index + 1}", index - 1)
+            except CorruptCassette:
+                return
+            if not isinstance(payload, dict):
+                return
+            sig = payload.pop("sig", None)
+        else:
+            split = split_signed(raw)
+            if split is None:
+                return
+            payload, sig = split
         if isinstance(prev, str):
-            yield prev, line, sig
+            yield prev, payload, sig
         prev = sig
 
 
@@ -179,12 +196,14 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
         allow_unverified = trust.allow_unverified_from_env()
     lines, torn, size = _read(path)
     header, header_sig = _header(lines[0][1], path)
-    verdict = trust.decide(path, header, header_sig, lambda: _chain(lines, path, header_sig),
-                           keyring, check_sig, allow_unverified=allow_unverified,
+    v1 = header["format"] == V1
+    verdict = trust.decide(path, header, header_sig,
+                           lambda: _chain(lines, path, header_sig, v1), keyring,
+                           check_sig if v1 else _check_v2, allow_unverified=allow_unverified,
                            require_signature=require_signature)
     key = verdict.key
-    _verify_header(key, header, header_sig, path)
-    body = _body(lines, key, header_sig, path)
+    _verify_header(key, header, header_sig, lines[0][1], v1, path)
+    body = _body(lines, key, header_sig, v1, path)
     _report_unfinished(path, body, len(lines), torn, verified=key is not None,
                        allow_torn=allow_torn, allow_incomplete=allow_incomplete)
     return Cassette(path=path, header=cast(Header, header), observations=tuple(body.observations),
@@ -225,8 +244,16 @@ def _header(raw: bytes, path: Path) -> tuple[dict[str, Any], object]:
     return header, header_sig
 
 
-def _verify_header(key: bytes | None, header: dict[str, Any], sig: object, path: Path) -> None:
-    if key is not None and not _signed(key, "", header, sig, path, None):
+def _verify_header(key: bytes | None, header: dict[str, Any], sig: object, raw: bytes,
+                   v1: bool, path: Path) -> None:
+    if key is None:
+        return
+    if v1:
+        ok = _signed(key, "", header, sig, path, None)
+    else:
+        split = split_signed(raw)
+        ok = split is not None and check_bytes(key, "", split[0], sig)
+    if not ok:
         raise SignatureError(
             f"{path}: signature check failed at the header (line 1): it was edited after "
             "it was written. Do not trust this cassette; restore it from where it was "
@@ -243,19 +270,23 @@ class _Body:
     requests: dict[int, Any] = field(default_factory=dict)
     end: EndLine | None = None
     end_offset: int | None = None
+    parts: Parts = field(default_factory=Parts)
 
 
-def _body(lines: list[tuple[int, bytes]], key: bytes | None, header_sig: object,
+def _body(lines: list[tuple[int, bytes]], key: bytes | None, header_sig: object, v1: bool,
           path: Path) -> _Body:
     """The lines after the header, each through the steps in turn before the next one is
-    read: parsed strictly (:func:`_parsed`), signed by the line before it
-    (:func:`_verified`), in its place with the field types deja writes (:func:`_checked`),
-    its compact fields restored (:func:`_restore`)."""
+    read: parsed strictly and signed by the line before it (:func:`_parsed` and
+    :func:`_verified`, or :func:`_parsed_v2` for ``deja/2``), in its place with the field
+    types deja writes (:func:`_checked`), its compact fields restored (:func:`_restore`)."""
     body = _Body(sigs=[header_sig if isinstance(header_sig, str) else ""])
     for index, (offset, raw) in enumerate(lines[1:], start=1):
         number, seq = index + 1, index - 1
-        line, sig = _parsed(raw, number, seq, path)
-        _verified(line, sig, key, body.sigs, number, seq, path)
+        if v1:
+            line, sig = _parsed(raw, number, seq, path)
+            _verified(line, sig, key, body.sigs, number, seq, path)
+        else:
+            line = _parsed_v2(raw, key, body.sigs, number, seq, path)
         _checked(line, body, number, seq, path)
         _restore(cast(Line, line), offset, body, path)
     return body
@@ -273,12 +304,37 @@ def _verified(line: Any, sig: object, key: bytes | None, sigs: list[str], number
     """Step 2: the line signed by the one before it (with ``key``; unchecked without
     one); ``sigs`` gets its sig."""
     if key is not None and not _signed(key, sigs[-1], line, sig, path, seq):
-        raise SignatureError(
-            f"{path}: signature check failed at seq {seq} (line {number}): the "
-            "line was edited, inserted, deleted or moved after it was written. Do "
-            "not trust this cassette; restore it from where it was committed",
-            path=path, seq=seq)
+        raise _tampered(path, number, seq)
     sigs.append(sig if isinstance(sig, str) else "")
+
+
+def _parsed_v2(raw: bytes, key: bytes | None, sigs: list[str], number: int, seq: int,
+               path: Path) -> Any:
+    """Steps 1 and 2 of a ``deja/2`` line: its signed bytes checked first (no parsing is
+    needed for that), then parsed. A line whose signature holds is bytes deja wrote, so a
+    plain parse reads it exactly; anything else is parsed strictly, so a malformed line is
+    reported as such before its signature is, as in ``deja/1``."""
+    split = split_signed(raw)
+    if key is not None and split is not None and check_bytes(key, sigs[-1], *split):
+        signed, good = split
+        line = _validate.decode_trusted(signed, path, f"line {number} (seq {seq})", seq)
+        sigs.append(good)
+        return line
+    line, sig = _parsed(raw, number, seq, path)
+    if key is not None:  # well-formed, but not what was signed
+        if isinstance(line, dict):  # a value with no JSON form deja writes: say so first
+            _signed(key, sigs[-1], line, sig, path, seq)
+        raise _tampered(path, number, seq)
+    sigs.append(sig if isinstance(sig, str) else "")
+    return line
+
+
+def _tampered(path: Path, number: int, seq: int) -> SignatureError:
+    return SignatureError(
+        f"{path}: signature check failed at seq {seq} (line {number}): the "
+        "line was edited, inserted, deleted or moved after it was written. Do "
+        "not trust this cassette; restore it from where it was committed",
+        path=path, seq=seq)
 
 
 def _checked(line: Any, body: _Body, number: int, seq: int, path: Path) -> None:
@@ -314,7 +370,7 @@ def _restore_model(line: ModelLine, body: _Body, path: Path) -> None:
     try:
         body.requests[seq] = _delta.decode(line["request"], body.requests)
         compact.expand(cast(dict[str, Any], line), cast(list[dict[str, Any]],
-                        body.observations), body.requests.get(seq))
+                        body.observations), body.requests.get(seq), body.parts)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError,
             RecursionError) as exc:
         raise CorruptCassette(f"{path}: seq {seq}: it refers to an earlier line that is "

@@ -18,7 +18,6 @@ crash or power loss would otherwise take):
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 import time
@@ -29,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 from recorder.canonical import canonical
 from recorder.cassette import _delta
 from recorder.cassette import lock as writer_lock
-from recorder.cassette.format import FORMAT, RESUMABLE_ENDS, TURN_SYNC_KINDS, Fsync
+from recorder.cassette.format import FORMAT, RESUMABLE_ENDS, TURN_SYNC_KINDS, V1, Fsync
 from recorder.cassette.keys import key_id
 from recorder.cassette.schema import Kind
-from recorder.cassette.signing import encode_sig, mac
+from recorder.cassette.signing import encode_sig, line_bytes, mac, with_sig
 from recorder.errors import (
     CassetteLocked,
     CassetteWriteError,
@@ -132,6 +131,7 @@ class CassetteWriter:
             raise CassetteWriteError(f"cannot create cassette {self.path}: "
                                      f"{exc.strerror or exc}", path=self.path) from None
         self._prev = ""
+        self._v1 = False  # a new cassette is always written in the current format
         self._seq = 0
         self._size = 0
         self._group: _GroupSync | None = None
@@ -183,6 +183,7 @@ class CassetteWriter:
         for seq in sorted(cassette.requests)[-_delta.WINDOW:]:
             self._delta.prime(seq, cassette.requests[seq])
         self._prev = cassette.sigs[len(cassette.observations)]
+        self._v1 = cassette.header.get("format") == V1  # its chain goes on as it began
         self._seq = len(cassette.observations)
         self._size = keep
         self._group = None
@@ -299,20 +300,19 @@ class CassetteWriter:
 
     def _write(self, line: dict[str, Any], *, sync: bool) -> None:
         try:
-            body = canonical(line)
             # Every line keeps its field order on disk ("format" first in the header; a
             # tool result's or effect's dict keys as returned, so a replay gives back the
-            # same order); the signature covers the canonical (sorted) form, which the
-            # reader recomputes.
-            text = json.dumps(line, separators=(",", ":"), ensure_ascii=False,
-                              allow_nan=False).encode("utf-8")
+            # same order). The signature covers these exact bytes; a deja/1 cassette being
+            # continued covers the canonical (sorted) form, as it did when it began.
+            text = line_bytes(line)
+            body = canonical(line) if self._v1 else text
         except (ValueError, TypeError, RecursionError, UnicodeEncodeError) as exc:
             raise UnserializableValue(
                 f"{self.path}: seq {self._seq} ({line.get('kind', 'header')}) holds a value "
                 f"a cassette cannot store faithfully ({type(exc).__name__}: {exc}); nothing "
                 "was written") from None
         sig = encode_sig(mac(self._key, self._prev, body))
-        data = memoryview(text[:-1] + b',"sig":"' + sig.encode("ascii") + b'"}\n')
+        data = memoryview(with_sig(text, sig) + b"\n")
         size = len(data)
         try:
             while data:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 from urllib.parse import urlsplit
 
-from recorder.canonical import fingerprint as _fingerprint
+from recorder.canonical import Parts, Texts, model_fingerprint
 from recorder.errors import ConfigError
 from recorder.providers.pricing import PriceTable
 
@@ -93,10 +93,14 @@ class Provider(ABC):
         replay matches on. The whole body unless the format carries per-call noise."""
         return body
 
-    def fingerprint(self, method: str, url: str, body: Any) -> str:
+    def fingerprint(self, method: str, url: str, body: Any, parts: Parts | None = None,
+                    texts: Texts | None = None) -> str:
         """What a replayed model call is matched by (see
-        :func:`recorder.canonical.fingerprint`)."""
-        return _fingerprint("model", method, url, self.semantic_request(body))
+        :func:`recorder.canonical.model_fingerprint`; ``parts`` remembers the digests of
+        history, ``texts`` are the body's parts as received)."""
+        semantic = self.semantic_request(body)
+        return model_fingerprint(method, url, semantic, parts,
+                                 texts if semantic is body else None)
 
     def request_model(self, body: Any) -> Any:
         """The model a request asks for (None when it names none)."""
@@ -153,6 +157,11 @@ class Provider(ABC):
     def summarize(self, status: int, headers: Headers, body: bytes) -> Summary:
         """Id, model, usage, stop reason or API error of a complete response body, JSON or
         stream. Never raises: the body is stored exactly either way."""
+
+    def summarize_parsed(self, status: int, headers: Headers, body: bytes, doc: Any) -> Summary:
+        """:meth:`summarize` of a JSON body ``body`` that a reader already parsed into
+        ``doc``: a provider may read ``doc`` rather than parse ``body`` again."""
+        return self.summarize(status, headers, body)
 
     def cost(self, model: Any, usage: dict[str, int] | None, prices: PriceTable) -> float | None:
         """The dollar cost of ``usage`` for ``model`` by ``prices`` (None: not priced)."""

@@ -47,6 +47,14 @@ class AnthropicProvider(Provider):
             doc = json.loads(text) if text else None
         except ValueError:
             return {}
+        return self._from_json(status, doc)
+
+    def summarize_parsed(self, status: int, headers: Headers, body: bytes, doc: Any) -> Summary:
+        if self.is_stream(headers):
+            return self.summarize(status, headers, body)
+        return self._from_json(status, doc)
+
+    def _from_json(self, status: int, doc: Any) -> Summary:
         if not isinstance(doc, dict):
             return {}
         if status >= 400 or doc.get("type") == "error":
@@ -60,6 +68,8 @@ class AnthropicProvider(Provider):
         usage: dict[str, int] = {}
         out: Summary = {"usage": usage}
         for event, data in sse_events(text):
+            if event not in _SUMMARY_EVENTS and not any(t in data for t in _SUMMARY_TOKENS):
+                continue  # content: nothing the summary reads (and cheaper not to parse)
             try:
                 doc = json.loads(data)
             except ValueError:
@@ -80,6 +90,13 @@ class AnthropicProvider(Provider):
             elif kind == "error":
                 out["error"] = _error(doc.get("error"))
         return out
+
+
+# The events a summary reads. An event whose name is none of them, and whose data holds
+# none of their names as a JSON string (nor a \u escape, which could spell one), cannot be
+# one of them: its data is skipped unparsed.
+_SUMMARY_EVENTS = frozenset({"message_start", "message_delta", "error"})
+_SUMMARY_TOKENS = ('"message_start"', '"message_delta"', '"error"', "\\u")
 
 
 def _error(err: Any) -> dict[str, Any]:

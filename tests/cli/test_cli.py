@@ -54,7 +54,7 @@ def test_every_command_has_help(command: list[str]) -> None:
 def test_record_unmodified_script_then_replay_offline(spiral_cassette: Path) -> None:
     lines = [json.loads(line) for line in spiral_cassette.read_text().splitlines()]
     header = lines[0]
-    assert header["format"] == "deja/1"
+    assert header["format"] == "deja/2"
     assert header["argv"] == ["python", "examples/retry_spiral.py"]  # portable: relative
     assert header["labels"] == {"case": "spiral"}
     kinds = [line["kind"] for line in lines[1:]]

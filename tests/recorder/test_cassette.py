@@ -98,7 +98,7 @@ def new_client(base_url: str) -> anthropic.Anthropic:
 def test_round_trip_header_dense_seq_end_and_verified(tmp_path: Path) -> None:
     path = write_cassette(tmp_path / "run.jsonl", n=6)
     lines = raw_lines(path)
-    assert lines[0].startswith(b'{"format":"deja/1"')
+    assert lines[0].startswith(b'{"format":"deja/2"')
     body = [json.loads(line) for line in lines[1:]]
     assert [line["seq"] for line in body] == list(range(7))
     assert body[-1]["kind"] == "end" and body[-1]["status"] == "completed"
@@ -258,12 +258,12 @@ def test_torn_header_line(tmp_path: Path) -> None:
 def test_unknown_format_version_says_which_versions_are_read(tmp_path: Path) -> None:
     path = write_cassette(tmp_path / "run.jsonl")
     lines = raw_lines(path)
-    put_lines(path, [lines[0].replace(b'"deja/1"', b'"deja/99"'), *lines[1:]])
+    put_lines(path, [lines[0].replace(b'"deja/2"', b'"deja/99"'), *lines[1:]])
     with pytest.raises(UnsupportedFormat) as info:
         load(path, keyring=ring(KEY))
     message = str(info.value)
     assert "'deja/99'" in message
-    assert "it reads deja/1" in message
+    assert "it reads deja/2, deja/1" in message
 
 
 @pytest.mark.parametrize("content", [b"", b"hello, world\n", b"[1, 2, 3]\n",
