@@ -248,16 +248,17 @@ def rows_size(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
 
 
 def rows_viewer(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
-    p, f = r["paint"], r["filter"]
-    paint_ok = p["median_s"] < 2.0
+    f = r["filter"]
+    paints = [x for x in (r.get("paint_small"), r["paint"]) if x]
     filter_ok = f["filter_ms"] < 1000.0
     rows: list[Row] = [
         (f"Viewer first paint, {p['steps']:,}-step run",
          f"{p['median_s']:.2f} s (all rows in the grid {p['grid_median_s']:.2f} s)",
-         "-", "< 2 s", _verdict(paint_ok)),
+         "-", "< 2 s", _verdict(p["median_s"] < 2.0)) for p in paints]
+    rows.append(
         (f"Runs-table filter, {f['runs']:,} runs (status + text)",
          f"{f['filter_ms']:.1f} ms ({f['filter_hits']} runs)",
-         f"index build: {f['index_s']:.1f} s", "< 1 s", _verdict(filter_ok))]
+         f"index build: {f['index_s']:.1f} s", "< 1 s", _verdict(filter_ok)))
     notes = [
         f"viewer paint: `deja view` on 127.0.0.1, headless Chromium (Playwright, Debian's "
         f"chromium, 1280x800) opens ?run=<id> of a {p['steps']:,}-step run ({p['steps'] // 2:,} "
@@ -267,20 +268,21 @@ def rows_viewer(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         f"start to the first frame where the timeline's canvas has text in its first row; "
         f"median of {p['loads']} loads, each in a new browser context (empty cache, new "
         f"session): {', '.join(f'{x:.2f}' for x in p['paint_s'])} s; the first, untimed "
-        f"load {p['first_load_s']:.2f} s. The grid's accessible table holds all "
-        f"{p['steps'] + 1:,} rows later, after the charts are drawn "
-        f"({', '.join(f'{x:.2f}' for x in p['grid_s'])} s).",
+        f"load {p['first_load_s']:.2f} s (the server's first session, which also fills "
+        f"the viewer's cache of the timeline). The grid's accessible table holds all "
+        f"{p['steps'] + 1:,} rows later ({', '.join(f'{x:.2f}' for x in p['grid_s'])} s)."
+        for p in paints]
+    notes.append(
         f"viewer filter: {f['runs']:,} signed cassettes (model + tool step, end line; "
-        f"written with CassetteWriter in {f['write_s']:.1f} s) indexed in "
-        f"{f['index_s']:.1f} s (an unchanged refresh: {f['refresh_unchanged_s'] * 1000:.0f} "
-        f"ms); viewer.queries.list_runs(status=completed, text=<word in 1% of the runs, "
-        f"other case>) median of {f['repeats']}; no filter (first 500 rows) "
-        f"{f['all_ms']:.1f} ms; tool + model + min tokens + since {f['combined_ms']:.1f} ms "
-        f"({f['combined_rows']} runs)."]
-    fails = []
-    if not paint_ok:
-        fails.append(f"viewer first paint of a {p['steps']:,}-step run {p['median_s']:.2f} s "
-                     "(>= 2 s)")
+        f"written with CassetteWriter in {f['write_s']:.1f} s by {f.get('writers', 1)} "
+        f"process(es){' into a tmpfs folder' if f.get('in_memory') else ''}) indexed, every "
+        f"signature checked, in {f['index_s']:.1f} s (an unchanged refresh: "
+        f"{f['refresh_unchanged_s'] * 1000:.0f} ms); viewer.queries.list_runs(status="
+        f"completed, text=<word in 1% of the runs, other case>) median of {f['repeats']}; "
+        f"no filter (first 500 rows) {f['all_ms']:.1f} ms; tool + model + min tokens + "
+        f"since {f['combined_ms']:.1f} ms ({f['combined_rows']} runs).")
+    fails = [f"viewer first paint of a {p['steps']:,}-step run {p['median_s']:.2f} s (>= 2 s)"
+             for p in paints if not p["median_s"] < 2.0]
     if not filter_ok:
         fails.append(f"runs-table filter over {f['runs']:,} runs {f['filter_ms']:.0f} ms "
                      "(>= 1 s)")
@@ -409,7 +411,8 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
             "resume": {"steps": 1000, "repeats": 5},
             "load": {"lines": 10_000, "repeats": 5, "rewind_repeats": 3},
             "memory": {"calls": 2000},
-            "viewer": {"steps": 2000, "loads": 5, "runs": 10_000, "repeats": 7}}
+            "viewer": {"steps": 10_000, "small_steps": 2000, "loads": 5, "runs": 100_000,
+                       "repeats": 7}}
 
 
 # ---------------------------------------------------------------------------- output

@@ -29,8 +29,7 @@ from viewer.index import RunIndex
 
 log = logging.getLogger("deja.viewer")
 
-STEP_COLUMNS = ["seq", "kind", "name", "status", "start_ms", "latency_ms", "tokens", "cost",
-                "mark", "error"]
+STEP_COLUMNS = list(queries.TIMELINE_COLUMNS)
 EMPTY = "—"  # what a cell without a value shows
 
 
@@ -198,40 +197,58 @@ def ending(status: dict[str, Any] | None, grace_s: float = 30.0) -> bool:
 
 
 def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | None) -> None:
-    cols = st.columns([1.6, 0.8, 1, 1.6, 1, 1.1])  # room for "incomplete", "$0.012345"
-    cols[0].metric("Status", header["status"])
-    cols[1].metric("Steps", header["steps"])
-    cols[2].metric("Tokens", f"{header['tokens']:,}",
-                   help=f"{header['input_tokens']:,} in, {header['output_tokens']:,} out")
-    cols[3].metric("Cost", widgets.money(header["cost"]))
-    cols[4].metric("Model calls", header["model_calls"])
-    cols[5].metric("Duration", "-" if header["duration"] is None
-                   else f"{header['duration']:.3f}s")
+    # The timeline is sent before the totals and panels above it (filled in afterwards):
+    # the browser starts drawing a long run's grid the soonest. What says the run is not
+    # verified is sent before it.
+    totals = st.container()
     if header.get("error"):
         st.warning(header["error"])
     if not header.get("verified"):
         st.error(f"{header.get('verify_note') or 'NOT VERIFIED'}. What this page shows is "
                  "the file as it is, unchecked.", icon="⚠️")
-    widgets.lineage_panel(index, header)
-    if status and status["record"] is not None:
-        widgets.live_panel(header, status)
-    steps = queries.run_steps(index, header["path"])
+    panels = st.container()
+    frame, labels = timeline(index.file_state(header["path"]), index)
     st.subheader("Timeline")
-    frame = pd.DataFrame(steps, columns=STEP_COLUMNS) if steps else pd.DataFrame(
-        columns=STEP_COLUMNS)
-    st.dataframe(frame[STEP_COLUMNS], hide_index=True, key="timeline", placeholder=EMPTY,
+    st.dataframe(frame, hide_index=True, key="timeline", placeholder=EMPTY,
                  column_config={
                      "cost": st.column_config.NumberColumn("cost", format="$%.6f"),
                      "start_ms": st.column_config.NumberColumn("start (ms)", format="%.2f"),
                      "latency_ms": st.column_config.NumberColumn("latency (ms)",
                                                                  format="%.2f")})
+    with totals:
+        cols = st.columns([1.6, 0.8, 1, 1.6, 1, 1.1])  # room for "incomplete", "$0.012345"
+        cols[0].metric("Status", header["status"])
+        cols[1].metric("Steps", header["steps"])
+        cols[2].metric("Tokens", f"{header['tokens']:,}",
+                       help=f"{header['input_tokens']:,} in, {header['output_tokens']:,} out")
+        cols[3].metric("Cost", widgets.money(header["cost"]))
+        cols[4].metric("Model calls", header["model_calls"])
+        cols[5].metric("Duration", "-" if header["duration"] is None
+                       else f"{header['duration']:.3f}s")
+    with panels:
+        widgets.lineage_panel(index, header)
+        if status and status["record"] is not None:
+            widgets.live_panel(header, status)
     # A long run's charts are drawn on request, so its timeline paints first.
-    if len(steps) <= DENSE or st.toggle(f"Charts of the {len(steps):,} steps", key="charts"):
-        charts(steps)
-    step_panel(index, header, steps)
+    if len(frame) <= DENSE or st.toggle(f"Charts of the {len(frame):,} steps", key="charts"):
+        charts(queries.run_steps(index, header["path"]))
+    step_panel(index, header, labels)
 
 
 DENSE = 200  # steps up to which the charts draw one labelled mark per step
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def timeline(state: tuple[Any, ...], _index: RunIndex) -> tuple[pd.DataFrame, dict[int, str]]:
+    """The timeline table of the file whose index state (:meth:`RunIndex.file_state`) is
+    ``state``, and each step's label in the step picker. Kept across sessions until the
+    file, the index or the trust changes: a long run's page opened again, or by another
+    viewer, draws it without asking the index."""
+    path = state[2]
+    columns, labels = queries.timeline(_index, path)
+    frame = pd.DataFrame(columns, columns=STEP_COLUMNS) if columns["seq"] else pd.DataFrame(
+        columns=STEP_COLUMNS)
+    return frame, labels
 
 
 def charts(steps: list[dict[str, Any]]) -> None:
@@ -272,9 +289,8 @@ def charts(steps: list[dict[str, Any]]) -> None:
     st.altair_chart(chart.properties(height=height), width="stretch")
 
 
-def step_panel(index: RunIndex, header: dict[str, Any], steps: list[dict[str, Any]]) -> None:
-    seqs = [s["seq"] for s in steps]
-    names = {s["seq"]: f"{s['seq']} · {s['kind']} · {s['name']} {s['mark']}" for s in steps}
+def step_panel(index: RunIndex, header: dict[str, Any], names: dict[int, str]) -> None:
+    seqs = list(names)
     current = _int(st.query_params.get("step"))
     current = current if current in names else None
     st.session_state["step_select"] = current  # the URL is the truth

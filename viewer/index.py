@@ -21,8 +21,11 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import re
-from collections.abc import Callable
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +41,8 @@ from viewer.content import searchable_text
 log = logging.getLogger("deja.viewer")
 
 LEGACY_NAME = ".index.duckdb"  # where deja kept the index before: inside DIR itself
-SCHEMA_VERSION = 2  # 2: steps.text, the searchable words of each step
+SCHEMA_VERSION = 3  # 2: steps.text, the searchable words of each step; 3: steps.t,
+#   edited, within (what the timeline shows, so that it never parses a payload)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);
@@ -53,7 +57,7 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE TABLE IF NOT EXISTS steps (
     run VARCHAR, path VARCHAR, seq INTEGER, kind VARCHAR, name VARCHAR, status VARCHAR,
     input_tokens BIGINT, output_tokens BIGINT, cost_usd DOUBLE, ms DOUBLE, error VARCHAR,
-    payload VARCHAR, text VARCHAR);
+    payload VARCHAR, text VARCHAR, t DOUBLE, edited BOOLEAN, within VARCHAR);
 """
 
 _RUN_COLUMNS = ("run", "path", "status", "created", "steps", "model_calls", "tool_calls",
@@ -61,7 +65,16 @@ _RUN_COLUMNS = ("run", "path", "status", "created", "steps", "model_calls", "too
                 "parent_run", "parent_step", "models", "labels", "verified", "verify_note",
                 "error")
 _STEP_COLUMNS = ("run", "path", "seq", "kind", "name", "status", "input_tokens",
-                 "output_tokens", "cost_usd", "ms", "error", "payload", "text")
+                 "output_tokens", "cost_usd", "ms", "error", "payload", "text", "t", "edited",
+                 "within")
+_FILE_COLUMNS = ("path", "size", "mtime_ns", "run")
+BATCH_STEPS = 50_000  # step rows written per transaction while a large folder is indexed
+PARALLEL_MIN = 2000  # files to read from which starting worker processes pays
+MAX_WORKERS = 4
+_CHUNK = 64  # files a worker reads per message
+
+Rows = tuple[dict[str, Any], list[dict[str, Any]]]
+"""A file's run row and step rows."""
 
 Progress = Callable[[int, int], None]
 """``progress(done, total)``: ``total`` files to (re)read, ``done`` of them read so far."""
@@ -178,56 +191,43 @@ class RunIndex:
         other than by appending, its old rows are deleted and the database is compacted
         (``compacted`` in the result), so their bytes are gone from the database and its
         WAL. The index's folder is its owner's only (0700), its files too (0600).
+
+        Many files to read (:data:`PARALLEL_MIN`) are read by worker processes, one per CPU
+        (up to :data:`MAX_WORKERS`), and written in batches of about :data:`BATCH_STEPS`
+        step rows, each batch in one transaction with all the rows of its files.
         """
         self._private_files()
         known = {r[0]: (r[1], r[2]) for r in
                  self.con.execute("SELECT path, size, mtime_ns FROM files").fetchall()}
         seen: set[str] = set()
         stats = {"indexed": 0, "unchanged": 0, "removed": 0, "errors": 0}
-        run_rows: list[dict[str, Any]] = []
-        step_rows: list[dict[str, Any]] = []
-        changed: list[tuple[str, int, int, str | None]] = []
         todo: list[tuple[Path, os.stat_result]] = []
-        for path in sorted(self.directory.glob("*.jsonl")):
-            key = str(path)
-            try:
-                st = path.stat()
-            except FileNotFoundError:  # deleted since the listing
-                continue
+        for key, st in self._listing():
             seen.add(key)
             if known.get(key) == (st.st_size, st.st_mtime_ns):
                 stats["unchanged"] += 1
                 continue
-            todo.append((path, st))
-        if progress is not None and todo:
-            progress(0, len(todo))
-        for done, (path, st) in enumerate(todo, 1):
-            run_row, steps = self._read(path)
-            stats["indexed"] += 1
-            stats["errors"] += run_row["error"] is not None
-            run_rows.append(run_row)
-            step_rows.extend(steps)
-            changed.append((str(path), st.st_size, st.st_mtime_ns, run_row["run"]))
-            if progress is not None:
-                progress(done, len(todo))
+            todo.append((Path(key), st))
         gone = [p for p in known if p not in seen]
         stats["removed"] = len(gone)
-        stale = [c[0] for c in changed] + gone
-        forgets = bool(stale) and self._forgets(stale, run_rows, step_rows)
-        self.con.execute("BEGIN TRANSACTION")
-        try:
-            if stale:
-                for table in ("files", "runs", "steps"):
-                    self.con.execute(f"DELETE FROM {table} WHERE path IN "
-                                     f"(SELECT unnest(?::VARCHAR[]))", [stale])
-            if changed:
-                self.con.executemany("INSERT INTO files VALUES (?, ?, ?, ?)", changed)
-            self._append("runs", _RUN_COLUMNS, run_rows)
-            self._append("steps", _STEP_COLUMNS, step_rows)
-            self.con.execute("COMMIT")
-        except BaseException:
-            self.con.execute("ROLLBACK")
-            raise
+        if progress is not None and todo:
+            progress(0, len(todo))
+        # Written in batches, each in one transaction with every row of its files: a large
+        # folder's rows are never all in memory at once, and each file changes atomically.
+        forgets = False
+        batch = _Batch()
+        for done, ((path, st), (run_row, steps)) in enumerate(
+                zip(todo, self._read_all([p for p, _ in todo]), strict=True), 1):
+            stats["indexed"] += 1
+            stats["errors"] += run_row["error"] is not None
+            batch.add(str(path), st, run_row, steps)
+            if progress is not None:
+                progress(done, len(todo))
+            if len(batch.steps) >= BATCH_STEPS:
+                forgets |= self._store(batch, gone)
+                batch, gone = _Batch(), []
+        if batch.files or gone:
+            forgets |= self._store(batch, gone)
         stats["compacted"] = 0
         if forgets and not self.in_memory:
             stats["compacted"] = 1
@@ -236,23 +236,80 @@ class RunIndex:
         self._private_files()
         return stats
 
+    def _listing(self) -> list[tuple[str, os.stat_result]]:
+        """The path of each ``*.jsonl`` file of the folder (as ``str(directory / name)``)
+        and its stat, by name; a file deleted since the listing is left out."""
+        found = []
+        with os.scandir(self.directory) as entries:
+            for entry in entries:
+                if not entry.name.endswith(".jsonl"):
+                    continue
+                try:
+                    found.append((entry.name, entry.stat()))
+                except FileNotFoundError:
+                    continue
+        found.sort()
+        prefix = str(self.directory / "x")[:-1]  # the folder as pathlib spells it, and "/"
+        return [(prefix + name, st) for name, st in found]
+
+    def _read_all(self, paths: list[Path]) -> Iterator[Rows]:
+        """The rows of each file, in order: read by worker processes when there are many
+        files and more than one CPU (reading is CPU-bound Python: parsing, checking the
+        signature chain), else here."""
+        done = 0
+        workers = min(os.cpu_count() or 1, MAX_WORKERS)
+        if len(paths) >= PARALLEL_MIN and workers > 1:
+            try:
+                for rows in _read_in_workers(paths, self._keyring, self.allow_unverified,
+                                             workers):
+                    yield rows
+                    done += 1
+            except (OSError, EOFError, pickle.PickleError, ValueError) as exc:
+                log.warning("indexing in worker processes failed (%s); reading the rest of "
+                            "the %d files here", exc, len(paths) - done)
+        for path in paths[done:]:
+            yield read_rows(path, self._keyring, self.allow_unverified)
+
+    def _store(self, batch: _Batch, gone: list[str]) -> bool:
+        """Replace the rows of the batch's files (and delete those of ``gone`` files) in
+        one transaction; True when the rows replaced held anything the new ones do not."""
+        stale = batch.files_paths() + gone
+        forgets = bool(stale) and self._forgets(stale, batch.runs, batch.steps)
+        self.con.execute("BEGIN TRANSACTION")
+        try:
+            if stale:
+                for table in ("files", "runs", "steps"):
+                    self.con.execute(f"DELETE FROM {table} WHERE path IN "
+                                     f"(SELECT unnest(?::VARCHAR[]))", [stale])
+            self._append("files", _FILE_COLUMNS, batch.files)
+            self._append("runs", _RUN_COLUMNS, batch.runs)
+            self._append("steps", _STEP_COLUMNS, batch.steps)
+            self.con.execute("COMMIT")
+        except BaseException:
+            self.con.execute("ROLLBACK")
+            raise
+        return forgets
+
     # -- forgetting
 
     def _forgets(self, stale: list[str], run_rows: list[dict[str, Any]],
                  step_rows: list[dict[str, Any]]) -> bool:
         """Do the rows about to be replaced hold anything the new ones do not (a deleted
         file, a rewritten one), rather than being a prefix of them (a file that grew)?"""
-        new_steps = {(r["path"], r["seq"]): hashlib.md5(r["payload"].encode("utf-8"))
-                     .hexdigest() for r in step_rows if r.get("payload") is not None}
-        new_runs = {r["path"]: _run_identity(r) for r in run_rows}
         old_steps = self.con.execute(
             "SELECT path, seq, md5(payload) FROM steps WHERE payload IS NOT NULL AND path IN "
             "(SELECT unnest(?::VARCHAR[]))", [stale]).fetchall()
-        if any(new_steps.get((path, seq)) != digest for path, seq, digest in old_steps):
-            return True
+        if old_steps:
+            had = {path for path, _, _ in old_steps}
+            new_steps = {(r["path"], r["seq"]): hashlib.md5(r["payload"].encode("utf-8"))
+                         .hexdigest() for r in step_rows
+                         if r["path"] in had and r.get("payload") is not None}
+            if any(new_steps.get((path, seq)) != digest for path, seq, digest in old_steps):
+                return True
         old_runs = self.con.execute(
             "SELECT path, run, created, labels FROM runs WHERE path IN "
             "(SELECT unnest(?::VARCHAR[]))", [stale]).fetchall()
+        new_runs = {r["path"]: _run_identity(r) for r in run_rows}
         return any(path not in new_runs
                    or new_runs[path] != _run_identity({"run": run, "created": created,
                                                        "labels": labels})
@@ -311,29 +368,18 @@ class RunIndex:
         arrow = pa.table({c: [r.get(c) for r in rows] for c in columns})  # noqa: F841
         self.con.execute(f"INSERT INTO {table} SELECT {', '.join(columns)} FROM arrow")
 
-    def _read(self, path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        try:
-            cassette = load(path, keyring=self._keyring, allow_torn=True,
-                            allow_unverified=self.allow_unverified)
-        except (DejaError, OSError) as exc:
-            return {"run": None, "path": str(path), "status": "error",
-                    "error": f"{type(exc).__name__}: {exc}"}, []
-        summary = run_summary(cassette)
-        run_row = {c: summary.get(c) for c in _RUN_COLUMNS}
-        run_row.update(path=str(path), models=",".join(summary["models"]),
-                       labels=json.dumps(summary["labels"]), error=None)
-        if cassette.torn_offset is not None:
-            run_row["error"] = f"torn last line at byte {cassette.torn_offset}"
-        steps = []
-        for obs in cassette.observations:
-            row = step_row(obs)
-            row.update(run=summary["run"], path=str(path),
-                       payload=json.dumps(obs, ensure_ascii=False),
-                       text=searchable_text(obs))
-            steps.append(row)
-        return run_row, steps
-
     # -- queries
+
+    def file_state(self, path: str | Path) -> tuple[Any, ...]:
+        """What this index's rows of the file ``path`` were made from: the index, its
+        layout, the file's size and modification time when it was read (None: not
+        indexed) and the trust (keys at hand, unverified runs allowed). The rows are the
+        same whenever this is, so it keys a cache of what is shown from them."""
+        row = self.con.execute("SELECT size, mtime_ns FROM files WHERE path = ?",
+                               [str(path)]).fetchone()
+        trust = self.con.execute("SELECT value FROM meta WHERE key = 'trust'").fetchone()
+        return (str(self.db_path), SCHEMA_VERSION, str(path), row,
+                trust[0] if trust else None)
 
     def runs(self) -> list[dict[str, Any]]:
         cur = self.con.execute(
@@ -342,9 +388,101 @@ class RunIndex:
         return _dicts(cur)
 
     def steps(self, run: str) -> list[dict[str, Any]]:
-        cur = self.con.execute("SELECT * EXCLUDE (payload, text) FROM steps WHERE run = ? "
-                               "ORDER BY seq", [run])
+        cur = self.con.execute("SELECT * EXCLUDE (payload, text, t, edited, within) FROM steps "
+                               "WHERE run = ? ORDER BY seq", [run])
         return _dicts(cur)
+
+
+class _Batch:
+    """The rows of some files, to be written together."""
+
+    def __init__(self) -> None:
+        self.files: list[dict[str, Any]] = []
+        self.runs: list[dict[str, Any]] = []
+        self.steps: list[dict[str, Any]] = []
+
+    def add(self, path: str, st: os.stat_result, run_row: dict[str, Any],
+            steps: list[dict[str, Any]]) -> None:
+        self.files.append({"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                           "run": run_row["run"]})
+        self.runs.append(run_row)
+        self.steps.extend(steps)
+
+    def files_paths(self) -> list[str]:
+        return [f["path"] for f in self.files]
+
+
+def read_rows(path: Path, keyring: Keyring, allow_unverified: bool) -> Rows:
+    """The run row and step rows of the cassette at ``path``; a file that cannot be read
+    is a run row with ``status = 'error'`` and the reason, and no steps."""
+    try:
+        cassette = load(path, keyring=keyring, allow_torn=True,
+                        allow_unverified=allow_unverified)
+    except (DejaError, OSError) as exc:
+        return {"run": None, "path": str(path), "status": "error",
+                "error": f"{type(exc).__name__}: {exc}"}, []
+    summary = run_summary(cassette)
+    run_row = {c: summary.get(c) for c in _RUN_COLUMNS}
+    run_row.update(path=str(path), models=",".join(summary["models"]),
+                   labels=json.dumps(summary["labels"]), error=None)
+    if cassette.torn_offset is not None:
+        run_row["error"] = f"torn last line at byte {cassette.torn_offset}"
+    steps = []
+    for obs in cassette.observations:
+        row = step_row(obs)
+        t, within = obs.get("t"), obs.get("within")
+        row.update(run=summary["run"], path=str(path),
+                   payload=json.dumps(obs, ensure_ascii=False), text=searchable_text(obs),
+                   t=float(t) if isinstance(t, (int, float)) and not isinstance(t, bool)
+                   else None,
+                   edited=obs.get("edited") is True,
+                   within=within if isinstance(within, str) or within is None
+                   else json.dumps(within, ensure_ascii=False))
+        steps.append(row)
+    return run_row, steps
+
+
+def _read_in_workers(paths: list[Path], keyring: Keyring, allow_unverified: bool,
+                     workers: int) -> Iterator[Rows]:
+    """:func:`read_rows` of each path, in order, by ``workers`` Python processes (started
+    afresh, so nothing of this process but the keys and the paths goes to them)."""
+    chunks = [paths[i:i + _CHUNK] for i in range(0, len(paths), _CHUNK)]
+    workers = min(workers, len(chunks))
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[1])  # where the viewer package is
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    procs = [subprocess.Popen([sys.executable, "-c", "from viewer.index import _worker; _worker()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+             for _ in range(workers)]
+    try:
+        for n, proc in enumerate(procs):  # each reads all its work before it answers
+            assert proc.stdin is not None
+            pickle.dump((keyring, allow_unverified, chunks[n::workers]), proc.stdin,
+                        protocol=pickle.HIGHEST_PROTOCOL)
+            proc.stdin.close()
+        for k in range(len(chunks)):  # chunk k comes from worker k % workers, in order
+            out = procs[k % workers].stdout
+            assert out is not None
+            yield from pickle.load(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+def _worker() -> None:
+    """A worker of :func:`_read_in_workers`: reads its chunks of files, answers each with
+    their rows."""
+    keyring, allow_unverified, chunks = pickle.load(sys.stdin.buffer)
+    out = os.fdopen(os.dup(1), "wb")  # the answers' own channel: a stray print goes to stderr
+    os.dup2(2, 1)
+    for chunk in chunks:
+        pickle.dump([read_rows(path, keyring, allow_unverified) for path in chunk], out,
+                    protocol=pickle.HIGHEST_PROTOCOL)
+        out.flush()
 
 
 def _run_identity(row: dict[str, Any]) -> tuple[Any, ...]:

@@ -39,6 +39,7 @@ from viewer.step import (
 
 __all__ = [
     "RUN_COLUMNS",
+    "TIMELINE_COLUMNS",
     "DiffView",
     "LaunchedFork",
     "StepDetail",
@@ -60,6 +61,7 @@ __all__ = [
     "run_path",
     "run_steps",
     "step_detail",
+    "timeline",
     "usage_over_time",
     "validate_edit",
     "waterfall",
@@ -261,42 +263,66 @@ def run_header(index: RunIndex, run: str) -> dict[str, Any] | None:
     return row
 
 
+TIMELINE_COLUMNS = ("seq", "kind", "name", "status", "start_ms", "latency_ms", "tokens", "cost",
+                    "mark", "error")
+
+# One row per step, marks included, from the index's columns: no payload is parsed.
+_TIMELINE_SELECT = """
+SELECT seq, kind, name, status, input_tokens, output_tokens,
+       CASE WHEN input_tokens IS NULL AND output_tokens IS NULL THEN NULL
+            ELSE CAST(coalesce(input_tokens, 0) + coalesce(output_tokens, 0) AS BIGINT)
+       END AS tokens,
+       cost_usd AS cost, ms AS latency_ms, error, coalesce(edited, false) AS edited, within,
+       concat_ws(' ',
+                 CASE WHEN kind = 'control' THEN '⚑ ' || coalesce(name, 'None') END,
+                 CASE WHEN edited THEN '✎ edited' END,
+                 CASE WHEN coalesce(within, '') != '' THEN '↳ in ' || within END,
+                 CASE WHEN coalesce(error, '') != '' THEN '✗ error' END) AS mark,
+       t
+FROM steps WHERE path = ? ORDER BY seq
+"""
+
+
+def _timeline(index: RunIndex, run: str) -> dict[str, list[Any]]:
+    """The timeline of ``run`` by column (see :func:`run_steps`); empty lists when there
+    is no such run."""
+    path = run_path(index, run)
+    cur = index.con.execute(_TIMELINE_SELECT, [str(path) if path is not None else None])
+    names = [d[0] for d in cur.description]
+    rows = cur.fetchall() if path is not None else []
+    columns: dict[str, list[Any]] = {name: [] for name in names}
+    if rows:
+        columns = {name: list(values)
+                   for name, values in zip(names, zip(*rows, strict=True), strict=True)}
+    starts = columns.pop("t")
+    timed = [t for t in starts if t is not None]
+    origin = min(timed) if timed else None
+    columns["start_ms"] = [None if t is None or origin is None else round((t - origin) * 1000, 3)
+                           for t in starts]
+    return columns
+
+
 def run_steps(index: RunIndex, run: str) -> list[dict[str, Any]]:
     """The timeline of a run: one row per step, without payloads.
 
     ``mark`` flags what deserves a look: control lines (budget, cancel, loop, fork edit),
     an edited step, and steps made inside a tool's body.
     """
-    path = run_path(index, run)
-    if path is None:
-        return []
-    rows = _rows(index.con.execute(
-        """SELECT seq, kind, name, status, input_tokens, output_tokens,
-                  CASE WHEN input_tokens IS NULL AND output_tokens IS NULL THEN NULL
-                       ELSE CAST(coalesce(input_tokens, 0) + coalesce(output_tokens, 0)
-                                 AS BIGINT) END AS tokens,
-                  cost_usd AS cost, ms AS latency_ms, error,
-                  coalesce(TRY_CAST(json_extract(payload, '$.edited') AS BOOLEAN), false)
-                      AS edited,
-                  json_extract_string(payload, '$.within') AS within,
-                  TRY_CAST(json_extract(payload, '$.t') AS DOUBLE) AS t
-           FROM steps WHERE path = ? ORDER BY seq""", [str(path)]))
-    starts = [r["t"] for r in rows if r["t"] is not None]
-    origin = min(starts) if starts else None
-    for row in rows:
-        marks = []
-        if row["kind"] == "control":
-            marks.append(f"⚑ {row['name']}")
-        if row["edited"]:
-            marks.append("✎ edited")
-        if row["within"]:
-            marks.append(f"↳ in {row['within']}")
-        if row["error"]:
-            marks.append("✗ error")
-        row["mark"] = " ".join(marks)
-        t = row.pop("t")
-        row["start_ms"] = None if t is None or origin is None else round((t - origin) * 1000, 3)
-    return rows
+    columns = _timeline(index, run)
+    names = list(columns)
+    return [dict(zip(names, row, strict=True))
+            for row in zip(*columns.values(), strict=True)]
+
+
+def timeline(index: RunIndex, run: str) -> tuple[dict[str, list[Any]], dict[int, str]]:
+    """What a run's page shows of its steps before one is opened: the timeline table's
+    columns (:data:`TIMELINE_COLUMNS`, as :func:`run_steps` has them) and each step's label
+    in the step picker (``seq · kind · name mark``)."""
+    columns = _timeline(index, run)
+    labels = {seq: f"{seq} · {kind} · {name} {mark}" for seq, kind, name, mark in
+              zip(columns["seq"], columns["kind"], columns["name"], columns["mark"],
+                  strict=True)}
+    return {c: columns[c] for c in TIMELINE_COLUMNS}, labels
 
 
 def usage_over_time(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
