@@ -39,10 +39,10 @@ from recorder.capture.exchange import (
     HttpRequest,
     HttpResponse,
     Redaction,
-    classify,
+    RequestReader,
+    classify_texts,
     response_record,
     semantic_headers,
-    upstream,
 )
 from recorder.cassette import CassetteWriter, Fsync, compact
 from recorder.cassette.keys import Keyring, load_keyring, require_signing_key
@@ -63,7 +63,7 @@ from recorder.errors import (
 from recorder.harness.guards import BreakerSettings, Budgets, Clock, LoopSettings
 from recorder.harness.run_guard import RunGuard
 from recorder.harness.settings import resolve as resolve_settings
-from recorder.providers import model_provider
+from recorder.providers import model_provider, volatile_header
 
 log = logging.getLogger("deja.recorder")
 
@@ -254,6 +254,10 @@ class RecordSession(session.Session):
         self._patches: contextlib.ExitStack | None = None
         self._tool_calls = itertools.count()
         self._compactor = compact.Compactor()
+        self._requests = RequestReader()  # a conversation's resent history is parsed once
+        self._urls: dict[str, str] = {}
+        self._volatile: dict[str | None, dict[str, bool]] = {}  # by provider, header name
+        self._headers: dict[tuple[str | None, tuple[tuple[str, str], ...]], list[list[str]]] = {}
 
     # -- lifecycle
 
@@ -387,10 +391,10 @@ class RecordSession(session.Session):
 
     def _classify(self, request: HttpRequest) -> tuple[str, str | None, Any]:
         if request.classified is None:
-            request.classified = classify(
+            request.classified = classify_texts(
                 request.method, request.url,
                 request.original_body if request.original_body is not None else request.body,
-                self.redaction)
+                self.redaction, self._requests)[:3]
         return request.classified
 
     def end_http(self, request: HttpRequest, response: HttpResponse | None, timing: session.Timing,
@@ -400,22 +404,22 @@ class RecordSession(session.Session):
         kind, provider, body = self._classify(request)
         is_model = kind == "model"
         obs = self._exchange_line(request, kind, provider, body)
+        seam = providers.for_line(obs)
         obs["t"] = round(timing.start, 3)
         obs["ms"] = round(timing.ms, 2)
         if (timing.ttfb_ms is not None and response is not None
-                and providers.for_line(obs).is_stream(response.headers)):
+                and seam.is_stream(response.headers)):
             obs["ttft_ms"] = round(timing.ttfb_ms, 2)
         usage: dict[str, Any] = {}
         cost = None
         if response is not None:
             obs["response"] = response_record(response, self.redaction)
             if is_model:
-                usage, cost = self._model_outcome(obs, response, body)
+                usage, cost = self._model_outcome(obs, seam, response, body)
         if error is not None:
             obs["error"] = {**self._error(error), "has_response": response is not None}
         if request.original_body is not None:
-            obs["clamped_max_tokens"] = providers.for_line(obs).request_max_tokens(
-                json.loads(request.body))
+            obs["clamped_max_tokens"] = seam.request_max_tokens(json.loads(request.body))
         counted = dict(obs)  # as a reader sees it: compaction drops what it can derive
         self._write_exchange(obs, body if is_model else None)
         with self._lock:
@@ -423,15 +427,49 @@ class RecordSession(session.Session):
         if self.guard is not None:
             self.guard.after_exchange(
                 model=is_model, status=response.status if response is not None else None,
-                error=error, usage=usage or None, cost=cost, host=upstream(request.url))
+                error=error, usage=usage or None, cost=cost, host=self.guard.host(request.url))
+
+    # URLs and request headers repeat call after call: their redacted forms are kept, up
+    # to this many of each (the same rules give the same result every time).
+    _KEPT = 256
+
+    def _redacted_url(self, url: str) -> str:
+        redacted = self._urls.get(url)
+        if redacted is None:
+            if len(self._urls) >= self._KEPT:
+                self._urls.clear()
+            redacted = self._urls[url] = self.redaction.url(url)
+        return redacted
+
+    def _request_headers(self, headers: list[tuple[str, str]],
+                         provider: str | None) -> list[list[str]]:
+        """:func:`semantic_headers` of a request, worked out once for each set of headers
+        it keeps (a header's value that changes every call, such as ``content-length``, is
+        a volatile one and not part of the set)."""
+        volatile = self._volatile.get(provider)
+        if volatile is None or len(volatile) >= self._KEPT:
+            volatile = self._volatile[provider] = {}
+        kept = []
+        for name, value in headers:
+            drop = volatile.get(name)
+            if drop is None:
+                drop = volatile[name] = volatile_header(name, provider)
+            if not drop:
+                kept.append((name, value))
+        key = (provider, tuple(kept))
+        stored = self._headers.get(key)
+        if stored is None:
+            if len(self._headers) >= self._KEPT:
+                self._headers.clear()
+            stored = self._headers[key] = semantic_headers(kept, self.redaction, provider)
+        return [list(pair) for pair in stored]
 
     def _exchange_line(self, request: HttpRequest, kind: str, provider: str | None,
                        body: Any) -> dict[str, Any]:
         """The request half of a model or HTTP line, redacted (the model request's body is
         stored apart, as a delta of its conversation)."""
-        url = self.redaction.url(request.url)
-        headers = semantic_headers(request.headers, self.redaction,
-                                   provider if kind == "model" else None)
+        url = self._redacted_url(request.url)
+        headers = self._request_headers(request.headers, provider if kind == "model" else None)
         if kind == "model":
             return {"kind": "model", "provider": provider, "url": url,
                     "request_headers": headers}
@@ -439,11 +477,10 @@ class RecordSession(session.Session):
                 "fp": fingerprint("http", request.method, url, body),
                 "request": {"headers": headers, "body": body}}
 
-    def _model_outcome(self, obs: dict[str, Any], response: HttpResponse,
-                       body: Any) -> tuple[dict[str, Any], float | None]:
+    def _model_outcome(self, obs: dict[str, Any], seam: providers.Provider,
+                       response: HttpResponse, body: Any) -> tuple[dict[str, Any], float | None]:
         """What a model response says (usage, stop reason, API error) and what it cost,
-        added to its line; returns the usage and the cost."""
-        seam = providers.for_line(obs)
+        added to its line (read by ``seam``, its provider); returns the usage and the cost."""
         summary = seam.summarize(response.status, response.headers, response.body)
         usage = summary.get("usage") or {}
         cost = seam.cost(summary.get("model") or seam.request_model(body), usage, self.prices)
@@ -461,8 +498,10 @@ class RecordSession(session.Session):
             return
         url, full_req = obs["url"], obs["request_headers"]
         full_resp = obs["response"]["headers"] if "response" in obs else None
-        line = self.append_line(self._compactor.compact(obs), request_body=request_body,
-                            has_request=True)
+        provider = obs.get("provider")
+        stored = self._compactor.compact(obs)
+        line = self.append_line(stored, request_body=request_body, has_request=True,
+                                reply=compact.reply_message(provider, stored))
         self._compactor.written(line["seq"], url, full_req, full_resp)
 
     # Lines redacted whole as they are appended (model and HTTP lines are redacted field by
@@ -488,14 +527,17 @@ class RecordSession(session.Session):
     def _enter_tool(self, tool: session.ToolSpec) -> contextvars.Token:
         return _within.set(f"{tool.name}#{next(self._tool_calls)}")
 
-    def before_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> None:
-        """Called before a live tool call; the harness guards decide here."""
+    def before_tool(self, tool: session.ToolSpec, args: dict[str, Any],
+                    key: Any = None) -> None:
+        """Called before a live tool call; the harness guards decide here. ``key`` is
+        ``_args_key(args)`` when the caller has it already."""
         self._check_writable()
         if self.guard is not None:
-            self.guard.before_tool(tool.name, self._args_key(args))
+            self.guard.before_tool(tool.name, self._args_key(args) if key is None else key)
 
-    def _open_intent(self, tool: session.ToolSpec, args: dict[str, Any]) -> tuple[int, str]:
-        key = self._args_key(args)
+    def _open_intent(self, tool: session.ToolSpec, args: dict[str, Any],
+                     key: Any = None) -> tuple[int, str]:
+        key = self._args_key(args) if key is None else key
         line = self.append_line({"kind": "intent", "name": tool.name, "args": key,
                              "fp": digest(["tool", tool.name, key]),
                              "t": round(time.time(), 3)}, sync=True)
@@ -505,9 +547,10 @@ class RecordSession(session.Session):
     def _live_tool(self, tool: session.ToolSpec, args: dict[str, Any],
                    intent: tuple[int, str] | None):
         """Guards, intent, timing and the ``within`` mark around a tool body; logs it."""
-        self.before_tool(tool, args)
+        key = self._args_key(args)  # the guards' and the intent's: both before the body runs
+        self.before_tool(tool, args, key)
         if tool.side_effect and intent is None:
-            intent = self._open_intent(tool, args)
+            intent = self._open_intent(tool, args, key)
         call = _ToolCall(intent[1] if intent else None)
         start, t0 = time.time(), time.perf_counter()
         token = self._enter_tool(tool)
@@ -553,13 +596,15 @@ class RecordSession(session.Session):
         same step and an agent that catches it replays identical.
         """
         assert self.writer is not None
-        key = self._args_key(args)
-        obs: dict[str, Any] = {"kind": "tool", "name": tool.name, "args": key,
-                               "fp": digest(["tool", tool.name, key]), "t": round(start, 3),
-                               "ms": round((time.perf_counter() - t0) * 1000, 2)}
-        if intent is not None:
+        t, ms = round(start, 3), round((time.perf_counter() - t0) * 1000, 2)
+        obs: dict[str, Any]
+        if intent is not None:  # an outcome names its intent, which holds the arguments
             obs = {"kind": "outcome", "name": tool.name, "intent": intent[0], "key": intent[1],
-                   "t": obs["t"], "ms": obs["ms"]}
+                   "t": t, "ms": ms}
+        else:  # the arguments as they are once the body has run
+            key = self._args_key(args)
+            obs = {"kind": "tool", "name": tool.name, "args": key,
+                   "fp": digest(["tool", tool.name, key]), "t": t, "ms": ms}
         refused: UnserializableValue | None = None
         if error is not None:
             obs["error"] = self._error(error)

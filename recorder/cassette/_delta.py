@@ -6,6 +6,14 @@ grows with the square of the number of turns. Stored as a delta it grows linearl
     {"body": {...}}                                     the first request of a conversation
     {"base": 7, "keep": 12, "messages": [...],           request of seq 7, its first 12
      "set": {"max_tokens": 2048}, "unset": ["tools"]}     messages, then these; fields changed
+    {"base": 7, "keep": 12, "reply": 7, "messages": [...]}
+                                                         the same, with seq 7's reply first
+
+The message a conversation adds after a response is, most of the time, that response's
+own message (the assistant turn, as the agent sends it back): ``reply`` names the line
+whose response it is, instead of storing it a second time. It is used only when the
+message is, in canonical JSON, exactly what the provider reads from that response
+(:meth:`recorder.providers.Provider.reply_message`), so a reader rebuilds the same request.
 
 Decoding needs the requests of earlier lines, so a reader expands requests in file order.
 """
@@ -15,6 +23,8 @@ from __future__ import annotations
 import copy
 from collections import deque
 from typing import Any
+
+from recorder.canonical import canonical
 
 WINDOW = 16  # recent requests considered as the base of a new one
 
@@ -26,16 +36,24 @@ class DeltaEncoder:
     that keeps recording cost flat as a conversation grows. Python equality takes ``1``,
     ``1.0`` and ``True`` as equal; a history that changed only so would be stored with
     the earlier type, and its replay would report a divergence (never serve a wrong
-    response), which is the safe side.
+    response), which is the safe side. A ``reply`` is checked exactly (canonical JSON).
     """
 
     def __init__(self) -> None:
         self._recent: deque[tuple[int, dict[str, Any]]] = deque(maxlen=WINDOW)
+        self._replies: dict[int, Any] = {}
 
     def prime(self, seq: int, body: Any) -> None:
         """Remember a request written earlier (a resumed or forked cassette)."""
         if isinstance(body, dict) and isinstance(body.get("messages"), list):
             self._recent.append((seq, body))
+
+    def replied(self, seq: int, message: Any) -> None:
+        """Remember the message the response of line ``seq`` gives the conversation."""
+        if message is not None:
+            self._replies[seq] = message
+            while len(self._replies) > WINDOW:
+                del self._replies[next(iter(self._replies))]
 
     def encode(self, seq: int, body: Any) -> dict[str, Any]:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
@@ -55,13 +73,27 @@ class DeltaEncoder:
         base_seq, keep, base_body = best
         changed = {k: v for k, v in body.items()
                    if k != "messages" and (k not in base_body or base_body[k] != v)}
-        delta: dict[str, Any] = {"base": base_seq, "keep": keep, "messages": messages[keep:]}
+        delta: dict[str, Any] = {"base": base_seq, "keep": keep}
+        added = messages[keep:]
+        reply = self._replies.get(base_seq)
+        if added and reply is not None and _same(added[0], reply):
+            delta["reply"] = base_seq
+            added = added[1:]
+        delta["messages"] = added
         if changed:
             delta["set"] = changed
         unset = sorted(k for k in base_body if k != "messages" and k not in body)
         if unset:
             delta["unset"] = unset
         return delta
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal in canonical JSON (types included); False for anything without one."""
+    try:
+        return a == b and canonical(a) == canonical(b)
+    except ValueError:
+        return False
 
 
 def _common_prefix(a: list[Any], b: list[Any]) -> int:
@@ -74,12 +106,17 @@ def _common_prefix(a: list[Any], b: list[Any]) -> int:
     return i
 
 
-def decode(stored: dict[str, Any], bodies: dict[int, Any]) -> Any:
-    """Rebuild a request from its stored form; ``bodies`` maps seq to decoded requests."""
+def decode(stored: dict[str, Any], bodies: dict[int, Any],
+           replies: dict[int, Any] | None = None) -> Any:
+    """Rebuild a request from its stored form; ``bodies`` maps seq to decoded requests,
+    ``replies`` seq to the message its response gives the conversation."""
     if "body" in stored:
         return stored["body"]
     base = bodies[stored["base"]]
     body = {k: v for k, v in base.items() if k != "messages" and k not in stored.get("unset", ())}
     body.update(copy.deepcopy(stored.get("set", {})))
-    body["messages"] = base["messages"][: stored["keep"]] + stored["messages"]
+    added = stored["messages"]
+    if "reply" in stored:
+        added = [(replies if replies is not None else {})[stored["reply"]], *added]
+    body["messages"] = base["messages"][: stored["keep"]] + added
     return body

@@ -134,12 +134,13 @@ _REQUIRED: dict[str, _Fields] = {
 }
 _OPTIONAL_BY_KIND: dict[str, _Fields] = {
     Kind.MODEL: {"url": (str, int), "request_headers": (list, int), "provider": (str,),
-                 "response": (dict,)},
+                 "response": (dict,), "like": (int,)},
     Kind.HTTP: {"response": (dict,)},
     Kind.CONTROL: {"detail": (dict, _OPTIONAL)},
     Kind.END: {"totals": (dict, _OPTIONAL), "reason": (str, _OPTIONAL),
                "exit_code": (int, _OPTIONAL)},
 }
+_OPTIONAL_OF = {kind: {**_COMMON, **_OPTIONAL_BY_KIND.get(kind, {})} for kind in _REQUIRED}
 _RESPONSE = {"status": (int,), "headers": (list,), "body": (str,), "reason": (str,),
              "encoding": (str, _OPTIONAL), "headers_base": (int, _OPTIONAL)}
 
@@ -205,15 +206,15 @@ def check_line(line: dict[str, Any], path: Path, seq: int) -> None:
     """The fields of observation ``seq`` that readers use have the types deja writes."""
     kind: str = line["kind"]  # one of KINDS: the reader checked it
     what = f"seq {seq} ({kind})"
-    _check_fields(line, _REQUIRED[kind], {**_COMMON, **_OPTIONAL_BY_KIND.get(kind, {})},
-                  what, path, seq)
+    _check_fields(line, _REQUIRED[kind], _OPTIONAL_OF[kind], what, path, seq)
     response = line.get("response")
     if isinstance(response, dict):
         required: _Fields = {"status": (int,)}
         if kind == Kind.HTTP or "body_json" not in response:
             required["body"] = (str,)
         _check_fields(response, required, _RESPONSE, f"{what} response", path, seq)
-        shared = isinstance(response.get("headers_base"), int)  # null: the base line's
+        # null: the base line's (named by headers_base, or by the line's "like")
+        shared = isinstance(response.get("headers_base"), int) or isinstance(line.get("like"), int)
         for pair in response.get("headers") or ():
             if not ((pair is None and shared) or (isinstance(pair, list) and len(pair) == 2
                                                   and all(isinstance(p, str) for p in pair))):

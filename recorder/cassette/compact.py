@@ -11,6 +11,7 @@ On disk (the reader expands each line back after checking its signature):
   compact re-serialisation gives back the received bytes exactly; otherwise ``body`` keeps
   the text (or base64);
 - ``url`` is the seq of an earlier model line when it is the same;
+- ``like`` stands for all three references above when they name the same line;
 - ``response.reason`` is left out when it is the standard phrase of the status;
 - ``fp``, ``model`` and ``stream`` are not stored: they follow from the request; nor
   ``provider`` (from the URL), ``message_id``, ``usage``, ``stop_reason`` and
@@ -27,6 +28,7 @@ from typing import Any
 
 from recorder import providers  # a module reference: providers imports this package
 from recorder.canonical import Parts
+from recorder.errors import ConfigError
 
 _NO_DOC = object()  # a response body stored as text, not as JSON
 _DERIVED = ("usage", "stop_reason", "api_error", "message_id", "model", "stream", "fp")
@@ -91,6 +93,12 @@ class Compactor:
                                 "headers": [None if s else h for s, h in
                                             zip(same, response["headers"], strict=True)]}
             obs["response"] = response
+        ref = obs.get("url")
+        if (isinstance(ref, int) and obs.get("request_headers") == ref and response is not None
+                and response.get("headers_base") == ref):
+            del obs["url"], obs["request_headers"]
+            obs["response"] = {k: v for k, v in response.items() if k != "headers_base"}
+            obs["like"] = ref
         return obs
 
     def written(self, seq: int, url: str, request_headers: Any, response_headers: Any) -> None:
@@ -106,11 +114,54 @@ def _phrase(status: int) -> str:
     return http.client.responses.get(status, "")
 
 
+def reply_message(provider: str | None, line: dict[str, Any]) -> Any:
+    """Writer side: the message the response of the compacted model ``line`` gives its
+    conversation (see :meth:`recorder.providers.Provider.reply_message`), when its body is
+    stored as JSON; None otherwise. A reader finds the same one from the same line."""
+    doc = (line.get("response") or {}).get("body_json", _NO_DOC)
+    if doc is _NO_DOC or provider is None:
+        return None
+    try:
+        return providers.get(provider).reply_message(doc)
+    except ConfigError:  # a provider unregistered since
+        return None
+
+
+class Replies(dict[int, Any]):
+    """Reader side: seq -> the message the response of that model line gives its
+    conversation, filled as lines are restored (from a body stored as JSON) and otherwise
+    worked out when a request refers to it (a line copied into a fork holds its body as
+    text). A line with no such message is a ``KeyError``, as for any missing reference."""
+
+    def __init__(self, earlier: list[dict[str, Any]]) -> None:
+        super().__init__()
+        self._earlier = earlier
+
+    def __missing__(self, seq: int) -> Any:
+        line = self._earlier[seq]
+        response = line.get("response") or {}
+        provider = providers.for_line(line)
+        if (line.get("kind") != "model" or response.get("encoding") is not None
+                or provider.is_stream(response.get("headers") or [])):
+            raise KeyError(seq)
+        reply = provider.reply_message(json.loads(response["body"]))
+        if reply is None:
+            raise KeyError(seq)
+        self[seq] = reply
+        return reply
+
+
 def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any,
-           parts: Parts | None = None) -> None:
+           parts: Parts | None = None, replies: dict[int, Any] | None = None) -> None:
     """Reader side: restore a model line in place; ``earlier`` holds the lines before it,
     ``parts`` the digests of the request parts seen so far (the fingerprint of a request
-    hashes only what it adds to its conversation)."""
+    hashes only what it adds to its conversation); ``replies`` gets the message its
+    response gives the conversation, for the requests after it that refer to it."""
+    like = line.pop("like", None)
+    if like is not None:  # the URL, request headers and response headers of that line
+        line["url"] = line["request_headers"] = like
+        if isinstance(line.get("response"), dict):
+            line["response"]["headers_base"] = like
     if isinstance(line.get("url"), int):
         line["url"] = earlier[line["url"]]["url"]
     url = line.get("url") or ""
@@ -126,6 +177,10 @@ def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any,
         if "body_json" in response:
             doc = response.pop("body_json")
             response["body"] = json_text(doc)
+            if replies is not None:
+                reply = provider.reply_message(doc)
+                if reply is not None:
+                    replies[line["seq"]] = reply
         response.setdefault("reason", _phrase(response.get("status", 0)))
         base = response.pop("headers_base", None)
         if base is not None:

@@ -43,6 +43,8 @@ class Cassette:
     verify_note: str
     torn_offset: int | None = None
     requests: dict[int, Any] = field(default_factory=dict, repr=False)
+    # seq -> the message its response gives the conversation (requests refer to it)
+    replies: dict[int, Any] = field(default_factory=dict, repr=False)
     sigs: tuple[str, ...] = field(default=(), repr=False)  # header's first, then each line's
     size: int = 0  # bytes in the file when it was read
     end_offset: int | None = None  # where the end line starts
@@ -208,7 +210,8 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
                        allow_torn=allow_torn, allow_incomplete=allow_incomplete)
     return Cassette(path=path, header=cast(Header, header), observations=tuple(body.observations),
                     end=body.end, verified=key is not None, verify_note=verdict.note,
-                    torn_offset=torn, requests=body.requests, sigs=tuple(body.sigs), size=size,
+                    torn_offset=torn, requests=body.requests, replies=body.replies,
+                    sigs=tuple(body.sigs), size=size,
                     end_offset=body.end_offset)
 
 
@@ -271,6 +274,10 @@ class _Body:
     end: EndLine | None = None
     end_offset: int | None = None
     parts: Parts = field(default_factory=Parts)
+    replies: compact.Replies = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.replies = compact.Replies(cast(list[dict[str, Any]], self.observations))
 
 
 def _body(lines: list[tuple[int, bytes]], key: bytes | None, header_sig: object, v1: bool,
@@ -368,9 +375,10 @@ def _restore(line: Line, offset: int, body: _Body, path: Path) -> None:
 def _restore_model(line: ModelLine, body: _Body, path: Path) -> None:
     seq = line["seq"]
     try:
-        body.requests[seq] = _delta.decode(line["request"], body.requests)
+        body.requests[seq] = _delta.decode(line["request"], body.requests, body.replies)
         compact.expand(cast(dict[str, Any], line), cast(list[dict[str, Any]],
-                        body.observations), body.requests.get(seq), body.parts)
+                        body.observations), body.requests.get(seq), body.parts,
+                       body.replies)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError,
             RecursionError) as exc:
         raise CorruptCassette(f"{path}: seq {seq}: it refers to an earlier line that is "

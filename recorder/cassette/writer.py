@@ -182,6 +182,7 @@ class CassetteWriter:
         self._delta = _delta.DeltaEncoder()
         for seq in sorted(cassette.requests)[-_delta.WINDOW:]:
             self._delta.prime(seq, cassette.requests[seq])
+            self._delta.replied(seq, cassette.replies.get(seq))
         self._prev = cassette.sigs[len(cassette.observations)]
         self._v1 = cassette.header.get("format") == V1  # its chain goes on as it began
         self._seq = len(cassette.observations)
@@ -218,17 +219,20 @@ class CassetteWriter:
         return self._writer_lock
 
     def append(self, obs: dict[str, Any], *, request_body: Any = None, has_request: bool = False,
-               sync: bool = False) -> dict[str, Any]:
+               sync: bool = False, reply: Any = None) -> dict[str, Any]:
         """Assign ``seq``, sign and write ``obs``; returns the line as written.
 
         With ``has_request`` the model request ``request_body`` is stored as a delta
-        against an earlier request of the same conversation.
+        against an earlier request of the same conversation; ``reply`` is the message the
+        line's response gives the conversation (:func:`recorder.cassette.compact.reply_message`),
+        which a later request may refer to.
         """
         with self._lock:
             self._check_open()
             line = {"seq": self._seq, **obs}
             if has_request:
                 line["request"] = self._delta.encode(self._seq, request_body)
+                self._delta.replied(self._seq, reply)
             kind = line.get("kind")
             force = (sync or self.fsync is Fsync.SYNC
                      or (self.fsync is Fsync.TURN and kind in TURN_SYNC_KINDS))

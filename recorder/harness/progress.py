@@ -11,7 +11,9 @@ expect::
 It is updated at every step in memory and written (atomically) at most every
 ``interval`` seconds, the latest state always reaching the file within ``interval``, and
 at once when the status changes or the run ends, so that a status line costs the agent's
-calls nothing measurable. ``deja status RUN`` prints it.
+calls nothing measurable: the periodic writes are made by one background thread per run,
+off the agent's calls (only a change of status or the end is written on the call, before
+it returns). ``deja status RUN`` prints it.
 
 Cancelling is a flag file, ``$DEJA_HOME/runs/<run>.cancel``: ``deja cancel RUN`` (or the
 viewer's button) creates it; the recorder reads it before each call and after writes
@@ -156,7 +158,16 @@ def read_status(run: str) -> dict[str, Any] | None:
 
 
 class Progress:
-    """The status record of one run, redacted with the run's rules."""
+    """The status record of one run, redacted with the run's rules.
+
+    :meth:`update` changes the record in memory. A change of status, or ``force``, writes
+    it before returning; anything else is left to the writer thread, which writes the
+    latest record once ``interval`` has passed since the last write (at once when it
+    already has). Writes are made one at a time, each of the record as it is when the
+    write starts, so the file never goes back to an older state.
+    """
+
+    IDLE = 5.0  # seconds without updates after which the writer thread ends (restarted on need)
 
     def __init__(self, run: str, record: dict[str, Any], *, interval: float = 0.2,
                  redaction: Redaction | None = None) -> None:
@@ -164,9 +175,13 @@ class Progress:
         self.path = status_path(run)
         self.interval = interval
         self.redaction = redaction or DEFAULT
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the record and the writer thread's state
+        self._wake = threading.Condition(self._lock)
+        self._io = threading.Lock()  # one write at a time, in the order of their snapshots
         self._written = 0.0
-        self._timer: threading.Timer | None = None
+        self._dirty = False  # the record changed since the last write
+        self._writer: threading.Thread | None = None
+        self._ended = False
         self._failed: str | None = None  # why the last write failed (warned once)
         self.record: dict[str, Any] = {"run_id": run, "status": "running", "turn": 0,
                                        "step": "starting", "pid": os.getpid(),
@@ -178,27 +193,51 @@ class Progress:
         with self._lock:
             changed_status = "status" in fields and fields["status"] != self.record["status"]
             self.record.update(fields)
-            due = time.monotonic() - self._written >= self.interval
-            if force or changed_status or due:
-                self._write_locked()
-            elif self._timer is None:  # write the latest state once the interval has passed
-                self._timer = threading.Timer(self.interval, self._flush)
-                self._timer.daemon = True
-                self._timer.start()
+            if fields.get("ended"):
+                self._ended = True
+                self._wake.notify()  # the writer thread, if any, ends
+            if not (force or changed_status):
+                was_dirty, self._dirty = self._dirty, True
+                if self._writer is None:
+                    if self._ended:  # nothing is written after the end but the end itself
+                        return
+                    self._writer = threading.Thread(target=self._run, daemon=True,
+                                                    name=f"deja-progress-{self.run}")
+                    self._writer.start()
+                elif not was_dirty or time.monotonic() - self._written >= self.interval:
+                    self._wake.notify()  # idle until now, or its write is due: wake it
+                return
+        self._write()
 
-    def _flush(self) -> None:
-        with self._lock:
-            self._timer = None
-            self._write_locked()
+    def _run(self) -> None:
+        """The writer thread: the latest record, at most every ``interval`` seconds."""
+        while True:
+            with self._lock:
+                while True:
+                    if self._ended and not self._dirty:
+                        self._writer = None
+                        return
+                    if self._dirty:
+                        wait = self._written + self.interval - time.monotonic()
+                        if wait <= 0:
+                            break
+                        self._wake.wait(wait)
+                    elif not self._wake.wait(self.IDLE) and not self._dirty:
+                        self._writer = None  # idle: a later update starts another
+                        return
+            self._write()
 
     def _write(self) -> None:
-        with self._lock:
-            self._write_locked()
+        """Write the record as it is now (the caller holds no lock)."""
+        with self._io:
+            with self._lock:
+                self.record["updated"] = _now_iso()
+                self._written = time.monotonic()
+                self._dirty = False
+                text = json.dumps(self.record, default=str)
+            self._write_text(self.redaction.json_text(text))
 
-    def _write_locked(self) -> None:
-        self.record["updated"] = _now_iso()
-        self._written = time.monotonic()
-        text = self.redaction.json_text(json.dumps(self.record, default=str))
+    def _write_text(self, text: str) -> None:
         try:
             _write_private(self.path, text)
         except OSError as exc:

@@ -60,6 +60,8 @@ class RunGuard:
         self._cancel_seen: dict[str, Any] | None = None
         self._cancel_file = cancel_path(run)
         self._cancel_checked = float("-inf")
+        self._call_names: dict[tuple[bool, str, str], tuple[str, str, str]] = {}
+        self._hosts: dict[str, str] = {}
         b = self.budgets
         self.progress = Progress(run, {
             "turn_limit": b.turns, "budget_s": b.seconds, "token_limit": b.tokens,
@@ -127,15 +129,38 @@ class RunGuard:
             detail={"budget": name, "used": used, "limit": limit, "before": what}),
             Control.BUDGET_EXHAUSTED)
 
+    _NAMES_KEPT = 512  # calls whose names are remembered (an agent calls a few URLs)
+
+    def _names(self, request: HttpRequest, provider: str | None) -> tuple[str, str, str]:
+        """How a call is named in messages (its URL redacted), its progress step and its
+        upstream host: the same for every call of a URL, so worked out once."""
+        key = (bool(provider), request.method, request.url)
+        names = self._call_names.get(key)
+        if names is None:
+            what = (f"{'model' if provider else 'HTTP'} call {request.method} "
+                    f"{self.redaction.url(request.url)}")
+            names = (what, f"waiting for {what}", upstream(request.url))
+            if len(self._call_names) >= self._NAMES_KEPT:
+                self._call_names.clear()
+            self._call_names[key] = names
+        return names
+
+    def host(self, url: str) -> str:
+        """The upstream host of ``url`` (see :func:`upstream`), remembered per URL."""
+        host = self._hosts.get(url)
+        if host is None:
+            if len(self._hosts) >= self._NAMES_KEPT:
+                self._hosts.clear()
+            host = self._hosts[url] = upstream(url)
+        return host
+
     def before_call(self, request: HttpRequest, provider: str | None) -> None:
         """Before a request goes out: cancel, budgets, per-turn ceiling, circuit breaker."""
-        what = (f"{'model' if provider else 'HTTP'} call {request.method} "
-                f"{self.redaction.url(request.url)}")
+        what, step, host = self._names(request, provider)
         self._common(what)
         if provider:
             self._model_budgets(request, providers.get(provider), what)
         if self.settings.breaker.enabled:
-            host = upstream(request.url)
             allowed, detail = BREAKERS.get(host, self.settings.breaker).allow()
             if not allowed:
                 raise self._stop(CircuitOpen(
@@ -143,7 +168,7 @@ class RunGuard:
                     f"{self.settings.breaker.window:g}s; calls fail fast for "
                     f"{detail.get('retry_in_s')}s more (nothing was sent)",
                     reason="circuit_open", detail=detail), Control.CIRCUIT_OPEN)
-        self.progress.update(step=f"waiting for {what}", elapsed_s=round(self.elapsed(), 3))
+        self.progress.update(step=step, elapsed_s=round(self.elapsed(), 3))
 
     def _model_budgets(self, request: HttpRequest, provider: providers.Provider,
                        what: str) -> None:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +34,7 @@ from guard_helpers import (
 import recorder
 from deja.cli import main as cli
 from recorder import Cancelled
-from recorder.harness.progress import read_status, request_cancel
+from recorder.harness.progress import Progress, read_status, request_cancel
 from recorder.providers.pricing import PriceTable
 
 # Fixtures shared by the test_guards files.
@@ -163,3 +164,26 @@ def test_cancel_is_read_before_a_tool_call_and_the_body_never_runs(stub, tmp_pat
 
     assert_replay_stops_the_same(path, agent, Cancelled, 2, steps=3)
     assert ran == ["a"]  # the replay ran no tool body
+
+
+# ------------------------------------------------------------------------------ status record
+
+
+def test_the_status_record_reaches_the_latest_state_within_its_interval() -> None:
+    run = "r_progress_1"
+    progress = Progress(run, {"turn_limit": 5}, interval=0.05)
+    assert (read_status(run) or {}).get("step") == "starting"  # written when it is made
+    for turn in range(1, 4):  # steps within the interval: left to the writer thread
+        progress.update(turn=turn, step=f"model response {turn}")
+    wait_for("the latest step", lambda: (read_status(run) or {}).get("turn") == 3, timeout=5)
+    assert (read_status(run) or {})["step"] == "model response 3"
+
+    progress.update(turn=4, step="waiting")
+    progress.update(status="exhausted", step="stopped")  # a change of status: at once
+    record = read_status(run) or {}
+    assert record["status"] == "exhausted" and record["turn"] == 4
+    progress.update(status="exhausted", step="ended: exhausted", ended=True, force=True)
+    assert (read_status(run) or {})["ended"] is True
+    wait_for("the writer thread to end", lambda: not any(
+        t.name == f"deja-progress-{run}" for t in threading.enumerate()), timeout=5)
+    assert (read_status(run) or {})["step"] == "ended: exhausted"
