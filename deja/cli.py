@@ -448,12 +448,19 @@ def view(directory: Path, port: int, allow_unverified: bool) -> None:
             "--server.headless", "true", "--browser.gatherUsageStats", "false",
             "--client.toolbarMode", "viewer",  # no Deploy button, no developer menu
             "--", str(directory)]
+    # A SIGTERM from here on stops the viewer with us, even one that comes while it starts.
+    terminated: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _: terminated.append(signum))
     click.echo(f"deja view: {directory} at http://127.0.0.1:{port} (Ctrl-C stops it)", err=True)
     env = dict(os.environ)
     if allow_unverified:
         env["DEJA_ALLOW_UNVERIFIED"] = "1"
+    if terminated:
+        sys.exit(128 + signal.SIGTERM)
     process = subprocess.Popen(argv, env=env)
-    signal.signal(signal.SIGTERM, lambda *_: process.terminate())  # stop it with us
+    signal.signal(signal.SIGTERM, lambda *_: process.terminate())
+    if terminated:
+        process.terminate()
     try:
         code = process.wait()
     except KeyboardInterrupt:  # the viewer has the same Ctrl-C and stops on its own
