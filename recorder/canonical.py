@@ -1,4 +1,5 @@
-"""Canonical JSON: the one byte form that signatures and fingerprints are computed over.
+"""Canonical JSON: the one byte form that fingerprints are computed over (and ``deja/1``
+signatures; ``deja/2`` signs each line's exact bytes, see :mod:`recorder.cassette.signing`).
 
 A value with no canonical form (NaN, a lone surrogate, a cycle, nesting deeper than the
 encoder goes, a type JSON does not have) is refused here with
@@ -96,6 +97,28 @@ class Parts:
     def __init__(self) -> None:
         self._by_object: dict[int, tuple[Any, str]] = {}
         self._by_text: dict[str, str] = {}
+        self._lists: dict[int, tuple[list[Any], list[str]]] = {}
+
+    def messages(self, messages: list[Any]) -> list[str]:
+        """The digests of a request's messages: those of the list it extends (see
+        :meth:`extend`), and of each message it adds."""
+        hit = self._lists.get(id(messages))
+        if hit is not None and hit[0] is messages:
+            return hit[1]
+        out = [self.of(m) for m in messages]
+        self._remember(messages, out)
+        return out
+
+    def extend(self, messages: list[Any], base: list[Any], keep: int) -> None:
+        """``messages`` starts with the first ``keep`` messages of ``base`` (the same
+        objects, as a cassette's requests share their history): hash only the rest."""
+        known = self.messages(base)[:keep]
+        self._remember(messages, known + [self.of(m) for m in messages[len(known):]])
+
+    def _remember(self, messages: list[Any], digests: list[str]) -> None:
+        if len(self._lists) >= self.LIMIT:
+            self._lists.clear()
+        self._lists[id(messages)] = (messages, digests)
 
     def of(self, value: Any, text: str | None = None) -> str:
         if text is not None:
@@ -138,9 +161,15 @@ def model_fingerprint(method: str, url: str, body: Any, parts: Parts | None = No
     head = {k: of(v, fields.get(k)) for k, v in body.items() if k != "messages"}
     if bodies is not None and len(bodies) == len(messages):
         listed = [of(m, t) for m, t in zip(messages, bodies, strict=True)]
+    elif parts is not None:
+        listed = parts.messages(messages)
     else:
         listed = [of(m, None) for m in messages]
-    return digest(["model/parts", method.upper(), path, head, listed])
+    # The messages' digests are fixed-width hex, so joining them is unambiguous (and much
+    # cheaper than encoding the list); the canonical JSON before them ends where it ends.
+    joined = canonical(["model/parts", method.upper(), path, head]) + b"|" + \
+        ",".join(listed).encode("ascii")
+    return hashlib.sha256(joined).hexdigest()[:32]
 
 
 def _part(value: Any, text: str | None = None) -> str:

@@ -498,10 +498,9 @@ class RecordSession(session.Session):
             return
         url, full_req = obs["url"], obs["request_headers"]
         full_resp = obs["response"]["headers"] if "response" in obs else None
-        provider = obs.get("provider")
         stored = self._compactor.compact(obs)
         line = self.append_line(stored, request_body=request_body, has_request=True,
-                                reply=compact.reply_message(provider, stored))
+                                reply=compact.reply_message(stored))
         self._compactor.written(line["seq"], url, full_req, full_resp)
 
     # Lines redacted whole as they are appended (model and HTTP lines are redacted field by

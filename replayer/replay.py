@@ -38,6 +38,7 @@ from recorder.capture.exchange import (
     HttpRequest,
     HttpResponse,
     Redaction,
+    RequestReader,
     classify_texts,
     request_fingerprint,
     response_from_record,
@@ -232,6 +233,7 @@ class ReplaySession(session.Session):
         # Exactly the rules the recording used, so requests fingerprint the same way.
         self.redaction = Redaction.from_header(cassette.header.get("redact"))
         self._parts = Parts()  # the history the agent resends, hashed once
+        self._requests = RequestReader()  # and parsed once
         self._lock = threading.Lock()
         self.divergence: DivergenceInfo | None = None
         self.notes: list[str] = []
@@ -354,7 +356,8 @@ class ReplaySession(session.Session):
         """The recorded observation that answers ``request``; a Divergence if none does."""
         self.raise_recorded_stop()
         kind, provider, body, texts = classify_texts(request.method, request.url,
-                                                     request.body, self.redaction)
+                                                     request.body, self.redaction,
+                                                     self._requests)
         url = self.redaction.url(request.url)
         fp = request_fingerprint(kind, provider, request.method, url, body, self._parts, texts)
         obs = self.index.take(("net", fp))

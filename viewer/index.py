@@ -451,8 +451,10 @@ def _read_in_workers(paths: list[Path], keyring: Keyring, allow_unverified: bool
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[1])  # where the viewer package is
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    procs = [subprocess.Popen([sys.executable, "-c", "from viewer.index import _worker; _worker()"],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    # -P: the working directory is not put on sys.path, so a folder being viewed (a clone
+    # of someone else's repository) cannot stand in for deja's own modules, which get keys
+    worker = [sys.executable, "-P", "-c", "from viewer.index import _worker; _worker()"]
+    procs = [subprocess.Popen(worker, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
              for _ in range(workers)]
     try:
         for n, proc in enumerate(procs):  # each reads all its work before it answers

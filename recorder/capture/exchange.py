@@ -38,7 +38,7 @@ from recorder.providers import (
 )
 
 __all__ = ["RETRYABLE_STATUSES", "HttpRequest", "HttpResponse", "RequestReader", "classify",
-           "classify_texts", "json_body", "json_body_texts", "pretty", "request_fingerprint",
+           "classify_texts", "json_body", "pretty", "request_fingerprint",
            "response_from_record", "response_record", "semantic_headers", "upstream"]
 
 # Statuses after which the SDKs retry; on replay their wait is cut to nothing.
@@ -287,12 +287,6 @@ class RequestReader:
         with self._lock:
             self._recent.append(read)
         return read.obj, None, (read.fields, read.texts if read.head is not None else [])
-
-
-def json_body_texts(data: bytes) -> tuple[Any, str | None, Texts | None]:
-    """:func:`json_body`, and for a JSON object the exact text of its parts (for the
-    fingerprint of a model request; None when they could not be told apart)."""
-    return RequestReader().read(data)
 
 
 def classify(method: str, url: str, data: bytes,

@@ -10,7 +10,9 @@
 - :mod:`.compact`: what a model line leaves out on disk, and how the reader restores it;
 - :mod:`.rows`: a cassette as rows (steps, totals, summaries) for every reader.
 
-The byte form that lines are signed and fingerprinted in is :mod:`recorder.canonical`.
+Requests are fingerprinted in :mod:`recorder.canonical`'s byte form; a ``deja/2`` line is
+signed over its exact bytes (:mod:`recorder.cassette.signing`), a ``deja/1`` line over that
+canonical form.
 """
 
 from recorder.cassette.format import FORMAT, KINDS, READABLE_FORMATS, RESUMABLE_ENDS, Fsync

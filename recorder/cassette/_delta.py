@@ -12,8 +12,8 @@ grows with the square of the number of turns. Stored as a delta it grows linearl
 The message a conversation adds after a response is, most of the time, that response's
 own message (the assistant turn, as the agent sends it back): ``reply`` names the line
 whose response it is, instead of storing it a second time. It is used only when the
-message is, in canonical JSON, exactly what the provider reads from that response
-(:meth:`recorder.providers.Provider.reply_message`), so a reader rebuilds the same request.
+message has exactly the JSON text of what the format reads from that response
+(:func:`recorder.cassette.compact.reply_of`), so a reader rebuilds the same request.
 
 Decoding needs the requests of earlier lines, so a reader expands requests in file order.
 """
@@ -21,10 +21,9 @@ Decoding needs the requests of earlier lines, so a reader expands requests in fi
 from __future__ import annotations
 
 import copy
+import json
 from collections import deque
 from typing import Any
-
-from recorder.canonical import canonical
 
 WINDOW = 16  # recent requests considered as the base of a new one
 
@@ -36,7 +35,7 @@ class DeltaEncoder:
     that keeps recording cost flat as a conversation grows. Python equality takes ``1``,
     ``1.0`` and ``True`` as equal; a history that changed only so would be stored with
     the earlier type, and its replay would report a divergence (never serve a wrong
-    response), which is the safe side. A ``reply`` is checked exactly (canonical JSON).
+    response), which is the safe side. A ``reply`` is checked exactly (its JSON text).
     """
 
     def __init__(self) -> None:
@@ -55,7 +54,14 @@ class DeltaEncoder:
             while len(self._replies) > WINDOW:
                 del self._replies[next(iter(self._replies))]
 
+    def written(self, seq: int, body: Any, reply: Any = None) -> None:
+        """Line ``seq`` (request ``body``, its response's ``reply``) is on disk: later
+        requests may refer to it. Only then: a line that failed to be written never is."""
+        self.prime(seq, body)
+        self.replied(seq, reply)
+
     def encode(self, seq: int, body: Any) -> dict[str, Any]:
+        """The stored form of request ``body`` of line ``seq`` (see :meth:`written`)."""
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return {"body": body}
         messages = body["messages"]
@@ -67,7 +73,6 @@ class DeltaEncoder:
                 best = (base_seq, keep, base_body)
                 if keep == len(base_messages):  # the conversation grew from it: take it
                     break
-        self._recent.append((seq, body))
         if best is None:
             return {"body": body}
         base_seq, keep, base_body = best
@@ -89,11 +94,16 @@ class DeltaEncoder:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Equal in canonical JSON (types included); False for anything without one."""
+    """The same JSON text (types and key order included), so that the request a reader
+    rebuilds is the one that was sent; False for anything without a JSON form."""
     try:
-        return a == b and canonical(a) == canonical(b)
-    except ValueError:
+        return a == b and _text(a) == _text(b)
+    except (ValueError, TypeError, RecursionError):
         return False
+
+
+def _text(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def _common_prefix(a: list[Any], b: list[Any]) -> int:

@@ -28,7 +28,6 @@ from typing import Any
 
 from recorder import providers  # a module reference: providers imports this package
 from recorder.canonical import Parts
-from recorder.errors import ConfigError
 
 _NO_DOC = object()  # a response body stored as text, not as JSON
 _DERIVED = ("usage", "stop_reason", "api_error", "message_id", "model", "stream", "fp")
@@ -114,17 +113,22 @@ def _phrase(status: int) -> str:
     return http.client.responses.get(status, "")
 
 
-def reply_message(provider: str | None, line: dict[str, Any]) -> Any:
-    """Writer side: the message the response of the compacted model ``line`` gives its
-    conversation (see :meth:`recorder.providers.Provider.reply_message`), when its body is
-    stored as JSON; None otherwise. A reader finds the same one from the same line."""
+def reply_of(doc: Any) -> Any:
+    """The message a response body (parsed JSON) gives its conversation, by the format's
+    own rule rather than any provider's: the ``role`` and ``content`` of a body whose
+    ``type`` is ``"message"`` (the Messages API's shape); None for anything else. A
+    request that resends it exactly stores a reference instead (:mod:`._delta`)."""
+    if (isinstance(doc, dict) and doc.get("type") == "message"
+            and isinstance(doc.get("role"), str) and isinstance(doc.get("content"), list)):
+        return {"role": doc["role"], "content": doc["content"]}
+    return None
+
+
+def reply_message(line: dict[str, Any]) -> Any:
+    """Writer side: :func:`reply_of` the compacted model ``line``'s response, when its body
+    is stored as JSON; None otherwise. A reader finds the same one from the same line."""
     doc = (line.get("response") or {}).get("body_json", _NO_DOC)
-    if doc is _NO_DOC or provider is None:
-        return None
-    try:
-        return providers.get(provider).reply_message(doc)
-    except ConfigError:  # a provider unregistered since
-        return None
+    return None if doc is _NO_DOC else reply_of(doc)
 
 
 class Replies(dict[int, Any]):
@@ -140,11 +144,12 @@ class Replies(dict[int, Any]):
     def __missing__(self, seq: int) -> Any:
         line = self._earlier[seq]
         response = line.get("response") or {}
-        provider = providers.for_line(line)
-        if (line.get("kind") != "model" or response.get("encoding") is not None
-                or provider.is_stream(response.get("headers") or [])):
+        if line.get("kind") != "model" or response.get("encoding") is not None:
             raise KeyError(seq)
-        reply = provider.reply_message(json.loads(response["body"]))
+        try:
+            reply = reply_of(json.loads(response["body"]))
+        except ValueError:  # a stream, or not JSON: it has no such message
+            raise KeyError(seq) from None
         if reply is None:
             raise KeyError(seq)
         self[seq] = reply
@@ -178,7 +183,7 @@ def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any,
             doc = response.pop("body_json")
             response["body"] = json_text(doc)
             if replies is not None:
-                reply = provider.reply_message(doc)
+                reply = reply_of(doc)
                 if reply is not None:
                     replies[line["seq"]] = reply
         response.setdefault("reason", _phrase(response.get("status", 0)))

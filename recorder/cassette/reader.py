@@ -92,7 +92,8 @@ def _lines(path: Path) -> tuple[list[tuple[int, bytes]], int | None, int]:
         if nl < 0:
             torn = pos
             break
-        out.append((pos, data[pos:nl]))
+        # a line ending in CR LF (a checkout that converts line endings) reads as written
+        out.append((pos, data[pos:nl - 1] if data[nl - 1:nl] == b"\r" else data[pos:nl]))
         pos = nl + 1
     return out, torn, len(data)
 
@@ -115,9 +116,18 @@ def _signed(key: bytes, prev: str, line: dict[str, Any], sig: object, path: Path
 
 def _check_v2(key: bytes, prev: str, line: dict[str, Any] | bytes, sig: object) -> bool:
     """Does ``sig`` sign ``line`` by the rules of ``deja/2``: its signed bytes as read, or a
-    parsed line (a header with its ``key_id`` restored) serialised as the writer does."""
-    body = line if isinstance(line, bytes) else line_bytes(line)
-    return check_bytes(key, prev, body, sig)
+    parsed line (a header with its ``key_id`` restored, a line whose bytes were re-spaced)
+    serialised as the writer does, fields in their order, and with ``key_id`` last, where
+    the writer puts it (a header whose ``key_id`` was moved)."""
+    if isinstance(line, bytes):
+        return check_bytes(key, prev, line, sig)
+    if check_bytes(key, prev, line_bytes(line), sig):
+        return True
+    if "key_id" not in line:
+        return False
+    last = {k: v for k, v in line.items() if k != "key_id"}
+    last["key_id"] = line["key_id"]
+    return check_bytes(key, prev, line_bytes(last), sig)
 
 
 def _chain(lines: list[tuple[int, bytes]], path: Path, header_sig: object, v1: bool
@@ -138,9 +148,16 @@ def _chain(lines: list[tuple[int, bytes]], path: Path, header_sig: object, v1: b
             sig = payload.pop("sig", None)
         else:
             split = split_signed(raw)
-            if split is None:
-                return
-            payload, sig = split
+            if split is not None:
+                payload, sig = split
+            else:  # re-spaced or reordered: as parsed, for the writer's form of it
+                try:
+                    payload = _validate.parse_line(raw, path, f"line {index + 1}", index - 1)
+                except CorruptCassette:
+                    return
+                if not isinstance(payload, dict):
+                    return
+                sig = payload.pop("sig", None)
         if isinstance(prev, str):
             yield prev, payload, sig
         prev = sig
@@ -183,9 +200,10 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
     ``DEJA_ALLOW_UNVERIFIED`` environment variable); it then loads with ``verified``
     False and a ``verify_note`` that starts with ``NOT VERIFIED``. ``require_signature``
     refuses it even then. An edited or removed ``key_id`` is a :class:`SignatureError`;
-    see :mod:`recorder.cassette.trust`. The structure (strict JSON, field types, dense seq, kinds,
-    one end line at the end) is always checked. A torn last line is refused unless
-    ``allow_torn``; a missing end line unless ``allow_incomplete``.
+    see :mod:`recorder.cassette.trust`. The structure (strict JSON, dense seq, kinds, one end
+    line at the end) is always checked, and so are the field types of every line that is
+    not verified (the writer checks them before it signs a line). A torn last line is
+    refused unless ``allow_torn``; a missing end line unless ``allow_incomplete``.
 
     The lines go through the steps below one at a time (each line is parsed, verified and
     checked before the next is read: :func:`_body`), so the first fault in the file is the
@@ -294,7 +312,7 @@ def _body(lines: list[tuple[int, bytes]], key: bytes | None, header_sig: object,
             _verified(line, sig, key, body.sigs, number, seq, path)
         else:
             line = _parsed_v2(raw, key, body.sigs, number, seq, path)
-        _checked(line, body, number, seq, path)
+        _checked(line, body, number, seq, path, fields=key is None)
         _restore(cast(Line, line), offset, body, path)
     return body
 
@@ -344,9 +362,12 @@ def _tampered(path: Path, number: int, seq: int) -> SignatureError:
         path=path, seq=seq)
 
 
-def _checked(line: Any, body: _Body, number: int, seq: int, path: Path) -> None:
+def _checked(line: Any, body: _Body, number: int, seq: int, path: Path, *,
+             fields: bool = True) -> None:
     """Step 3: the line in its place (dense seq, a known kind, nothing after the end
-    line) with the field types deja writes."""
+    line) with the field types deja writes. The types are checked (``fields``) on a line
+    that is not verified: a verified one is a line deja's writer checked before it
+    signed it (:meth:`recorder.cassette.writer.CassetteWriter.append`)."""
     if not isinstance(line, dict) or line.get("seq") != seq:
         got = line.get("seq") if isinstance(line, dict) else None
         raise CorruptCassette(f"{path}: line {number} has seq {got!r}, expected "
@@ -358,7 +379,8 @@ def _checked(line: Any, body: _Body, number: int, seq: int, path: Path) -> None:
     if body.end is not None:
         raise CorruptCassette(f"{path}: seq {seq} follows the end line (seq "
                               f"{body.end['seq']})", path=path, seq=seq)
-    _validate.check_line(line, path, seq)
+    if fields:
+        _validate.check_line(line, path, seq)
 
 
 def _restore(line: Line, offset: int, body: _Body, path: Path) -> None:
@@ -375,7 +397,11 @@ def _restore(line: Line, offset: int, body: _Body, path: Path) -> None:
 def _restore_model(line: ModelLine, body: _Body, path: Path) -> None:
     seq = line["seq"]
     try:
-        body.requests[seq] = _delta.decode(line["request"], body.requests, body.replies)
+        stored = line["request"]
+        request = body.requests[seq] = _delta.decode(stored, body.requests, body.replies)
+        if "base" in stored:  # its history is its base's: only what it adds is hashed
+            body.parts.extend(request["messages"], body.requests[stored["base"]]["messages"],
+                              stored["keep"])
         compact.expand(cast(dict[str, Any], line), cast(list[dict[str, Any]],
                         body.observations), body.requests.get(seq), body.parts,
                        body.replies)

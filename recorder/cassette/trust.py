@@ -55,8 +55,9 @@ class Verdict:
         return self.key is not None
 
 
-# (key, previous sig, line without sig, sig) -> does it verify?
-Check = Callable[[bytes, str, dict[str, Any], object], bool]
+# (key, previous sig, line without sig, sig) -> does it verify? The line is parsed (deja/1,
+# or a deja/2 line whose bytes are not as written), or a deja/2 line's signed bytes.
+Check = Callable[[bytes, str, Any, object], bool]
 
 
 def decide(path: Path, header: dict[str, Any], header_sig: object,
@@ -69,9 +70,12 @@ def decide(path: Path, header: dict[str, Any], header_sig: object,
     of the line before it and its own: a header whose ``key_id`` was edited no longer
     checks out under the real key, but the lines after it still chain from one another's
     stored signatures, even when the header's own signature was replaced too. It is only
-    read when the header names a key this machine does not have.
+    read when the header names a key this machine does not have. A line that was edited
+    as well (in deja/2: its fields reordered, not only re-spaced) no longer chains, so an
+    edit of every line can make a file of this machine's look merely unverified: refused
+    all the same unless unverified cassettes are allowed, and never verified.
     """
-    def signs(key: bytes, prev: str, line: dict[str, Any], sig: object) -> bool:
+    def signs(key: bytes, prev: str, line: Any, sig: object) -> bool:
         try:
             return check(key, prev, line, sig)
         except (ValueError, TypeError, RecursionError):  # hostile content: not ours either

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from recorder.canonical import canonical
-from recorder.cassette import _delta
+from recorder.cassette import _delta, _validate
 from recorder.cassette import lock as writer_lock
-from recorder.cassette.format import FORMAT, RESUMABLE_ENDS, TURN_SYNC_KINDS, V1, Fsync
+from recorder.cassette.format import FORMAT, KINDS, RESUMABLE_ENDS, TURN_SYNC_KINDS, V1, Fsync
 from recorder.cassette.keys import key_id
 from recorder.cassette.schema import Kind
 from recorder.cassette.signing import encode_sig, line_bytes, mac, with_sig
@@ -36,6 +36,7 @@ from recorder.errors import (
     CassetteLocked,
     CassetteWriteError,
     ConfigError,
+    CorruptCassette,
     KeyMissing,
     NotResumable,
     PathTaken,
@@ -45,6 +46,15 @@ from recorder.errors import (
 
 if TYPE_CHECKING:
     from recorder.cassette.reader import Cassette
+
+
+def _unlike(line: dict[str, Any]) -> None:
+    """A compacted model line's ``like`` (deja/2) as the three references it stands for."""
+    ref = line.pop("like", None)
+    if ref is not None:
+        line["url"] = line["request_headers"] = ref
+        if isinstance(line.get("response"), dict):
+            line["response"] = {**line["response"], "headers_base": ref}
 
 
 class _GroupSync:
@@ -111,6 +121,12 @@ class CassetteWriter:
         if self.path.is_dir():
             raise ConfigError(f"{self.path} is a directory; give a cassette file (.jsonl) "
                               "or a directory to create <run id>.jsonl in")
+        try:  # keys that are not strings (json.dumps would turn {1: .., "1": ..} into a key
+            canonical(dict(header))  # twice): refused before anything is created
+        except UnserializableValue as exc:
+            raise UnserializableValue(f"{self.path}: the header holds a value a cassette "
+                                      f"cannot store faithfully ({exc}); nothing was "
+                                      "written") from None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -182,7 +198,8 @@ class CassetteWriter:
         self._delta = _delta.DeltaEncoder()
         for seq in sorted(cassette.requests)[-_delta.WINDOW:]:
             self._delta.prime(seq, cassette.requests[seq])
-            self._delta.replied(seq, cassette.replies.get(seq))
+            if cassette.header.get("format") != V1:
+                self._delta.replied(seq, cassette.replies.get(seq))
         self._prev = cassette.sigs[len(cassette.observations)]
         self._v1 = cassette.header.get("format") == V1  # its chain goes on as it began
         self._seq = len(cassette.observations)
@@ -230,13 +247,17 @@ class CassetteWriter:
         with self._lock:
             self._check_open()
             line = {"seq": self._seq, **obs}
+            if self._v1:  # a deja/1 cassette goes on with the fields deja/1 has
+                _unlike(line)
+                reply = None
             if has_request:
                 line["request"] = self._delta.encode(self._seq, request_body)
-                self._delta.replied(self._seq, reply)
             kind = line.get("kind")
             force = (sync or self.fsync is Fsync.SYNC
                      or (self.fsync is Fsync.TURN and kind in TURN_SYNC_KINDS))
             self._write(line, sync=force)
+            if has_request:
+                self._delta.written(self._seq, request_body, reply)
             if not force and self.fsync is Fsync.TURN:
                 if self._group is None:
                     self._group = _GroupSync(self._fd)
@@ -303,6 +324,12 @@ class CassetteWriter:
         raise error
 
     def _write(self, line: dict[str, Any], *, sync: bool) -> None:
+        if line.get("kind") in KINDS:  # an observation: the types readers rely on, checked once
+            try:
+                _validate.check_line(line, self.path, self._seq)
+            except CorruptCassette as exc:
+                raise UnserializableValue(f"{exc}; a reader could not use such a line, so "
+                                          "nothing was written") from None
         try:
             # Every line keeps its field order on disk ("format" first in the header; a
             # tool result's or effect's dict keys as returned, so a replay gives back the

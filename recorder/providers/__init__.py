@@ -144,13 +144,6 @@ class Provider(ABC):
             return self.assemble(text)
         return json.loads(text)
 
-    def reply_message(self, doc: Any) -> Any:
-        """The message a conversation's next request carries for this response (its JSON
-        body ``doc``), as an agent sends it back; None when the format has no such message
-        or ``doc`` is not one. A request that carries it exactly stores a reference to the
-        response instead (see :mod:`recorder.cassette._delta`)."""
-        return None
-
     @abstractmethod
     def usage(self, message: Any) -> dict[str, int]:
         """The token counts of a complete message, in deja's names (see :class:`Summary`);

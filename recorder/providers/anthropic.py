@@ -30,12 +30,6 @@ class AnthropicProvider(Provider):
     def synthesize(self, message: dict[str, Any]) -> str:
         return synthesize(message)
 
-    def reply_message(self, doc: Any) -> Any:
-        if (isinstance(doc, dict) and doc.get("type") == "message"
-                and isinstance(doc.get("role"), str) and isinstance(doc.get("content"), list)):
-            return {"role": doc["role"], "content": doc["content"]}
-        return None
-
     def usage(self, message: Any) -> dict[str, int]:
         return token_counts(message.get("usage")) if isinstance(message, dict) else {}
 

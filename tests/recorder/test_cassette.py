@@ -618,10 +618,13 @@ def test_dict_key_order_survives_record_and_replay(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------------- golden cassettes
 #
-# tests/golden/v1_tool_agent.jsonl was recorded once, in format deja/1, by
-# tests/golden/make_golden.py. It is never re-recorded to make a test pass: it proves that a
-# cassette written in the v1 format keeps loading, verifying and replaying in later versions
-# of deja. One variant of the agent must diverge from it, and is asserted to raise.
+# tests/golden/v1_tool_agent.jsonl (format deja/1) and v2_tool_agent.jsonl (deja/2) were
+# each recorded once, by tests/golden/make_golden.py. They are never re-recorded to make a
+# test pass: they prove that a cassette written in each format keeps loading, verifying and
+# replaying in later versions of deja. One variant of the agent must diverge from them, and
+# is asserted to raise.
+GOLDEN_FILES = pytest.mark.parametrize("name, version", [
+    ("v1_tool_agent.jsonl", "deja/1"), ("v2_tool_agent.jsonl", "deja/2")])
 
 
 def _golden_agent() -> ModuleType:
@@ -636,9 +639,10 @@ def _golden_agent() -> ModuleType:
     return module
 
 
-def test_golden_v1_cassette_loads_and_verifies() -> None:
-    path = GOLDEN / "v1_tool_agent.jsonl"
-    assert raw_lines(path)[0].startswith(b'{"format":"deja/1"')
+@GOLDEN_FILES
+def test_golden_cassette_loads_and_verifies(name: str, version: str) -> None:
+    path = GOLDEN / name
+    assert raw_lines(path)[0].startswith(b'{"format":"%s"' % version.encode())
     cassette = load(path, keyring=ring(GOLDEN_KEY), require_signature=True,
                     allow_incomplete=False)
     assert cassette.verified is True
@@ -650,11 +654,12 @@ def test_golden_v1_cassette_loads_and_verifies() -> None:
         load(path, keyring=load_keyring(), require_signature=True)
 
 
-def test_golden_v1_cassette_replays_identically_offline(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@GOLDEN_FILES
+def test_golden_cassette_replays_identically_offline(
+        name: str, version: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DEJA_KEY", GOLDEN_KEY)
     agent = _golden_agent()
-    with replayer.replay(GOLDEN / "v1_tool_agent.jsonl", require_signature=True) as run:
+    with replayer.replay(GOLDEN / name, require_signature=True) as run:
         answer = agent.agent(CLOSED_PORT_URL)
     assert answer == "It is 18 degrees and clear in Paris."
     result = run.result
@@ -664,10 +669,12 @@ def test_golden_v1_cassette_replays_identically_offline(
     assert result.recorded_status == "completed"
 
 
-def test_golden_variant_with_another_prompt_diverges(monkeypatch: pytest.MonkeyPatch) -> None:
+@GOLDEN_FILES
+def test_golden_variant_with_another_prompt_diverges(
+        name: str, version: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DEJA_KEY", GOLDEN_KEY)
     agent = _golden_agent()
-    path = GOLDEN / "v1_tool_agent.jsonl"
+    path = GOLDEN / name
     first_model_step = next(o["seq"] for o in load(path) if o["kind"] == "model")
     with pytest.raises(recorder.Divergence) as info:
         with replayer.replay(path):
