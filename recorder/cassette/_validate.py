@@ -161,7 +161,8 @@ def _check_fields(obj: dict[str, Any], required: _Fields, optional: _Fields, wha
     for name, value in obj.items():  # a line has fewer fields than the tables name
         types = required.get(name) or optional.get(name)
         if types is not None and not _is(value, types):
-            big = isinstance(value, int) and not isinstance(value, bool)
+            big = (isinstance(value, int) and not isinstance(value, bool)
+                   and value not in _INT64)
             got = f"{value}, beyond any number deja writes" if big else type(value).__name__
             raise CorruptCassette(f"{path}: {what}: '{name}' must be {_kind_name(types)}, "
                                   f"not {got}", path=path, seq=seq)

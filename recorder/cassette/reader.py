@@ -119,8 +119,18 @@ def _check_v2(key: bytes, prev: str, line: dict[str, Any] | bytes, sig: object) 
     parsed line (a header with its ``key_id`` restored, a line whose bytes were re-spaced)
     serialised as the writer does, fields in their order, and with ``key_id`` last, where
     the writer puts it (a header whose ``key_id`` was moved)."""
-    if isinstance(line, bytes):
-        return check_bytes(key, prev, line, sig)
+    if isinstance(line, bytes):  # a whole line as read: its signed bytes, or as parsed
+        split = split_signed(line)
+        if split is not None and check_bytes(key, prev, split[0], sig):
+            return True
+        try:
+            parsed = _validate.decode(line)
+        except _validate.BadLine:
+            return False
+        if not isinstance(parsed, dict):
+            return False
+        parsed.pop("sig", None)
+        line = parsed
     if check_bytes(key, prev, line_bytes(line), sig):
         return True
     if "key_id" not in line:
@@ -148,8 +158,8 @@ def _chain(lines: list[tuple[int, bytes]], path: Path, header_sig: object, v1: b
             sig = payload.pop("sig", None)
         else:
             split = split_signed(raw)
-            if split is not None:
-                payload, sig = split
+            if split is not None:  # the line as read; _check_v2 also tries it re-serialised
+                payload, sig = raw, split[1]
             else:  # re-spaced or reordered: as parsed, for the writer's form of it
                 try:
                     payload = _validate.parse_line(raw, path, f"line {index + 1}", index - 1)
