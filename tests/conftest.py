@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -61,6 +63,23 @@ def _collect_clients() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResourceWarning)
         gc.collect()
+
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def golden_agent() -> ModuleType:
+    """tests/golden/agent.py, the agent the golden cassettes were recorded with, loaded
+    once under one name for every test that replays them."""
+    name = "deja_golden_agent"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, GOLDEN / "agent.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def read_lines(path: Path) -> list[dict]:

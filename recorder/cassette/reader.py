@@ -150,7 +150,10 @@ def _chain(lines: list[tuple[int, bytes]], path: Path, header_sig: object, v1: b
     prev = header_sig
     for index, (_, raw) in enumerate(lines[1:], start=1):
         payload: Any
-        if v1:
+        split = None if v1 else split_signed(raw)
+        if split is not None:  # the line as read; _check_v2 also tries it re-serialised
+            payload, sig = raw, split[1]
+        else:  # deja/1, or re-spaced or reordered: as parsed (for the writer's form of it)
             try:
                 payload = _validate.parse_line(raw, path, f"line {index + 1}", index - 1)
             except CorruptCassette:
@@ -158,18 +161,6 @@ def _chain(lines: list[tuple[int, bytes]], path: Path, header_sig: object, v1: b
             if not isinstance(payload, dict):
                 return
             sig = payload.pop("sig", None)
-        else:
-            split = split_signed(raw)
-            if split is not None:  # the line as read; _check_v2 also tries it re-serialised
-                payload, sig = raw, split[1]
-            else:  # re-spaced or reordered: as parsed, for the writer's form of it
-                try:
-                    payload = _validate.parse_line(raw, path, f"line {index + 1}", index - 1)
-                except CorruptCassette:
-                    return
-                if not isinstance(payload, dict):
-                    return
-                sig = payload.pop("sig", None)
         if isinstance(prev, str):
             yield prev, payload, sig
         prev = sig

@@ -6,21 +6,19 @@ or ``recorder.record(...)`` around the real anthropic SDK talking to the stub se
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import stat
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import anthropic
 import pytest
+from conftest import golden_agent
 
 import recorder
 import replayer
@@ -627,17 +625,6 @@ GOLDEN_FILES = pytest.mark.parametrize("name, version", [
     ("v1_tool_agent.jsonl", "deja/1"), ("v2_tool_agent.jsonl", "deja/2")])
 
 
-def _golden_agent() -> ModuleType:
-    name = "deja_golden_agent"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, GOLDEN / "agent.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 @GOLDEN_FILES
 def test_golden_cassette_loads_and_verifies(name: str, version: str) -> None:
@@ -658,7 +645,7 @@ def test_golden_cassette_loads_and_verifies(name: str, version: str) -> None:
 def test_golden_cassette_replays_identically_offline(
         name: str, version: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DEJA_KEY", GOLDEN_KEY)
-    agent = _golden_agent()
+    agent = golden_agent()
     with replayer.replay(GOLDEN / name, require_signature=True) as run:
         answer = agent.agent(CLOSED_PORT_URL)
     assert answer == "It is 18 degrees and clear in Paris."
@@ -673,7 +660,7 @@ def test_golden_cassette_replays_identically_offline(
 def test_golden_variant_with_another_prompt_diverges(
         name: str, version: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DEJA_KEY", GOLDEN_KEY)
-    agent = _golden_agent()
+    agent = golden_agent()
     path = GOLDEN / name
     first_model_step = next(o["seq"] for o in load(path) if o["kind"] == "model")
     with pytest.raises(recorder.Divergence) as info:

@@ -14,19 +14,17 @@ processes; nothing is mocked.
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import effects_agent
 import pytest
-from conftest import read_lines
+from conftest import golden_agent, read_lines
 
 import recorder
 import replayer
@@ -171,24 +169,13 @@ def test_golden_cassette_without_sites_replays_by_name_silently(
     monkeypatch.setenv("DEJA_KEY", "golden-key-deja-v1")
     path = GOLDEN / "v1_tool_agent.jsonl"
     assert all("site" not in line for line in effect_lines(path))
-    agent = _golden_agent()
+    agent = golden_agent()
     with replayer.replay(path, require_signature=True) as run:
         assert agent.agent("http://127.0.0.1:9") == "It is 18 degrees and clear in Paris."
     result = run.result
     assert result is not None and result.identical and result.verified
     assert result.notes == ()
 
-
-def _golden_agent() -> ModuleType:
-    name = "deja_golden_agent"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, GOLDEN / "agent.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # ----------------------------------------------------------------- a refused effect value

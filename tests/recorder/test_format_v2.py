@@ -21,17 +21,14 @@ That the golden ``deja/1`` cassette loads, verifies and replays is asserted in
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any, cast
 
 import anthropic
 import pytest
-from conftest import MODEL
+from conftest import MODEL, golden_agent
 
 import recorder
 import replayer
@@ -135,17 +132,6 @@ def replay_tool_agent(path: Path) -> replayer.ReplayResult:
     return run.result
 
 
-def _golden_agent() -> ModuleType:
-    name = "deja_golden_agent"  # the name test_cassette.py loads it under: one module
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, GOLDEN / "agent.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
 
 # ---------------------------------------------------------------------------- reply and like
 
@@ -244,7 +230,7 @@ def test_resuming_a_v1_cassette_goes_on_in_v1_without_reply_or_like(
     path = tmp_path / "resumed.jsonl"
     path.write_bytes(b"".join(golden[:keep]))  # the header and seq 0..keep-2
     server = stub(RESUME_SCRIPT)
-    agent = _golden_agent()
+    agent = golden_agent()
     with replayer.resume(path):
         answer = agent.agent(server.url)
     assert answer == "It is 18 degrees and clear in Paris."
