@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -62,53 +64,40 @@ def run(*, n: int = 300, n_rounds: int = 5) -> dict[str, Any]:
             samples["live"].extend(times)
             per_round["live"].append(w.median(times))
 
-        def deja(kind: str = "deja", **kwargs: Any) -> None:
+        def timed(kind: str, session: Callable[[Path], AbstractContextManager[Any]],
+                  suffix: str, where: str | None) -> None:
+            """One recorded block: its per-call times, and the session's open + close;
+            no patch left behind after it (``where``: checked by the caller when None)."""
             counter[kind] += 1
             t0 = time.perf_counter()
-            # The default guards stay on; only the 200-turn default budget is lifted.
-            with recorder.record(d / f"{kind}-{counter[kind]}.jsonl",
-                                 budgets={"turns": 1_000_000}, **kwargs):
+            with session(d / f"{kind}-{counter[kind]}{suffix}"):
                 t1 = time.perf_counter()
                 times: list[float] = []
                 w.agent_run(w.client(url), n, times=times)
                 t2 = time.perf_counter()
             t3 = time.perf_counter()
-            w.assert_unpatched("after deja recording")
+            if where is not None:
+                w.assert_unpatched(f"after {where} recording")
             samples[kind].extend(times)
             per_round[kind].append(w.median(times))
             open_close[kind].append((t1 - t0) + (t3 - t2))
+
+        def deja(kind: str = "deja", **kwargs: Any) -> None:
+            # The default guards stay on; only the 200-turn default budget is lifted.
+            timed(kind, lambda path: recorder.record(path, budgets={"turns": 1_000_000},
+                                                     **kwargs), ".jsonl", "deja")
 
         def deja_exit() -> None:
             deja("deja_exit", fsync="exit")
 
         def vcr() -> None:
-            counter["vcr"] += 1
-            t0 = time.perf_counter()
-            with w.vcr_instance("all").use_cassette(str(d / f"vcr-{counter['vcr']}.yaml")):
-                t1 = time.perf_counter()
-                times: list[float] = []
-                w.agent_run(w.client(url), n, times=times)
-                t2 = time.perf_counter()
-            t3 = time.perf_counter()
-            w.assert_unpatched("after vcrpy recording")
-            samples["vcr"].extend(times)
-            per_round["vcr"].append(w.median(times))
-            open_close["vcr"].append((t1 - t0) + (t3 - t2))
+            timed("vcr", lambda path: w.vcr_instance("all").use_cassette(str(path)), ".yaml",
+                  "vcrpy")
 
         def rewind() -> None:
-            counter["rewind"] += 1
-            with w.rewind_patched() as rw:
-                t0 = time.perf_counter()
-                with rw.record(d / f"rewind-{counter['rewind']}.rewind"):
-                    t1 = time.perf_counter()
-                    times: list[float] = []
-                    w.agent_run(w.client(url), n, times=times)
-                    t2 = time.perf_counter()
-                t3 = time.perf_counter()
+            with w.rewind_patched() as rw:  # the patch itself is not part of the session
+                timed("rewind", rw.record, ".rewind", None)
             w.assert_unpatched("after agent-rewind recording")
-            samples["rewind"].extend(times)
-            per_round["rewind"].append(w.median(times))
-            open_close["rewind"].append((t1 - t0) + (t3 - t2))
 
         live()  # warm-up: imports, connection pool, stub threads
         samples["live"].clear()
