@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.deja-installed
 BENCH_STAMP := $(VENV)/.deja-bench-installed
 
-.PHONY: demo check test stress bench lint clean chromium
+.PHONY: demo check test stress bench lint clean chromium node
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "deja needs Python 3.11+")'
@@ -26,14 +26,24 @@ chromium:
 	  echo "installing Debian's chromium for the browser test"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
+# The proxy's tests drive the official TypeScript SDK and curl: Node.js, npm and curl from
+# Debian when they are missing, then the example agent's locked packages.
+node:
+	@command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 \
+	  && command -v curl >/dev/null 2>&1 || { \
+	  echo "installing Debian's nodejs, npm and curl for the proxy tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm curl; }
+	@test -f examples/node-agent/node_modules/@anthropic-ai/sdk/package.json || \
+	  (cd examples/node-agent && npm ci --no-audit --no-fund)
+
 # Lint and type check: quick, so the suite runs only on code that passes them.
 check: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/mypy
 
-test: $(STAMP) chromium check
+test: $(STAMP) chromium node check
 	$(BIN)/python -m pytest
 
-stress: $(STAMP)
+stress: $(STAMP) node
 	DEJA_CRASH_SEEDS=200 $(BIN)/python -m pytest tests/replayer/test_crash_resume.py
 	DEJA_TAMPER=full $(BIN)/python -m pytest tests/replayer/test_tamper.py
 
@@ -42,7 +52,7 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
 	touch $(BENCH_STAMP)
 
-bench: $(BENCH_STAMP)
+bench: $(BENCH_STAMP) node
 	$(BIN)/python bench/run.py
 
 lint: $(STAMP)

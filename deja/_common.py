@@ -105,6 +105,20 @@ def _header_run(path: Path) -> str | None:
     return header.get("run") if header is not None else None
 
 
+def _no_command(cassette: Path, header: Any, verb: str) -> BadInput:
+    """The error of a replay, fork or resume of a cassette that records no command to run:
+    for a run recorded through ``deja proxy``, how to do it there."""
+    if isinstance(header, dict) and isinstance(header.get("proxy"), dict):
+        how = {"replay": f"deja proxy --replay {cassette}",
+               "fork": f"deja proxy --fork {cassette} --at STEP --set PATH=VALUE",
+               "resume": f"deja proxy --fork {cassette} --at STEP (with the last step "
+                         "as it was, or edited)"}[verb]
+        return BadInput(f"{cassette} was recorded through deja proxy, from an agent deja did "
+                        f"not launch: {verb} it there ({how}) and point the agent at that "
+                        "proxy (ANTHROPIC_BASE_URL), or give the command after --")
+    return BadInput(f"{cassette} records no command; give one after --")
+
+
 def _read_json_file(path: Path, what: str) -> Any:
     try:
         return json.loads(path.read_text())

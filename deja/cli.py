@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from deja import cli_runs, cli_stub
+from deja import cli_proxy, cli_runs, cli_stub
 from deja._common import (
     EXIT_DIVERGED,
     BadInput,
@@ -30,6 +30,7 @@ from deja._common import (
     _fmt,
     _header_run,
     _load,
+    _no_command,
     _pid_gone,
     _print_table,
     _python_argv,
@@ -191,7 +192,7 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
     _warn_unverified(loaded)
     argv = list(command) or recorded
     if not argv:
-        raise BadInput(f"{cassette} records no command; give one after --")
+        raise _no_command(cassette, loaded.header, "replay")
     cwd = _where_to_run(cassette, loaded.header, argv, given=bool(command), cwd=cwd)
     with tempfile.TemporaryDirectory(prefix="deja-replay-") as tmp:
         report = Path(tmp) / "report.json"
@@ -601,7 +602,7 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
         _load(then_replay, require_signature=True, allow_incomplete=True)
     argv = list(command) or list(plan.parent.header.get("argv") or [])
     if not argv:
-        raise BadInput(f"{cassette} records no command; give one after --")
+        raise _no_command(cassette, plan.parent.header, "fork")
     cwd = _where_to_run(cassette, plan.parent.header, argv, given=bool(command), cwd=cwd)
     lock = _writer_lock(plan.out, plan.run_id, "deja fork")
     try:
@@ -662,7 +663,7 @@ def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
                        "line is cut and the run goes on", err=True)
         argv = list(command) or list(loaded.header.get("argv") or [])
         if not argv:
-            raise BadInput(f"{cassette} records no command; give one after --")
+            raise _no_command(cassette, loaded.header, "resume")
         cwd = _where_to_run(cassette, loaded.header, argv, given=bool(command), cwd=cwd)
         code = _launch("resume", argv, cassette, cwd, lock=lock,
                        plan={"cassette": str(cassette.resolve())})
@@ -711,7 +712,7 @@ def diff(cassette_a: Path, cassette_b: Path, as_json: bool, allow_unverified: bo
     sys.exit(0 if result.same else EXIT_DIVERGED)
 
 
-for command in (cli_runs.status, cli_runs.cancel, cli_stub.stub):
+for command in (cli_runs.status, cli_runs.cancel, cli_stub.stub, cli_proxy.proxy):
     main.add_command(command)
 
 

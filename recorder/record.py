@@ -226,7 +226,8 @@ class RecordSession(session.Session):
                  budgets: Budgets | dict[str, Any] | None = None,
                  loop_guard: LoopSettings | dict[str, Any] | bool | None = None,
                  breaker: BreakerSettings | dict[str, Any] | bool | None = None,
-                 clock: Clock | None = None, progress_interval: float = 0.2) -> None:
+                 clock: Clock | None = None, progress_interval: float = 0.2,
+                 header: dict[str, Any] | None = None) -> None:
         self.run_id = run_id or new_run_id()
         self.path = run_file(path, self.run_id)
         self.settings = resolve_settings(
@@ -245,6 +246,7 @@ class RecordSession(session.Session):
         self._entry = entry
         self._overwrite = overwrite
         self._keyring = keyring
+        self._header = dict(header or {})  # more header fields (a proxied run's proxy)
         self._lock = threading.Lock()
         self._t0 = time.perf_counter()
         self.totals: Totals = zero_totals()  # counted as a cassette's steps are: add_step
@@ -261,13 +263,20 @@ class RecordSession(session.Session):
 
     # -- lifecycle
 
-    def start(self) -> RecordSession:
+    def start(self, *, intercept: bool = True) -> RecordSession:
+        """Open the cassette and the guards. With ``intercept`` (the default) the session
+        becomes the process's active one and its HTTP patches are installed; without it
+        (the recording proxy, which runs many sessions at once) calls reach it only through
+        :meth:`begin_http`, :meth:`end_http` and :meth:`observe_tool`."""
         if self.writer is None:
             self.writer = self._new_writer()
         self.guard = RunGuard(self.run_id, self.settings, self.log_control, clock=self._clock,
                               artefacts=[str(self.path)],
                               progress_interval=self._progress_interval,
                               redaction=self.redaction)
+        if not intercept:
+            log.info("recording run %s to %s", self.run_id, self.path)
+            return self
         session.activate(self)
         try:
             stack = contextlib.ExitStack()
@@ -288,6 +297,7 @@ class RecordSession(session.Session):
             "labels": {k: self.redaction.value(v) for k, v in self.labels.items()},
             **self.settings.to_header(),
             "fsync": self.fsync.value, "redact": self.redaction.to_header(),
+            **self.redaction.value(self._header),
         }
         return CassetteWriter(self.path, header, require_signing_key(ring), self.fsync,
                               overwrite=self._overwrite)
@@ -398,9 +408,9 @@ class RecordSession(session.Session):
         return request.classified
 
     def end_http(self, request: HttpRequest, response: HttpResponse | None, timing: session.Timing,
-                 error: BaseException | None = None) -> None:
+                 error: BaseException | None = None) -> dict[str, Any]:
         """Log a finished exchange (or a failed one, with ``error``), count it, and let the
-        guards see it."""
+        guards see it; returns the observation as a reader sees it."""
         kind, provider, body = self._classify(request)
         is_model = kind == "model"
         obs = self._exchange_line(request, kind, provider, body)
@@ -428,6 +438,7 @@ class RecordSession(session.Session):
             self.guard.after_exchange(
                 model=is_model, status=response.status if response is not None else None,
                 error=error, usage=usage or None, cost=cost, host=self.guard.host(request.url))
+        return counted
 
     # URLs and request headers repeat call after call: their redacted forms are kept, up
     # to this many of each (the same rules give the same result every time).
@@ -620,6 +631,33 @@ class RecordSession(session.Session):
             add_step(self.totals, obs)
         if refused is not None:
             raise refused
+
+    def observe_tool(self, name: str, args: Any, result: Any, *, call_id: str,
+                     is_error: bool = False, start: float | None = None,
+                     ms: float | None = None, observed: str = "proxy") -> None:
+        """Log a tool call the agent ran itself, seen from outside at a boundary: the
+        recording proxy sees it as a ``tool_result`` block of the next model request. The
+        line is marked ``observed`` (a replay never asks for it: the request that carries
+        the result is matched whole) and names the model's ``call_id``. Then the guards see
+        the call, as they see a tool call in process: the loop guard may stop the run here,
+        before the result reaches the model."""
+        assert self.writer is not None
+        key = self.redaction.value(_values.args_key(args if isinstance(args, dict)
+                                                    else {"input": args}))
+        obs: dict[str, Any] = {"kind": "tool", "name": name, "args": key,
+                               "fp": digest(["tool", name, key]), "observed": observed,
+                               "call_id": call_id,
+                               "t": round(start if start is not None else time.time(), 3),
+                               "ms": None if ms is None else round(ms, 2)}
+        obs["result"] = _values.encode(result, where=f"result of tool {name!r} "
+                                                     f"(step {self.writer.next_seq})")
+        if is_error:
+            obs["is_error"] = True
+        self.append_line(obs)
+        with self._lock:
+            add_step(self.totals, obs)
+        if self.guard is not None:
+            self.guard.before_tool(name, key)
 
     def effect(self, name: str, produce: Callable[[], Any]) -> Any:
         site = effects.call_site()

@@ -83,8 +83,8 @@ class ContinuationSession(RecordSession):
         for obs in prefix.observations:
             self._count(obs)
 
-    def start(self) -> ContinuationSession:
-        super().start()
+    def start(self, *, intercept: bool = True) -> ContinuationSession:
+        super().start(intercept=intercept)
         assert self.guard is not None
         for obs in self.prefix.cassette.observations:
             self.guard.absorb(obs)

@@ -68,6 +68,8 @@ class Index:
                 before.append(obs["seq"])
                 self.total += 1
                 continue
+            if "observed" in obs:  # seen at a boundary: its request is matched whole
+                continue
             if (key_of(obs) is not None and "within" not in obs) or obs.get("kind") == "outcome":
                 before.append(obs["seq"])
             if obs.get("kind") == "outcome" and "within" not in obs:

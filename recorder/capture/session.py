@@ -59,8 +59,9 @@ class Session(abc.ABC):
 
     @abc.abstractmethod
     def end_http(self, request: HttpRequest, response: HttpResponse | None, timing: Timing,
-                 error: BaseException | None = None) -> None:
-        """After a live exchange completed (or failed with ``error``)."""
+                 error: BaseException | None = None) -> Any:
+        """After a live exchange completed (or failed with ``error``); returns what was
+        logged, if anything."""
 
     @abc.abstractmethod
     def call_tool(self, tool: ToolSpec, args: dict[str, Any],

@@ -137,6 +137,7 @@ _OPTIONAL_BY_KIND: dict[str, _Fields] = {
     Kind.MODEL: {"url": (str, int), "request_headers": (list, int), "provider": (str,),
                  "response": (dict,), "like": (int,)},
     Kind.HTTP: {"response": (dict,)},
+    Kind.TOOL: {"observed": (str,), "call_id": (str,), "is_error": (bool,)},
     Kind.CONTROL: {"detail": (dict, _OPTIONAL)},
     Kind.END: {"totals": (dict, _OPTIONAL), "reason": (str, _OPTIONAL),
                "exit_code": (int, _OPTIONAL)},

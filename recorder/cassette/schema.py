@@ -189,6 +189,12 @@ class ToolLine(_Step, total=False):
     name: Required[str]
     args: Any
     result: Any
+    # A tool the agent ran itself, seen at a boundary (``"proxy"``: a tool_result block of
+    # the next model request): never asked for on replay. ``call_id`` is the model's id of
+    # the call (its tool_use block), ``is_error`` the block's flag.
+    observed: str
+    call_id: str
+    is_error: bool
 
 
 class IntentLine(_Step, total=False):

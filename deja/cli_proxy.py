@@ -1,0 +1,178 @@
+"""``deja proxy``: the recording reverse proxy, for agents in any language."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from deja._common import (
+    EXIT_DIVERGED,
+    BadInput,
+    _allow_unverified_option,
+    _fail,
+    _read_json_file,
+)
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; anything but loopback needs --token.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8787, show_default=True,
+              help="Port to listen on (0 picks a free one; see --ready-file).")
+@click.option("--upstream", default="https://api.anthropic.com", show_default=True,
+              help="The API every request is forwarded to (the only one: never an open "
+                   "relay).")
+@click.option("--dir", "directory", type=click.Path(path_type=Path, file_okay=False),
+              default=Path("cassettes"), show_default=True,
+              help="Where recorded runs are written, one <run id>.jsonl each.")
+@click.option("--replay", "replay", type=click.Path(path_type=Path, dir_okay=False),
+              metavar="CASSETTE", help="Serve this cassette offline instead of forwarding.")
+@click.option("--fork", "fork", type=click.Path(path_type=Path, dir_okay=False),
+              metavar="CASSETTE", help="Serve this cassette up to --at, the edited step, "
+                                       "then go live into a new cassette.")
+@click.option("--at", "at", type=int, help="With --fork: the step (seq) to edit.")
+@click.option("--set", "sets", multiple=True, metavar="PATH=VALUE",
+              help="With --fork: replace one field of the step's document (as deja fork).")
+@click.option("--patch", "patch_file", type=click.Path(path_type=Path, dir_okay=False),
+              help="With --fork: an RFC 6902 JSON patch file for the step's document.")
+@click.option("--replace", "replace_file", type=click.Path(path_type=Path, dir_okay=False),
+              help="With --fork: a JSON file that replaces the step's whole document.")
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path),
+              help="With --fork: the new cassette (default: next to the parent).")
+@click.option("--token", envvar="DEJA_PROXY_TOKEN",
+              help="Clients must send this in the x-deja-token header (also "
+                   "DEJA_PROXY_TOKEN); others get 401.")
+@click.option("--idle", type=click.FloatRange(min=0.05), default=300.0, show_default=True,
+              help="Seconds without a request after which a run is closed.")
+@click.option("--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="Seconds in-flight streams get to finish on SIGTERM.")
+@click.option("--max-body", type=click.IntRange(min=1), default=32 * 1024 * 1024,
+              show_default=True, help="Largest request body accepted, in bytes (413 above).")
+@click.option("--ready-file", type=click.Path(path_type=Path, dir_okay=False),
+              help="Write {url, port, pid, mode} as JSON here once the proxy listens.")
+@click.option("--fsync", type=click.Choice(["sync", "turn", "exit"]), default=None,
+              help="When lines are forced to disk (default: [tool.deja] fsync, else turn).")
+@click.option("--max-turns", type=click.IntRange(min=0), help="Budget per run: model turns.")
+@click.option("--max-tokens", "max_tokens_total", type=click.IntRange(min=0),
+              help="Budget per run: cumulative input + output tokens.")
+@click.option("--max-tokens-per-turn", type=click.IntRange(min=0),
+              help="Ceiling on a request's max_tokens; a request asking for more is refused.")
+@click.option("--clamp-max-tokens", is_flag=True,
+              help="Clamp a request over the per-turn ceiling instead of refusing it.")
+@click.option("--max-seconds", type=click.FloatRange(min=0),
+              help="Budget per run: wall-clock seconds.")
+@click.option("--max-dollars", type=click.FloatRange(min=0),
+              help="Budget per run: dollars, from the price table.")
+@click.option("--no-loop-guard", is_flag=True, help="Do not stop repeated identical tool calls.")
+@click.option("--no-breaker", is_flag=True, help="Do not use the per-host circuit breaker.")
+@click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
+              help="Label every run (repeatable; clients add x-deja-labels).")
+@click.option("--redact-header", "redact_headers", multiple=True, metavar="NAME",
+              help="Another header never to write (authorization, x-api-key and cookies "
+                   "always are).")
+@click.option("--redact-body", "redact_body", multiple=True, metavar="POINTER",
+              help="A JSON pointer into request bodies never to write (repeatable).")
+@click.option("--redact-pattern", "redact_patterns", multiple=True, metavar="REGEX",
+              help="A regular expression for secrets to redact wherever they appear.")
+@click.option("--redact-query", "redact_query", multiple=True, metavar="NAME",
+              help="Another query parameter whose value is never written.")
+@click.option("-q", "--quiet", is_flag=True, help="No log line per request.")
+@_allow_unverified_option
+def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | None,
+          fork: Path | None, at: int | None, sets: tuple[str, ...], patch_file: Path | None,
+          replace_file: Path | None, output: Path | None, token: str | None, idle: float,
+          grace: float, max_body: int, ready_file: Path | None, fsync: str | None,
+          max_turns: int | None, max_tokens_total: int | None,
+          max_tokens_per_turn: int | None, clamp_max_tokens: bool,
+          max_seconds: float | None, max_dollars: float | None, no_loop_guard: bool,
+          no_breaker: bool, labels: tuple[str, ...], redact_headers: tuple[str, ...],
+          redact_body: tuple[str, ...], redact_patterns: tuple[str, ...],
+          redact_query: tuple[str, ...], quiet: bool, allow_unverified: bool) -> None:
+    """An Anthropic-compatible recording proxy, for agents in any language.
+
+    Point the agent at it (ANTHROPIC_BASE_URL=http://127.0.0.1:8787) and every call is
+    forwarded to --upstream, streamed back as it arrives, and recorded into --dir: one
+    signed cassette per run, with the guards of deja record. A client names its run with
+    an x-deja-run header; without one, a run is one conversation. --replay CASSETTE serves
+    a recording offline (a divergence is a 400 naming the step; exit 1 if the replay was
+    not identical); --fork CASSETTE --at N with --set/--patch/--replace serves the steps
+    before N, the edited step, then goes live into a new cassette. Stop with SIGTERM or
+    Ctrl-C: in-flight streams finish (--grace) and every open run gets its end line.
+    """
+    from proxy.server import ProxyOptions, serve
+    from recorder.errors import DejaError
+    from recorder.harness.settings import resolve as resolve_settings
+
+    if replay is not None and fork is not None:
+        raise BadInput("give --replay or --fork, not both")
+    edits = [x for x in (sets or None, patch_file, replace_file) if x]
+    if fork is not None:
+        if at is None:
+            raise BadInput("--fork needs --at STEP")
+        if len(edits) != 1:
+            raise BadInput("--fork needs exactly one edit: --set PATH=VALUE (repeatable), "
+                           "--patch FILE or --replace FILE")
+    elif at is not None or edits or output is not None:
+        raise BadInput("--at, --set, --patch, --replace and -o go with --fork CASSETTE")
+    label_map: dict[str, str] = {}
+    for item in labels:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--label")
+        label_map[key] = value
+    budgets = {k: v for k, v in {
+        "turns": max_turns, "tokens": max_tokens_total, "max_tokens": max_tokens_per_turn,
+        "seconds": max_seconds, "dollars": max_dollars,
+        "max_tokens_mode": "clamp" if clamp_max_tokens else None}.items() if v is not None}
+    record: dict[str, Any] = {
+        "fsync": fsync, "budgets": budgets or None,
+        "loop_guard": False if no_loop_guard else None,
+        "breaker": False if no_breaker else None,
+        "redact_headers": redact_headers, "redact_body": redact_body,
+        "redact_patterns": redact_patterns, "redact_query": redact_query}
+    edit: dict[str, Any] = {}
+    if sets:
+        edit["sets"] = list(sets)
+    elif patch_file is not None:
+        edit["patch"] = _read_json_file(patch_file, "patch file")
+    elif replace_file is not None:
+        edit["replace"] = _read_json_file(replace_file, "replacement file")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("deja proxy: %(message)s"))
+    for name in ("deja.proxy", "deja.replayer", "deja.recorder"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING if quiet and name == "deja.proxy" else
+                        logging.INFO if name == "deja.proxy" else logging.WARNING)
+    options = ProxyOptions(host=host, port=port, upstream=upstream, directory=directory,
+                           token=token, max_body=max_body, idle=idle, grace=grace,
+                           ready_file=ready_file, record=record, labels=label_map,
+                           replay=replay, allow_unverified=allow_unverified or None,
+                           fork=fork, at=at, edit=edit, out=output)
+    try:
+        resolve_settings(budgets=budgets, loop_guard=record["loop_guard"],
+                         breaker=record["breaker"], redact_headers=redact_headers,
+                         redact_body=redact_body, redact_patterns=redact_patterns,
+                         redact_query=redact_query)
+        from proxy.server import build
+
+        app = build(options)
+    except DejaError as exc:
+        _fail(exc)
+    except OSError as exc:
+        raise BadInput(f"deja proxy: {exc}") from None
+    try:
+        result = serve(options, app)
+    except OSError as exc:  # the port is taken, say
+        raise BadInput(f"deja proxy: cannot listen on {host}:{port}: {exc}") from None
+    if result.report is not None:
+        click.echo(result.report, err=True)
+    if result.fork is not None:
+        click.echo(f"deja: the fork was written to {result.fork}; compare it with: deja diff "
+                   f"{fork} {result.fork}", err=True)
+    if result.identical is False:
+        sys.exit(EXIT_DIVERGED)

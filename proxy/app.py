@@ -1,0 +1,521 @@
+"""The recording proxy as an ASGI application: every request of every client, one
+exchange at a time.
+
+A request is read whole (up to ``max_body``), routed to its run (:mod:`proxy.runs`), and
+handed to the run's session exactly as the in-process capture hands an exchange over:
+``begin_http`` runs the guards and answers from a cassette when the run is served (replay,
+a fork's prefix); otherwise the request goes to the upstream, its response streams back
+to the client chunk by chunk as it arrives and is teed, and ``end_http`` logs it once it
+is complete. A JSON response is logged after its last byte is sent, so the client does
+not wait for the write.
+
+Errors the proxy answers itself are in the provider's shape (:mod:`proxy._wire`), never a
+traceback: a malformed body (400), a body over the limit (413), a wrong token (401), a
+path under ``/_deja/`` it does not serve (404), an unreachable upstream (502, which the SDKs
+retry as they retry a connection error), a stopped run or a divergence (400 with
+``x-should-retry: false``), an open circuit (503, not retried).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+
+from proxy._wire import ProxyError, error_body, forwardable, served_headers
+from proxy.runs import (
+    RUN_NAME,
+    ProxyRun,
+    Registry,
+    credential,
+    message_keys,
+    parse_labels,
+    tool_calls,
+    tool_results,
+)
+from recorder import providers
+from recorder.capture.exchange import HttpRequest, HttpResponse, RequestReader
+from recorder.capture.session import Timing
+from recorder.errors import (
+    CircuitOpen,
+    DejaError,
+    Divergence,
+    RunStopped,
+    UnserializableValue,
+)
+from recorder.providers import model_provider
+
+__all__ = ["Proxy"]
+
+log = logging.getLogger("deja.proxy")
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+RUN_HEADER = "x-deja-run"
+LABELS_HEADER = "x-deja-labels"
+TOKEN_HEADER = "x-deja-token"
+RUN_ID_HEADER = b"x-deja-run-id"
+
+
+class ClientGone(ConnectionError):
+    """The client disconnected before its response was complete."""
+
+
+@dataclass
+class _Exchange:
+    """One request's state, for its log line and for the error it may end with."""
+
+    method: str
+    path: str
+    t0: float = field(default_factory=time.perf_counter)
+    status: int | None = None
+    started: bool = False
+    run: str | None = None
+    note: str = ""
+
+
+class Proxy:
+    """The ASGI app. ``new_run`` makes a new recorded run (record mode); ``single`` is the
+    one run every request goes to (replay, fork)."""
+
+    def __init__(self, *, upstream: str, new_run: Callable[[str | None, dict[str, str]],
+                                                           ProxyRun] | None = None,
+                 single: ProxyRun | None = None, token: str | None = None,
+                 max_body: int = 32 * 1024 * 1024, idle: float = 300.0,
+                 timeout: float = 600.0, mode: str = "record") -> None:
+        if (new_run is None) == (single is None):
+            raise ValueError("give exactly one of new_run and single")
+        self.upstream = upstream.rstrip("/")
+        self.mode = mode
+        self._new_run, self.single = new_run, single
+        self.token = token
+        self.max_body = max_body
+        self.idle = idle
+        self.timeout = timeout
+        self.registry = Registry()
+        if single is not None:
+            self.registry.add(single)
+        self._reader = RequestReader()  # for routing: a conversation's history is read once
+        self._client: httpx2.AsyncClient | None = None
+        self._reaper: asyncio.Task[None] | None = None
+        self.requests = 0
+        self.closed = False
+
+    # -- lifecycle
+
+    async def startup(self) -> None:
+        self._client = httpx2.AsyncClient(
+            timeout=httpx2.Timeout(self.timeout, connect=30.0),
+            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=256),
+            follow_redirects=False, trust_env=False)
+        if self._new_run is not None:
+            self._reaper = asyncio.create_task(self._reap())
+
+    async def shutdown(self) -> None:
+        """Close every open run with its end line (idempotent)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+            self._reaper = None
+        self.close_all("the proxy shut down")
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def close_all(self, why: str) -> None:
+        for run in self.registry.open_runs():
+            if run is not self.single or self.mode == "fork":
+                self._close(run, why)
+        self.closed = True
+
+    def _close(self, run: ProxyRun, why: str, error: BaseException | None = None) -> None:
+        if run.closed:
+            return
+        run.closed = True
+        rec = _writer_of(run)
+        if rec is not None:
+            try:
+                if error is not None:
+                    rec.close(error=error)
+                else:
+                    status, reason = run.end_status()
+                    rec.close(status=status)
+                    log.info("run %s closed (%s): %s%s", run.run_id, why, status,
+                             f", {reason}" if reason else "")
+            except DejaError as exc:
+                log.error("run %s: its end line could not be written: %s", run.run_id, exc)
+        self.registry.retire(run, keep=error is not None)
+
+    async def _reap(self) -> None:
+        tick = max(0.05, min(1.0, self.idle / 4))
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            for run in self.registry.idle(now - self.idle):
+                self._close(run, f"idle for {self.idle:g}s")
+            self.registry.forget_stopped(now - max(self.idle, 60.0))
+
+    # -- ASGI
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        ex = _Exchange(scope["method"], scope["path"])
+        self.requests += 1
+        try:
+            await self._http(scope, receive, send, ex)
+        except ProxyError as err:
+            await self._answer_error(send, ex, err)
+        except ClientGone:
+            ex.note = "client went away"
+        except Exception as exc:  # never a traceback to the client
+            log.exception("%s %s: unexpected error", ex.method, ex.path)
+            await self._answer_error(send, ex, ProxyError(
+                500, "api_error", f"deja proxy: internal error ({type(exc).__name__}); "
+                "see the proxy's log"))
+        finally:
+            log.info("%s %s %s%s %.1fms%s", ex.method, ex.path, ex.status or "-",
+                     f" run={ex.run}" if ex.run else "", (time.perf_counter() - ex.t0) * 1000,
+                     f" ({ex.note})" if ex.note else "")
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:  # noqa: BLE001 - reported by the server, which stops
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _answer_error(self, send: Send, ex: _Exchange, err: ProxyError) -> None:
+        ex.note = ex.note or err.message[:200]
+        if ex.started:  # the response is under way: all that can be done is to end it
+            ex.note += " (after the response started)"
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        body = error_body(err.type, err.message)
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode()),
+                   *((k.encode("latin-1"), v.encode("latin-1")) for k, v in err.headers)]
+        if not err.retry:
+            headers.append((b"x-should-retry", b"false"))
+        if ex.run:
+            headers.append((RUN_ID_HEADER, ex.run.encode()))
+        ex.status = err.status
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    # -- one request
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send, ex: _Exchange) -> None:
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
+        named = {k.lower(): v for k, v in headers}
+        if ex.path == "/_deja/health":
+            await self._health(send, ex)
+            return
+        if self.token is not None and not hmac.compare_digest(
+                named.get(TOKEN_HEADER, "").encode(), self.token.encode()):
+            raise ProxyError(401, "authentication_error",
+                             f"deja proxy: this proxy needs its token in the {TOKEN_HEADER} "
+                             "header (deja proxy --token)")
+        if ex.path.startswith("/_deja/"):
+            raise ProxyError(404, "not_found_error",
+                             f"deja proxy: no such endpoint {ex.path}; the proxy serves "
+                             "/_deja/health and forwards everything else")
+        body = await self._body(receive, named)
+        query = scope.get("query_string") or b""
+        url = self.upstream + ex.path + (f"?{query.decode('latin-1')}" if query else "")
+        request = HttpRequest(ex.method, url, forwardable(headers), body)
+        parsed: Any = None
+        keys: list[str] | None = None
+        if model_provider(ex.method, url):
+            parsed, keys = self._read_model_request(body, ex)
+        run = self._route(named, headers, keys, ex)
+        ex.run = run.run_id
+        run.in_flight += 1
+        run.used = time.monotonic()
+        try:
+            await self._exchange(run, request, parsed, keys, receive, send, ex)
+        finally:
+            run.in_flight -= 1
+            run.used = time.monotonic()
+
+    async def _health(self, send: Send, ex: _Exchange) -> None:
+        body = json.dumps({"ok": True, "mode": self.mode, "runs_open": len(self.registry),
+                           "requests": self.requests}).encode()
+        ex.status = 200
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    async def _body(self, receive: Receive, named: dict[str, str]) -> bytes:
+        declared = named.get("content-length", "")
+        too_big = ProxyError(413, "request_too_large",
+                             f"deja proxy: the request body is over the proxy's limit of "
+                             f"{self.max_body} bytes (deja proxy --max-body)")
+        if declared.isdigit() and int(declared) > self.max_body:
+            raise too_big
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone("the client went away while sending its request")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise too_big
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return b"".join(chunks)
+
+    def _read_model_request(self, body: bytes, ex: _Exchange) -> tuple[Any, list[str] | None]:
+        parsed, problem, texts = self._reader.read(body)
+        if not isinstance(parsed, dict):
+            what = problem or ("is not JSON" if parsed is not None or body else "is empty")
+            if isinstance(parsed, (list, str, int, float, bool)) or (parsed is None and body):
+                what = problem or "is not a JSON object"
+            raise ProxyError(400, "invalid_request_error",
+                             f"deja proxy: the body of {ex.method} {ex.path} {what}; a model "
+                             "request is a JSON object. Nothing was sent upstream")
+        messages = parsed.get("messages")
+        if not isinstance(messages, list):
+            return parsed, None
+        return parsed, message_keys(messages, texts[1] if texts else None)
+
+    def _route(self, named: dict[str, str], headers: list[tuple[str, str]],
+               keys: list[str] | None, ex: _Exchange) -> ProxyRun:
+        if self.single is not None:
+            return self.single
+        name = named.get(RUN_HEADER)
+        if name is not None and not RUN_NAME.match(name):
+            raise ProxyError(400, "invalid_request_error",
+                             f"deja proxy: {RUN_HEADER} must be 1-128 letters, digits and "
+                             "_ . : @ -, starting with a letter or digit")
+        who = credential(headers)
+        run = self.registry.find(who, name, keys if name is None else None)
+        if run is None:
+            assert self._new_run is not None
+            try:
+                run = self._new_run(name, parse_labels(named.get(LABELS_HEADER)))
+            except DejaError as exc:
+                log.error("cannot start a run: %s", exc)
+                raise ProxyError(500, "api_error", f"deja proxy: cannot start a run: {exc}",
+                                 retry=False) from None
+            run.who = who
+            self.registry.add(run)
+            log.info("run %s started%s", run.run_id, f" ({name})" if name else "")
+        return run
+
+    async def _exchange(self, run: ProxyRun, request: HttpRequest, parsed: Any,
+                        keys: list[str] | None, receive: Receive, send: Send,
+                        ex: _Exchange) -> None:
+        if run.stopped is not None:
+            raise _stop_error(run, run.stopped)
+        if run.closed and run is not self.single:
+            raise ProxyError(400, "invalid_request_error",
+                             f"deja proxy: run {run.run_id} is closed")
+        if isinstance(parsed, dict) and run.edits:
+            parsed = copy.deepcopy(parsed)  # the reader keeps the messages it parsed
+            request.body = _substitute(parsed, run.edits, request.body)
+        try:
+            rec = run.recording
+            if isinstance(parsed, dict) and rec is not None:
+                self._boundary(run, rec, parsed, keys)
+            served = run.session.begin_http(request)
+        except CircuitOpen as exc:
+            raise ProxyError(503, "api_error", f"deja proxy: {exc}") from None
+        except RunStopped as exc:
+            self._stopped(run, exc)
+            raise _stop_error(run, exc) from None
+        except Divergence as exc:
+            log.warning("run %s: %s", run.run_id, exc)
+            raise ProxyError(400, "invalid_request_error",
+                             f"deja replay: {_divergence_line(exc)}") from None
+        except UnserializableValue as exc:
+            raise ProxyError(400, "invalid_request_error", f"deja proxy: {exc}") from None
+        if keys is not None:
+            run.last_keys = keys
+        if served is not None:
+            await self._serve(run, served, send, ex)
+            return
+        rec = run.recording
+        await self._forward(run, rec, request, receive, send, ex)
+
+    def _boundary(self, run: ProxyRun, rec: Any, body: dict[str, Any],
+                  keys: list[str] | None) -> None:
+        """Log the tool results this request brings that the run has not seen yet (and
+        let the guards see them)."""
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return
+        n = len(run.last_keys)
+        new = messages[n:] if keys is not None and keys[:n] == run.last_keys else messages[-1:]
+        results = [r for r in tool_results(new) if r["tool_use_id"] not in run.logged]
+        if not results:
+            return
+        calls = tool_calls(messages)
+        now = time.time()
+        since = run.answered  # the tools ran between the last response and this request
+        for block in results:
+            call = block["tool_use_id"]
+            name, args = calls.get(call, ("unknown", None))
+            run.logged.add(call)
+            rec.observe_tool(name, args if isinstance(args, dict) else {"input": args},
+                             block.get("content", ""), call_id=call,
+                             is_error=block.get("is_error") is True, start=since or now,
+                             ms=(now - since) * 1000 if since is not None else None)
+
+    def _stopped(self, run: ProxyRun, stop: RunStopped) -> None:
+        """A guard stopped the run (or a replay reached the recorded stop): close it."""
+        run.stopped = stop
+        self._close(run, stop.reason, error=stop)
+        log.warning("run %s stopped: %s", run.run_id, stop)
+
+    async def _serve(self, run: ProxyRun, served: HttpResponse, send: Send,
+                     ex: _Exchange) -> None:
+        """Answer from a cassette: the recorded status, headers and bytes."""
+        error = served.extra.get("error")
+        if error and not served.extra.get("has_response"):
+            raise ProxyError(502, "api_error",
+                             f"deja replay: the recorded call failed before any response: "
+                             f"{error.get('type')}: {error.get('message')}", retry=True)
+        seam = providers.for_url(ex.method, self.upstream + ex.path)
+        stream = seam is not None and seam.is_stream(served.headers)
+        headers = served_headers(served.headers, None if stream else len(served.body))
+        headers.append((RUN_ID_HEADER, run.run_id.encode()))
+        ex.status, ex.started, ex.note = served.status, True, "replayed"
+        await send({"type": "http.response.start", "status": served.status,
+                    "headers": headers})
+        await send({"type": "http.response.body", "body": served.body, "more_body": False})
+        run.last_failed = served.status >= 400
+        run.answered = time.time()
+        if seam is not None and served.status < 400:
+            summary = seam.summarize(served.status, served.headers, served.body)
+            run.last_stop_reason = summary.get("stop_reason")
+
+    async def _forward(self, run: ProxyRun, rec: Any, request: HttpRequest, receive: Receive,
+                       send: Send, ex: _Exchange) -> None:
+        """Send the request upstream and stream its response back, teed into the log."""
+        assert self._client is not None
+        start, t0 = time.time(), time.perf_counter()
+        outgoing = self._client.build_request(request.method, request.url,
+                                              headers=request.headers, content=request.body)
+        try:
+            response = await self._client.send(outgoing, stream=True)
+        except httpx2.HTTPError as exc:
+            run.last_failed = True
+            if rec is not None:
+                rec.end_http(request, None, Timing(start, (time.perf_counter() - t0) * 1000),
+                             exc)
+            raise ProxyError(502, "api_error",
+                             f"deja proxy: the upstream {self.upstream} could not be reached "
+                             f"({type(exc).__name__}: {exc})", retry=True) from None
+        meta = HttpResponse(status=response.status_code,
+                            headers=list(response.headers.multi_items()), body=b"",
+                            reason=response.reason_phrase)
+        length = response.headers.get("content-length")
+        chunked = "chunked" in response.headers.get("transfer-encoding", "").lower()
+        headers = served_headers(meta.headers, int(length) if length and length.isdigit()
+                                 and not chunked else None)
+        headers.append((RUN_ID_HEADER, run.run_id.encode()))
+        chunks: list[bytes] = []
+        first: float | None = None
+        error: BaseException | None = None
+        gone = asyncio.ensure_future(receive())  # an http.disconnect, if the client leaves
+        try:
+            ex.status, ex.started = response.status_code, True
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": headers})
+            async for chunk in response.aiter_raw():
+                if first is None:
+                    first = time.perf_counter()
+                chunks.append(chunk)
+                if gone.done():
+                    error = ClientGone("the client disconnected before the response ended")
+                    break
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if error is None:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except httpx2.HTTPError as exc:  # the upstream cut the stream short
+            error = exc
+        except asyncio.CancelledError as exc:  # the grace period of a shutdown ran out
+            error = exc
+            raise
+        finally:
+            gone.cancel()
+            meta.body = b"".join(chunks)
+            now = time.perf_counter()
+            timing = Timing(start, (now - t0) * 1000,
+                            (first - t0) * 1000 if first is not None else None)
+            if error is not None:
+                ex.note = str(error) or type(error).__name__
+            run.last_failed = error is not None or meta.status >= 400
+            run.answered = time.time()
+            if rec is not None:
+                obs = rec.end_http(request, meta, timing, error)
+                run.last_stop_reason = (obs or {}).get("stop_reason")
+            with contextlib.suppress(Exception):
+                await response.aclose()
+
+
+def _writer_of(run: ProxyRun) -> Any:
+    """The session that writes ``run`` (a fork's, even while it serves its prefix)."""
+    from recorder.record import RecordSession
+
+    return run.session if isinstance(run.session, RecordSession) else None
+
+
+def _stop_error(run: ProxyRun, stop: RunStopped) -> ProxyError:
+    how = {"cancelled": "It was cancelled (deja cancel); start a new run to go on.",
+           }.get(stop.end_status, "To go on, fork it from its cassette with the guard "
+                 "raised or the step edited (deja proxy --fork CASSETTE --at STEP), or "
+                 "start a new run.")
+    return ProxyError(400, "invalid_request_error",
+                      f"deja: run {run.run_id} was stopped by the harness "
+                      f"({stop.reason}): {stop}. {how}",
+                      headers=[("x-deja-stop", str(stop.reason))])
+
+
+def _divergence_line(exc: Divergence) -> str:
+    info = exc.info
+    where = f"step {info.step}" if info.step is not None else "the end of the recording"
+    return (f"the request diverged from the recording at {where} ({info.kind}): "
+            f"{info.reason}. The proxy's log shows the diff")
+
+
+def _substitute(body: dict[str, Any], edits: dict[str, Any], raw: bytes) -> bytes:
+    """The request with each edited tool result in place of what the agent sent (a fork
+    at a tool step: the model sees the edit in every later request too)."""
+    changed = False
+    for block in tool_results(body.get("messages") or []):
+        call = block["tool_use_id"]
+        if call in edits and block.get("content") != edits[call]:
+            block["content"] = edits[call]
+            changed = True
+    if not changed:
+        return raw
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

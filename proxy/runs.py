@@ -1,0 +1,232 @@
+"""Which run a proxied request belongs to, and what a run sees at its boundaries.
+
+A run is one cassette. A client names its run with an ``x-deja-run: NAME`` header (and
+may label it with ``x-deja-labels: key=value, key=value`` on its first request); requests
+with the same name and the same API key go to the same run while it is open. Without a
+name, a run is one conversation:
+
+- a model request whose ``messages`` start with every message of an open run's last
+  request, and add at least one, joins that run (the longest such run wins; among equals
+  the one with no call in flight, then the one used last);
+- a request that repeats an open run's last request exactly joins it only when that
+  request failed (a retry);
+- anything else starts a new run. A request that is not a model call (``count_tokens``,
+  ``/v1/models``) joins the API key's most recently used open run, else starts one.
+
+Runs are told apart by API key as well: two clients with different keys never share a
+run (the key is hashed in memory, never written). An open run with no request for
+``idle`` seconds is closed with its end line: ``completed`` when its last model response
+ended the turn, else ``interrupted`` (the agent went away mid-loop).
+
+The limits of the rule: two clients that send the very same conversation at the same
+time cannot be told apart without a name (each lands in a run of its own only while their
+histories differ); an agent that rewrites its history (summarising, trimming) starts a new
+run at that point. Name runs with ``x-deja-run`` where that matters.
+
+Tools: the proxy never sees a tool run, but it sees its result, as a ``tool_result``
+block in the next request, and the ``tool_use`` block that asked for it in the assistant
+message just before. Each new result is logged as a ``tool`` line marked ``observed``
+(:meth:`recorder.record.RecordSession.observe_tool`), and the loop guard sees it there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from recorder.capture.session import Session
+from recorder.cassette.schema import EndStatus
+from recorder.errors import RunStopped
+from recorder.record import RecordSession
+
+__all__ = ["ProxyRun", "Registry", "credential", "message_keys", "parse_labels",
+           "tool_calls", "tool_results"]
+
+log = logging.getLogger("deja.proxy")
+
+RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$")
+
+
+def credential(headers: Sequence[tuple[str, str]]) -> str:
+    """Who is calling, as a hash of its API key (never stored): runs are kept apart by it."""
+    h = hashlib.sha256()
+    for name, value in headers:
+        if name.lower() in ("x-api-key", "authorization"):
+            h.update(name.lower().encode() + b"\0" + value.encode("utf-8", "replace") + b"\0")
+    return h.hexdigest()[:16]
+
+
+def parse_labels(value: str | None) -> dict[str, str]:
+    """``key=value, key=value`` (an ``x-deja-labels`` header) as a dict."""
+    out: dict[str, str] = {}
+    for item in (value or "").split(","):
+        key, sep, val = item.strip().partition("=")
+        if sep and key.strip():
+            out[key.strip()] = val.strip()
+    return out
+
+
+def message_keys(messages: Sequence[Any], texts: Sequence[str] | None = None) -> list[str]:
+    """One short key per message: the hash of its exact text when the body's texts are
+    known (a conversation resends its history byte for byte), else of its JSON."""
+    if texts is not None and len(texts) == len(messages):
+        return [hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=12).hexdigest()
+                for t in texts]
+    return [hashlib.blake2b(json.dumps(m, sort_keys=True, separators=(",", ":"),
+                                       ensure_ascii=False).encode("utf-8", "surrogatepass"),
+                            digest_size=12).hexdigest() for m in messages]
+
+
+def _blocks(message: Any) -> list[dict[str, Any]]:
+    content = message.get("content") if isinstance(message, dict) else None
+    return [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
+
+
+def tool_calls(messages: Sequence[Any]) -> dict[str, tuple[str, Any]]:
+    """The tool_use blocks of ``messages``: id -> (name, input)."""
+    out: dict[str, tuple[str, Any]] = {}
+    for message in messages:
+        if isinstance(message, dict) and message.get("role") == "assistant":
+            for block in _blocks(message):
+                if block.get("type") == "tool_use" and isinstance(block.get("id"), str):
+                    out[block["id"]] = (str(block.get("name")), block.get("input"))
+    return out
+
+
+def tool_results(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """The tool_result blocks of the user messages among ``messages``, in order."""
+    return [b for m in messages if isinstance(m, dict) and m.get("role") == "user"
+            for b in _blocks(m) if b.get("type") == "tool_result"
+            and isinstance(b.get("tool_use_id"), str)]
+
+
+@dataclass
+class ProxyRun:
+    """One run seen through the proxy: its session, and what its boundaries need."""
+
+    session: Session  # a RecordSession, a ContinuationSession (fork) or a ReplaySession
+    name: str | None = None
+    who: str = ""
+    last_keys: list[str] = field(default_factory=list)  # the last model request's messages
+    last_failed: bool = False
+    last_stop_reason: Any = None
+    in_flight: int = 0
+    used: float = field(default_factory=time.monotonic)
+    answered: float | None = None  # when the last response ended (epoch seconds)
+    logged: set[str] = field(default_factory=set)  # tool call ids with a line already
+    edits: dict[str, Any] = field(default_factory=dict)  # call id -> edited result (a fork)
+    stopped: RunStopped | None = None
+    closed: bool = False
+
+    @property
+    def run_id(self) -> str:
+        rid = getattr(self.session, "run_id", None)
+        if rid is None:  # a replay serves the recorded run
+            rid = getattr(getattr(self.session, "cassette", None), "run", "?")
+        return str(rid)
+
+    @property
+    def recording(self) -> RecordSession | None:
+        """The session that writes this run, while it writes (None: it only serves)."""
+        s = self.session
+        if isinstance(s, RecordSession):
+            serving = getattr(s, "serving", False)  # a fork's prefix is served, not written
+            return None if serving else s
+        return None
+
+    def remember(self, observations: Sequence[Mapping[str, Any]]) -> None:
+        """The tool calls a recorded prefix holds (a fork): logged already, and the edited
+        ones substituted in every request that carries them."""
+        for obs in observations:
+            call = obs.get("call_id")
+            if obs.get("kind") == "tool" and "observed" in obs and isinstance(call, str):
+                self.logged.add(call)
+                if obs.get("edited"):
+                    self.edits[call] = obs.get("result")
+
+    def end_status(self) -> tuple[str, str | None]:
+        """How an idle or shut-down run ends: completed when its last turn ended."""
+        if self.last_failed:
+            return EndStatus.ERROR, "its last call failed"
+        if self.last_stop_reason in (None, "tool_use", "pause_turn"):
+            return EndStatus.INTERRUPTED, "no request came after its last response"
+        return EndStatus.COMPLETED, None
+
+
+class Registry:
+    """The open runs of a proxy, found by name or by conversation. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.runs: list[ProxyRun] = []
+        self.names: dict[tuple[str, str], ProxyRun] = {}
+        # stopped runs, kept for a while: a client that keeps sending gets the stop again
+        self.stopped: list[ProxyRun] = []
+
+    def __len__(self) -> int:
+        return len(self.runs)
+
+    def find(self, who: str, name: str | None, keys: list[str] | None) -> ProxyRun | None:
+        """The open (or stopped) run a request belongs to; None: it starts one."""
+        with self._lock:
+            if name is not None:
+                return self.names.get((who, name))
+            if keys is None:  # not a model call: the caller's latest run
+                mine = [r for r in self.runs if r.who == who]
+                return max(mine, key=lambda r: r.used) if mine else None
+            return self._by_history(who, keys)
+
+    def _by_history(self, who: str, keys: list[str]) -> ProxyRun | None:
+        best: ProxyRun | None = None
+        for run in (*self.runs, *self.stopped):
+            if run.who != who or run.name is not None:
+                continue
+            n = len(run.last_keys)
+            if not n or n > len(keys) or keys[:n] != run.last_keys:
+                continue
+            if n == len(keys) and not run.last_failed and run.stopped is None:
+                continue  # the same request again, after a success: a new conversation
+            if best is None or (n, run.in_flight == 0, run.used) > \
+                    (len(best.last_keys), best.in_flight == 0, best.used):
+                best = run
+        return best
+
+    def add(self, run: ProxyRun) -> None:
+        with self._lock:
+            self.runs.append(run)
+            if run.name is not None:
+                self.names[(run.who, run.name)] = run
+
+    def retire(self, run: ProxyRun, *, keep: bool) -> None:
+        """Take a closed run off the open list; ``keep`` it among the stopped ones."""
+        with self._lock:
+            if run in self.runs:
+                self.runs.remove(run)
+            if run.name is not None and self.names.get((run.who, run.name)) is run and not keep:
+                del self.names[(run.who, run.name)]
+            if keep:
+                self.stopped.append(run)
+
+    def idle(self, older_than: float) -> list[ProxyRun]:
+        """Open runs with nothing in flight, last used before ``older_than``."""
+        with self._lock:
+            return [r for r in self.runs if r.in_flight == 0 and r.used < older_than]
+
+    def forget_stopped(self, older_than: float) -> None:
+        with self._lock:
+            gone = [r for r in self.stopped if r.used < older_than]
+            for run in gone:
+                self.stopped.remove(run)
+                if run.name is not None and self.names.get((run.who, run.name)) is run:
+                    del self.names[(run.who, run.name)]
+
+    def open_runs(self) -> list[ProxyRun]:
+        with self._lock:
+            return list(self.runs)

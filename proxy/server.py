@@ -1,0 +1,236 @@
+"""Running the proxy: its three modes put together, and the server around them.
+
+``record`` (the default) starts a recorded run per client run (:mod:`proxy.runs`) in
+``directory``; ``replay`` serves one cassette offline; ``fork`` serves a cassette's steps
+up to the fork step, the edited step, then goes live into a new cassette whose header
+names its parent. The server is uvicorn: a readiness file once the socket listens, one log
+line per request, and on SIGTERM or SIGINT a graceful stop (no new connections; in-flight
+streams get ``grace`` seconds to finish), after which every open cassette gets its end line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from proxy.app import Proxy
+from proxy.runs import ProxyRun
+from recorder.capture.redact import Redaction
+from recorder.cassette import load
+from recorder.cassette.keys import load_keyring, require_signing_key
+from recorder.errors import ConfigError
+from recorder.record import RecordSession
+
+__all__ = ["ProxyOptions", "ServeResult", "build", "is_loopback", "serve"]
+
+log = logging.getLogger("deja.proxy")
+
+DEFAULT_UPSTREAM = "https://api.anthropic.com"
+DEFAULT_PORT = 8787
+
+
+@dataclass
+class ProxyOptions:
+    """Everything ``deja proxy`` takes (see its ``--help``)."""
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    upstream: str = DEFAULT_UPSTREAM
+    directory: Path = Path("cassettes")
+    token: str | None = None
+    max_body: int = 32 * 1024 * 1024
+    idle: float = 300.0
+    grace: float = 10.0
+    ready_file: Path | None = None
+    # record (and a fork's live part): what `deja record` takes
+    record: dict[str, Any] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    # replay
+    replay: Path | None = None
+    allow_unverified: bool | None = None
+    # fork
+    fork: Path | None = None
+    at: int | None = None
+    edit: dict[str, Any] = field(default_factory=dict)  # patch= / replace= / sets=
+    out: Path | None = None
+
+    @property
+    def mode(self) -> str:
+        return "replay" if self.replay else "fork" if self.fork else "record"
+
+
+@dataclass
+class ServeResult:
+    """What a proxy did, once it has stopped."""
+
+    mode: str
+    requests: int
+    report: str | None = None  # a replay's report
+    identical: bool | None = None  # a replay: no divergence, every step asked for
+    fork: str | None = None  # a fork's new cassette
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build(options: ProxyOptions) -> Proxy:
+    """The proxy of ``options``, checked: every bad input is a named error here, before
+    anything listens or is written."""
+    if not is_loopback(options.host) and not options.token:
+        raise ConfigError(f"deja proxy binds to {options.host}, which is not loopback: give "
+                          "--token (clients send it in the x-deja-token header)")
+    upstream = options.upstream.rstrip("/")
+    if not upstream.startswith(("http://", "https://")):
+        raise ConfigError(f"--upstream must be an http:// or https:// URL, not {upstream!r}")
+    common: dict[str, Any] = {"token": options.token, "max_body": options.max_body,
+                              "idle": options.idle, "mode": options.mode}
+    if options.replay is not None:
+        return _replaying(options, upstream, common)
+    if options.fork is not None:
+        return _forking(options, upstream, common)
+    keyring = load_keyring()
+    require_signing_key(keyring)
+    options.directory.mkdir(parents=True, exist_ok=True)
+    record = dict(options.record)
+    shown = Redaction().url(upstream)
+
+    def new_run(name: str | None, labels: dict[str, str]) -> ProxyRun:
+        header: dict[str, Any] = {"proxy": {"upstream": shown}}
+        if name is not None:
+            header["proxy"]["name"] = name
+        session = RecordSession(options.directory, labels={**options.labels, **labels},
+                                argv=[], keyring=keyring, header=header, **record)
+        return ProxyRun(session.start(intercept=False), name=name)
+
+    RecordSession(options.directory, argv=[], keyring=keyring, **record)  # check the options
+    return Proxy(upstream=upstream, new_run=new_run, **common)
+
+
+def _recorded_upstream(header: Mapping[str, Any], given: str) -> str:
+    proxy = header.get("proxy")
+    recorded = proxy.get("upstream") if isinstance(proxy, dict) else None
+    return recorded if isinstance(recorded, str) and recorded else given
+
+
+def _replaying(options: ProxyOptions, upstream: str, common: dict[str, Any]) -> Proxy:
+    from replayer.replay import ReplaySession
+
+    assert options.replay is not None
+    cassette = load(options.replay, keyring=load_keyring(create=False),
+                    allow_unverified=options.allow_unverified)
+    run = ProxyRun(ReplaySession(cassette))
+    run.remember(cassette.observations)
+    if not cassette.verified:
+        log.warning("%s: %s; serving it unchecked", cassette.path, cassette.verify_note)
+    return Proxy(upstream=_recorded_upstream(cassette.header, upstream), single=run, **common)
+
+
+def _forking(options: ProxyOptions, upstream: str, common: dict[str, Any]) -> Proxy:
+    from replayer.fork import plan_fork, start_fork
+
+    assert options.fork is not None and options.at is not None
+    ring = load_keyring()
+    plan = plan_fork(options.fork, options.at, out=options.out or options.fork.parent,
+                     keyring=ring, **options.edit)
+    session = start_fork(plan, keyring=ring, fsync=options.record.get("fsync") or "turn",
+                         ran_in=Path.cwd())
+    session.start(intercept=False)
+    run = ProxyRun(session)
+    run.remember([*plan.parent.observations[:plan.at], plan.edited])
+    log.info("forked run %s from %s at step %d -> %s", plan.run_id, plan.parent.run, plan.at,
+             plan.out)
+    return Proxy(upstream=upstream, single=run, **common)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _write_ready(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def serve(options: ProxyOptions, proxy: Proxy | None = None) -> ServeResult:
+    """Run the proxy until SIGTERM or SIGINT; close every run; say what it did."""
+    import uvicorn
+
+    app = proxy or build(options)
+    config = uvicorn.Config(app, host=options.host, port=options.port, lifespan="on",
+                            log_level="warning", access_log=False, server_header=False,
+                            date_header=False, backlog=2048, timeout_keep_alive=30,
+                            timeout_graceful_shutdown=max(1, round(options.grace)))
+    server = uvicorn.Server(config)
+    sock = _bind(options.host, options.port)  # here, so that a taken port is an OSError
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.01)
+        port = sock.getsockname()[1]
+        url = f"http://{options.host}:{port}"
+        log.info("%s mode, listening on %s%s", options.mode, url,
+                 f", forwarding to {app.upstream}" if options.mode != "replay" else "")
+        if options.ready_file is not None:
+            _write_ready(options.ready_file, {"url": url, "port": port, "pid": os.getpid(),
+                                              "mode": options.mode})
+
+    async def main() -> None:
+        waiter = asyncio.create_task(announce())
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            waiter.cancel()
+            await app.shutdown()  # the lifespan may have been skipped by a forced exit
+
+    # uvicorn re-raises the signal it stopped on once it has shut down; by then every run
+    # is closed, and the outcome is told by the exit status instead.
+    previous = {sig: signal.signal(sig, lambda *_: None)
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        asyncio.run(main())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if options.ready_file is not None:
+            options.ready_file.unlink(missing_ok=True)
+    return _result(app, options)
+
+
+def _result(app: Proxy, options: ProxyOptions) -> ServeResult:
+    from replayer.continuation import ContinuationSession
+    from replayer.replay import ReplaySession
+
+    result = ServeResult(mode=options.mode, requests=app.requests)
+    run = app.single
+    if run is not None and isinstance(run.session, ReplaySession):
+        replayed = run.session.finish()
+        result.report, result.identical = replayed.report(), replayed.identical
+    elif run is not None and isinstance(run.session, ContinuationSession):
+        result.fork = str(run.session.path)
+    return result

@@ -1,0 +1,100 @@
+"""Running the Node.js example agent (examples/node-agent) from the proxy tests.
+
+The agent drives the official TypeScript SDK ``@anthropic-ai/sdk``. :func:`ensure_node_modules`
+installs it from the lockfile once; :func:`node_agent` runs ``node agent.mjs`` with an
+environment that holds no real credentials; :func:`read_dump` decodes the file its ``--dump``
+option writes (one line per HTTP response the SDK received).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+AGENT_DIR = ROOT / "examples" / "node-agent"
+AGENT = AGENT_DIR / "agent.mjs"
+SDK_DIR = AGENT_DIR / "node_modules" / "@anthropic-ai" / "sdk"
+
+# What agent.mjs prints for examples/node-agent/stub.json, and for the same run with a
+# weather tool result that mentions snow.
+STUB_SCRIPT = AGENT_DIR / "stub.json"
+STUB_ANSWER = "It is 18°C (64.4°F) with light rain in Paris: take an umbrella."
+SNOW_ANSWER = "Snow in Paris today: stay in, or wear boots and a warm coat."
+
+# Exit code of agent.mjs when an API or connection error reached the SDK.
+API_ERROR_EXIT = 2
+
+# Variables of the caller's environment never passed on to the agent.
+_SCRUBBED_PREFIXES = ("ANTHROPIC_", "DEJA_RUN")
+
+
+def node_missing() -> str | None:
+    """Why the agent cannot run here (no ``node`` or ``npm`` on PATH), or ``None``."""
+    missing = [tool for tool in ("node", "npm") if shutil.which(tool) is None]
+    if missing:
+        return f"{' and '.join(missing)} not on PATH (make node installs them)"
+    return None
+
+
+def ensure_node_modules() -> None:
+    """Install the agent's dependencies from its lockfile if the SDK is not there yet."""
+    if (SDK_DIR / "package.json").is_file():
+        return
+    subprocess.run(
+        ["npm", "ci", "--no-audit", "--no-fund"],
+        cwd=AGENT_DIR,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def node_agent(
+    *args: str,
+    env: dict[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``node examples/node-agent/agent.mjs ARGS...`` and return what it did.
+
+    ``env`` is laid over the caller's environment with every ``ANTHROPIC_*`` variable and
+    ``DEJA_RUN`` taken out and ``ANTHROPIC_API_KEY=sk-test`` put in; pass
+    ``ANTHROPIC_BASE_URL`` (the stub's or the proxy's URL) and, to tag the run, ``DEJA_RUN``.
+    ``cwd`` (default: the agent's folder) is where a relative ``--dump FILE`` lands. Output is
+    text; the exit code is not checked (0: answered, 2: an API or connection error).
+    """
+    run_env = {
+        key: value for key, value in os.environ.items() if not key.startswith(_SCRUBBED_PREFIXES)
+    }
+    run_env["ANTHROPIC_API_KEY"] = "sk-test"
+    run_env.update(env or {})
+    return subprocess.run(
+        ["node", str(AGENT), *args],
+        cwd=cwd if cwd is not None else AGENT_DIR,
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def read_dump(path: str | os.PathLike[str]) -> list[dict]:
+    """The lines of an ``agent.mjs --dump`` file, each with its body decoded into ``body``.
+
+    Each line has ``attempt`` (1, 2, ... over the whole run), ``retry_count`` (the SDK's
+    ``x-stainless-retry-count`` for that request), ``status`` (``None`` when no response
+    came), ``body`` (bytes) and, when the body broke off or no response came, ``error``.
+    """
+    lines = []
+    with open(path, encoding="utf-8") as fh:
+        for raw in fh:
+            line = json.loads(raw)
+            line["body"] = base64.b64decode(line.pop("body_b64"))
+            lines.append(line)
+    return lines
