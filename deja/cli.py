@@ -194,6 +194,10 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
     if not argv:
         raise _no_command(cassette, loaded.header, "replay")
     cwd = _where_to_run(cassette, loaded.header, argv, given=bool(command), cwd=cwd)
+    if isinstance(loaded.header.get("proxy"), dict):  # an agent in any language
+        sys.exit(cli_proxy.through_proxy(
+            ["--replay", str(cassette.resolve()),
+             *([] if loaded.verified else ["--allow-unverified"])], argv, cwd))
     with tempfile.TemporaryDirectory(prefix="deja-replay-") as tmp:
         report = Path(tmp) / "report.json"
         env = child_env("replay", cassette=str(cassette.resolve()), report=str(report),
@@ -604,6 +608,18 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
     if not argv:
         raise _no_command(cassette, plan.parent.header, "fork")
     cwd = _where_to_run(cassette, plan.parent.header, argv, given=bool(command), cwd=cwd)
+    if isinstance(plan.parent.header.get("proxy"), dict):  # an agent in any language
+        if then_replay is not None:
+            raise BadInput("--then-replay is for runs deja launched; a run recorded through "
+                           "deja proxy forks live (--upstream of deja proxy --fork)")
+        edit_args = ([f"--set={pair}" for pair in sets] if sets else
+                     ["--patch", str(patch_file)] if patch_file else
+                     ["--replace", str(replace_file)])
+        code = cli_proxy.through_proxy(
+            ["--fork", str(cassette.resolve()), "--at", str(at), *edit_args,
+             "-o", str(plan.out.resolve()), "--upstream", os.environ.get("ANTHROPIC_BASE_URL", "https://api.anthropic.com")],
+            argv, cwd)
+        sys.exit(code)
     lock = _writer_lock(plan.out, plan.run_id, "deja fork")
     try:
         code = _launch("fork", argv, plan.out, cwd, lock=lock, plan={

@@ -176,3 +176,39 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
                    f"{fork} {result.fork}", err=True)
     if result.identical is False:
         sys.exit(EXIT_DIVERGED)
+
+
+def through_proxy(proxy_args: list[str], command: list[str], cwd: Path | None) -> int:
+    """Run ``command`` against a ``deja proxy PROXY_ARGS`` started for it on a free port
+    (its ANTHROPIC_BASE_URL points there), then stop the proxy: how ``deja replay`` and
+    ``deja fork`` take a run recorded through the proxy, whatever language its agent is
+    in. Returns the proxy's exit status when it failed (1: the replay diverged), else the
+    command's."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory(prefix="deja-through-proxy-") as tmp:
+        ready = Path(tmp) / "ready.json"
+        server = subprocess.Popen([sys.executable, "-m", "deja", "proxy", "--port", "0",
+                                   "--ready-file", str(ready), "-q", *proxy_args])
+        try:
+            while not ready.is_file():
+                if server.poll() is not None:
+                    return server.returncode or 2
+                time.sleep(0.02)
+            url = json.loads(ready.read_text())["url"]
+            click.echo(f"deja: {command[0]} talks to the proxy at {url}", err=True)
+            try:
+                code = subprocess.call(command, cwd=cwd,
+                                       env={**os.environ, "ANTHROPIC_BASE_URL": url})
+            except OSError as exc:
+                raise BadInput(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
+        finally:
+            if server.poll() is None:
+                server.send_signal(signal.SIGTERM)
+            served = server.wait()
+    return served or code
