@@ -43,6 +43,7 @@ from proxy.runs import (
     tool_results,
 )
 from recorder import providers
+from recorder.canonical import content_decoded
 from recorder.capture.exchange import HttpRequest, HttpResponse, RequestReader
 from recorder.capture.session import Timing
 from recorder.errors import (
@@ -414,7 +415,8 @@ class Proxy:
         run.last_failed = served.status >= 400
         run.answered = time.time()
         if seam is not None and served.status < 400:
-            summary = seam.summarize(served.status, served.headers, served.body)
+            summary = seam.summarize(served.status, served.headers,
+                                     content_decoded(served.body, served.headers))
             run.last_stop_reason = summary.get("stop_reason")
 
     async def _forward(self, run: ProxyRun, rec: Any, request: HttpRequest, receive: Receive,

@@ -12,6 +12,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import zlib
+from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -60,6 +62,26 @@ def decode_body(text: str, encoding: str | None) -> bytes:
     if encoding == "base64":
         return base64.b64decode(text)
     return text.encode("utf-8")
+
+
+def content_decoded(body: bytes, headers: Iterable[Sequence[str]]) -> bytes:
+    """A response body as its ``content-encoding`` header says to read it: gzip or deflate
+    decompressed (what the SDK reads, and what usage and stop reason are read from; the
+    body is stored as received); any other body, or one that does not decompress, as it
+    is."""
+    coding = next((v for k, v in headers if k.lower() == "content-encoding"), "")
+    coding = coding.strip().lower()
+    if not body or coding not in ("gzip", "x-gzip", "deflate"):
+        return body
+    try:
+        if coding != "deflate":
+            return zlib.decompress(body, 16 + zlib.MAX_WBITS)
+        try:
+            return zlib.decompress(body)
+        except zlib.error:  # raw deflate, as some servers send it
+            return zlib.decompress(body, -zlib.MAX_WBITS)
+    except zlib.error:
+        return body
 
 
 def http_target(url: str) -> str:

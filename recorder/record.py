@@ -32,7 +32,7 @@ from typing import Any
 
 from recorder import effects, providers
 from recorder import values as _values
-from recorder.canonical import digest, fingerprint
+from recorder.canonical import content_decoded, digest, fingerprint
 from recorder.capture import session
 from recorder.capture import vcr as capture
 from recorder.capture.exchange import (
@@ -492,7 +492,9 @@ class RecordSession(session.Session):
                        response: HttpResponse, body: Any) -> tuple[dict[str, Any], float | None]:
         """What a model response says (usage, stop reason, API error) and what it cost,
         added to its line (read by ``seam``, its provider); returns the usage and the cost."""
-        summary = seam.summarize(response.status, response.headers, response.body)
+        # read as the SDK reads it: a compressed body decompressed (it is stored as received)
+        summary = seam.summarize(response.status, response.headers,
+                                 content_decoded(response.body, response.headers))
         usage = summary.get("usage") or {}
         cost = seam.cost(summary.get("model") or seam.request_model(body), usage, self.prices)
         obs.update({"usage": {k: v for k, v in usage.items() if v} or None,

@@ -5,11 +5,13 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import signal
 import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -91,3 +93,25 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     tamper = sys.modules.get("tamper")
     for line in getattr(tamper, "SUMMARY", ()):
         terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def proxy(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+    """``proxy(*args, env=None, workdir=None)`` starts ``deja proxy ARGS`` as a real process
+    (in ``tmp_path`` unless told otherwise) and returns its ``ProxyProcess``
+    (tests/proxy/proxy_helpers.py); every proxy still running when the test ends is
+    killed."""
+    from proxy_helpers import ProxyProcess, start_proxy  # tests/proxy, on the path there
+
+    started: list[ProxyProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None,
+              workdir: Path | None = None) -> ProxyProcess:
+        p = start_proxy(workdir or tmp_path, *args, env=env)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        if p.process.poll() is None:
+            p.stop(signal.SIGKILL)

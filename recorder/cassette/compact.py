@@ -27,7 +27,7 @@ import threading
 from typing import Any
 
 from recorder import providers  # a module reference: providers imports this package
-from recorder.canonical import Parts
+from recorder.canonical import Parts, content_decoded, decode_body
 
 _NO_DOC = object()  # a response body stored as text, not as JSON
 _DERIVED = ("usage", "stop_reason", "api_error", "message_id", "model", "stream", "fp")
@@ -193,8 +193,15 @@ def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any,
             response["headers"] = [b if h is None else h
                                    for h, b in zip(response["headers"], base_headers, strict=True)]
         if "usage" not in line:
-            body = response["body"].encode("utf-8") if response.get("encoding") is None else b""
             status, headers = response.get("status", 0), response.get("headers") or []
+            if response.get("encoding") is None:
+                body = response["body"].encode("utf-8")
+            else:  # binary: a compressed body is read as the SDK reads it
+                try:
+                    body = content_decoded(decode_body(response["body"], response["encoding"]),
+                                           headers)
+                except ValueError:
+                    body = b""
             summary = (provider.summarize(status, headers, body) if doc is _NO_DOC
                        else provider.summarize_parsed(status, headers, body, doc))
             line["usage"] = summary.get("usage") or None
