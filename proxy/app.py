@@ -50,6 +50,7 @@ from recorder.errors import (
     CircuitOpen,
     DejaError,
     Divergence,
+    DivergenceInfo,
     RunStopped,
     UnserializableValue,
 )
@@ -346,6 +347,8 @@ class Proxy:
             rec = run.recording
             if isinstance(parsed, dict) and rec is not None:
                 self._boundary(run, rec, parsed, keys)
+            elif isinstance(parsed, dict) and run.recorded:
+                _check_results(run, parsed)
             served = run.session.begin_http(request)
         except CircuitOpen as exc:
             raise ProxyError(503, "api_error", f"deja proxy: {exc}") from None
@@ -482,6 +485,37 @@ class Proxy:
                 run.last_stop_reason = (obs or {}).get("stop_reason")
             with contextlib.suppress(Exception):
                 await response.aclose()
+
+
+def _check_results(run: ProxyRun, body: dict[str, Any]) -> None:
+    """A served run (a replay, a fork's prefix): a tool result that is not what the
+    recording observed for its call is a divergence at that tool's step, the step
+    ``deja diff`` would name, rather than at the model request that carries it."""
+    from replayer.diff import unified
+
+    for block in tool_results(body.get("messages") or []):
+        obs = run.recorded.get(block["tool_use_id"])
+        if obs is None or obs.get("edited"):
+            continue
+        got = block.get("content", "")
+        if got == obs.get("result") and (block.get("is_error") is True) == \
+                bool(obs.get("is_error")):
+            continue
+        expected = {"name": obs["name"], "args": obs.get("args"), "result": obs.get("result")}
+        actual = {**expected, "result": got}
+        if block.get("is_error") is True:
+            actual["is_error"] = True
+        if obs.get("is_error"):
+            expected["is_error"] = True
+        info = DivergenceInfo(
+            step=obs["seq"], kind="tool",
+            reason=f"the agent's tool {obs['name']!r} returned something other than "
+                   f"the recorded result (call {block['tool_use_id']})",
+            expected=expected, actual=actual, diff=unified(expected, actual))
+        served: Any = getattr(run.session, "prefix", run.session)  # a fork: its prefix
+        if getattr(served, "divergence", None) is None:
+            served.divergence = info
+        raise Divergence(info, path=getattr(served, "path", None))
 
 
 def _writer_of(run: ProxyRun) -> Any:

@@ -122,6 +122,8 @@ class ProxyRun:
     answered: float | None = None  # when the last response ended (epoch seconds)
     logged: set[str] = field(default_factory=set)  # tool call ids with a line already
     edits: dict[str, Any] = field(default_factory=dict)  # call id -> edited result (a fork)
+    # call id -> the observed tool line a served run recorded for it (replay, a fork's prefix)
+    recorded: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     stopped: RunStopped | None = None
     closed: bool = False
 
@@ -148,6 +150,7 @@ class ProxyRun:
             call = obs.get("call_id")
             if obs.get("kind") == "tool" and "observed" in obs and isinstance(call, str):
                 self.logged.add(call)
+                self.recorded[call] = obs
                 if obs.get("edited"):
                     self.edits[call] = obs.get("result")
 

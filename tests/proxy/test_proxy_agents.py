@@ -388,7 +388,7 @@ def test_python_sdk_tool_loop_records_and_replays_the_same_bytes(
     assert replayed_finals == finals
 
 
-def test_python_sdk_changed_tool_result_diverges_at_the_model_step_that_carries_it(
+def test_python_sdk_changed_tool_result_diverges_at_the_tool_step(
         proxy: Proxy, stub: Stub, tmp_path: Path) -> None:
     upstream = stub(PY_SCRIPT)
     directory = tmp_path / "py-cassettes"
@@ -405,16 +405,18 @@ def test_python_sdk_changed_tool_result_diverges_at_the_model_step_that_carries_
         python_tool_loop(replaying.url, "json", tool=lambda word: f"{word}: no idea",
                          max_retries=2)
     message = refused.value.body["error"]["message"]  # type: ignore[index]
+    # the tool's own step, as deja diff names it, not the model request carrying it
     assert message.startswith("deja replay: the request diverged from the recording at "
-                              "step 2 (model)"), message
+                              "step 1 (tool)"), message
+    assert "'lookup' returned something other than the recorded result" in message
     assert refused.value.response.headers["x-should-retry"] == "false"
     status, log = replaying.stop()
     assert status == 1, log
     assert log.count("POST /v1/messages 400") == 1, log  # one attempt, no retry
     assert log.count("POST /v1/messages 200") == 1, log  # step 0 was served
-    assert "first divergence at step 2 (model)" in log
-    assert "-          \"content\": \"deja: French for 'already'\"," in log, log
-    assert '+          "content": "deja: no idea",' in log, log
+    assert "first divergence at step 1 (tool)" in log
+    assert '-  "result": "deja: French for \'already\'"' in log, log
+    assert '+  "result": "deja: no idea"' in log, log
 
 
 # -- 4. forks through the proxy -----------------------------------------------------------
