@@ -183,8 +183,10 @@ class Proxy:
             await self._http(scope, receive, send, ex)
         except ProxyError as err:
             await self._answer_error(send, ex, err)
-        except ClientGone:
-            ex.note = "client went away"
+        except ClientGone as exc:
+            ex.note = str(exc)
+        except asyncio.CancelledError:  # the shutdown's grace ran out: the line is written
+            ex.note = "cut short by the proxy's shutdown"
         except Exception as exc:  # never a traceback to the client
             log.exception("%s %s: unexpected error", ex.method, ex.path)
             await self._answer_error(send, ex, ProxyError(
@@ -318,7 +320,9 @@ class Proxy:
                              f"deja proxy: {RUN_HEADER} must be 1-128 letters, digits and "
                              "_ . : @ -, starting with a letter or digit")
         who = credential(headers)
-        run = self.registry.find(who, name, keys if name is None else None)
+        count = named.get("x-stainless-retry-count", "")
+        retry = (count != "0") if count.isdigit() else None
+        run = self.registry.find(who, name, keys if name is None else None, retry)
         if run is None:
             assert self._new_run is not None
             try:
@@ -429,9 +433,25 @@ class Proxy:
         start, t0 = time.time(), time.perf_counter()
         outgoing = self._client.build_request(request.method, request.url,
                                               headers=request.headers, content=request.body)
+        gone = asyncio.ensure_future(receive())  # an http.disconnect, if the client leaves
+        sending = asyncio.ensure_future(self._client.send(outgoing, stream=True))
         try:
-            response = await self._client.send(outgoing, stream=True)
+            await asyncio.wait((sending, gone), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            sending.cancel()
+            gone.cancel()
+            raise
+        if not sending.done():  # the client left before the upstream answered
+            sending.cancel()
+            run.last_failed = True
+            if rec is not None:
+                rec.end_http(request, None, Timing(start, (time.perf_counter() - t0) * 1000),
+                             ClientGone("the client went away before the upstream answered"))
+            raise ClientGone("the client went away before the upstream answered")
+        try:
+            response = sending.result()
         except httpx2.HTTPError as exc:
+            gone.cancel()
             run.last_failed = True
             if rec is not None:
                 rec.end_http(request, None, Timing(start, (time.perf_counter() - t0) * 1000),
@@ -450,7 +470,6 @@ class Proxy:
         chunks: list[bytes] = []
         first: float | None = None
         error: BaseException | None = None
-        gone = asyncio.ensure_future(receive())  # an http.disconnect, if the client leaves
         try:
             ex.status, ex.started = response.status_code, True
             await send({"type": "http.response.start", "status": response.status_code,
@@ -468,8 +487,9 @@ class Proxy:
         except httpx2.HTTPError as exc:  # the upstream cut the stream short
             error = exc
         except asyncio.CancelledError as exc:  # the grace period of a shutdown ran out
-            error = exc
-            raise
+            error = ClientGone("cut short: the proxy shut down before the response ended")
+            run.cut = True
+            raise exc
         finally:
             gone.cancel()
             meta.body = b"".join(chunks)

@@ -8,8 +8,9 @@ name, a run is one conversation:
 - a model request whose ``messages`` start with every message of an open run's last
   request, and add at least one, joins that run (the longest such run wins; among equals
   the one with no call in flight, then the one used last);
-- a request that repeats an open run's last request exactly joins it only when that
-  request failed (a retry);
+- a request that repeats an open run's last request exactly joins it only when it is a
+  retry: the SDKs say so (``x-stainless-retry-count`` above 0); a client that does not
+  say is taken to retry when that request failed or is still in flight;
 - anything else starts a new run. A request that is not a model call (``count_tokens``,
   ``/v1/models``) joins the API key's most recently used open run, else starts one.
 
@@ -126,6 +127,7 @@ class ProxyRun:
     recorded: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     stopped: RunStopped | None = None
     closed: bool = False
+    cut: bool = False  # a call was cut short by the proxy's shutdown
 
     @property
     def run_id(self) -> str:
@@ -156,6 +158,8 @@ class ProxyRun:
 
     def end_status(self) -> tuple[str, str | None]:
         """How an idle or shut-down run ends: completed when its last turn ended."""
+        if self.cut:
+            return EndStatus.INTERRUPTED, "a call was cut short when the proxy shut down"
         if self.last_failed:
             return EndStatus.ERROR, "its last call failed"
         if self.last_stop_reason in (None, "tool_use", "pause_turn"):
@@ -176,17 +180,20 @@ class Registry:
     def __len__(self) -> int:
         return len(self.runs)
 
-    def find(self, who: str, name: str | None, keys: list[str] | None) -> ProxyRun | None:
-        """The open (or stopped) run a request belongs to; None: it starts one."""
+    def find(self, who: str, name: str | None, keys: list[str] | None,
+             retry: bool | None = None) -> ProxyRun | None:
+        """The open (or stopped) run a request belongs to; None: it starts one. ``retry``:
+        whether the client says this is a retry (the SDKs' ``x-stainless-retry-count``),
+        None when it does not say."""
         with self._lock:
             if name is not None:
                 return self.names.get((who, name))
             if keys is None:  # not a model call: the caller's latest run
                 mine = [r for r in self.runs if r.who == who]
                 return max(mine, key=lambda r: r.used) if mine else None
-            return self._by_history(who, keys)
+            return self._by_history(who, keys, retry)
 
-    def _by_history(self, who: str, keys: list[str]) -> ProxyRun | None:
+    def _by_history(self, who: str, keys: list[str], retry: bool | None) -> ProxyRun | None:
         best: ProxyRun | None = None
         for run in (*self.runs, *self.stopped):
             if run.who != who or run.name is not None:
@@ -194,8 +201,9 @@ class Registry:
             n = len(run.last_keys)
             if not n or n > len(keys) or keys[:n] != run.last_keys:
                 continue
-            if n == len(keys) and not run.last_failed and run.stopped is None:
-                continue  # the same request again, after a success: a new conversation
+            if n == len(keys) and (retry is False or (
+                    retry is None and not run.last_failed and run.in_flight == 0)):
+                continue  # the same request again, not a retry: a new conversation
             if best is None or (n, run.in_flight == 0, run.used) > \
                     (len(best.last_keys), best.in_flight == 0, best.used):
                 best = run

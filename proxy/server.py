@@ -183,7 +183,8 @@ def serve(options: ProxyOptions, proxy: Proxy | None = None) -> ServeResult:
     config = uvicorn.Config(app, host=options.host, port=options.port, lifespan="on",
                             log_level="warning", access_log=False, server_header=False,
                             date_header=False, backlog=2048, timeout_keep_alive=30,
-                            timeout_graceful_shutdown=max(1, round(options.grace)))
+                            # a float is what asyncio.wait_for takes; the hint says int
+                            timeout_graceful_shutdown=options.grace)  # type: ignore[arg-type]
     server = uvicorn.Server(config)
     sock = _bind(options.host, options.port)  # here, so that a taken port is an OSError
 
