@@ -29,7 +29,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx2
+import aiohttp
+import yarl
 
 from proxy._wire import ProxyError, error_body, forwardable, served_headers
 from proxy.runs import (
@@ -68,6 +69,10 @@ RUN_HEADER = "x-deja-run"
 LABELS_HEADER = "x-deja-labels"
 TOKEN_HEADER = "x-deja-token"
 RUN_ID_HEADER = b"x-deja-run-id"
+
+# What the upstream client raises when the upstream is unreachable, times out or cuts a
+# response short.
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
 class ClientGone(ConnectionError):
@@ -109,7 +114,7 @@ class Proxy:
         if single is not None:
             self.registry.add(single)
         self._reader = RequestReader()  # for routing: a conversation's history is read once
-        self._client: httpx2.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
         self._reaper: asyncio.Task[None] | None = None
         self.requests = 0
         self.closed = False
@@ -117,10 +122,14 @@ class Proxy:
     # -- lifecycle
 
     async def startup(self) -> None:
-        self._client = httpx2.AsyncClient(
-            timeout=httpx2.Timeout(self.timeout, connect=30.0),
-            limits=httpx2.Limits(max_connections=None, max_keepalive_connections=256),
-            follow_redirects=False, trust_env=False)
+        # Bytes pass through as they come: no decompression, no headers of its own added
+        # (the client's own user-agent, accept and content-type go upstream as sent).
+        self._client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30,
+                                          sock_read=self.timeout),
+            auto_decompress=False, trust_env=False,
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
         if self._new_run is not None:
             self._reaper = asyncio.create_task(self._reap())
 
@@ -133,7 +142,7 @@ class Proxy:
             self._reaper = None
         self.close_all("the proxy shut down")
         if self._client is not None:
-            await self._client.aclose()
+            await self._client.close()
             self._client = None
 
     def close_all(self, why: str) -> None:
@@ -429,12 +438,23 @@ class Proxy:
     async def _forward(self, run: ProxyRun, rec: Any, request: HttpRequest, receive: Receive,
                        send: Send, ex: _Exchange) -> None:
         """Send the request upstream and stream its response back, teed into the log."""
-        assert self._client is not None
+        client = self._client
+        assert client is not None
         start, t0 = time.time(), time.perf_counter()
-        outgoing = self._client.build_request(request.method, request.url,
-                                              headers=request.headers, content=request.body)
+
+        def failed(error: BaseException) -> None:
+            run.last_failed = True
+            if rec is not None:
+                rec.end_http(request, None, Timing(start, (time.perf_counter() - t0) * 1000),
+                             error)
+
+        async def opened() -> aiohttp.ClientResponse:
+            return await client.request(request.method, yarl.URL(request.url, encoded=True),
+                                        headers=request.headers, data=request.body,
+                                        allow_redirects=False)
+
         gone = asyncio.ensure_future(receive())  # an http.disconnect, if the client leaves
-        sending = asyncio.ensure_future(self._client.send(outgoing, stream=True))
+        sending = asyncio.ensure_future(opened())
         try:
             await asyncio.wait((sending, gone), return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
@@ -443,25 +463,20 @@ class Proxy:
             raise
         if not sending.done():  # the client left before the upstream answered
             sending.cancel()
-            run.last_failed = True
-            if rec is not None:
-                rec.end_http(request, None, Timing(start, (time.perf_counter() - t0) * 1000),
-                             ClientGone("the client went away before the upstream answered"))
+            failed(ClientGone("the client went away before the upstream answered"))
             raise ClientGone("the client went away before the upstream answered")
         try:
             response = sending.result()
-        except httpx2.HTTPError as exc:
+        except UPSTREAM_ERRORS as exc:
             gone.cancel()
-            run.last_failed = True
-            if rec is not None:
-                rec.end_http(request, None, Timing(start, (time.perf_counter() - t0) * 1000),
-                             exc)
+            failed(exc)
             raise ProxyError(502, "api_error",
                              f"deja proxy: the upstream {self.upstream} could not be reached "
                              f"({type(exc).__name__}: {exc})", retry=True) from None
-        meta = HttpResponse(status=response.status_code,
-                            headers=list(response.headers.multi_items()), body=b"",
-                            reason=response.reason_phrase)
+        meta = HttpResponse(status=response.status,
+                            headers=[(k.decode("latin-1"), v.decode("latin-1"))
+                                     for k, v in response.raw_headers],
+                            body=b"", reason=response.reason or "")
         length = response.headers.get("content-length")
         chunked = "chunked" in response.headers.get("transfer-encoding", "").lower()
         headers = served_headers(meta.headers, int(length) if length and length.isdigit()
@@ -471,10 +486,10 @@ class Proxy:
         first: float | None = None
         error: BaseException | None = None
         try:
-            ex.status, ex.started = response.status_code, True
-            await send({"type": "http.response.start", "status": response.status_code,
+            ex.status, ex.started = response.status, True
+            await send({"type": "http.response.start", "status": response.status,
                         "headers": headers})
-            async for chunk in response.aiter_raw():
+            async for chunk in response.content.iter_any():
                 if first is None:
                     first = time.perf_counter()
                 chunks.append(chunk)
@@ -484,7 +499,7 @@ class Proxy:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if error is None:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except httpx2.HTTPError as exc:  # the upstream cut the stream short
+        except UPSTREAM_ERRORS as exc:  # the upstream cut the stream short
             error = exc
         except asyncio.CancelledError as exc:  # the grace period of a shutdown ran out
             error = ClientGone("cut short: the proxy shut down before the response ended")
@@ -492,6 +507,10 @@ class Proxy:
             raise exc
         finally:
             gone.cancel()
+            if error is None:
+                response.release()  # the connection goes back to the pool
+            else:
+                response.close()
             meta.body = b"".join(chunks)
             now = time.perf_counter()
             timing = Timing(start, (now - t0) * 1000,
@@ -503,8 +522,6 @@ class Proxy:
             if rec is not None:
                 obs = rec.end_http(request, meta, timing, error)
                 run.last_stop_reason = (obs or {}).get("stop_reason")
-            with contextlib.suppress(Exception):
-                await response.aclose()
 
 
 def _check_results(run: ProxyRun, body: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import importlib.metadata
 import itertools
 import json
@@ -79,7 +80,10 @@ def new_run_id() -> str:
     return f"r_{int(time.time() * 1000):012x}{secrets.token_hex(4)}"
 
 
+@functools.cache
 def _versions() -> dict[str, str]:
+    """What the header records of the software that wrote it (read once per process: a
+    recording proxy starts many runs)."""
     out = {"python": platform.python_version()}
     for name in _PACKAGES:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
@@ -293,7 +297,7 @@ class RecordSession(session.Session):
         header = {
             "run": self.run_id, "parent": self.parent,
             "created": utc_stamp(),
-            **self._launch(), "versions": _versions(),
+            **self._launch(), "versions": dict(_versions()),
             "labels": {k: self.redaction.value(v) for k, v in self.labels.items()},
             **self.settings.to_header(),
             "fsync": self.fsync.value, "redact": self.redaction.to_header(),
