@@ -10,7 +10,8 @@ Exits 0 whatever the results: benchmarks are not tests; failed targets are print
 
 Measurements (``--only`` names): replay, overhead, ttft, size, resume, load (loading a
 10,000-line cassette), memory (peak memory of a 2,000-call replay), viewer (the viewer's first
-paint in headless Chromium, which needs Debian's chromium: ``make chromium``).
+paint in headless Chromium, which needs Debian's chromium: ``make chromium``), proxy (what
+``deja proxy`` adds to a call, at 1, 32 and 200 concurrent clients).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results" / "latest.json"
-NAMES = ("replay", "overhead", "ttft", "size", "resume", "load", "memory", "viewer")
+NAMES = ("replay", "overhead", "ttft", "size", "resume", "load", "memory", "viewer", "proxy")
 
 # No real home is touched: a throwaway DEJA_HOME and signing key for this process.
 _HOME = tempfile.mkdtemp(prefix="deja-bench-home-")
@@ -45,6 +46,7 @@ if str(BENCH) not in sys.path:
 
 import cassette_size  # noqa: E402
 import load_speed  # noqa: E402
+import proxy_speed  # noqa: E402
 import record_overhead  # noqa: E402
 import replay_speed  # noqa: E402
 import resume_speed  # noqa: E402
@@ -378,6 +380,80 @@ def rows_memory(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     return rows, notes, fails
 
 
+def rows_proxy(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+    rows: list[Row] = []
+    fails: list[str] = []
+    j, s = r["json"]["1"], r["sse"]["1"]
+
+    def cpu(m: dict[str, Any]) -> str:
+        c = m.get("proxy_cpu_ms_per_call")
+        return f"; proxy CPU {c:.2f} ms/call" if c is not None else ""
+
+    ok = j["added_ms"] <= 0.5
+    fc = j["first_call"]
+    rows.append((
+        f"Proxy overhead per call, JSON, 1 client (N={j['proxied']['n']})",
+        f"{j['added_ms']:+.3f} ms ({_fmt_ms(j['proxied']['median_ms'])} vs direct "
+        f"{_fmt_ms(j['direct']['median_ms'])}, {j['ratio']:.2f}x)",
+        f"direct to the stub {_fmt_ms(j['direct']['median_ms'])}; p95 "
+        f"{_fmt_ms(j['proxied']['p95_ms'])} vs {_fmt_ms(j['direct']['p95_ms'])}; first call "
+        f"of a run {fc['proxied']['median_ms'] - fc['direct']['median_ms']:+.2f} ms{cpu(j)}",
+        "<= +0.5 ms", _verdict(ok, f"{j['added_ms']:+.3f} ms")))
+    if not ok:
+        fails.append(f"proxy adds {j['added_ms']:.3f} ms per JSON call (> 0.5 ms): "
+                     f"{j['proxied']['median_ms']:.3f} vs {j['direct']['median_ms']:.3f} ms")
+    ok = s["added_ms"] <= 1.0
+    st = s["stream_total"]
+    rows.append((
+        f"Proxy time to first SSE event, 1 client (N={s['proxied']['n']})",
+        f"{s['added_ms']:+.3f} ms ({_fmt_ms(s['proxied']['median_ms'])} vs direct "
+        f"{_fmt_ms(s['direct']['median_ms'])})",
+        f"whole stream {_fmt_ms(st['proxied']['median_ms'])} vs direct "
+        f"{_fmt_ms(st['direct']['median_ms'])} ({st['added_ms']:+.2f}){cpu(s)}",
+        "<= +1 ms", _verdict(ok, f"{s['added_ms']:+.3f} ms")))
+    if not ok:
+        fails.append(f"proxy adds {s['added_ms']:.3f} ms to the first SSE event (> 1 ms)")
+    for kind, label in (("json", "JSON per call"), ("sse", "first SSE event")):
+        for n, m in r[kind].items():
+            if n == "1":
+                continue
+            d, p = m["direct"], m["proxied"]
+            ok = p["errors"] == 0
+            added = f", {m['added_ms']:+.1f} ms" if "added_ms" in m else ""
+            rows.append((
+                f"Proxy, {label}, {n} concurrent clients (N={p['n']})",
+                f"median {_fmt_ms(p.get('median_ms', 0))} (p95 {_fmt_ms(p.get('p95_ms', 0))})"
+                f"{added}; {p['errors']} errors; {p.get('calls_per_s', 0):.0f} calls/s",
+                f"direct median {_fmt_ms(d.get('median_ms', 0))} (p95 "
+                f"{_fmt_ms(d.get('p95_ms', 0))}); {d['errors']} errors; "
+                f"{d.get('calls_per_s', 0):.0f} calls/s{cpu(m)}",
+                "0 errors", _verdict(ok, f"{p['errors']} errors")))
+            if not ok:
+                fails.append(f"proxy, {kind} at {n} concurrent clients: {p['errors']} errors "
+                             f"(direct: {d['errors']})")
+    notes = [
+        f"proxy: `python -m deja proxy --port 0 --ready-file F --upstream STUB --dir TMP` "
+        "(record mode, default guards, fsync='turn', a log line per request), a fresh process "
+        "per section, in front of the stub (`deja stub`, a ThreadingHTTPServer, in a process of "
+        "its own); direct = the same calls to the stub. Conversations of "
+        f"{r['turns']} calls with growing history (a run and its cassette per conversation, "
+        "every cassette checked to be there). JSON: anthropic SDK messages.create, tools "
+        "alternating; SSE: the same conversations streamed, sent with httpx2, first event = "
+        "request start -> first chunk with `event:` bytes (stub events "
+        f"{r['event_delay_ms']} ms apart), each stream read to its end. 1 client: sync, blocks "
+        f"of {j['calls_per_block']} calls, direct and proxied alternating, rotated each round, "
+        f"{j['rounds']} rounds after a warm-up block each. 32 and 200 clients: one asyncio "
+        "loop (AsyncAnthropic / httpx2.AsyncClient, connection limit above the clients), each "
+        f"client {r['json']['32']['conversations_per_client'] if '32' in r['json'] else '?'} "
+        "conversations one call after another after one untimed call; "
+        f"{r['json']['32']['rounds'] if '32' in r['json'] else '?'} rounds alternating. "
+        "max_retries=0: every failure counts. Medians and p95 over every call; added = "
+        "difference of medians; proxy CPU = the proxy process's user+system time over its "
+        "blocks / calls (includes work done after a response was sent). All three processes "
+        f"share this machine's {os.cpu_count()} CPUs."]
+    return rows, notes, fails
+
+
 MEASURES = {
     "replay": (replay_speed.run, rows_replay),
     "overhead": (record_overhead.run, rows_overhead),
@@ -387,6 +463,7 @@ MEASURES = {
     "load": (load_speed.run_load, rows_load),
     "memory": (load_speed.run_memory, rows_memory),
     "viewer": (viewer_speed.run, rows_viewer),
+    "proxy": (proxy_speed.run, rows_proxy),
 }
 
 
@@ -401,7 +478,8 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
                 "resume": {"steps": 1000, "repeats": 3},
                 "load": {"lines": 2000, "repeats": 3, "rewind_repeats": 1},
                 "memory": {"calls": 400},
-                "viewer": {"steps": 2000, "loads": 3, "runs": 2000, "repeats": 5}}
+                "viewer": {"steps": 2000, "loads": 3, "runs": 2000, "repeats": 5},
+                "proxy": {"calls": 100, "block": 25, "convs_per_client": 1, "conc_rounds": 1}}
     return {"replay": {"small": 200, "large": 2000, "repeats": 5, "vcr_repeats": 1,
                        "stride": 100, "full_vcr": full_vcr},
             "overhead": {"n": 300, "n_rounds": 5},
@@ -412,7 +490,8 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
             "load": {"lines": 10_000, "repeats": 5, "rewind_repeats": 3},
             "memory": {"calls": 2000},
             "viewer": {"steps": 10_000, "small_steps": 2000, "loads": 5, "runs": 100_000,
-                       "repeats": 7}}
+                       "repeats": 7},
+            "proxy": {"calls": 300, "block": 50, "convs_per_client": 2, "conc_rounds": 2}}
 
 
 # ---------------------------------------------------------------------------- output

@@ -116,6 +116,7 @@ class Proxy:
         self._reader = RequestReader()  # for routing: a conversation's history is read once
         self._client: aiohttp.ClientSession | None = None
         self._reaper: asyncio.Task[None] | None = None
+        self._starting = asyncio.Lock()
         self.requests = 0
         self.closed = False
 
@@ -175,7 +176,8 @@ class Proxy:
             await asyncio.sleep(tick)
             now = time.monotonic()
             for run in self.registry.idle(now - self.idle):
-                self._close(run, f"idle for {self.idle:g}s")
+                # its end line is forced to disk: not on the event loop
+                await asyncio.to_thread(self._close, run, f"idle for {self.idle:g}s")
             self.registry.forget_stopped(now - max(self.idle, 60.0))
 
     # -- ASGI
@@ -265,7 +267,7 @@ class Proxy:
         keys: list[str] | None = None
         if model_provider(ex.method, url):
             parsed, keys = self._read_model_request(body, ex)
-        run = self._route(named, headers, keys, ex)
+        run = await self._route(named, headers, keys, ex)
         ex.run = run.run_id
         run.in_flight += 1
         run.used = time.monotonic()
@@ -319,8 +321,8 @@ class Proxy:
             return parsed, None
         return parsed, message_keys(messages, texts[1] if texts else None)
 
-    def _route(self, named: dict[str, str], headers: list[tuple[str, str]],
-               keys: list[str] | None, ex: _Exchange) -> ProxyRun:
+    async def _route(self, named: dict[str, str], headers: list[tuple[str, str]],
+                     keys: list[str] | None, ex: _Exchange) -> ProxyRun:
         if self.single is not None:
             return self.single
         name = named.get(RUN_HEADER)
@@ -332,17 +334,23 @@ class Proxy:
         count = named.get("x-stainless-retry-count", "")
         retry = (count != "0") if count.isdigit() else None
         run = self.registry.find(who, name, keys if name is None else None, retry)
-        if run is None:
-            assert self._new_run is not None
-            try:
-                run = self._new_run(name, parse_labels(named.get(LABELS_HEADER)))
+        if run is not None:
+            return run
+        assert self._new_run is not None
+        async with self._starting:  # one at a time: two requests never start one run twice
+            run = self.registry.find(who, name, keys if name is None else None, retry)
+            if run is not None:
+                return run
+            try:  # a new cassette's header is forced to disk: not on the event loop
+                run = await asyncio.to_thread(self._new_run, name,
+                                              parse_labels(named.get(LABELS_HEADER)))
             except DejaError as exc:
                 log.error("cannot start a run: %s", exc)
                 raise ProxyError(500, "api_error", f"deja proxy: cannot start a run: {exc}",
                                  retry=False) from None
             run.who = who
             self.registry.add(run)
-            log.info("run %s started%s", run.run_id, f" ({name})" if name else "")
+        log.info("run %s started%s", run.run_id, f" ({name})" if name else "")
         return run
 
     async def _exchange(self, run: ProxyRun, request: HttpRequest, parsed: Any,

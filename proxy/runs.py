@@ -115,7 +115,8 @@ class ProxyRun:
     session: Session  # a RecordSession, a ContinuationSession (fork) or a ReplaySession
     name: str | None = None
     who: str = ""
-    last_keys: list[str] = field(default_factory=list)  # the last model request's messages
+    _keys: list[str] = field(default_factory=list, repr=False)
+    _registry: Registry | None = field(default=None, repr=False)
     last_failed: bool = False
     last_stop_reason: Any = None
     in_flight: int = 0
@@ -128,6 +129,18 @@ class ProxyRun:
     stopped: RunStopped | None = None
     closed: bool = False
     cut: bool = False  # a call was cut short by the proxy's shutdown
+
+    @property
+    def last_keys(self) -> list[str]:
+        """The message keys of the run's last model request (how a conversation is
+        found again: :meth:`Registry.find`)."""
+        return self._keys
+
+    @last_keys.setter
+    def last_keys(self, keys: list[str]) -> None:
+        old, self._keys = self._keys, keys
+        if self._registry is not None:
+            self._registry.rekey(self, old)
 
     @property
     def run_id(self) -> str:
@@ -171,9 +184,12 @@ class Registry:
     """The open runs of a proxy, found by name or by conversation. Thread-safe."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self.runs: list[ProxyRun] = []
         self.names: dict[tuple[str, str], ProxyRun] = {}
+        # unnamed runs by (API key, message count, last message key) of their last request:
+        # finding the run a request extends costs a lookup per message, not a scan of runs
+        self._tails: dict[tuple[str, int, str], list[ProxyRun]] = {}
         # stopped runs, kept for a while: a client that keeps sending gets the stop again
         self.stopped: list[ProxyRun] = []
 
@@ -194,26 +210,47 @@ class Registry:
             return self._by_history(who, keys, retry)
 
     def _by_history(self, who: str, keys: list[str], retry: bool | None) -> ProxyRun | None:
-        best: ProxyRun | None = None
-        for run in (*self.runs, *self.stopped):
-            if run.who != who or run.name is not None:
-                continue
-            n = len(run.last_keys)
-            if not n or n > len(keys) or keys[:n] != run.last_keys:
-                continue
-            if n == len(keys) and (retry is False or (
-                    retry is None and not run.last_failed and run.in_flight == 0)):
-                continue  # the same request again, not a retry: a new conversation
-            if best is None or (n, run.in_flight == 0, run.used) > \
-                    (len(best.last_keys), best.in_flight == 0, best.used):
-                best = run
-        return best
+        for n in range(len(keys), 0, -1):  # the longest history first
+            best: ProxyRun | None = None
+            for run in self._tails.get((who, n, keys[n - 1]), ()):
+                if run.last_keys != keys[:n]:
+                    continue
+                if n == len(keys) and (retry is False or (
+                        retry is None and not run.last_failed and run.in_flight == 0)):
+                    continue  # the same request again, not a retry: a new conversation
+                if best is None or (run.in_flight == 0, run.used) > \
+                        (best.in_flight == 0, best.used):
+                    best = run
+            if best is not None:
+                return best
+        return None
+
+    def _tail(self, run: ProxyRun, keys: list[str]) -> tuple[str, int, str] | None:
+        return (run.who, len(keys), keys[-1]) if keys and run.name is None else None
+
+    def rekey(self, run: ProxyRun, old: list[str]) -> None:
+        """``run``'s last request changed from ``old`` to ``run.last_keys``."""
+        with self._lock:
+            self._untail(run, old)
+            new = self._tail(run, run.last_keys)
+            if new is not None:
+                self._tails.setdefault(new, []).append(run)
+
+    def _untail(self, run: ProxyRun, keys: list[str]) -> None:
+        tail = self._tail(run, keys)
+        listed = self._tails.get(tail) if tail is not None else None
+        if listed is not None and run in listed:
+            listed.remove(run)
+            if not listed:
+                del self._tails[tail]  # type: ignore[arg-type]
 
     def add(self, run: ProxyRun) -> None:
         with self._lock:
             self.runs.append(run)
             if run.name is not None:
                 self.names[(run.who, run.name)] = run
+            run._registry = self
+            self.rekey(run, [])
 
     def retire(self, run: ProxyRun, *, keep: bool) -> None:
         """Take a closed run off the open list; ``keep`` it among the stopped ones."""
@@ -224,6 +261,8 @@ class Registry:
                 del self.names[(run.who, run.name)]
             if keep:
                 self.stopped.append(run)
+            else:
+                self._untail(run, run.last_keys)
 
     def idle(self, older_than: float) -> list[ProxyRun]:
         """Open runs with nothing in flight, last used before ``older_than``."""
@@ -235,6 +274,7 @@ class Registry:
             gone = [r for r in self.stopped if r.used < older_than]
             for run in gone:
                 self.stopped.remove(run)
+                self._untail(run, run.last_keys)
                 if run.name is not None and self.names.get((run.who, run.name)) is run:
                     del self.names[(run.who, run.name)]
 
