@@ -346,7 +346,9 @@ def diff_page(index: RunIndex, a: str, b: str) -> None:
         return
     prefix = view.same_prefix
     if prefix:
-        with st.expander(f"Steps 0-{prefix - 1}: identical ({prefix} steps)"):
+        label = "Step 0: identical" if prefix == 1 else \
+            f"Steps 0-{prefix - 1}: identical ({prefix} steps)"
+        with st.expander(label):
             st.dataframe(_aligned_frame(view.rows[:prefix]), hide_index=True,
                          placeholder=EMPTY)
     st.error(f"First divergence: step {result.first_divergence}")

@@ -5,14 +5,19 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import anthropic
 import pytest
+from anthropic.types import MessageParam, TextBlock, ToolUseBlock
 from click.testing import CliRunner
 
 from deja.cli import main
+from recorder.testing.script import load_script
+from recorder.testing.server import StubServer
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -39,6 +44,54 @@ def test_the_ten_line_example_is_the_example_file() -> None:
     code = code.split("```python", 1)[1].split("```", 1)[0]
     assert code.strip() == (ROOT / "examples" / "quickstart.py").read_text().strip()
     assert len([line for line in code.strip().splitlines() if line.strip()]) <= 16
+
+
+def test_the_stub_script_example_is_a_script_the_stub_serves() -> None:
+    """The README's example stub script loads as written and answers the SDK over HTTP."""
+    section = README.split("## The stub model: `deja stub`", 1)[1].split("\n## ", 1)[0]
+    script = load_script(section.split("```json\n", 1)[1].split("```", 1)[0])
+    with StubServer(script) as server:
+        client = anthropic.Anthropic(base_url=server.url, api_key="sk-stub", max_retries=0)
+        question: MessageParam = {"role": "user", "content": "Fix the session refresh."}
+        reply = client.messages.create(model="claude-sonnet-4-6", max_tokens=64,
+                                       messages=[question])
+        said, call = reply.content
+        assert isinstance(said, TextBlock) and said.text == "I'll search."
+        assert isinstance(call, ToolUseBlock) and (call.name, call.input) == (
+            "search", {"query": "session refresh"})
+        assert reply.stop_reason == "tool_use"
+        # A request with a tool result that is no error: the rule answers, not the turn.
+        fixed = client.messages.create(model="claude-sonnet-4-6", max_tokens=64, messages=[
+            question, {"role": "assistant", "content": reply.content},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                          "content": "auth/session.py"}]}])
+        answer = fixed.content[0]
+        assert isinstance(answer, TextBlock)
+        assert answer.text == "Fixed: refresh_token now renews the session."
+        assert server.served == 2
+
+
+SCREENSHOTS = ("viewer-run.png", "viewer-step.png", "viewer-diff.png", "viewer-fork.png")
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk, the first after the signature."""
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", f"{path.name} is not a PNG"
+    assert head[12:16] == b"IHDR", f"{path.name} has no IHDR first"
+    width, height = struct.unpack(">II", head[16:24])
+    return width, height
+
+
+def test_the_readme_embeds_the_viewer_screenshots_at_1400_px() -> None:
+    embedded = re.findall(r"!\[[^\]]*\]\((docs/viewer-[\w-]+\.png)\)", README)
+    assert sorted(embedded) == sorted(f"docs/{name}" for name in SCREENSHOTS)
+    tracked = subprocess.run(["git", "ls-files", "docs"], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout.split()
+    for name in SCREENSHOTS:
+        assert f"docs/{name}" in tracked, f"docs/{name} is not committed"
+        width, height = png_size(ROOT / "docs" / name)
+        assert width == 1400 and height > 0, (name, width, height)
 
 
 # --------------------------------------------------------------------------- console blocks
@@ -138,7 +191,9 @@ def block_script(commands: list[tuple[str, list[str]]], marks: Path) -> str:
 
 @pytest.fixture(scope="module")
 def fresh_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The repository as a fresh clone has it: tracked and new files, nothing ignored."""
+    """The repository as a fresh clone has it: tracked and new files, nothing ignored;
+    only the Node example's dependencies, which `make node` installs, are linked in, so
+    a console block can run that agent."""
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
                            capture_output=True, check=True).stdout.decode().split("\0")
     copy = tmp_path_factory.mktemp("fresh") / "deja"
@@ -147,7 +202,24 @@ def fresh_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if source.is_file():
             (copy / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, copy / name)
+    node_modules = Path("examples") / "node-agent" / "node_modules"
+    if (ROOT / node_modules).is_dir() and (copy / node_modules).parent.is_dir():
+        (copy / node_modules).symlink_to(ROOT / node_modules, target_is_directory=True)
     return copy
+
+
+def test_the_fresh_copy_can_run_the_node_example(fresh_copy: Path) -> None:
+    """`make node` installed the TypeScript SDK in the repository; the copy uses it."""
+    assert (ROOT / "examples" / "node-agent" / "node_modules").is_dir(), \
+        "examples/node-agent/node_modules is not installed: `make node` (make test) installs it"
+    assert shutil.which("node") is not None, "node is not installed: `make node` installs it"
+    agent = fresh_copy / "examples" / "node-agent"
+    assert (agent / "node_modules" / "@anthropic-ai" / "sdk" / "package.json").is_file()
+    found = subprocess.run(["node", "--input-type=module", "-e",
+                            "import Anthropic from '@anthropic-ai/sdk';"
+                            "console.log(typeof Anthropic)"],
+                           cwd=agent, capture_output=True, text=True, timeout=60)
+    assert found.returncode == 0 and found.stdout.strip() == "function", found.stderr
 
 
 def test_the_console_blocks_have_commands() -> None:

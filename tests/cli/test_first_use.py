@@ -149,12 +149,32 @@ def test_a_command_that_cannot_start_is_not_a_divergence(project: Path, tmp_path
     assert done.returncode == 2 and "no module 'no_such_module_x'" in done.stderr
 
 
-def test_replay_json_is_pure_json_on_stdout(project: Path) -> None:
+def test_replay_json_is_pure_json_on_stdout(project: Path, stub: Callable) -> None:
     done = deja("replay", "cassettes/run.jsonl", "--json", cwd=project)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)  # the agent's prints went to stderr
     assert result["identical"] is True
     assert "agent ran in" in done.stderr and "model said hello" in done.stderr
+    # A diverging replay: still one JSON document on stdout, the divergence in it.
+    server = stub({"default": {"text": "hello"}})
+    two_calls = AGENT + (
+        'reply = client.messages.create(model="claude-sonnet-4-6", max_tokens=64,\n'
+        '                               messages=[{"role": "user", "content": "and then?"}])\n'
+        'print("model said again", reply.content[0].text)\n')
+    (project / "two.py").write_text(two_calls)
+    done = deja("record", "-o", "cassettes/two.jsonl", "--", "python", "two.py", cwd=project,
+                env={"ANTHROPIC_BASE_URL": server.url})
+    assert done.returncode == 0, done.stderr
+    (project / "two.py").write_text(two_calls.replace("and then?", "what next?"))
+    done = deja("replay", "cassettes/two.jsonl", "--json", cwd=project)
+    assert done.returncode == 1, done.stdout + done.stderr
+    result = json.loads(done.stdout)
+    assert result["identical"] is False
+    assert result["divergence"]["step"] == 1 and result["divergence"]["kind"] == "model"
+    assert "what next?" in result["divergence"]["diff"]
+    # the agent's output up to the divergence, on stderr only
+    assert "agent ran in" in done.stderr and "model said hello" in done.stderr
+    assert "agent ran" not in done.stdout and "model said" not in done.stdout
 
 
 # --------------------------------------------------------------------------- torn and missing

@@ -305,3 +305,34 @@ def test_a_long_resume_shows_progress_until_it_goes_live(project: Path) -> None:
     assert code == 0, text
     assert "resume: replaying the recorded steps" in text and "recorded calls served" in text
     assert read_lines(crashed)[-1]["status"] == "completed"
+
+
+def test_a_long_fork_shows_progress_until_it_goes_live(
+        project: Path, stub: Callable[[dict], StubServer]) -> None:
+    url = stub(SCRIPT).url
+    steered = {"AGENT_EFFECTS": "300", "AGENT_TURNS": "2"}
+    parent = record(project, "parent", url, **steered)
+    lines = read_lines(parent)
+    assert lines[-1]["status"] == "completed", lines[-1]
+    at = next(line["seq"] for line in lines[1:-1] if line["kind"] == "tool")
+    assert at > 300  # the 300 effects and the first model call come before it
+    fork = project / "cassettes" / "fork.jsonl"
+    code, out = _run_in_pty([sys.executable, "-m", "deja", "fork", str(parent), "--at",
+                             str(at), "--set", 'result=["nowhere.py"]', "-o", str(fork)],
+                            project, {**steered, "ANTHROPIC_BASE_URL": url})
+    text = out.decode("utf-8", "replace")
+    assert code == 0, text
+    assert "deja\x1b[0m fork: replaying the recorded steps" in text, text
+    assert "recorded calls served" in text
+    bars = {(int(n), int(total)) for n, total in re.findall(r"(\d+)/(\d+)\x1b", text)}
+    assert {total for _, total in bars} == {at}, bars  # the steps before the edited one
+    counts = {n for n, _ in bars}  # the bar, as it moves
+    assert 0 in counts and at in counts and len(counts) > 2, counts
+    # the program's own output arrives whole, above the bar, and the fork goes on live
+    plain = text.replace("\r\n", "\n")
+    assert all(f"effect {i}: " in plain for i in range(300))
+    assert "turn 1: Narrowing it down." in plain
+    forked = read_lines(fork)
+    assert forked[-1]["status"] == "completed"
+    assert sum(line["kind"] == "model" for line in forked[1:-1]) == 2  # the second live
+

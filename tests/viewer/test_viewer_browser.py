@@ -332,7 +332,7 @@ def test_viewer_in_chromium_fork_diff_and_cancel(tmp_path: Path) -> None:
         assert f"a={spiral}" in page.url and f"b={fork}" in page.url
         assert "a_file=spiral.jsonl" in page.url and f"b_file={fork_path.name}" in page.url
         expect(page.get_by_text("First divergence: step 1", exact=True)).to_be_visible()
-        expect(page.get_by_text("Steps 0-0: identical (1 steps)", exact=True)).to_be_visible()
+        expect(page.get_by_text("Step 0: identical", exact=True)).to_be_visible()
         expect(page.get_by_text(re.compile(r"▶ first divergence · Step 1: A seq 1 tool"))
                ).to_be_visible()
         expect(page.get_by_test_id("stExpander").filter(has_text="▶ first divergence")
