@@ -56,6 +56,7 @@ from recorder.errors import (
     UnserializableValue,
 )
 from recorder.providers import model_provider
+from recorder.record import RecordSession
 
 __all__ = ["Proxy"]
 
@@ -370,7 +371,11 @@ class Proxy:
                 self._boundary(run, rec, parsed, keys)
             elif isinstance(parsed, dict) and run.recorded:
                 _check_results(run, parsed)
-            served = run.session.begin_http(request)
+            if type(run.session) is RecordSession:  # the body is read for the log later
+                run.session.before_call(request)
+                served = None
+            else:
+                served = run.session.begin_http(request)
         except CircuitOpen as exc:
             raise ProxyError(503, "api_error", f"deja proxy: {exc}") from None
         except RunStopped as exc:

@@ -395,13 +395,20 @@ class RecordSession(session.Session):
             raise self.writer.failed
 
     def begin_http(self, request: HttpRequest) -> HttpResponse | None:
-        self._check_writable()
-        if self.guard is not None:
-            self.guard.before_call(request, model_provider(request.method, request.url))
+        self.before_call(request)
         # Before anything is sent, as a replay matches it: a request the cassette cannot
         # hold is refused here (UnserializableValue), on replay at the same point.
         self._classify(request)
         return None
+
+    def before_call(self, request: HttpRequest) -> None:
+        """The guards' part of :meth:`begin_http`: what must hold before a call goes out
+        (nothing failed to write, the budgets, cancel, the breaker). The recording proxy
+        calls only this before forwarding, having checked the body itself, and leaves
+        reading the request for the log to :meth:`end_http`, off the call's path."""
+        self._check_writable()
+        if self.guard is not None:
+            self.guard.before_call(request, model_provider(request.method, request.url))
 
     def _classify(self, request: HttpRequest) -> tuple[str, str | None, Any]:
         if request.classified is None:
