@@ -25,8 +25,9 @@ histories differ); an agent that rewrites its history (summarising, trimming) st
 run at that point. Name runs with ``x-deja-run`` where that matters.
 
 Tools: the proxy never sees a tool run, but it sees its result, as a ``tool_result``
-block in the next request, and the ``tool_use`` block that asked for it in the assistant
-message just before. Each new result is logged as a ``tool`` line marked ``observed``
+block in the next request (an OpenAI ``role: tool`` message), and the ``tool_use`` block
+(the OpenAI ``tool_calls`` entry) that asked for it in the assistant message just
+before. Each new result is logged as a ``tool`` line marked ``observed``
 (:meth:`recorder.record.RecordSession.observe_tool`), and the loop guard sees it there.
 """
 
@@ -91,21 +92,45 @@ def _blocks(message: Any) -> list[dict[str, Any]]:
 
 
 def tool_calls(messages: Sequence[Any]) -> dict[str, tuple[str, Any]]:
-    """The tool_use blocks of ``messages``: id -> (name, input)."""
+    """The tool calls of the assistant messages among ``messages``: id -> (name, input).
+    Anthropic ``tool_use`` blocks, and OpenAI Chat Completions ``tool_calls`` (whose
+    arguments, JSON text, are parsed; kept as the text when they are not JSON)."""
     out: dict[str, tuple[str, Any]] = {}
     for message in messages:
         if isinstance(message, dict) and message.get("role") == "assistant":
             for block in _blocks(message):
                 if block.get("type") == "tool_use" and isinstance(block.get("id"), str):
                     out[block["id"]] = (str(block.get("name")), block.get("input"))
+            for call in message.get("tool_calls") or []:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict) and isinstance(call.get("id"), str):
+                    out[call["id"]] = (str(fn.get("name")), _arguments(fn.get("arguments")))
     return out
 
 
+def _arguments(raw: Any) -> Any:
+    try:
+        return json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError:
+        return raw
+
+
 def tool_results(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """The tool_result blocks of the user messages among ``messages``, in order."""
-    return [b for m in messages if isinstance(m, dict) and m.get("role") == "user"
-            for b in _blocks(m) if b.get("type") == "tool_result"
-            and isinstance(b.get("tool_use_id"), str)]
+    """The tool results among ``messages``, in order, as ``tool_result`` blocks: those of
+    the user messages (Anthropic), and OpenAI's ``role: tool`` messages as a block with
+    their ``tool_call_id`` and ``content`` (a copy: editing it leaves the message as it
+    was)."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") == "user":
+            out.extend(b for b in _blocks(m) if b.get("type") == "tool_result"
+                       and isinstance(b.get("tool_use_id"), str))
+        elif m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
+            out.append({"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                        "content": m.get("content", "")})
+    return out
 
 
 @dataclass
@@ -175,7 +200,7 @@ class ProxyRun:
             return EndStatus.INTERRUPTED, "a call was cut short when the proxy shut down"
         if self.last_failed:
             return EndStatus.ERROR, "its last call failed"
-        if self.last_stop_reason in (None, "tool_use", "pause_turn"):
+        if self.last_stop_reason in (None, "tool_use", "pause_turn", "tool_calls"):
             return EndStatus.INTERRUPTED, "no request came after its last response"
         return EndStatus.COMPLETED, None
 

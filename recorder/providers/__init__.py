@@ -8,8 +8,8 @@ found by the endpoint (:func:`for_url`), by its name (:func:`get`) or for a reco
 (:func:`for_line`), so that a new API is one new module registered with :func:`register`
 and nothing else changes.
 
-Built in: :mod:`recorder.providers.anthropic` (the Messages API), and the OpenAI endpoints
-deja has always recognised, read as they always were (:mod:`recorder.providers._fallback`).
+Built in: :mod:`recorder.providers.anthropic` (the Messages API) and
+:mod:`recorder.providers.openai` (Chat Completions and the Responses API).
 
 This package sits below capture, cassette reading and replay: it imports only
 :mod:`recorder.errors`, :mod:`recorder.canonical` and its own modules.
@@ -315,11 +315,11 @@ BUILT_IN = frozenset({"anthropic", "openai"})
 
 
 def _register_builtins() -> None:
-    from recorder.providers._fallback import FallbackProvider
     from recorder.providers.anthropic import AnthropicProvider
+    from recorder.providers.openai import OpenAIProvider
 
     register(AnthropicProvider())
-    register(FallbackProvider("openai", ("/v1/chat/completions", "/v1/responses")))
+    register(OpenAIProvider())
 
 
 _register_builtins()

@@ -1,11 +1,19 @@
 """Which answer of a stub script (:mod:`recorder.testing.script`) a request gets.
 
-Everything here is a function of the script and the request alone: its ``messages`` and its
-``x-stainless-retry-count`` header, which the anthropic SDK sets on every attempt (0 for the
-first, 1 for its first retry, ...). Nothing is remembered between requests, so any number of
-runs, forks, resumes and replays of a conversation, in any order and at the same time, get the
-same answer at the same place. The one exception is the ``"sequence"`` mode's pointer, which
-the server keeps and passes in as ``next_in_sequence``.
+Everything here is a function of the script and the request alone: its conversation and its
+``x-stainless-retry-count`` header, which the anthropic and openai SDKs set on every attempt
+(0 for the first, 1 for its first retry, ...). A conversation is read the same way whichever
+API asks (:func:`conversation`): an Anthropic ``messages`` list as it is; an OpenAI Chat
+Completions ``messages`` list with its ``tool`` messages as the ``tool_result`` blocks of a
+user message (``system`` and ``developer`` messages are not turns); a Responses API ``input``
+(a string, or items: messages, ``function_call`` items as the assistant's, and
+``function_call_output`` items as tool results), continued from the position a stub reply's
+id records when the request names it as ``previous_response_id``.
+
+Nothing is remembered between requests, so any number of runs, forks, resumes and replays of
+a conversation, in any order and at the same time, get the same answer at the same place. The
+one exception is the ``"sequence"`` mode's pointer, which the server keeps and passes in as
+``next_in_sequence``.
 
 A failure answer (``error``, ``sse_error``, ``drop``) followed by a ``then`` list is a retry
 sequence: attempt 0 gets the failure, attempt *k* the *k*-th turn of the chain
@@ -18,11 +26,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["ATTEMPT_HEADER", "FAILURE_KEYS", "attempt", "block_text", "first_user_text",
-           "is_failure", "last_user_text", "message_text", "pick", "position", "when_holds"]
+__all__ = ["ATTEMPT_HEADER", "FAILURE_KEYS", "RESPONSE_ID_PREFIX", "attempt", "block_text",
+           "conversation", "first_user_text", "is_failure", "last_user_text", "message_text",
+           "pick", "position", "response_id_position", "when_holds"]
 
 ATTEMPT_HEADER = "x-stainless-retry-count"
 FAILURE_KEYS = ("error", "sse_error", "drop")
+# A stub Responses reply's id, ``resp_<position>_<random>``: the position it answered, so
+# that a request continuing it by ``previous_response_id`` has its place with no memory.
+RESPONSE_ID_PREFIX = "resp_"
 
 
 def is_failure(turn: dict) -> bool:
@@ -40,7 +52,7 @@ def block_text(block: Any) -> str:
     if not isinstance(block, dict):
         return ""
     kind = block.get("type")
-    if kind == "text":
+    if kind in ("text", "input_text", "output_text"):
         return str(block.get("text", ""))
     if kind == "tool_result":
         content = block.get("content")
@@ -61,11 +73,73 @@ def message_text(message: Any) -> str:
     return ""
 
 
-def _user_messages(body: Mapping[str, Any]) -> list[dict]:
+def _add(turns: list[dict], role: str, content: Any) -> None:
+    """Append to ``turns``, merging into the last turn when it has the same role."""
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else \
+        [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
+    if turns and turns[-1]["role"] == role:
+        turns[-1]["content"].extend(blocks)
+    else:
+        turns.append({"role": role, "content": blocks})
+
+
+def _chat_turns(messages: list) -> list[dict]:
+    turns: list[dict] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        role = m.get("role")
+        if role == "tool":
+            _add(turns, "user", [{"type": "tool_result", "tool_use_id": m.get("tool_call_id"),
+                                  "content": m.get("content")}])
+        elif role in ("user", "assistant"):
+            _add(turns, role, m.get("content"))
+    return turns
+
+
+def _input_turns(items: Any) -> list[dict]:
+    if isinstance(items, str):
+        return [{"role": "user", "content": [{"type": "text", "text": items}]}]
+    turns: list[dict] = []
+    for item in items if isinstance(items, list) else []:
+        if not isinstance(item, dict):
+            continue
+        kind, role = item.get("type"), item.get("role")
+        if kind == "function_call_output":
+            _add(turns, "user", [{"type": "tool_result", "tool_use_id": item.get("call_id"),
+                                  "content": item.get("output")}])
+        elif role == "user":
+            _add(turns, "user", item.get("content"))
+        elif role == "assistant" or kind in ("function_call", "reasoning"):
+            _add(turns, "assistant", item.get("content") if kind in (None, "message") else [])
+    return turns
+
+
+def conversation(body: Mapping[str, Any]) -> list[dict]:
+    """The request's conversation as user and assistant messages of content blocks (tool
+    results as ``tool_result`` blocks), whichever API it is in; Anthropic messages are
+    returned as they are."""
     messages = body.get("messages")
-    if not isinstance(messages, list):
-        return []
-    return [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+    if isinstance(messages, list):
+        if any(isinstance(m, dict) and (m.get("role") not in ("user", "assistant")
+                                        or "tool_calls" in m) for m in messages):
+            return _chat_turns(messages)
+        return [m for m in messages if isinstance(m, dict)]
+    if "input" in body:
+        return _input_turns(body.get("input"))
+    return []
+
+
+def response_id_position(response_id: Any) -> int | None:
+    """The position a stub Responses reply answered, read from its id (None: not one)."""
+    if not isinstance(response_id, str) or not response_id.startswith(RESPONSE_ID_PREFIX):
+        return None
+    head = response_id[len(RESPONSE_ID_PREFIX):].partition("_")[0]
+    return int(head) if head.isdigit() else None
+
+
+def _user_messages(body: Mapping[str, Any]) -> list[dict]:
+    return [m for m in conversation(body) if m.get("role") == "user"]
 
 
 def first_user_text(body: Mapping[str, Any]) -> str:
@@ -81,11 +155,11 @@ def last_user_text(body: Mapping[str, Any]) -> str:
 
 
 def position(body: Mapping[str, Any]) -> int:
-    """A request's place in its conversation: how many assistant messages it carries."""
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        return 0
-    return sum(1 for m in messages if isinstance(m, dict) and m.get("role") == "assistant")
+    """A request's place in its conversation: how many assistant messages it carries (and,
+    continuing a stub Responses reply, how many came before that reply, and the reply)."""
+    before = response_id_position(body.get("previous_response_id"))
+    here = sum(1 for m in conversation(body) if m.get("role") == "assistant")
+    return here + (before + 1 if before is not None else 0)
 
 
 def _tool_results(body: Mapping[str, Any]) -> list[dict]:

@@ -1,10 +1,13 @@
-"""A scripted stub of the Anthropic Messages API, served over HTTP on 127.0.0.1.
+"""A scripted stub of the Anthropic Messages API and of OpenAI's, served over HTTP on 127.0.0.1.
 
-The stub lets the real ``anthropic`` SDK be driven with no network and no API key: tests,
-benchmarks and the demo point ``anthropic.Anthropic(base_url=server.url, api_key="sk-test")``
-at it. It speaks the wire protocol of ``POST /v1/messages``: JSON responses, SSE streaming
+The stub lets the real ``anthropic`` and ``openai`` SDKs be driven with no network and no API
+key: tests, benchmarks and the demo point ``anthropic.Anthropic(base_url=server.url,
+api_key="sk-test")`` (or ``openai.OpenAI(base_url=server.url + "/v1", ...)``) at it. It
+speaks the wire protocol of ``POST /v1/messages``: JSON responses, SSE streaming
 (``"stream": true``) with chunked transfer encoding, tool use, thinking blocks, and error
-responses with the real error body and retry headers. Standard library only.
+responses with the real error body and retry headers; and that of OpenAI's
+``POST /v1/chat/completions`` and ``POST /v1/responses``, from the same scripts
+(:mod:`recorder.testing.openai_reply`). Standard library only.
 
 It answers from a *script* (a dict, a JSON file, or JSON text) of turns::
 
@@ -41,6 +44,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from recorder.testing import openai_reply
 from recorder.testing.match import attempt, pick, position
 from recorder.testing.reply import (
     Answer,
@@ -196,6 +200,8 @@ class _Handler(BaseHTTPRequestHandler):
         route = self._route()
         if route == "/v1/messages":
             self._messages(raw)
+        elif route in (openai_reply.CHAT, openai_reply.RESPONSES):
+            self._openai(route, raw)
         elif route == "/v1/messages/count_tokens":
             self._count_tokens(raw)
         elif route == "/_stub/script":
@@ -290,6 +296,78 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._reply_json(reply, turn)
 
+    # -- OpenAI ----------------------------------------------------------------------------
+
+    def _openai_error(self, status: int, error_type: str, message: str, **headers: str) -> None:
+        request_id = random_id("req_", 32)
+        self._send_json(status, openai_reply.error_body(status, error_type, message),
+                        request_id, x_request_id=request_id, **headers)
+
+    def _openai_scripted_error(self, turn: dict, err: dict, default_status: int) -> None:
+        status = err.get("status", default_status)
+        status, error_type, message, headers = scripted_error(
+            turn, err, status, openai_reply.error_type(status))
+        if not err.get("message"):
+            message = openai_reply.default_message(status)
+        self._openai_error(status, error_type, message, **headers)
+
+    def _openai(self, api: str, raw: bytes) -> None:
+        """``POST /v1/chat/completions`` or ``/v1/responses``: chosen as a Messages request
+        is, answered in OpenAI's format."""
+        stub = self.server.stub
+        body, problem = self._parse_json(raw)
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        stub.receive(self.path, headers, body)
+        problem = problem if body is None else openai_reply.validate(api, body)
+        if body is None or problem:
+            self._openai_error(400, "invalid_request_error", problem or "invalid body")
+            return
+        turn, script_model = stub.turn_for(body, attempt(headers))
+        if turn is None:
+            self._openai_error(500, "server_error", _exhausted(body), x_should_retry="false")
+            return
+        if turn.get("delay_ms"):
+            time.sleep(turn["delay_ms"] / 1000)
+        stream = body.get("stream") is True
+        if turn.get("drop") == "before_headers":
+            self._drop()
+            return
+        if "error" in turn:
+            self._openai_scripted_error(turn, turn["error"], 500)
+            return
+        if "sse_error" in turn and not stream:
+            self._openai_scripted_error(turn, turn["sse_error"], 500)
+            return
+        reply = openai_reply.OpenAIReply(api, turn, body, script_model)
+        request_id = random_id("req_", 32)
+        if not stream:
+            payload = dumps(reply.message()).encode()
+            self._start(200, "application/json", request_id, x_request_id=request_id,
+                        content_length=str(len(payload)))
+            if turn.get("drop") == "after_headers":
+                self._drop()
+                return
+            self.wfile.write(payload)
+            return
+        self._start(200, "text/event-stream; charset=utf-8", request_id,
+                    x_request_id=request_id, cache_control="no-cache",
+                    transfer_encoding="chunked")
+        events = reply.event_bytes()
+        if "sse_error" in turn:
+            events = reply.stream_error(events, turn["sse_error"])
+        self._send_events(events, turn)
+
+    def _send_events(self, events: list[bytes], turn: dict) -> None:
+        event_delay = (turn.get("event_delay_ms") or 0) / 1000
+        for i, event in enumerate(events):
+            if i and event_delay:
+                time.sleep(event_delay)
+            self.wfile.write(chunk(event))
+            if turn.get("drop") == "after_headers":
+                self._drop()
+                return
+        self.wfile.write(b"0\r\n\r\n")
+
     def _scripted_error(
         self, turn: dict, err: dict, default_status: int, default_type: str | None = None
     ) -> None:
@@ -319,17 +397,7 @@ class _Handler(BaseHTTPRequestHandler):
             cache_control="no-cache",
             transfer_encoding="chunked",
         )
-        events = stream_events(reply, turn)
-        event_delay = (turn.get("event_delay_ms") or 0) / 1000
-        drop_after_headers = turn.get("drop") == "after_headers"
-        for i, event in enumerate(events):
-            if i and event_delay:
-                time.sleep(event_delay)
-            self.wfile.write(chunk(event))
-            if drop_after_headers:
-                self._drop()
-                return
-        self.wfile.write(b"0\r\n\r\n")
+        self._send_events(stream_events(reply, turn), turn)
 
 
 def _exhausted(body: dict) -> str:
@@ -362,9 +430,11 @@ def _validate_request(body: dict) -> str | None:
 
 
 class StubServer:
-    """A scripted Anthropic Messages API stub serving HTTP/1.1 in a daemon thread.
+    """A scripted Anthropic Messages API (and OpenAI API) stub serving HTTP/1.1 in a daemon
+    thread.
 
-    ``requests`` lists every received ``POST /v1/messages`` (including invalid ones) as
+    ``requests`` lists every received ``POST /v1/messages``, ``/v1/chat/completions`` and
+    ``/v1/responses`` (including invalid ones) as
     ``{"path", "headers", "body"}``; ``served`` counts the requests answered from the script
     (default turns included, the exhausted-script 500 not) since the last :meth:`load`. Which
     turn answers a request is decided by :func:`recorder.testing.match.pick`; only the
@@ -448,7 +518,7 @@ class StubServer:
     # -- what the request handler asks ---------------------------------------------------
 
     def receive(self, path: str, headers: dict[str, str], body: dict | None) -> None:
-        """Note a ``POST /v1/messages`` in :attr:`requests` (``body`` is ``None`` if unreadable)."""
+        """Note a model request in :attr:`requests` (``body`` is ``None`` if unreadable)."""
         with self._lock:
             self.requests.append({"path": path, "headers": headers, "body": body})
 

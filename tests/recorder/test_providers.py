@@ -74,9 +74,9 @@ def test_registration_refuses_what_would_be_ambiguous() -> None:
     assert "clash" not in providers.names()
 
 
-def test_the_openai_endpoints_are_read_as_before() -> None:
-    """No OpenAI module yet: a chat completion's JSON usage and finish reason are read by
-    its shape, and a stream by the Anthropic rules, as deja always did."""
+def test_the_openai_endpoints_are_read_by_their_own_provider() -> None:
+    """A chat completion's JSON usage and finish reason are read by the OpenAI provider
+    (recorder/providers/openai.py), and its streams are OpenAI's, not Anthropic's."""
     openai = providers.get("openai")
     body = {"id": "chatcmpl-1", "model": "gpt-x", "choices": [{"finish_reason": "stop",
             "message": {"role": "assistant", "content": "hi"}}],
@@ -87,7 +87,8 @@ def test_the_openai_endpoints_are_read_as_before() -> None:
                        "usage": {"input_tokens": 7, "output_tokens": 3}}
     error = openai.summarize(429, [], b'{"error": {"type": "rate_limit", "message": "slow"}}')
     assert error == {"error": {"type": "rate_limit", "message": "slow"}}
-    assert openai.synthesize({"content": []}) == providers.default().synthesize({"content": []})
+    assert openai.synthesize({"choices": []}) == "data: [DONE]\n\n"
+    assert openai.synthesize({"choices": []}) != providers.default().synthesize({"content": []})
 
 
 # ------------------------------------------------------------- the Anthropic provider
