@@ -597,11 +597,18 @@ def _substitute(body: dict[str, Any], edits: dict[str, Any], raw: bytes) -> byte
     """The request with each edited tool result in place of what the agent sent (a fork
     at a tool step: the model sees the edit in every later request too)."""
     changed = False
-    for block in tool_results(body.get("messages") or []):
-        call = block["tool_use_id"]
-        if call in edits and block.get("content") != edits[call]:
-            block["content"] = edits[call]
-            changed = True
+    for message in body.get("messages") or []:
+        if not isinstance(message, dict):
+            continue
+        if message.get("role") == "tool":  # OpenAI Chat Completions: the message is the result
+            targets = [(message, message.get("tool_call_id"))]
+        else:
+            targets = [(block, block.get("tool_use_id"))
+                       for block in tool_results([message])]  # Anthropic tool_result blocks
+        for target, call in targets:
+            if isinstance(call, str) and call in edits and target.get("content") != edits[call]:
+                target["content"] = edits[call]
+                changed = True
     if not changed:
         return raw
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

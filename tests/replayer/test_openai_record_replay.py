@@ -271,3 +271,35 @@ def test_a_chat_tool_loop_through_deja_proxy_records_and_replays(
     assert ": identical" in log and "steps served: 3/3" in log, log
     assert replayed_bodies == bodies
     assert replayed_finals == finals
+
+
+def test_a_fork_at_an_openai_tool_step_through_deja_proxy_sends_the_edit(
+        proxy: Callable[..., ProxyProcess], stub: Stub, tmp_path: Path) -> None:
+    """Forked at the observed tool step with an edited result: the proxy puts the edit in
+    the `role: tool` message the model receives, and the model answers it differently."""
+    script = {**SCRIPT, "rules": [{"when": {"tool_result_contains": "EDITED"},
+                                   "text": "The edited meaning."}]}
+    upstream = stub(script)
+    directory = tmp_path / "runs"
+    recording = proxy("--upstream", upstream.url, "--dir", str(directory))
+    chat_tool_loop(f"{recording.url}/v1")
+    status, log = recording.stop()
+    assert status == 0, log
+    [path] = cassettes(directory)
+    tool_step = next(o["seq"] for o in load(path) if o.get("kind") == "tool")
+
+    forked = tmp_path / "fork.jsonl"
+    forking = proxy("--fork", str(path), "--at", str(tool_step), "--set",
+                    '/result="EDITED: deja"', "--upstream", upstream.url, "-o", str(forked))
+    before = len(upstream.requests)
+    _, finals = chat_tool_loop(f"{forking.url}/v1")
+    status, log = forking.stop()
+    assert status == 0, log
+    assert finals[-1]["choices"][0]["message"]["content"] == "The edited meaning."
+    live = upstream.requests[before:]  # only the step after the edit went upstream
+    assert len(live) == 1, live
+    tool_messages = [m for m in live[0]["body"]["messages"] if m.get("role") == "tool"]
+    assert [m["content"] for m in tool_messages] == ["EDITED: deja"]
+    fork = load(forked)
+    assert fork.header["parent"]["step"] == tool_step
+    assert fork.end is not None and fork.end["status"] == "completed"
