@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from deja import cli_proxy, cli_runs, cli_stub
+from deja import cli_export, cli_import, cli_proxy, cli_runs, cli_stub
 from deja._common import (
     EXIT_DIVERGED,
     BadInput,
@@ -728,7 +728,8 @@ def diff(cassette_a: Path, cassette_b: Path, as_json: bool, allow_unverified: bo
     sys.exit(0 if result.same else EXIT_DIVERGED)
 
 
-for command in (cli_runs.status, cli_runs.cancel, cli_stub.stub, cli_proxy.proxy):
+for command in (cli_runs.status, cli_runs.cancel, cli_stub.stub, cli_proxy.proxy,
+                cli_export.export, cli_import.import_):
     main.add_command(command)
 
 

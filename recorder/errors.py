@@ -10,7 +10,10 @@
     │   ├── NoSuchRun            a run id nothing knows
     │   ├── PathTaken            a file that would be overwritten (a new cassette's path)
     │   ├── NotResumable         a run that already ended: there is nothing to resume
-    │   └── CannotLaunch         the recorded command cannot be started from here
+    │   ├── CannotLaunch         the recorded command cannot be started from here
+    │   └── VcrImportError       a vcrpy cassette that cannot be imported as it is
+    │       ├── NotAVcrCassette  not YAML, no interactions, or none in it
+    │       └── CannotConvert    one interaction (named by its index) cannot become a line
     ├── KeyMissing               no signing key where one is required
     ├── CassetteError            a cassette file that cannot be trusted or written as it is
     │   ├── CassetteNotFound     no file at that path (the closest names are suggested)
@@ -31,6 +34,8 @@
     │                            does not hold at that point
     ├── ToolReplayError          replay: a recorded tool raised; the original exception
     │                            class could not be rebuilt, so this stands in for it
+    ├── ExportFailed             a run's spans could not be delivered to the tracing
+    │                            backend (unreachable, or it refused them)
     └── RunStopped               the harness ended the run at a boundary
         ├── NeedsAttention       resume met a side effect it cannot settle by itself
         ├── BudgetExhausted      a budget (turns, tokens, max_tokens, seconds, dollars)
@@ -91,6 +96,18 @@ class NotResumable(UsageError):
 class CannotLaunch(UsageError):
     """The command a cassette records cannot be started from here (unknown or moved
     directory, missing script)."""
+
+
+class VcrImportError(UsageError):
+    """A vcrpy cassette that cannot be imported as it is."""
+
+
+class NotAVcrCassette(VcrImportError):
+    """The file is not a vcrpy cassette (not YAML, no ``interactions``, or none in it)."""
+
+
+class CannotConvert(VcrImportError):
+    """One interaction of the cassette cannot become a deja line (named by its index)."""
 
 
 class KeyMissing(DejaError):
@@ -232,6 +249,10 @@ def sdk_passthrough(exc: DejaError) -> DejaError:
 
 
 _PASSTHROUGH: dict[type, type] = {}
+
+
+class ExportFailed(DejaError):
+    """A run's spans could not be delivered: the endpoint is unreachable, or refused them."""
 
 
 class RunStopped(DejaError):

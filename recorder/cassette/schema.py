@@ -127,6 +127,7 @@ class Usage(TypedDict, total=False):
     output_tokens: int
     cache_creation_input_tokens: int
     cache_read_input_tokens: int
+    cache_creation_1h_input_tokens: int  # of the cache writes, those kept for an hour
 
 
 class Response(TypedDict, total=False):

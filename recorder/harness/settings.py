@@ -23,8 +23,10 @@ directory (or the file named by ``DEJA_CONFIG``)::
     window = 60
     cooldown = 30
 
-    [tool.deja.prices]         # dollars per million tokens: input, output
-    "my-fine-tune" = [2.0, 8.0]
+    [tool.deja.prices]         # dollars per million tokens (recorder.providers.pricing)
+    "my-fine-tune" = [2.0, 8.0]                    # input, output
+    "my-cached-tune" = [2.0, 8.0, 2.5, 0.2]        # ..., cache_write, cache_read
+    "my-model" = {input = 1.0, output = 4.0, cache_read = 0.1}  # or named rates
 
     [tool.deja.redact]         # added to the built-in rules (recorder.capture.redact)
     headers = ["x-tenant-token"]
@@ -126,8 +128,9 @@ def resolve(*, budgets: Budgets | Mapping[str, Any] | None = None,
         brk = BreakerSettings.of(breaker if breaker is not None else table.get("breaker"))
         for given in (table.get("prices"), prices):
             if given is not None and not isinstance(given, Mapping):
-                raise ConfigError(f"prices must be a table of model = [input, output] "
-                                  f"dollars per million tokens, not {given!r}")
+                raise ConfigError(f"prices must be a table of model = [input, output] or "
+                                  f"model = {{input = ..., output = ...}} (dollars per "
+                                  f"million tokens), not {given!r}")
         price_table = PriceTable({**(table.get("prices") or {}), **(prices or {})})
     except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None

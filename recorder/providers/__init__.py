@@ -26,12 +26,12 @@ from urllib.parse import urlsplit
 
 from recorder.canonical import Parts, Texts, model_fingerprint
 from recorder.errors import ConfigError
-from recorder.providers.pricing import PriceTable
+from recorder.providers.pricing import CACHE_WRITE_1H, PriceTable
 
-__all__ = ["BUILT_IN", "USAGE_KEYS", "VOLATILE_HEADERS", "VOLATILE_HEADER_PREFIXES", "Headers",
-           "Provider", "Summary", "default", "endpoints", "for_line", "for_url", "get",
-           "model_provider", "names", "register", "sse_events", "token_counts", "unregister",
-           "volatile_header"]
+__all__ = ["BUILT_IN", "CACHE_WRITE_1H", "USAGE_KEYS", "VOLATILE_HEADERS",
+           "VOLATILE_HEADER_PREFIXES", "Headers", "Provider", "Summary", "default",
+           "endpoints", "for_line", "for_url", "get", "model_provider", "names", "register",
+           "sse_events", "token_counts", "unregister", "volatile_header"]
 
 Headers = Iterable[Sequence[str]]  # (name, value) pairs, as received or as stored
 

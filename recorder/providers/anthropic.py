@@ -14,7 +14,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from recorder.providers import Headers, Provider, Summary, sse_events, token_counts
+from recorder.providers import (
+    CACHE_WRITE_1H,
+    Headers,
+    Provider,
+    Summary,
+    sse_events,
+    token_counts,
+)
 from recorder.providers._anthropic_sse import assemble, synthesize
 
 __all__ = ["AnthropicProvider"]
@@ -31,7 +38,7 @@ class AnthropicProvider(Provider):
         return synthesize(message)
 
     def usage(self, message: Any) -> dict[str, int]:
-        return token_counts(message.get("usage")) if isinstance(message, dict) else {}
+        return _usage(message.get("usage")) if isinstance(message, dict) else {}
 
     def stop_reason(self, message: Any) -> Any:
         return message.get("stop_reason") if isinstance(message, dict) else None
@@ -81,12 +88,12 @@ class AnthropicProvider(Provider):
                 msg = doc.get("message") or {}
                 out["message_id"] = msg.get("id")
                 out["model"] = msg.get("model")
-                usage.update(token_counts(msg.get("usage")))
+                usage.update(_usage(msg.get("usage")))
             elif kind == "message_delta":
                 delta = doc.get("delta") or {}
                 if delta.get("stop_reason"):
                     out["stop_reason"] = delta["stop_reason"]
-                usage.update(token_counts(doc.get("usage")))
+                usage.update(_usage(doc.get("usage")))
             elif kind == "error":
                 out["error"] = _error(doc.get("error"))
         return out
@@ -97,6 +104,17 @@ class AnthropicProvider(Provider):
 # one of them: its data is skipped unparsed.
 _SUMMARY_EVENTS = frozenset({"message_start", "message_delta", "error"})
 _SUMMARY_TOKENS = ('"message_start"', '"message_delta"', '"error"', "\\u")
+
+
+def _usage(usage: Any) -> dict[str, int]:
+    """Token counts in deja's names, with the one-hour share of the cache writes apart
+    (priced at its own rate) when the usage breaks the writes down by lifetime."""
+    counts = token_counts(usage)
+    split = token_counts(usage.get("cache_creation") if isinstance(usage, dict) else None,
+                         ("ephemeral_1h_input_tokens",))
+    if split.get("ephemeral_1h_input_tokens"):
+        counts[CACHE_WRITE_1H] = split["ephemeral_1h_input_tokens"]
+    return counts
 
 
 def _error(err: Any) -> dict[str, Any]:

@@ -1,0 +1,257 @@
+"""Bringing vcrpy cassettes in: a YAML cassette of model calls becomes a signed deja cassette.
+
+::
+
+    from recorder.vcr_import import import_vcr
+
+    result = import_vcr("tests/cassettes/agent.yaml", "cassettes/agent.jsonl")
+    print(result.interactions, result.model_calls, result.path)
+
+A team that tests with vcrpy already has recordings of its Anthropic and OpenAI calls.
+Each interaction of such a cassette is handed to a :class:`recorder.RecordSession`
+exactly as a live exchange is (``end_http``), so the import writes the lines a recording
+would have written: model calls classified by their provider, with usage, cost and stop
+reason; other requests as HTTP lines; secrets (``x-api-key``, ``authorization``, key
+shapes, ``[tool.deja.redact]``) redacted by the same rules; bodies stored as received, a
+compressed one included. The result replays bit for bit like any recorded run.
+
+What vcrpy does not keep, the import cannot invent: a line's time ``t`` is the response's
+``date`` header when it has one (else the time of the import), and its duration ``ms`` is
+null. The run records no command (``argv`` is empty) and names its source in the
+header's ``imported`` field.
+
+vcrpy's own loader reads the file (its safe YAML loader, its request and response forms),
+so every cassette vcrpy itself can play back is read the same way here, the older httpx
+form (``status_code`` and ``content``) included. vcrpy is imported only when a cassette is
+read: ``import recorder`` stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import email.utils
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from recorder.capture.exchange import HttpRequest, HttpResponse, Redaction
+from recorder.capture.session import Timing
+from recorder.cassette import Fsync
+from recorder.cassette.keys import Keyring
+from recorder.errors import CannotConvert, DejaError, NotAVcrCassette, VcrImportError
+from recorder.harness.guards import Budgets
+from recorder.harness.settings import resolve as resolve_settings
+from recorder.record import RecordSession
+
+__all__ = ["CannotConvert", "ImportResult", "Interaction", "NotAVcrCassette", "VcrImportError",
+           "import_vcr", "read_vcr"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Interaction:
+    """One request and its response, as vcrpy recorded them; ``t`` from the response's
+    ``date`` header (None: it has none)."""
+
+    index: int
+    request: HttpRequest
+    response: HttpResponse
+    t: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportResult:
+    """What an import wrote."""
+
+    path: Path
+    run_id: str
+    interactions: int
+    model_calls: int
+    http_calls: int
+    end: dict[str, Any]
+
+
+# -------------------------------------------------------------------------------- reading
+
+
+def _text(value: Any) -> str:
+    return value.decode("latin-1") if isinstance(value, bytes) else str(value)
+
+
+def _header_pairs(headers: Any) -> list[tuple[str, str]]:
+    """vcrpy's headers (a mapping of a name to a value or a list of values) as pairs."""
+    if headers is None:
+        return []
+    if not isinstance(headers, Mapping):
+        raise TypeError(f"headers must be a mapping, not {type(headers).__name__}")
+    out: list[tuple[str, str]] = []
+    for name, value in headers.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        out.extend((_text(name), _text(v)) for v in values if v is not None)
+    return out
+
+
+def _bytes(body: Any, what: str) -> bytes:
+    if body is None:
+        return b""
+    if isinstance(body, str):
+        return body.encode("utf-8")
+    if isinstance(body, (bytes, bytearray)):
+        return bytes(body)
+    if isinstance(body, list):  # an iterator body, kept as its chunks
+        return b"".join(_bytes(chunk, what) for chunk in body)
+    raise TypeError(f"{what} is a {type(body).__name__}, not text or bytes")
+
+
+def _request(raw: Any) -> HttpRequest:
+    from vcr.request import Request
+
+    if not isinstance(raw, Mapping):
+        raise TypeError("it has no request mapping")
+    request = Request._from_dict(dict(raw))
+    if not request.method or not request.uri:
+        raise ValueError("its request has no method or uri")
+    return HttpRequest(method=str(request.method).upper(), url=str(request.uri),
+                       headers=_header_pairs(request.headers),
+                       body=_bytes(request.body_bytes, "the request body"))
+
+
+def _response(raw: Any) -> HttpResponse:
+    from vcr.filters import decode_response
+    from vcr.serializers.compat import convert_body_to_bytes, convert_to_bytes
+
+    if not isinstance(raw, Mapping):
+        raise TypeError("it has no response mapping")
+    raw = dict(raw)
+    if "status_code" in raw:  # the older httpx form: a decoded body, as vcrpy plays it
+        raw = decode_response(convert_body_to_bytes({
+            "headers": raw.get("headers") or {}, "body": {"string": raw.get("content")},
+            "status": {"code": raw["status_code"], "message": ""}}))
+    else:
+        raw = convert_to_bytes(raw)
+    status = raw.get("status")
+    code = status.get("code") if isinstance(status, Mapping) else None
+    if isinstance(code, bool) or not isinstance(code, int) or not 100 <= code <= 599:
+        raise ValueError(f"its response status code is {code!r}, not an HTTP status")
+    body = raw.get("body")
+    return HttpResponse(status=code, reason=_text(status.get("message") or ""),
+                        headers=_header_pairs(raw.get("headers")),
+                        body=_bytes(body.get("string") if isinstance(body, Mapping) else body,
+                                    "the response body"))
+
+
+def _date(headers: list[tuple[str, str]]) -> float | None:
+    """The time a response's ``date`` header gives (None: it has none, or not a date)."""
+    for name, value in headers:
+        if name.lower() == "date":
+            try:
+                return email.utils.parsedate_to_datetime(value).timestamp()
+            except (TypeError, ValueError):
+                return None
+    return None
+
+
+def read_vcr(path: str | Path, redaction: Redaction | None = None) -> list[Interaction]:
+    """The interactions of the vcrpy cassette at ``path``, in their recorded order.
+
+    Raises :class:`NotAVcrCassette` for a file that is not one (or holds no interaction)
+    and :class:`CannotConvert` for an interaction that cannot be read, naming it by its
+    index and URI (``redaction`` redacts the URI in the message).
+    """
+    from vcr.serializers import yamlserializer
+
+    yaml_error = yamlserializer.yaml.YAMLError  # PyYAML's, as vcrpy's loader raises them
+    path = Path(path)
+    shown = redaction or Redaction.of()
+    try:
+        data = yamlserializer.deserialize(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise NotAVcrCassette(f"{path} is not text (a vcrpy cassette is YAML)") from None
+    except OSError as exc:
+        raise NotAVcrCassette(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (yaml_error, ValueError, RecursionError) as exc:  # a tag vcrpy's loader refuses
+        raise NotAVcrCassette(f"{path} is not a vcrpy cassette: it does not load as YAML "
+                              f"({type(exc).__name__}: {shown.text(str(exc))})") from None
+    if isinstance(data, list) and data and isinstance(data[0], Mapping) \
+            and "request" in data[0]:
+        raise NotAVcrCassette(f"{path} is a vcrpy cassette of the format before vcrpy 1.0; "
+                              "convert it with python -m vcr.migration first")
+    interactions = data.get("interactions") if isinstance(data, Mapping) else None
+    if not isinstance(interactions, list):
+        raise NotAVcrCassette(f"{path} is not a vcrpy cassette: it has no 'interactions' "
+                              "list (a vcrpy cassette is a mapping with 'version' and "
+                              "'interactions')")
+    if not interactions:
+        raise NotAVcrCassette(f"{path} is a vcrpy cassette with no interactions: there is "
+                              "nothing to import")
+    out = []
+    for index, item in enumerate(interactions):
+        raw = item.get("request") if isinstance(item, Mapping) else None
+        method, uri = (raw.get("method"), raw.get("uri")) if isinstance(raw, Mapping) \
+            else (None, None)
+        where = (f"interaction {index} ({method} {shown.url(str(uri))})" if uri
+                 else f"interaction {index}")
+        try:
+            request = _request(raw)
+            response = _response(item.get("response") if isinstance(item, Mapping) else None)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            detail = shown.text(f"missing {exc}" if isinstance(exc, KeyError) else str(exc))
+            raise CannotConvert(f"{path}: {where} cannot be imported: {detail}. Fix or "
+                                "remove that interaction and import again") from None
+        out.append(Interaction(index, request, response, _date(response.headers)))
+    return out
+
+
+# -------------------------------------------------------------------------------- writing
+
+
+class _ImportSession(RecordSession):
+    """A recording fed from a vcrpy cassette: its lines are a live recording's, except
+    the durations, which vcrpy does not keep (null, never a made-up 0)."""
+
+    def _write_exchange(self, obs: dict[str, Any], request_body: Any) -> None:
+        obs["ms"] = None
+        super()._write_exchange(obs, request_body)
+
+
+def import_vcr(source: str | Path, output: str | Path, *,
+               labels: dict[str, Any] | None = None, overwrite: bool = False,
+               keyring: Keyring | None = None, run_id: str | None = None) -> ImportResult:
+    """Write the vcrpy cassette ``source`` as a signed deja cassette at ``output`` (a file,
+    or a directory for ``<run id>.jsonl``); ``labels`` label the run, ``run_id`` names it
+    (default: a new id).
+
+    Redaction and prices follow ``[tool.deja]`` as a recording's do; the guards are off
+    (nothing is sent). A cassette that cannot be read raises :class:`NotAVcrCassette` or
+    :class:`CannotConvert` before anything is written; an interaction the recorder refuses
+    raises :class:`CannotConvert` and removes the partial output. An existing ``output``
+    is :class:`recorder.errors.PathTaken` unless ``overwrite``.
+    """
+    source = Path(source)
+    interactions = read_vcr(source, resolve_settings().redaction)
+    session = _ImportSession(
+        output, labels=labels, fsync=Fsync.EXIT, overwrite=overwrite, keyring=keyring,
+        run_id=run_id, argv=[], budgets=Budgets(), loop_guard=False, breaker=False,
+        header={"imported": {"from": "vcrpy", "cassette": source.name,
+                             "interactions": len(interactions)}})
+    session.start(intercept=False)
+    model_calls = http_calls = 0
+    for item in interactions:
+        t = item.t if item.t is not None else time.time()
+        try:
+            line = session.end_http(item.request, item.response, Timing(t, 0.0))
+        except DejaError as exc:
+            session.abandon()
+            session.path.unlink(missing_ok=True)
+            url = session.redaction.url(item.request.url)
+            raise CannotConvert(f"{source}: interaction {item.index} "
+                                f"({item.request.method} {url}) cannot be imported: {exc}. "
+                                "Nothing was written") from None
+        if line["kind"] == "model":
+            model_calls += 1
+        else:
+            http_calls += 1
+    end = session.close()
+    return ImportResult(path=session.path, run_id=session.run_id,
+                        interactions=len(interactions), model_calls=model_calls,
+                        http_calls=http_calls, end=end)
