@@ -11,7 +11,8 @@ Exits 0 whatever the results: benchmarks are not tests; failed targets are print
 Measurements (``--only`` names): replay, overhead, ttft, size, resume, load (loading a
 10,000-line cassette), memory (peak memory of a 2,000-call replay), viewer (the viewer's first
 paint in headless Chromium, which needs Debian's chromium: ``make chromium``), proxy (what
-``deja proxy`` adds to a call, at 1, 32 and 200 concurrent clients).
+``deja proxy`` adds to a call, at 1, 32 and 200 concurrent clients), openai (replay per call
+of the openai SDK's Chat Completions, JSON and streamed, beside the anthropic SDK's).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results" / "latest.json"
-NAMES = ("replay", "overhead", "ttft", "size", "resume", "load", "memory", "viewer", "proxy")
+NAMES = ("replay", "openai", "overhead", "ttft", "size", "resume", "load", "memory", "viewer",
+         "proxy")
 
 # No real home is touched: a throwaway DEJA_HOME and signing key for this process.
 _HOME = tempfile.mkdtemp(prefix="deja-bench-home-")
@@ -46,6 +48,7 @@ if str(BENCH) not in sys.path:
 
 import cassette_size  # noqa: E402
 import load_speed  # noqa: E402
+import openai_replay  # noqa: E402
 import proxy_speed  # noqa: E402
 import record_overhead  # noqa: E402
 import replay_speed  # noqa: E402
@@ -149,6 +152,42 @@ def rows_replay(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         "from memory (request building, httpx2, response parsing; no lookup, no storage). "
         "deja answers at httpx2's transport, inside the SDK's HTTP path, so the floor bounds it "
         "from below; agent-rewind is not bound by it."]
+    return rows, notes, fails
+
+
+def rows_openai(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+    n = r["calls"]
+    rows: list[Row] = []
+    fails: list[str] = []
+    for mode, label in (("json", "JSON"), ("sse", "streamed")):
+        m = r[mode]
+        ratio = m["ratio"]["openai_floor"]
+        ok = ratio <= 1.2
+        rows.append((f"Replay per call, OpenAI Chat Completions {label}, @{n} calls",
+                     f"{_fmt_ms(m['openai']['per_call_ms'])} "
+                     f"(load {_fmt_ms(m['openai']['load_ms'])})",
+                     f"openai SDK floor {_fmt_ms(m['openai_floor']['per_call_ms'])}; "
+                     f"Anthropic in the same rounds: deja "
+                     f"{_fmt_ms(m['anthropic']['per_call_ms'])}, floor "
+                     f"{_fmt_ms(m['anthropic_floor']['per_call_ms'])} "
+                     f"({m['ratio']['anthropic_floor']:.2f}x)",
+                     "<= 1.2x floor", _verdict(ok, f"{ratio:.2f}x floor")))
+        if not ok:
+            fails.append(f"openai replay {label} @{n}: deja "
+                         f"{_fmt_ms(m['openai']['per_call_ms'])} per call = {ratio:.2f}x floor")
+    notes = [
+        f"openai: the replay rows' agent workload in Chat Completions with the openai SDK "
+        f"{r['openai_version']} ({r['model']}) against the stub: {n // r['conv_turns']} "
+        f"conversations of {r['conv_turns']} calls, tool_calls alternating, each result a "
+        "role: tool message, every request the whole conversation; JSON = "
+        "chat.completions.create, streamed = create(stream=True) with every chunk iterated and "
+        "text and tool-call arguments assembled. deja = replayer.replay of the openai SDK's "
+        "recording; floor = the same client with http_client=httpx2.Client(transport="
+        "httpx2.MockTransport(...)) answering the recorded bytes in order from memory. The "
+        "Anthropic deja and floor are the anthropic workload of the same shape, replayed in "
+        f"the same rotated rounds; median of {r['json']['openai']['repeats']} replays each, "
+        "after a warm-up; per call = (time of N calls)/N, client construction and load "
+        "excluded."]
     return rows, notes, fails
 
 
@@ -456,6 +495,7 @@ def rows_proxy(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
 
 MEASURES = {
     "replay": (replay_speed.run, rows_replay),
+    "openai": (openai_replay.run, rows_openai),
     "overhead": (record_overhead.run, rows_overhead),
     "ttft": (ttft.run, rows_ttft),
     "size": (cassette_size.run, rows_size),
@@ -471,6 +511,7 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
     if quick:
         return {"replay": {"small": 40, "large": 400, "repeats": 3, "vcr_repeats": 1,
                            "stride": 10, "full_vcr": full_vcr},
+                "openai": {"n": 40, "repeats": 3},
                 "overhead": {"n": 100, "n_rounds": 2},
                 "ttft": {"calls_per_block": 5, "n_rounds": 1},
                 "size": {"turns": (20, 50), "large_chars": 1000, "vcr_max_turns": 50,
@@ -482,6 +523,7 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
                 "proxy": {"calls": 100, "block": 25, "convs_per_client": 1, "conc_rounds": 1}}
     return {"replay": {"small": 200, "large": 2000, "repeats": 5, "vcr_repeats": 1,
                        "stride": 100, "full_vcr": full_vcr},
+            "openai": {"n": 200, "repeats": 5},
             "overhead": {"n": 300, "n_rounds": 5},
             "ttft": {"calls_per_block": 10, "n_rounds": 2},
             "size": {"turns": (50, 200, 800), "large_chars": 1000, "vcr_max_turns": 200,

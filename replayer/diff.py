@@ -10,12 +10,21 @@ message, tool args and result, tokens, cost), leaving out what differs between a
 runs (message and request ids, timestamps, latencies, signatures), so two recordings of
 the same behaviour compare equal. Changed fields are listed as JSON-pointer paths with the
 value on each side.
+
+A model step is read as a conversation by its provider
+(:meth:`recorder.providers.Provider.conversation`): every provider's request is compared
+as ``system`` and ``messages`` in the Messages API's shape (an OpenAI tool call is a
+``tool_use`` block with parsed arguments, its result a ``tool_result``), its response as
+one message, so a change reads ``/request/messages/2/content/0/content`` whatever the API,
+and :func:`render` names the message it is in (``[message 2 (tool): tool result of
+lookup]``).
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -46,6 +55,24 @@ def _response_message(obs: Mapping[str, Any]) -> Any:
     return {"status": response["status"], "message": message}
 
 
+def _model_meaning(obs: Mapping[str, Any], request: Any) -> tuple[Any, Any]:
+    """A model step's request and response as its provider reads them as a conversation:
+    the request's settings with ``system`` and ``messages``, the response's message."""
+    provider = providers.for_line(obs)
+    response = _response_message(obs)
+    message = response.get("message") if isinstance(response, dict) else None
+    conv = provider.conversation(request, message)
+    semantic = provider.semantic_request({**conv["settings"], "messages": conv["messages"]}
+                                         if isinstance(request, dict) else request)
+    if isinstance(semantic, dict) and conv["system"] is not None:
+        semantic = {**semantic, "system": conv["system"]}
+    if isinstance(response, dict) and "message" in response and conv["reply"] is not None:
+        reply = {k: v for k, v in conv["reply"].items()
+                 if k not in provider.volatile_message_keys}
+        response = {**response, "message": reply}
+    return semantic, response
+
+
 def _run_named(value: Any, run: str) -> Any:
     """``value`` with its run's id, which differs between any two runs, as ``RUN``."""
     if isinstance(value, str):
@@ -62,9 +89,9 @@ def meaning(cassette: Cassette, obs: Mapping[str, Any]) -> dict[str, Any]:
     kind = obs.get("kind")
     out: dict[str, Any] = {"kind": kind}
     if kind == "model":
-        request = providers.for_line(obs).semantic_request(cassette.requests.get(obs["seq"]))
-        out.update(model=obs.get("model"), request=request,
-                   response=_response_message(obs), usage=obs.get("usage"),
+        request, response = _model_meaning(obs, cassette.requests.get(obs["seq"]))
+        out.update(model=obs.get("model"), request=request, response=response,
+                   usage=obs.get("usage"),
                    cost_usd=obs.get("cost_usd"), error=obs.get("error"))
     elif kind == "http":
         out.update(method=obs.get("method"), url=obs.get("url"),
@@ -106,6 +133,9 @@ class StepDiff:
     kind_b: str | None
     changes: tuple[FieldChange, ...]
     seq_a: int | None = None
+    # the message a change of a model step is in, by change path
+    # (``message 2 (tool): tool result of lookup``, ``reply: tool call lookup``)
+    messages: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -175,7 +205,72 @@ def _stable_ids(value: Any, ids: dict[str, str]) -> Any:
         if isinstance(v, str) and (key == "tool_use_id" or (
                 key == "id" and str(value.get("type", "")).endswith("tool_use"))):
             v = ids.setdefault(v, f"tool_use#{len(ids)}")
+        elif key == "previous_response_id" and isinstance(v, str):  # a Responses chain
+            v = ids.setdefault(v, f"response#{len(ids)}")
         out[key] = _stable_ids(v, ids)
+    return out
+
+
+_MESSAGE_PATH = re.compile(r"^/request/messages/(\d+)(?:/content/(\d+))?"
+                           r"|^/response/message(?:/content/(\d+))?")
+
+
+def _block_label(block: Any, names: Mapping[str, str]) -> str | None:
+    if not isinstance(block, dict):
+        return None
+    kind = block.get("type")
+    if kind in ("tool_use", "server_tool_use"):
+        return f"tool call {block.get('name')}"
+    if kind == "tool_result":
+        name = names.get(str(block.get("tool_use_id")))
+        return f"tool result of {name}" if name else "tool result"
+    return str(kind) if kind else None
+
+
+def _tool_names(value: Any, names: dict[str, str]) -> dict[str, str]:
+    """Tool-use id -> tool name, of every ``tool_use`` block in ``value``."""
+    if isinstance(value, list):
+        for v in value:
+            _tool_names(v, names)
+    elif isinstance(value, dict):
+        if value.get("type") == "tool_use" and isinstance(value.get("id"), str):
+            names[value["id"]] = str(value.get("name"))
+        for v in value.values():
+            _tool_names(v, names)
+    return names
+
+
+def _message_labels(changes: tuple[FieldChange, ...], *sides: Any) -> dict[str, str]:
+    """The message (and block) each change of a model step is in, from either side."""
+    out: dict[str, str] = {}
+    for change in changes:
+        found = _MESSAGE_PATH.match(change.path)
+        if not found:
+            continue
+        index, block, reply_block = found.groups()
+        for side in sides:
+            if not isinstance(side, dict) or side.get("kind") != "model":
+                continue
+            names = _tool_names(side, {})
+            if index is not None:
+                messages = (side.get("request") or {}).get("messages")
+                if not isinstance(messages, list) or int(index) >= len(messages):
+                    continue
+                message = messages[int(index)]
+                label = f"message {index} ({message.get('role')})" \
+                    if isinstance(message, dict) else f"message {index}"
+            else:
+                message = ((side.get("response") or {}).get("message")
+                           if isinstance(side.get("response"), dict) else None)
+                if not isinstance(message, dict):
+                    continue
+                label, block = "reply", reply_block
+            content = message.get("content") if isinstance(message, dict) else None
+            if block is not None and isinstance(content, list) and int(block) < len(content):
+                what = _block_label(content[int(block)], names)
+                label += f": {what}" if what else ""
+            out[change.path] = label
+            break
     return out
 
 
@@ -205,7 +300,7 @@ def compare(a: Cassette, b: Cassette) -> RunDiff:
         if first is None:
             first, position = seq, i
         diffs.append(StepDiff(seq, (ma or {}).get("kind"), (mb or {}).get("kind"), changes,
-                              seq_a))
+                              seq_a, _message_labels(changes, ma, mb)))
     count_a, count_b = step_count(a), step_count(b)
     # the steps before the first divergence, as aligned (bookkeeping lines left out)
     same_prefix = position if first is not None else min(count_a, count_b)
@@ -253,7 +348,8 @@ def render(diff: RunDiff, *, max_changes: int = 12) -> str:
             a, b = _pair(change.a, change.b)
             a = "(absent)" if change.op == "add" else a
             b = "(absent)" if change.op == "remove" else b
-            lines.append(f"  {change.path or '/'}: {a} -> {b}")
+            where = step.messages.get(change.path)
+            lines.append(f"  {change.path or '/'}: {a} -> {b}" + (f"  [{where}]" if where else ""))
         if len(step.changes) > max_changes:
             lines.append(f"  … {len(step.changes) - max_changes} more changes")
     for side, op in (("A", "missing"), ("B", "added")):

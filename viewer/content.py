@@ -3,10 +3,11 @@ result, images as bytes; and the plain text of a step, which the index searches.
 
 A model step is shown as its full request (system prompt and messages: text, images,
 tool calls and results, thinking) followed by the response message, assembled from the
-event stream when the call was streamed. Payloads longer than :data:`LIMIT` characters
-are cut (:class:`Clip` notes it, so that a page can offer the whole text); base64 image
-data never appears as text: images become decoded bytes, and raw JSON shows a short
-placeholder in their place.
+event stream when the call was streamed; its provider reads it as a conversation, so an
+OpenAI Chat Completions or Responses call is shown like an Anthropic one. Payloads
+longer than :data:`LIMIT` characters are cut (:class:`Clip` notes it, so that a page can
+offer the whole text); base64 image data never appears as text: images become decoded
+bytes, and raw JSON shows a short placeholder in their place.
 
 Nothing here imports streamlit: the page lays these structures out, and tests read them.
 """
@@ -21,7 +22,6 @@ from typing import Any
 
 from recorder import providers
 from recorder.canonical import decode_body
-from recorder.providers import Provider
 from recorder.values import decode
 
 LIMIT = 100_000  # characters of one payload shown before it is cut
@@ -134,19 +134,6 @@ def blocks(content: Any, clip: Clip) -> list[Block]:
     return out
 
 
-def _openai_blocks(message: dict[str, Any], clip: Clip) -> list[Block]:
-    out = blocks(message.get("content"), clip)
-    for call in message.get("tool_calls") or []:
-        fn = call.get("function") or {}
-        try:
-            args: Any = json.loads(fn.get("arguments") or "{}")
-        except ValueError:
-            args = fn.get("arguments")
-        out.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
-                    "input": clip.value(args)})
-    return out
-
-
 # ---------------------------------------------------------------------- responses
 
 
@@ -180,49 +167,56 @@ def response_message(obs: Mapping[str, Any]) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else {"content": doc}
 
 
-def _message_view(message: dict[str, Any], provider: Provider, clip: Clip) -> dict[str, Any]:
-    if "choices" in message:  # an OpenAI chat completion
-        choice = (message.get("choices") or [{}])[0]
-        inner = choice.get("message") or {}
-        return {"role": inner.get("role", "assistant"), "blocks": _openai_blocks(inner, clip),
-                "stop_reason": provider.stop_reason(message), "usage": message.get("usage"),
-                "model": message.get("model"), "error": message.get("error")}
-    error = message.get("error")
-    return {"role": message.get("role", "assistant"),
-            "blocks": blocks(message.get("content"), clip),
-            "stop_reason": provider.stop_reason(message), "usage": message.get("usage"),
-            "model": message.get("model"),
-            "error": error if isinstance(error, dict) else None}
+def _named_results(items: list[Block], names: dict[str, Any]) -> list[Block]:
+    """Tool results with the name of the call they answer (OpenAI's results carry none)."""
+    for block in items:
+        if block.get("type") == "tool_use" and block.get("id") is not None:
+            names[str(block["id"])] = block.get("name")
+        elif block.get("type") == "tool_result" and block.get("name") is None:
+            block["name"] = names.get(str(block.get("tool_use_id")))
+    return items
 
 
-def conversation(request: Any, obs: Mapping[str, Any], clip: Clip) -> dict[str, Any]:
-    """A model step as a conversation: system, the request's messages, the response."""
+def conversation(request: Any, obs: Mapping[str, Any], clip: Clip,
+                 keep: int | None = None) -> dict[str, Any]:
+    """A model step as a conversation: system, the request's messages, the response.
+
+    Read through the step's provider (:meth:`recorder.providers.Provider.conversation`),
+    so an OpenAI call reads like an Anthropic one: who said what, tool calls with their
+    arguments, tool results. The messages before ``keep`` (by default, those the stored
+    request shares with an earlier step's) were in an earlier call; the rest are new.
+    """
     body = request if isinstance(request, dict) else {}
-    request_field = obs.get("request")
-    stored = request_field if isinstance(request_field, dict) else {}
-    keep = stored.get("keep", 0) if "base" in stored else 0  # messages before this step's own
-    system = body.get("system")
+    if keep is None:
+        request_field = obs.get("request")
+        stored = request_field if isinstance(request_field, dict) else {}
+        keep = stored.get("keep", 0) if "base" in stored else 0
+    provider = providers.for_line(obs)
+    message = response_message(obs)
+    conv = provider.conversation(body, message)
+    system = blocks(conv["system"], clip)
+    names: dict[str, Any] = {}
     messages: list[dict[str, Any]] = []
-    for i, message in enumerate(body.get("messages") or []):
-        if not isinstance(message, dict):
+    for i, turn in enumerate(conv["messages"]):
+        role = str(turn.get("role") or "user")
+        content = _named_results(blocks(turn.get("content"), clip), names)
+        if role in ("system", "developer") and not messages and not conv["system"]:
+            system += content  # a system prompt kept in the messages (OpenAI's)
             continue
-        role = str(message.get("role", "user"))
-        if role == "system" and system is None:  # OpenAI keeps the system prompt in messages
-            system = message.get("content")
-            continue
-        content = (_openai_blocks(message, clip) if "tool_calls" in message
-                   else blocks(message.get("content"), clip))
-        if role == "tool":  # an OpenAI tool result
-            content = [{"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
-                        "is_error": False, "blocks": content}]
         messages.append({"role": role, "blocks": content, "new": i >= keep})
     response = None
-    message = response_message(obs)
     if message is not None:
-        response = _message_view(message, providers.for_line(obs), clip)
-        response["status"] = (obs.get("response") or {}).get("status")
-        response["streamed"] = is_streamed(obs)
-    return {"model": body.get("model") or obs.get("model"), "system": blocks(system, clip),
+        reply = conv["reply"] or {}
+        error = message.get("error")
+        response = {"role": reply.get("role") or "assistant",
+                    "blocks": _named_results(blocks(reply.get("content"), clip), names),
+                    "stop_reason": provider.stop_reason(message),
+                    "usage": provider.usage(message) or None,
+                    "model": message.get("model"),
+                    "error": error if isinstance(error, dict) else None,
+                    "status": (obs.get("response") or {}).get("status"),
+                    "streamed": is_streamed(obs)}
+    return {"model": body.get("model") or obs.get("model"), "system": system,
             "messages": messages, "response": response, "error": obs.get("error")}
 
 
@@ -255,13 +249,14 @@ def _block_strings(content: Any, out: list[str]) -> None:
         for block in content:
             _block_strings(block, out)
     elif isinstance(content, dict):
-        for key in ("text", "thinking", "name"):
+        for key in ("text", "thinking", "name", "arguments"):
             if isinstance(content.get(key), str):
                 out.append(content[key])
         if "input" in content:
             out.append(_json(content["input"]))
-        if "content" in content:
-            _block_strings(content["content"], out)
+        for key in ("content", "output", "summary"):  # Responses items keep theirs apart
+            if key in content:
+                _block_strings(content[key], out)
         fn = content.get("function")
         if isinstance(fn, dict):
             out.extend(str(fn.get(k) or "") for k in ("name", "arguments"))
@@ -307,12 +302,14 @@ def searchable_text(obs: Mapping[str, Any]) -> str:
         body_field, set_field = stored.get("body"), stored.get("set")
         body = body_field if isinstance(body_field, dict) else {}
         changed = set_field if isinstance(set_field, dict) else {}
-        _block_strings(body.get("system") or changed.get("system"), out)
+        for key in ("system", "instructions", "input"):
+            _block_strings(body.get(key) or changed.get(key), out)
         for message in body.get("messages") or stored.get("messages") or []:
             _block_strings(message, out)
         message = response_message(obs)
         if message is not None:
             _block_strings(message.get("content"), out)
+            _block_strings(message.get("output"), out)
             for choice in message.get("choices") or []:
                 _block_strings((choice or {}).get("message"), out)
     elif kind == "http":

@@ -117,6 +117,25 @@ def _raw_response(obs: Mapping[str, Any], clip: content.Clip) -> dict[str, Any] 
             "body": body}
 
 
+def _earlier_input(cassette: Cassette, seq: int, request: Any) -> int | None:
+    """How many of a Responses request's ``input`` items an earlier call of the run sent
+    too (the conversation so far): the longest earlier model step's input that this one
+    begins with. None for any other request (a stored delta says it for messages)."""
+    if not isinstance(request, dict) or "messages" in request \
+            or not isinstance(request.get("input"), list):
+        return None
+    items = request["input"]
+    for earlier in range(seq - 1, -1, -1):
+        if cassette.observations[earlier].get("kind") != "model":
+            continue
+        before = cassette.requests.get(earlier)
+        shared = before.get("input") if isinstance(before, dict) else None
+        if isinstance(shared, list) and 0 < len(shared) <= len(items) \
+                and items[:len(shared)] == shared:
+            return len(shared)
+    return 0
+
+
 def step_detail(path: str | Path, seq: int, *, full: bool = False,
                 limit: int = content.LIMIT) -> StepDetail:
     """Step ``seq`` of the cassette at ``path``: the observation, the full request of a
@@ -137,7 +156,8 @@ def step_detail(path: str | Path, seq: int, *, full: bool = False,
         request = cassette.requests.get(seq)
         detail.request = clip.value(request)
         detail.response = _raw_response(obs, clip)
-        detail.conversation = content.conversation(request, obs, clip)
+        detail.conversation = content.conversation(request, obs, clip,
+                                                   _earlier_input(cassette, seq, request))
     elif kind == "http":
         detail.request = clip.value((obs.get("request") or {}).get("body"))
         detail.response = _raw_response(obs, clip)

@@ -88,7 +88,8 @@ def blocks(items: list[Block], *, result: bool = False) -> None:
             st.json(block.get("input"), expanded=True)
         elif kind == "tool_result":
             error = " · ❌ **error**" if block.get("is_error") else ""
-            st.markdown(f"↩ **tool result** for `{block.get('tool_use_id')}`{error}")
+            name = f" of `{block['name']}`" if block.get("name") else ""
+            st.markdown(f"↩ **tool result**{name} for `{block.get('tool_use_id')}`{error}")
             blocks(block.get("blocks") or [], result=True)
         elif kind == "image":
             image(block)
@@ -98,7 +99,8 @@ def blocks(items: list[Block], *, result: bool = False) -> None:
 
 
 def _avatar(role: str) -> str | None:
-    return {"user": None, "assistant": None, "system": "⚙️", "tool": "🔧"}.get(role, "💬")
+    return {"user": None, "assistant": None, "system": "⚙️", "developer": "⚙️",
+            "tool": "🔧"}.get(role, "💬")
 
 
 def message(msg: dict[str, Any]) -> None:

@@ -29,7 +29,8 @@ from recorder.errors import ConfigError
 from recorder.providers.pricing import CACHE_WRITE_1H, PriceTable
 
 __all__ = ["BUILT_IN", "CACHE_WRITE_1H", "USAGE_KEYS", "VOLATILE_HEADERS",
-           "VOLATILE_HEADER_PREFIXES", "Headers", "Provider", "Summary", "default",
+           "VOLATILE_HEADER_PREFIXES", "Conversation", "Headers", "Provider", "Summary",
+           "default",
            "endpoints", "for_line", "for_url", "get", "model_provider", "names", "register",
            "sse_events", "token_counts", "unregister", "volatile_header"]
 
@@ -58,6 +59,26 @@ class Summary(TypedDict, total=False):
     stop_reason: Any
     usage: dict[str, int]
     error: dict[str, Any]
+
+
+class Conversation(TypedDict):
+    """A model call read as a conversation, in deja's (the Messages API's) shape whatever
+    the provider's, so that the viewer and ``deja diff`` read every provider alike.
+
+    ``system`` is the system prompt (None: the request has none apart from its turns);
+    ``messages`` the request's turns in order, each ``{"role", "content", ...}`` with
+    ``content`` a string or a list of blocks (``text``, ``thinking``, ``image``,
+    ``tool_use`` with a parsed ``input``, ``tool_result`` with ``tool_use_id``; a block
+    of any other type as it is); ``reply`` the response message as one such turn (None:
+    no message); ``settings`` the rest of the request (model, tools, parameters). Fields a
+    turn has besides these are kept, so that nothing the call said is left out; ids that
+    differ between any two runs of the same behaviour (a Responses item's ``id``) are not.
+    """
+
+    system: Any
+    messages: list[dict[str, Any]]
+    reply: dict[str, Any] | None
+    settings: dict[str, Any]
 
 
 class Provider(ABC):
@@ -162,6 +183,18 @@ class Provider(ABC):
         """:meth:`summarize` of a JSON body ``body`` that a reader already parsed into
         ``doc``: a provider may read ``doc`` rather than parse ``body`` again."""
         return self.summarize(status, headers, body)
+
+    def conversation(self, request: Any, message: Any = None) -> Conversation:
+        """The call as a conversation (see :class:`Conversation`): ``request`` is the
+        parsed request body, ``message`` the response message (:meth:`message`). This
+        default reads the Messages API's shape, which is already deja's."""
+        body = request if isinstance(request, dict) else {}
+        messages = body.get("messages")
+        return {"system": body.get("system"),
+                "messages": [m for m in messages if isinstance(m, dict)]
+                if isinstance(messages, list) else [],
+                "reply": message if isinstance(message, dict) else None,
+                "settings": {k: v for k, v in body.items() if k not in ("system", "messages")}}
 
     def cost(self, model: Any, usage: dict[str, int] | None, prices: PriceTable) -> float | None:
         """The dollar cost of ``usage`` for ``model`` by ``prices`` (None: not priced)."""

@@ -12,6 +12,14 @@ the Responses API's typed events, whose ``response.completed`` carries the whole
 and its usage. Assembling and synthesising both streams live in
 :mod:`recorder.providers._openai_sse`.
 
+Read as a conversation (:meth:`OpenAIProvider.conversation`), either API's call is in
+deja's shape: a Chat Completions message keeps its role (``system``, ``developer``,
+``user``, ``assistant``, ``tool``), its ``tool_calls`` become ``tool_use`` blocks with
+parsed arguments and a ``role: tool`` message a ``tool_result``; a Responses call's
+``instructions`` are the system prompt and each ``input`` item one turn
+(``function_call`` a ``tool_use``, ``function_call_output`` a ``tool_result``), and its
+``output`` items are the reply's blocks.
+
 Usage is read into deja's names, so that one price table prices every provider the same
 way: OpenAI counts cached prompt tokens inside its input count
 (``prompt_tokens_details.cached_tokens``, ``input_tokens_details.cached_tokens``), deja's
@@ -23,7 +31,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from recorder.providers import Headers, Provider, Summary, sse_events, token_counts
+from recorder.providers import (
+    Conversation,
+    Headers,
+    Provider,
+    Summary,
+    sse_events,
+    token_counts,
+)
 from recorder.providers._openai_sse import (
     assemble_chat,
     assemble_responses,
@@ -98,6 +113,23 @@ class OpenAIProvider(Provider):
 
     def synthesize(self, message: dict[str, Any]) -> str:
         return synthesize_responses(message) if _is_response(message) else synthesize_chat(message)
+
+    def conversation(self, request: Any, message: Any = None) -> Conversation:
+        body = request if isinstance(request, dict) else {}
+        if "messages" in body or "input" not in body:  # Chat Completions
+            messages = body.get("messages")
+            return {"system": None,
+                    "messages": [_chat_turn(m) for m in messages if isinstance(m, dict)]
+                    if isinstance(messages, list) else [],
+                    "reply": _chat_reply(message) if isinstance(message, dict) else None,
+                    "settings": {k: v for k, v in body.items() if k != "messages"}}
+        items = body.get("input")
+        turns = ([{"role": "user", "content": items}] if isinstance(items, str) else
+                 [_item_turn(i) for i in items if isinstance(i, dict)]
+                 if isinstance(items, list) else [])
+        return {"system": body.get("instructions"), "messages": turns,
+                "reply": _responses_reply(message) if isinstance(message, dict) else None,
+                "settings": {k: v for k, v in body.items() if k not in ("input", "instructions")}}
 
     def usage(self, message: Any) -> dict[str, int]:
         return normalized_usage(message.get("usage")) if isinstance(message, dict) else {}
@@ -195,6 +227,156 @@ class OpenAIProvider(Provider):
                 if response.get("usage") is not None:
                     out["usage"] = self.usage(response)
         return out
+
+
+# ------------------------------------------------------------------ as a conversation
+
+# Fields of a Responses item that differ between any two runs, or that its turn says.
+_ITEM_NOISE = frozenset({"id", "type", "status"})
+
+
+def _rest(obj: dict[str, Any], used: tuple[str, ...]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if k not in used}
+
+
+def _arguments(text: Any) -> Any:
+    """A tool call's ``arguments`` (JSON text) as the value it spells; the text itself
+    when it spells none."""
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _image_source(url: Any) -> dict[str, Any]:
+    """An image URL as a Messages API image source (a ``data:`` URL: base64 bytes)."""
+    if isinstance(url, str) and url.startswith("data:") and ";base64," in url:
+        media_type, _, data = url[5:].partition(";base64,")
+        return {"type": "base64", "media_type": media_type or None, "data": data}
+    return {"type": "url", "url": url}
+
+
+def _part(part: Any) -> Any:
+    """One content part of either API as a deja block (any other part as it is)."""
+    if not isinstance(part, dict):
+        return part
+    kind = part.get("type")
+    if kind in ("text", "input_text", "output_text"):
+        return {"type": "text", "text": part.get("text"), **_rest(part, ("type", "text"))}
+    if kind == "image_url" and isinstance(part.get("image_url"), dict):
+        image = part["image_url"]
+        return {"type": "image", "source": _image_source(image.get("url")),
+                **_rest(image, ("url",)), **_rest(part, ("type", "image_url"))}
+    if kind == "input_image" and part.get("image_url") is not None:
+        return {"type": "image", "source": _image_source(part["image_url"]),
+                **_rest(part, ("type", "image_url"))}
+    return part
+
+
+def _content(content: Any) -> Any:
+    """Message content: a string stays one, a list of parts becomes blocks."""
+    if isinstance(content, list):
+        return [_part(p) for p in content]
+    return content
+
+
+def _tool_use(call_id: Any, name: Any, arguments: Any) -> dict[str, Any]:
+    return {"type": "tool_use", "id": call_id, "name": name, "input": _arguments(arguments)}
+
+
+def _chat_turn(message: dict[str, Any]) -> dict[str, Any]:
+    """A Chat Completions message as a turn: ``tool_calls`` as ``tool_use`` blocks, a
+    ``role: tool`` message as a ``tool_result``."""
+    role = message.get("role")
+    content = _content(message.get("content"))
+    if role == "tool":
+        block = {"type": "tool_result", "tool_use_id": message.get("tool_call_id"),
+                 "content": content}
+        return {"role": "tool", "content": [block],
+                **_rest(message, ("role", "content", "tool_call_id"))}
+    calls = message.get("tool_calls")
+    if isinstance(calls, list) and calls:
+        blocks = ([{"type": "text", "text": content}] if isinstance(content, str) and content
+                  else list(content) if isinstance(content, list) else [])
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                blocks.append(_tool_use(call.get("id"), fn.get("name"), fn.get("arguments")))
+            else:
+                blocks.append(call)
+        content = blocks
+    return {"role": role, "content": content,
+            **_rest(message, ("role", "content", "tool_calls"))}
+
+
+def _chat_reply(completion: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion as one turn: its first choice's message, with the choice's finish
+    reason and the completion's own fields; further choices as they are."""
+    choices = completion.get("choices")
+    choices = choices if isinstance(choices, list) else []
+    first = choices[0] if choices and isinstance(choices[0], dict) else {}
+    inner = first.get("message")
+    inner = inner if isinstance(inner, dict) else {}
+    turn = _chat_turn({"role": "assistant", **inner})
+    content = turn["content"]
+    if isinstance(content, str):
+        turn["content"] = [{"type": "text", "text": content}] if content else []
+    elif content is None:
+        turn["content"] = []
+    out = {**_rest(completion, ("choices",)), **turn,
+           **_rest(first, ("index", "message"))}
+    if len(choices) > 1:
+        out["choices"] = choices[1:]
+    return out
+
+
+def _item_blocks(item: dict[str, Any]) -> tuple[str, list[Any]]:
+    """A Responses input or output item as (role, blocks)."""
+    kind = item.get("type")
+    if kind == "function_call":
+        block = _tool_use(item.get("call_id"), item.get("name"), item.get("arguments"))
+        return "assistant", [{**block, **_rest(item, (*_ITEM_NOISE, "call_id", "name",
+                                                      "arguments"))}]
+    if kind == "function_call_output":
+        return "tool", [{"type": "tool_result", "tool_use_id": item.get("call_id"),
+                         "content": _content(item.get("output")),
+                         **_rest(item, (*_ITEM_NOISE, "call_id", "output"))}]
+    if kind == "reasoning":
+        summary = item.get("summary")
+        summary = summary if isinstance(summary, list) else []
+        text = "\n\n".join(str(s.get("text", "")) for s in summary if isinstance(s, dict))
+        return "assistant", [{"type": "thinking", "thinking": text}]
+    other = _rest(item, ("id",))
+    return ("tool" if str(kind).endswith("_output") else "assistant"), [other]
+
+
+def _item_turn(item: dict[str, Any]) -> dict[str, Any]:
+    """A Responses input item as a turn: a message by its role, a function call the
+    assistant's ``tool_use``, its output the ``tool`` turn's ``tool_result``."""
+    if "role" in item and item.get("type", "message") == "message":
+        return {"role": item.get("role"), "content": _content(item.get("content")),
+                **_rest(item, (*_ITEM_NOISE, "role", "content"))}
+    role, blocks = _item_blocks(item)
+    return {"role": role, "content": blocks}
+
+
+def _responses_reply(response: dict[str, Any]) -> dict[str, Any]:
+    """A Responses response as one assistant turn: its output items' blocks in order (a
+    message's text, a function call's ``tool_use``), with the response's own fields."""
+    blocks: list[Any] = []
+    output = response.get("output")
+    for item in output if isinstance(output, list) else []:
+        if not isinstance(item, dict):
+            blocks.append(item)
+        elif item.get("type", "message") == "message" and "content" in item:
+            content = _content(item.get("content"))
+            blocks.extend(content if isinstance(content, list) else
+                          [{"type": "text", "text": content}] if content else [])
+        else:
+            blocks.extend(_item_blocks(item)[1])
+    return {**_rest(response, ("output",)), "role": "assistant", "content": blocks}
 
 
 def _may_summarize(data: str) -> bool:
