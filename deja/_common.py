@@ -119,6 +119,17 @@ def _no_command(cassette: Path, header: Any, verb: str) -> BadInput:
     return BadInput(f"{cassette} records no command; give one after --")
 
 
+def _labels(items: tuple[str, ...]) -> dict[str, str]:
+    """``--label KEY=VALUE`` options as a dict (a malformed one is click's usage error)."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--label")
+        out[key] = value
+    return out
+
+
 def _read_json_file(path: Path, what: str) -> Any:
     try:
         return json.loads(path.read_text())

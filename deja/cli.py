@@ -29,6 +29,7 @@ from deja._common import (
     _fail,
     _fmt,
     _header_run,
+    _labels,
     _load,
     _no_command,
     _pid_gone,
@@ -102,12 +103,7 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
     from recorder.harness.settings import resolve as resolve_settings
     from recorder.record import new_run_id
 
-    label_map = {}
-    for item in labels:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--label")
-        label_map[key] = value
+    label_map = _labels(labels)
     run_id = new_run_id()
     try:
         path = run_file(output, run_id)

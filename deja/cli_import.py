@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from deja._common import BadInput, _fail
+from deja._common import BadInput, _fail, _labels
 
 
 @click.command(name="import")
@@ -31,12 +31,7 @@ def import_(cassette: Path, output: Path, labels: tuple[str, ...], force: bool) 
     from recorder.record import new_run_id
     from recorder.vcr_import import import_vcr
 
-    label_map = {}
-    for item in labels:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--label")
-        label_map[key] = value
+    label_map = _labels(labels)
     run_id = new_run_id()
     try:
         path = run_file(output, run_id)

@@ -14,6 +14,7 @@ from deja._common import (
     BadInput,
     _allow_unverified_option,
     _fail,
+    _labels,
     _read_json_file,
 )
 
@@ -118,12 +119,7 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
                            "--patch FILE or --replace FILE")
     elif at is not None or edits or output is not None:
         raise BadInput("--at, --set, --patch, --replace and -o go with --fork CASSETTE")
-    label_map: dict[str, str] = {}
-    for item in labels:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--label")
-        label_map[key] = value
+    label_map = _labels(labels)
     budgets = {k: v for k, v in {
         "turns": max_turns, "tokens": max_tokens_total, "max_tokens": max_tokens_per_turn,
         "seconds": max_seconds, "dollars": max_dollars,
