@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.deja-installed
 BENCH_STAMP := $(VENV)/.deja-bench-installed
 
-.PHONY: demo check test stress bench lint clean chromium node
+.PHONY: demo check test stress bench lint clean chromium node postgres
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "deja needs Python 3.11+")'
@@ -35,6 +35,13 @@ node:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm curl; }
 	@test -f examples/node-agent/node_modules/@anthropic-ai/sdk/package.json || \
 	  (cd examples/node-agent && npm ci --no-audit --no-fund)
+
+# The durable-runs tests start a throwaway PostgreSQL server of their own (tests/pg_server.py)
+# from Debian's binaries; a cluster the package itself starts on port 5432 is never used.
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  echo "installing Debian's postgresql for the durable-runs tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; }
 
 # Lint and type check: quick, so the suite runs only on code that passes them.
 check: $(STAMP)

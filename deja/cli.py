@@ -83,6 +83,8 @@ def main() -> None:
               help="Another query parameter whose value is never written (key, token, "
                    "access_token, signature ... always are).")
 @click.option("--force", is_flag=True, help="Overwrite the cassette file if it exists.")
+@click.option("--run-id", "given_run_id", metavar="ID",
+              help="The run's id (default: a new one); a worker passes the id it was given.")
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def record(output: Path, fsync: str | None, max_turns: int | None,
            max_tokens_total: int | None, max_tokens_per_turn: int | None,
@@ -90,7 +92,7 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
            no_loop_guard: bool, no_breaker: bool, labels: tuple[str, ...],
            redact_headers: tuple[str, ...], redact_body: tuple[str, ...],
            redact_patterns: tuple[str, ...], redact_query: tuple[str, ...], force: bool,
-           command: tuple[str, ...]) -> None:
+           given_run_id: str | None, command: tuple[str, ...]) -> None:
     """Record an unmodified Python program: deja record [-o FILE] -- python agent.py ...
 
     Every model call, HTTP exchange, @recorder.tool call and effect is logged to the
@@ -100,11 +102,15 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
     from deja.boot import BOOT_FAILED
     from recorder.cassette.schema import run_file
     from recorder.errors import ConfigError
+    from recorder.harness.progress import valid_run_id
     from recorder.harness.settings import resolve as resolve_settings
     from recorder.record import new_run_id
 
     label_map = _labels(labels)
-    run_id = new_run_id()
+    if given_run_id is not None and not valid_run_id(given_run_id):
+        raise BadInput(f"--run-id {given_run_id!r} is not a run id (letters, digits, '_', "
+                       "'.' and '-', e.g. r_01a2...)")
+    run_id = given_run_id or new_run_id()
     try:
         path = run_file(output, run_id)
     except ConfigError as exc:

@@ -19,39 +19,18 @@ run``):
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any
 
 from recorder.cassette.lock import WriterLock
+from recorder.harness.child import preexec
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1
-
-
-def _find_prctl() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-# Looked up here, not in the child: between fork and exec only the call itself is safe.
-_PRCTL = _find_prctl()
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -105,7 +84,7 @@ def run(argv: list[str], *, env: dict[str, str], cwd: Path | None = None,
         env["DEJA_LOCK_CASSETTE"] = str(lock.cassette)
         pass_fds = (lock.fd,)
     child = subprocess.Popen(argv, env=env, cwd=cwd, pass_fds=pass_fds, stdout=stdout,
-                             preexec_fn=_die_with_parent if _PRCTL is not None else None)
+                             preexec_fn=preexec())
     if lock is not None:
         lock.note(child=child.pid)
     received: list[int] = []

@@ -4,6 +4,7 @@
 patchers load when a session starts.
 """
 
+from recorder.ask import artefact, ask
 from recorder.capture.session import Session, active
 from recorder.cassette import FORMAT, Cassette, CassetteWriter, Fsync, load
 from recorder.cassette.keys import Keyring, load_keyring
@@ -100,6 +101,8 @@ __all__ = [
     "UsageError",
     "VcrImportError",
     "active",
+    "artefact",
+    "ask",
     "idempotency_key",
     "load",
     "load_keyring",

@@ -73,6 +73,11 @@ def cancel_path(run: str) -> Path:
     return _run_file(run, ".cancel")
 
 
+def answer_path(run: str) -> Path:
+    """Where ``deja answer`` leaves the answer of a run waiting in ``recorder.ask``."""
+    return _run_file(run, ".answer")
+
+
 def _now_iso() -> str:
     return utc_stamp("seconds")
 
@@ -129,6 +134,17 @@ def request_cancel(run: str, reason: str = "") -> Path:
         raise ConfigError(f"cannot ask run {run} to stop: its cancel flag {path} cannot be "
                           f"written ({exc.strerror or exc}). Check that $DEJA_HOME ("
                           f"{deja_home()}) is writable and has space") from None
+    return path
+
+
+def leave_answer(run: str, text: str) -> Path:
+    """Leave ``text`` for a run waiting in ``recorder.ask`` outside a worker."""
+    path = answer_path(run)
+    try:
+        _write_private(path, text)
+    except OSError as exc:
+        raise ConfigError(f"cannot answer run {run}: {path} cannot be written "
+                          f"({exc.strerror or exc})") from None
     return path
 
 

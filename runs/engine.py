@@ -1,0 +1,213 @@
+"""The durable-execution engine, DBOS Transact: the only module of deja that imports it.
+
+DBOS keeps workflows in a database (SQLite embedded by default, Postgres for many
+machines, one URL apart) and checkpoints between their steps. deja uses it this way:
+
+- **A run is one workflow** whose id is deja's run id, so a submission is idempotent. Its
+  one step runs the agent under the harness (``runs.worker.agent_step``): ``deja record``
+  the first time, ``deja resume`` of its cassette whenever the cassette already holds a
+  recorded prefix. The engine's checkpoints are between steps; the cassette is the
+  checkpoint inside the step. A worker that dies mid-step has its run dispatched again
+  and the step resumes the cassette (recorded turns replay, a trailing intent is
+  settled, then live).
+- **Input required** ends the step (the agent's process exits after asking); the
+  workflow waits on a durable message (``recv``) that survives worker restarts, then a
+  new step resumes the cassette with the answer.
+- **A schedule** is an engine cron schedule, with automatic backfill, whose workflow
+  (on its own queue: sleeping or scheduling work never holds a run's slot) submits the
+  occurrence's run under a deterministic id, so a backfill cannot submit twice.
+- **Recovery of a dead peer** uses the engine's own recovery call for that executor id,
+  which re-enqueues the peer's pending workflows so that exactly one executor runs each.
+
+The engine's API moves across releases: everything it offers deja goes through this
+module, and its version is pinned to the range tested (``pyproject.toml``). Pitfalls
+avoided here: the application version is pinned (its default, a hash of the code, would
+strand runs in flight across an upgrade of deja); executor ids are given, unique per
+worker; queues are registered after launch; the SQLite file is put in WAL mode; logging
+stays at WARNING (no migration chatter, no sign-up banner).
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from dbos import DBOS, DBOSClient, DBOSConfig, EnqueueOptions, SetWorkflowID
+from dbos import error as dbos_error
+
+from runs.config import is_sqlite
+from runs.errors import DatabaseUnavailable, RunFailed
+
+APP_NAME = "deja"
+APP_VERSION = "deja-runs-1"  # pinned: runs in flight survive an upgrade of deja
+RUNS_QUEUE = "deja-runs"
+SCHEDULES_QUEUE = "deja-schedules"
+RUN_WORKFLOW = "deja.run"
+OCCURRENCE_WORKFLOW = "deja.occurrence"
+ANSWER_TOPIC = "answer"
+RECV_WAIT = 60.0  # seconds per durable wait for an answer (a cancel is seen between waits)
+ENGINE_ERRORS: tuple[type[BaseException], ...] = (dbos_error.DBOSException,)
+
+# What the workflows call, set by the worker before launch (the engine knows no agent).
+_hooks: dict[str, Callable[..., Any]] = {}
+
+
+def set_hooks(*, agent: Callable[[dict[str, Any], str | None], dict[str, Any]],
+              waiting: Callable[[str, str | None], None],
+              occurrence: Callable[[str, str], dict[str, Any] | None]) -> None:
+    _hooks.update(agent=agent, waiting=waiting, occurrence=occurrence)
+
+
+@DBOS.step(name="deja.agent")
+def _agent_step(spec: dict[str, Any], answer: str | None) -> dict[str, Any]:
+    return dict(_hooks["agent"](spec, answer))
+
+
+@DBOS.step(name="deja.waiting")
+def _waiting_step(run_id: str, question: str | None) -> None:
+    _hooks["waiting"](run_id, question)
+
+
+@DBOS.workflow(name=RUN_WORKFLOW, max_recovery_attempts=1000)
+def _run_workflow(spec: dict[str, Any]) -> dict[str, Any]:
+    answer: str | None = None
+    while True:
+        outcome = _agent_step(spec, answer)
+        if outcome.get("status") != "input_required":
+            break
+        _waiting_step(spec["run_id"], outcome.get("question"))
+        answer = None
+        while answer is None:
+            answer = DBOS.recv(ANSWER_TOPIC, timeout_seconds=RECV_WAIT)
+    if outcome.get("status") == "failed":  # the engine's ERROR is deja's failure
+        raise RunFailed(outcome.get("error") or "the run failed")
+    return outcome
+
+
+@DBOS.step(name="deja.occurrence")
+def _occurrence_step(name: str, when: str) -> dict[str, Any] | None:
+    return _hooks["occurrence"](name, when)
+
+
+@DBOS.workflow(name=OCCURRENCE_WORKFLOW)
+def _occurrence_workflow(scheduled: datetime, context: Any) -> None:
+    spec = _occurrence_step(str(context["name"]), scheduled.isoformat())
+    if spec is not None:
+        with SetWorkflowID(spec["run_id"]):
+            DBOS.enqueue_workflow(RUNS_QUEUE, _run_workflow, spec)
+
+
+def _quiet() -> None:
+    for name in ("dbos", "alembic", "sqlalchemy"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def prepare(url: str) -> None:
+    """Create or migrate the engine's tables (idempotent); SQLite in WAL mode."""
+    _quiet()
+    try:
+        DBOS.migrate(url)
+    except Exception as exc:  # noqa: BLE001 (the engine raises its driver's errors as they come)
+        raise DatabaseUnavailable(_unreachable(url, exc)) from None
+    if is_sqlite(url):
+        path = url.split("sqlite:///", 1)[1]
+        with sqlite3.connect(path, timeout=30) as conn:
+            conn.execute("PRAGMA journal_mode=WAL")
+
+
+def _unreachable(url: str, exc: BaseException) -> str:
+    from runs.config import safe_url
+
+    reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    fix = ("check that its directory exists and is writable" if is_sqlite(url) else
+           "start the Postgres server, or point DEJA_DATABASE_URL at one that runs")
+    return f"the runs database {safe_url(url)} cannot be reached ({reason}); {fix}"
+
+
+class Client:
+    """Submit, inspect, cancel and answer runs from outside a worker (``deja serve``)."""
+
+    def __init__(self, url: str, *, migrate: bool = True) -> None:
+        if migrate:
+            prepare(url)
+        try:
+            self._client = DBOSClient(system_database_url=url, application_name=APP_NAME,
+                                      retry_connection_errors=False)
+        except Exception as exc:  # noqa: BLE001 (the driver's own errors)
+            raise DatabaseUnavailable(_unreachable(url, exc)) from None
+        self.url = url
+
+    def close(self) -> None:
+        self._client.destroy()
+
+    def submit(self, spec: dict[str, Any]) -> None:
+        options = EnqueueOptions(workflow_name=RUN_WORKFLOW, queue_name=RUNS_QUEUE,
+                                 workflow_id=spec["run_id"], app_version=APP_VERSION)
+        self._client.enqueue(options, spec)
+
+    def states(self, run_ids: list[str]) -> dict[str, dict[str, Any]]:
+        """The engine's view of each run: status, output, error, executor."""
+        if not run_ids:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        for status in self._client.list_workflows(workflow_ids=run_ids):
+            out[status.workflow_id] = {
+                "status": status.status, "output": status.output,
+                "error": str(status.error) if status.error is not None else None,
+                "executor": status.executor_id}
+        return out
+
+    def cancel(self, run_id: str) -> None:
+        self._client.cancel_workflow(run_id)
+
+    def answer(self, run_id: str, text: str, key: str) -> None:
+        self._client.send(run_id, text, ANSWER_TOPIC, idempotency_key=key)
+
+    def add_schedule(self, name: str, cron: str, tz: str) -> None:
+        self._client.create_schedule(
+            schedule_name=f"deja-{name}", workflow_name=OCCURRENCE_WORKFLOW, schedule=cron,
+            context={"name": name}, automatic_backfill=True, cron_timezone=tz,
+            queue_name=SCHEDULES_QUEUE, application_name=APP_NAME)
+
+    def remove_schedule(self, name: str) -> None:
+        self._client.delete_schedule(f"deja-{name}")
+
+    def trigger_schedule(self, name: str) -> str:
+        return str(self._client.trigger_schedule(f"deja-{name}").get_workflow_id())
+
+
+class Worker:
+    """One executor: DBOS launched with this worker's id, dequeuing runs and schedules."""
+
+    def __init__(self, url: str, executor_id: str, concurrency: int,
+                 scheduler_poll: float = 2.0) -> None:
+        prepare(url)
+        config: DBOSConfig = {
+            "name": APP_NAME, "system_database_url": url, "application_version": APP_VERSION,
+            "executor_id": executor_id, "log_level": "WARNING",
+            "scheduler_polling_interval_sec": scheduler_poll,
+            "notification_listener_polling_interval_sec": 0.2,
+        }
+        self.executor_id = executor_id
+        self.concurrency = concurrency
+        DBOS(config=config)
+
+    def launch(self) -> None:
+        DBOS.launch()
+        DBOS.register_queue(RUNS_QUEUE, worker_concurrency=self.concurrency,
+                            polling_interval_sec=0.2, on_conflict="always_update")
+        DBOS.register_queue(SCHEDULES_QUEUE, polling_interval_sec=0.5,
+                            on_conflict="always_update")
+
+    def recover(self, executor_ids: list[str]) -> list[str]:
+        """Take over the pending runs of dead executors (the engine's recovery call)."""
+        handles = DBOS._recover_pending_workflows(executor_ids)
+        return [h.get_workflow_id() for h in handles]
+
+    def cancelled(self, run_id: str) -> bool:
+        status = DBOS.get_workflow_status(run_id)
+        return status is not None and status.status == "CANCELLED"
+

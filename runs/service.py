@@ -1,0 +1,209 @@
+"""The operations on runs and schedules, shared by ``deja serve`` (HTTP) and the CLI: each
+takes the store and the engine's client and returns JSON-ready records."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from recorder.errors import NoSuchRun
+from recorder.harness.progress import valid_run_id
+from recorder.record import new_run_id
+from runs import schedules
+from runs.config import cassette_dir
+from runs.errors import BadRunRequest, NoSuchSchedule
+from runs.spec import validate
+from runs.store import ENDED, Store
+
+LIFECYCLE = ("queued", "working", "input_required", "completed", "failed", "cancelled",
+             "exhausted", "stopped", "interrupted", "needs_attention")
+
+
+def lifecycle(row: dict[str, Any], engine: dict[str, Any] | None) -> str:
+    """A run's status from deja's row and the engine's view of its workflow."""
+    status = row["status"]
+    state = (engine or {}).get("status")
+    if state == "CANCELLED":
+        return "cancelled"
+    if state in ("ERROR", "MAX_RECOVERY_ATTEMPTS_EXCEEDED"):
+        return "failed"
+    if state in ("ENQUEUED", "DELAYED"):
+        return "queued"
+    if state == "PENDING":
+        return status if status in ("working", "input_required") else "working"
+    if state == "SUCCESS":
+        output = (engine or {}).get("output")
+        if isinstance(output, dict) and output.get("status") in LIFECYCLE:
+            return str(output["status"])
+    return str(status)
+
+
+def record_of(row: dict[str, Any], engine: dict[str, Any] | None) -> dict[str, Any]:
+    """The progress record of a run (seed 001's shape) with its lifecycle status."""
+    progress = dict(row.get("progress") or {})
+    status = lifecycle(row, engine)
+    out: dict[str, Any] = {
+        "run_id": row["run_id"], "status": status,
+        "command": row["spec"]["command"], "labels": row.get("labels") or {},
+        "submitted": _iso(row["created"]), "updated": _iso(row["updated"]),
+        "worker": row.get("worker") or (engine or {}).get("executor"),
+        "cassette": row["spec"]["cassette"],
+        "turn": progress.get("turn"), "turn_limit": progress.get("turn_limit"),
+        "step": progress.get("step"), "elapsed_s": progress.get("elapsed_s"),
+        "budget_s": progress.get("budget_s"), "tokens": progress.get("tokens"),
+        "token_limit": progress.get("token_limit"), "spend_usd": progress.get("spend_usd"),
+        "dollar_limit": progress.get("dollar_limit"),
+        "artefacts": row.get("artefacts") or [],
+        "cancel": f"deja cancel {row['run_id']}",
+    }
+    if status == "input_required":
+        out["question"] = row.get("question")
+        out["answer"] = f"deja answer {row['run_id']} TEXT"
+    if row.get("error") or (engine or {}).get("error"):
+        out["error"] = row.get("error") or (engine or {}).get("error")
+    if row.get("schedule"):
+        out["schedule"] = row["schedule"]
+        out["occurrence"] = row["occurrence"]
+    if row.get("ended"):
+        out["ended"] = _iso(row["ended"])
+    return out
+
+
+def _iso(stamp: float | None) -> str | None:
+    if stamp is None:
+        return None
+    return datetime.fromtimestamp(stamp, UTC).isoformat(timespec="seconds")
+
+
+class Runs:
+    """Submit, read, cancel and answer runs; keep schedules."""
+
+    def __init__(self, store: Store, client: Any) -> None:
+        self.store = store
+        self.client = client
+
+    def submit(self, payload: Any, *, default_cwd: Path | None = None) -> dict[str, Any]:
+        given = payload.get("run_id") if isinstance(payload, dict) else None
+        if given is not None and not valid_run_id(given):
+            raise BadRunRequest(f"{given!r} is not a run id")
+        spec = validate(payload, run_id=given or new_run_id(), cassettes=cassette_dir(),
+                        default_cwd=default_cwd)
+        if self.store.add_run(spec["run_id"], spec):
+            self.client.submit(spec)
+        return {"run_id": spec["run_id"], "status": "queued"}
+
+    def _row(self, run_id: str) -> dict[str, Any]:
+        row = self.store.get_run(run_id) if valid_run_id(run_id) else None
+        if row is None:
+            raise NoSuchRun(f"no run {run_id!r} in the runs database ({_where(self.store)}); "
+                            "`deja runs` lists the runs it holds")
+        return row
+
+    def get(self, run_id: str) -> dict[str, Any]:
+        row = self._row(run_id)
+        return record_of(row, self.client.states([run_id]).get(run_id))
+
+    def list_runs(self, *, status: list[str] | None = None, label: dict[str, str] | None = None,
+             schedule: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        bad = [s for s in status or [] if s not in LIFECYCLE]
+        if bad:
+            raise BadRunRequest(f"unknown status {', '.join(bad)}; valid: {', '.join(LIFECYCLE)}")
+        rows = self.store.list_runs(schedule=schedule, limit=max(limit, 1) * 4 if status or
+                                    label else limit)
+        states = self.client.states([r["run_id"] for r in rows])
+        out = []
+        for row in rows:
+            record = record_of(row, states.get(row["run_id"]))
+            if status and record["status"] not in status:
+                continue
+            if label and any(record["labels"].get(k) != v for k, v in label.items()):
+                continue
+            out.append(record)
+        return out[:limit]
+
+    def cancel(self, run_id: str) -> dict[str, Any]:
+        row = self._row(run_id)
+        record = record_of(row, self.client.states([run_id]).get(run_id))
+        if record["status"] in ENDED:
+            return {**record, "note": f"the run already ended {record['status']}"}
+        self.client.cancel(run_id)
+        if record["status"] in ("queued", "input_required"):
+            self.store.update_run(run_id, status="cancelled")
+        return {"run_id": run_id, "status": "cancelled" if record["status"] != "working"
+                else "cancelling", "was": record["status"]}
+
+    def answer(self, run_id: str, text: str) -> dict[str, Any]:
+        if not isinstance(text, str):
+            raise BadRunRequest("an answer is a string")
+        row = self._row(run_id)
+        record = record_of(row, self.client.states([run_id]).get(run_id))
+        if record["status"] in ENDED:
+            raise BadRunRequest(f"run {run_id} already ended {record['status']}; it waits for "
+                                "no answer")
+        question = row.get("question")
+        self.client.answer(run_id, text, key=f"{run_id}:{question}:{row['updated']}")
+        return {"run_id": run_id, "status": record["status"], "question": question,
+                "answered": True}
+
+    # -- schedules
+
+    def add_schedule(self, name: str, cron: str, tz: str, deadline: str | None,
+                     alert: str | None, payload: dict[str, Any],
+                     default_cwd: Path | None = None) -> dict[str, Any]:
+        schedules.check_name(name)
+        schedules.check_cron(cron)
+        schedules.check_tz(tz)
+        schedules.check_deadline(deadline)
+        spec = validate(payload, run_id="s_template", cassettes=cassette_dir(),
+                        default_cwd=default_cwd)
+        spec.pop("run_id")
+        spec.pop("cassette")
+        spec["cassette_dir"] = str(cassette_dir())
+        if not self.store.add_schedule(name, cron, tz, deadline, alert, spec):
+            raise BadRunRequest(f"a schedule named {name!r} exists; `deja schedule rm {name}` "
+                                "first, or choose another name")
+        try:
+            self.client.add_schedule(name, cron, tz)
+        except Exception:
+            self.store.remove_schedule(name)
+            raise
+        return self.schedule(name)
+
+    def schedule(self, name: str) -> dict[str, Any]:
+        row = self.store.schedule(name)
+        if row is None:
+            raise NoSuchSchedule(f"no schedule {name!r}; `deja schedule ls` lists them")
+        last = next((r for r in self.store.list_runs(schedule=name, limit=20)
+                     if r.get("artefacts")), None)
+        alerts = self.store.alerts(schedule=name, limit=5)
+        return {"name": name, "cron": row["cron"], "tz": row["tz"],
+                "deadline": row["deadline"], "alert": row["alert"],
+                "command": row["spec"]["command"],
+                "next": schedules.next_occurrence(row).isoformat(),
+                "last_verified_artefact": None if last is None else {
+                    "run_id": last["run_id"], "occurrence": last["occurrence"],
+                    "artefacts": last["artefacts"]},
+                "alerts": [{k: a[k] for k in ("kind", "occurrence", "run_id", "message")} |
+                           {"at": _iso(a["at"]), "delivery": a["delivery"]} for a in alerts]}
+
+    def schedules(self) -> list[dict[str, Any]]:
+        return [self.schedule(row["name"]) for row in self.store.schedules()]
+
+    def remove_schedule(self, name: str) -> dict[str, Any]:
+        if not self.store.remove_schedule(name):
+            raise NoSuchSchedule(f"no schedule {name!r}; `deja schedule ls` lists them")
+        self.client.remove_schedule(name)
+        return {"name": name, "removed": True}
+
+    def run_now(self, name: str) -> dict[str, Any]:
+        self.schedule(name)
+        self.client.trigger_schedule(name)
+        return {"name": name, "triggered": True, "at": _iso(time.time())}
+
+
+def _where(store: Store) -> str:
+    from runs.config import safe_url
+
+    return safe_url(store.url)

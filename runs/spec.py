@@ -1,0 +1,129 @@
+"""A submitted run: what ``POST /runs`` (and ``deja submit``) accepts, checked before
+anything is stored, and the ``deja record`` / ``deja resume`` command lines a worker runs.
+
+A submission is JSON::
+
+    {"command": ["python", "agent.py"], "cwd": "/srv/agents",
+     "labels": {"team": "billing"},
+     "guards": {"max_turns": 60, "max_dollars": 5, "max_seconds": 3600,
+                "max_tokens": 400000, "loop_guard": true, "breaker": true}}
+
+Everything but ``command`` is optional. The command line is stored in the runs database
+for the worker to run, so it must not hold a secret: an argument that deja's redaction
+would hide (``--api-key X``, ``sk-…``) is refused with the fix (pass secrets through the
+worker's environment, which is never stored).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from recorder.capture.redact import DEFAULT
+from recorder.harness.progress import valid_run_id
+from runs.errors import BadRunRequest
+
+GUARDS = {"max_turns": int, "max_tokens": int, "max_seconds": float, "max_dollars": float,
+          "loop_guard": bool, "breaker": bool}
+_FLAGS = {"max_turns": "--max-turns", "max_tokens": "--max-tokens",
+          "max_seconds": "--max-seconds", "max_dollars": "--max-dollars"}
+
+
+def _command(payload: dict[str, Any]) -> list[str]:
+    command = payload.get("command")
+    if isinstance(command, str):
+        raise BadRunRequest("'command' is a list of arguments, e.g. [\"python\", \"agent.py\"], "
+                            "not one string")
+    if not isinstance(command, list) or not command or \
+            not all(isinstance(arg, str) and arg for arg in command):
+        raise BadRunRequest("'command' must be a non-empty list of non-empty strings, e.g. "
+                            "[\"python\", \"agent.py\"]")
+    hidden = DEFAULT.argv(command)
+    for i, (given, kept) in enumerate(zip(command, hidden, strict=True)):
+        if given != kept:
+            raise BadRunRequest(
+                f"argument {i} of the command looks like a secret ({kept!r} once redacted); "
+                "a submitted command is stored in the runs database, so pass secrets through "
+                "the worker's environment instead")
+    return list(command)
+
+
+def _guards(payload: dict[str, Any]) -> dict[str, Any]:
+    guards = payload.get("guards") or {}
+    if not isinstance(guards, dict):
+        raise BadRunRequest("'guards' must be an object, e.g. {\"max_turns\": 60}")
+    out: dict[str, Any] = {}
+    for key, value in guards.items():
+        kind = GUARDS.get(key)
+        if kind is None:
+            raise BadRunRequest(f"unknown guard {key!r}; valid: {', '.join(GUARDS)}")
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise BadRunRequest(f"guard {key!r} is true or false, not {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int | float) or value < 0 or \
+                (kind is int and not float(value).is_integer()):
+            raise BadRunRequest(f"guard {key!r} must be a non-negative "
+                                f"{'integer' if kind is int else 'number'}, not {value!r}")
+        out[key] = kind(value)
+    return out
+
+
+def _labels(payload: dict[str, Any]) -> dict[str, str]:
+    labels = payload.get("labels") or {}
+    if not isinstance(labels, dict) or not all(
+            isinstance(k, str) and k and isinstance(v, str) for k, v in labels.items()):
+        raise BadRunRequest("'labels' must be an object of strings, e.g. {\"team\": \"billing\"}")
+    return dict(labels)
+
+
+def validate(payload: Any, *, run_id: str, cassettes: Path,
+             default_cwd: Path | None = None) -> dict[str, Any]:
+    """The stored form of a submission, or ``BadRunRequest`` saying what is wrong."""
+    if not isinstance(payload, dict):
+        raise BadRunRequest("a run is a JSON object, e.g. {\"command\": [\"python\", "
+                            "\"agent.py\"]}")
+    unknown = set(payload) - {"command", "cwd", "labels", "guards", "run_id"}
+    if unknown:
+        raise BadRunRequest(f"unknown field(s) {', '.join(sorted(unknown))}; valid: command, "
+                            "cwd, labels, guards")
+    if not valid_run_id(run_id):
+        raise BadRunRequest(f"{run_id!r} is not a run id")
+    cwd = payload.get("cwd")
+    if cwd is None:
+        where = (default_cwd or Path.cwd()).resolve()
+    elif not isinstance(cwd, str) or not os.path.isabs(cwd):
+        raise BadRunRequest(f"'cwd' must be an absolute directory, not {cwd!r}")
+    else:
+        where = Path(cwd)
+    return {"run_id": run_id, "command": _command(payload), "cwd": str(where),
+            "labels": _labels(payload), "guards": _guards(payload),
+            "cassette": str(cassettes / f"{run_id}.jsonl")}
+
+
+def deja_argv() -> list[str]:
+    return [sys.executable, "-m", "deja"]
+
+
+def record_argv(spec: dict[str, Any]) -> list[str]:
+    """``deja record`` of a submitted run, into its cassette, with its guards and labels."""
+    argv = [*deja_argv(), "record", "-o", spec["cassette"], "--run-id", spec["run_id"],
+            "--force"]
+    guards = spec.get("guards") or {}
+    for key, flag in _FLAGS.items():
+        if key in guards:
+            argv += [flag, str(guards[key])]
+    if guards.get("loop_guard") is False:
+        argv.append("--no-loop-guard")
+    if guards.get("breaker") is False:
+        argv.append("--no-breaker")
+    for key, value in (spec.get("labels") or {}).items():
+        argv += ["--label", f"{key}={value}"]
+    return [*argv, "--", *spec["command"]]
+
+
+def resume_argv(spec: dict[str, Any]) -> list[str]:
+    """``deja resume`` of a submitted run whose cassette holds a recorded prefix."""
+    return [*deja_argv(), "resume", spec["cassette"], "--cwd", spec["cwd"], "--",
+            *spec["command"]]

@@ -1,0 +1,290 @@
+"""deja's own tables beside the engine's, in the same database: runs, workers, schedules,
+alerts.
+
+The engine keeps what it needs to execute a run durably (its workflow and step rows);
+these tables keep what people ask about: a run's command, labels and lifecycle status, its
+latest progress record, the question it waits on, its verified artefacts; the workers and
+their heartbeats; the schedules, their occurrences and the alerts sent. ``deja check``
+reads only these, so an absence alert fires with no worker alive.
+
+SQLAlchemy Core (the engine's own dependency) speaks to SQLite and Postgres alike. Nothing
+secret is stored: a submission whose command line holds a secret is refused before it
+gets here (``runs.spec``), and progress records arrive redacted.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+
+from runs.config import is_sqlite, safe_url, sqlalchemy_url
+from runs.errors import DatabaseUnavailable
+
+metadata = sa.MetaData()
+
+runs_table = sa.Table(
+    "deja_runs", metadata,
+    sa.Column("run_id", sa.String(128), primary_key=True),
+    sa.Column("spec", sa.Text, nullable=False),
+    sa.Column("labels", sa.Text, nullable=False, default="{}"),
+    sa.Column("created", sa.Float, nullable=False),
+    sa.Column("status", sa.String(32), nullable=False),
+    sa.Column("question", sa.Text),
+    sa.Column("progress", sa.Text),
+    sa.Column("worker", sa.String(128)),
+    sa.Column("error", sa.Text),
+    sa.Column("artefacts", sa.Text),
+    sa.Column("updated", sa.Float, nullable=False),
+    sa.Column("ended", sa.Float),
+    sa.Column("schedule", sa.String(128), index=True),
+    sa.Column("occurrence", sa.String(64)),
+)
+
+workers_table = sa.Table(
+    "deja_workers", metadata,
+    sa.Column("worker_id", sa.String(128), primary_key=True),
+    sa.Column("host", sa.String(255), nullable=False),
+    sa.Column("pid", sa.Integer, nullable=False),
+    sa.Column("started", sa.Float, nullable=False),
+    sa.Column("beat", sa.Float, nullable=False),
+    sa.Column("taken_over_by", sa.String(128)),
+)
+
+schedules_table = sa.Table(
+    "deja_schedules", metadata,
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("cron", sa.String(128), nullable=False),
+    sa.Column("tz", sa.String(64), nullable=False),
+    sa.Column("deadline", sa.String(16)),
+    sa.Column("alert", sa.Text),
+    sa.Column("spec", sa.Text, nullable=False),
+    sa.Column("created", sa.Float, nullable=False),
+)
+
+alerts_table = sa.Table(
+    "deja_alerts", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("schedule", sa.String(128), nullable=False),
+    sa.Column("occurrence", sa.String(64), nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("run_id", sa.String(128)),
+    sa.Column("message", sa.Text, nullable=False),
+    sa.Column("at", sa.Float, nullable=False),
+    sa.Column("delivery", sa.Text),
+    sa.UniqueConstraint("schedule", "occurrence", "kind", name="deja_alert_once"),
+)
+
+meta_table = sa.Table(
+    "deja_meta", metadata,
+    sa.Column("key", sa.String(128), primary_key=True),
+    sa.Column("value", sa.Text, nullable=False),
+)
+
+ENDED = frozenset({"completed", "failed", "cancelled", "exhausted", "stopped",
+                   "interrupted", "needs_attention"})
+
+
+def _loads(text: str | None) -> Any:
+    return json.loads(text) if text else None
+
+
+def _row(row: Any) -> dict[str, Any]:
+    out = dict(row._mapping)
+    for key in ("spec", "labels", "progress", "artefacts"):
+        if key in out:
+            out[key] = _loads(out[key])
+    return out
+
+
+class Store:
+    """The deja tables of one database."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        kwargs: dict[str, Any] = {}
+        if is_sqlite(url):
+            kwargs["connect_args"] = {"timeout": 30}
+        else:
+            kwargs.update(pool_pre_ping=True, pool_size=2, max_overflow=2)
+        self.engine = sa.create_engine(sqlalchemy_url(url), **kwargs)
+        if is_sqlite(url):
+            @sa.event.listens_for(self.engine, "connect")
+            def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+                cursor = dbapi_conn.cursor()
+                cursor.execute("PRAGMA busy_timeout=30000")
+                cursor.close()
+        try:
+            metadata.create_all(self.engine, checkfirst=True)
+        except sa.exc.OperationalError as exc:
+            raise unavailable(url, exc) from None
+        except sa.exc.IntegrityError:  # two processes created the tables at once
+            metadata.create_all(self.engine, checkfirst=True)
+
+    @contextmanager
+    def begin(self) -> Iterator[sa.Connection]:
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except sa.exc.OperationalError as exc:
+            raise unavailable(self.url, exc) from None
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- runs
+
+    def add_run(self, run_id: str, spec: dict[str, Any], *, schedule: str | None = None,
+                occurrence: str | None = None) -> bool:
+        """Record a submitted run; False when the id is already known (idempotent)."""
+        now = time.time()
+        try:
+            with self.begin() as conn:
+                conn.execute(runs_table.insert().values(
+                    run_id=run_id, spec=json.dumps(spec),
+                    labels=json.dumps(spec.get("labels") or {}),
+                    created=now, updated=now, status="queued", schedule=schedule,
+                    occurrence=occurrence))
+        except sa.exc.IntegrityError:
+            return False
+        return True
+
+    def get_run(self, run_id: str) -> dict[str, Any] | None:
+        with self.begin() as conn:
+            row = conn.execute(runs_table.select().where(runs_table.c.run_id == run_id)).first()
+        return _row(row) if row is not None else None
+
+    def list_runs(self, *, status: list[str] | None = None, schedule: str | None = None,
+                  limit: int = 100) -> list[dict[str, Any]]:
+        query = runs_table.select().order_by(runs_table.c.created.desc()).limit(limit)
+        if status:
+            query = query.where(runs_table.c.status.in_(status))
+        if schedule:
+            query = query.where(runs_table.c.schedule == schedule)
+        with self.begin() as conn:
+            return [_row(row) for row in conn.execute(query)]
+
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        values: dict[str, Any] = {"updated": time.time()}
+        for key, value in fields.items():
+            values[key] = json.dumps(value) if key in ("progress", "artefacts") and \
+                value is not None else value
+        if fields.get("status") in ENDED:
+            values.setdefault("ended", time.time())
+        with self.begin() as conn:
+            conn.execute(runs_table.update().where(runs_table.c.run_id == run_id).values(**values))
+
+    # -- workers
+
+    def beat(self, worker_id: str, host: str, pid: int, *, first: bool = False) -> None:
+        now = time.time()
+        with self.begin() as conn:
+            done = conn.execute(workers_table.update().where(
+                workers_table.c.worker_id == worker_id).values(
+                beat=now, host=host, pid=pid,
+                **({"started": now, "taken_over_by": None} if first else {}))).rowcount
+            if not done:
+                conn.execute(workers_table.insert().values(
+                    worker_id=worker_id, host=host, pid=pid, started=now, beat=now))
+
+    def workers(self) -> list[dict[str, Any]]:
+        with self.begin() as conn:
+            return [dict(row._mapping) for row in conn.execute(
+                workers_table.select().order_by(workers_table.c.worker_id))]
+
+    def worker(self, worker_id: str) -> dict[str, Any] | None:
+        with self.begin() as conn:
+            row = conn.execute(workers_table.select().where(
+                workers_table.c.worker_id == worker_id)).first()
+        return dict(row._mapping) if row is not None else None
+
+    def claim_dead(self, dead: str, by: str, older_than: float) -> bool:
+        """Claim a dead worker's runs for ``by``: True for exactly one claimant."""
+        with self.begin() as conn:
+            return bool(conn.execute(workers_table.update().where(
+                workers_table.c.worker_id == dead, workers_table.c.beat < older_than,
+                workers_table.c.taken_over_by.is_(None)).values(taken_over_by=by)).rowcount)
+
+    # -- schedules
+
+    def add_schedule(self, name: str, cron: str, tz: str, deadline: str | None,
+                     alert: str | None, spec: dict[str, Any]) -> bool:
+        try:
+            with self.begin() as conn:
+                conn.execute(schedules_table.insert().values(
+                    name=name, cron=cron, tz=tz, deadline=deadline, alert=alert,
+                    spec=json.dumps(spec), created=time.time()))
+        except sa.exc.IntegrityError:
+            return False
+        return True
+
+    def schedules(self) -> list[dict[str, Any]]:
+        with self.begin() as conn:
+            return [_row(row) for row in conn.execute(
+                schedules_table.select().order_by(schedules_table.c.name))]
+
+    def schedule(self, name: str) -> dict[str, Any] | None:
+        with self.begin() as conn:
+            row = conn.execute(schedules_table.select().where(
+                schedules_table.c.name == name)).first()
+        return _row(row) if row is not None else None
+
+    def remove_schedule(self, name: str) -> bool:
+        with self.begin() as conn:
+            return bool(conn.execute(schedules_table.delete().where(
+                schedules_table.c.name == name)).rowcount)
+
+    # -- alerts
+
+    def add_alert(self, schedule: str, occurrence: str, kind: str, message: str,
+                  run_id: str | None) -> bool:
+        """Record an alert; False when this one was already raised (each fires once)."""
+        try:
+            with self.begin() as conn:
+                conn.execute(alerts_table.insert().values(
+                    schedule=schedule, occurrence=occurrence, kind=kind, message=message,
+                    run_id=run_id, at=time.time()))
+        except sa.exc.IntegrityError:
+            return False
+        return True
+
+    def set_delivery(self, schedule: str, occurrence: str, kind: str, delivery: str) -> None:
+        with self.begin() as conn:
+            conn.execute(alerts_table.update().where(
+                alerts_table.c.schedule == schedule, alerts_table.c.occurrence == occurrence,
+                alerts_table.c.kind == kind).values(delivery=delivery))
+
+    def alerts(self, schedule: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        query = alerts_table.select().order_by(alerts_table.c.at.desc()).limit(limit)
+        if schedule:
+            query = query.where(alerts_table.c.schedule == schedule)
+        with self.begin() as conn:
+            return [dict(row._mapping) for row in conn.execute(query)]
+
+    # -- meta
+
+    def get_meta(self, key: str) -> str | None:
+        with self.begin() as conn:
+            row = conn.execute(sa.select(meta_table.c.value).where(meta_table.c.key == key)).first()
+        return row[0] if row is not None else None
+
+    def set_meta(self, key: str, value: str) -> bool:
+        """Set ``key`` unless it is set; False when another value was there first."""
+        try:
+            with self.begin() as conn:
+                conn.execute(meta_table.insert().values(key=key, value=value))
+        except sa.exc.IntegrityError:
+            return self.get_meta(key) == value
+        return True
+
+
+def unavailable(url: str, exc: BaseException) -> DatabaseUnavailable:
+    reason = str(getattr(exc, "orig", exc) or exc).strip().splitlines()[0]
+    fix = ("check the file's directory exists and is writable" if is_sqlite(url) else
+           "start the Postgres server, or point DEJA_DATABASE_URL at one that runs")
+    return DatabaseUnavailable(f"the runs database {safe_url(url)} cannot be reached "
+                               f"({reason}); {fix}")
