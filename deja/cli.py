@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from deja import cli_export, cli_import, cli_proxy, cli_runs, cli_stub
+from deja import cli_export, cli_import, cli_proxy, cli_runs, cli_serve, cli_stub
 from deja._common import (
     EXIT_DIVERGED,
     BadInput,
@@ -731,7 +731,7 @@ def diff(cassette_a: Path, cassette_b: Path, as_json: bool, allow_unverified: bo
 
 
 for command in (cli_runs.status, cli_runs.cancel, cli_stub.stub, cli_proxy.proxy,
-                cli_export.export, cli_import.import_):
+                cli_export.export, cli_import.import_, cli_serve.worker):
     main.add_command(command)
 
 
