@@ -1,5 +1,5 @@
 """Replay cost per call of the openai SDK, beside the anthropic SDK's: deja against the
-SDK's own floor, both APIs in one run.
+SDK's own floor, both OpenAI APIs (Chat Completions and Responses) in one run.
 
 The workload is the replay rows' agent (:func:`workloads.agent_run`) spoken in Chat
 Completions: conversations of ``workloads.CONV_TURNS`` calls whose history grows turn by
@@ -9,9 +9,15 @@ conversation and both tool definitions. JSON replies (``chat.completions.create`
 streams (``create(stream=True)``, every chunk iterated, text and tool-call arguments
 assembled). Each reply is checked (the stub echoes the last user or tool text).
 
+The same agent in the Responses API (:func:`responses_run`): each turn's reply goes back
+as input items (the assistant's text, its ``function_call``), the tool's result as a
+``function_call_output`` item, and every request carries all the items so far and both
+tool definitions. JSON replies (``responses.create``) and streams (``create(stream=True)``,
+every event iterated, the text deltas and each finished function call assembled).
+
 - deja: ``replayer.replay(path)`` of a recording made with the openai SDK against the
-  stub, which is stopped before any replay: the SDK's real HTTP path, answered at
-  httpx2's transport.
+  stub (one per API), which is stopped before any replay: the SDK's real HTTP path,
+  answered at httpx2's transport.
 - SDK floor: the same client with ``http_client=httpx2.Client(transport=MockTransport(...))``
   answering the recorded responses in order from memory, as the Anthropic floor does:
   request building, httpx2 and response parsing, no matching, no storage.
@@ -46,6 +52,9 @@ TOOL_DEFS: list[Any] = [{"type": "function", "function": {"name": t["name"],
                                                "description": t["description"],
                                                "parameters": t["input_schema"]}}
              for t in w.TOOL_DEFS]
+RESPONSE_TOOLS: list[Any] = [{"type": "function", "name": t["name"],
+                              "description": t["description"],
+                              "parameters": t["input_schema"]} for t in w.TOOL_DEFS]
 
 
 def client(base_url: str, http_client: httpx2.Client | None = None) -> openai.OpenAI:
@@ -116,6 +125,60 @@ def agent_run(c: openai.OpenAI, n_calls: int, stream: bool) -> int:
     return n_calls
 
 
+def _collect_events(events: Any) -> tuple[str, list[dict[str, Any]]]:
+    """Text and function calls of a streamed Responses call, assembled from its events."""
+    text: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for event in events:
+        if event.type == "response.output_text.delta":
+            text.append(event.delta)
+        elif event.type == "response.output_item.done" and event.item.type == "function_call":
+            calls.append({"id": event.item.call_id, "name": event.item.name,
+                          "arguments": event.item.arguments})
+    return "".join(text), calls
+
+
+def responses_call(c: openai.OpenAI, items: list[Any],
+                   stream: bool) -> tuple[str, list[dict[str, Any]]]:
+    """One Responses call with all the conversation's items; the reply's text and calls."""
+    if stream:
+        return _collect_events(c.responses.create(
+            model=MODEL, max_output_tokens=w.MAX_TOKENS, input=items, tools=RESPONSE_TOOLS,
+            stream=True))
+    response = c.responses.create(model=MODEL, max_output_tokens=w.MAX_TOKENS, input=items,
+                                  tools=RESPONSE_TOOLS)
+    return response.output_text, [{"id": o.call_id, "name": o.name, "arguments": o.arguments}
+                                  for o in response.output if o.type == "function_call"]
+
+
+def responses_conversation(c: openai.OpenAI, conv: int, turns: int, stream: bool) -> None:
+    last = w.task_text(conv)
+    items: list[dict[str, Any]] = [{"role": "user", "content": last}]
+    for k in range(turns):
+        text, calls = responses_call(c, list(items), stream)
+        want_tools = [] if k == turns - 1 else [w.TOOLS[k % 2]]
+        if text != f"ok {last}" or [t["name"] for t in calls] != want_tools:
+            raise RuntimeError(f"conversation {conv}, call {k}: unexpected reply {text[:60]!r} "
+                               f"with tools {[t['name'] for t in calls]}")
+        items.append({"role": "assistant", "content": text})
+        for t in calls:
+            json.loads(t["arguments"])  # the arguments arrived whole
+            items.append({"type": "function_call", "call_id": t["id"], "name": t["name"],
+                          "arguments": t["arguments"]})
+        if calls:
+            last = w.tool_output(conv, k)
+            items.append({"type": "function_call_output", "call_id": calls[0]["id"],
+                          "output": last})
+
+
+def responses_run(c: openai.OpenAI, n_calls: int, stream: bool) -> int:
+    if n_calls % w.CONV_TURNS:
+        raise ValueError(f"n_calls={n_calls} is not a multiple of {w.CONV_TURNS}")
+    for conv in range(n_calls // w.CONV_TURNS):
+        responses_conversation(c, conv, w.CONV_TURNS, stream)
+    return n_calls
+
+
 def floor_client(answers: list[tuple[int, list[tuple[str, str]], bytes]]) -> openai.OpenAI:
     """The openai SDK's floor: its whole HTTP path answered in order from memory."""
     it = iter(answers)
@@ -156,14 +219,16 @@ def _deja(path: Path, make_client: Callable[[], Any], run: Run, n: int,
 
 
 def _record(d: Path, mode: str, n: int) -> tuple[str, dict[str, Path], dict[str, list[Any]]]:
-    """Both providers' runs recorded by deja, and their responses captured for the floor."""
+    """Both providers' runs (both OpenAI APIs) recorded by deja, and their responses
+    captured for the floor."""
     stream = mode == "sse"
     paths: dict[str, Path] = {}
     answers: dict[str, list[Any]] = {}
     with w.stub(w.agent_script(w.CONV_TURNS)) as server:
         url = server.url
         runs: tuple[tuple[str, Callable[[str], Any], Run], ...] = (
-            ("openai", client, agent_run), ("anthropic", w.client, _anthropic_run))
+            ("openai", client, agent_run), ("responses", client, responses_run),
+            ("anthropic", w.client, _anthropic_run))
         for name, make, run in runs:
             paths[name] = p = d / f"{name}-{mode}-{n}.jsonl"
             with recorder.record(p, budgets=recorder.Budgets()):
@@ -172,7 +237,8 @@ def _record(d: Path, mode: str, n: int) -> tuple[str, dict[str, Path], dict[str,
             cap = w.Capture(url)
             try:
                 transport = httpx2.Client(transport=httpx2.MockTransport(cap._handle))
-                run(client(url, transport) if name == "openai" else cap.client(), n, stream)
+                run(cap.client() if name == "anthropic" else client(url, transport), n,
+                    stream)
             finally:
                 cap.close()
             answers[name] = cap.responses
@@ -200,6 +266,11 @@ def _run_mode(d: Path, mode: str, n: int, repeats: int) -> dict[str, Any]:
         "openai_floor": lambda: _timed(lambda: None, lambda: None,
                                        lambda: floor_client(answers["openai"]), agent_run, n,
                                        stream),
+        "responses": lambda: _deja(paths["responses"], lambda: client(url), responses_run, n,
+                                   stream),
+        "responses_floor": lambda: _timed(lambda: None, lambda: None,
+                                          lambda: floor_client(answers["responses"]),
+                                          responses_run, n, stream),
         "anthropic": lambda: _deja(paths["anthropic"], lambda: w.client(url), _anthropic_run,
                                    n, stream),
         "anthropic_floor": lambda: _timed(lambda: None, lambda: None,
@@ -217,6 +288,7 @@ def _run_mode(d: Path, mode: str, n: int, repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {k: _summary(v) for k, v in samples.items()}
     per = {k: out[k]["per_call_ms"] for k in runners}
     out["ratio"] = {"openai_floor": per["openai"] / per["openai_floor"],
+                    "responses_floor": per["responses"] / per["responses_floor"],
                     "anthropic_floor": per["anthropic"] / per["anthropic_floor"],
                     "openai_vs_anthropic": per["openai"] / per["anthropic"]}
     out["cassette_bytes"] = {k: p.stat().st_size for k, p in paths.items()}

@@ -12,7 +12,8 @@ Measurements (``--only`` names): replay, overhead, ttft, size, resume, load (loa
 10,000-line cassette), memory (peak memory of a 2,000-call replay), viewer (the viewer's first
 paint in headless Chromium, which needs Debian's chromium: ``make chromium``), proxy (what
 ``deja proxy`` adds to a call, at 1, 32 and 200 concurrent clients), openai (replay per call
-of the openai SDK's Chat Completions, JSON and streamed, beside the anthropic SDK's).
+of the openai SDK's Chat Completions and Responses, JSON and streamed, beside the anthropic
+SDK's).
 """
 
 from __future__ import annotations
@@ -159,31 +160,38 @@ def rows_openai(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     n = r["calls"]
     rows: list[Row] = []
     fails: list[str] = []
-    for mode, label in (("json", "JSON"), ("sse", "streamed")):
-        m = r[mode]
-        ratio = m["ratio"]["openai_floor"]
-        ok = ratio <= 1.2
-        rows.append((f"Replay per call, OpenAI Chat Completions {label}, @{n} calls",
-                     f"{_fmt_ms(m['openai']['per_call_ms'])} "
-                     f"(load {_fmt_ms(m['openai']['load_ms'])})",
-                     f"openai SDK floor {_fmt_ms(m['openai_floor']['per_call_ms'])}; "
-                     f"Anthropic in the same rounds: deja "
-                     f"{_fmt_ms(m['anthropic']['per_call_ms'])}, floor "
-                     f"{_fmt_ms(m['anthropic_floor']['per_call_ms'])} "
-                     f"({m['ratio']['anthropic_floor']:.2f}x)",
-                     "<= 1.2x floor", _verdict(ok, f"{ratio:.2f}x floor")))
-        if not ok:
-            fails.append(f"openai replay {label} @{n}: deja "
-                         f"{_fmt_ms(m['openai']['per_call_ms'])} per call = {ratio:.2f}x floor")
+    for key, api in (("openai", "Chat Completions"), ("responses", "Responses")):
+        for mode, label in (("json", "JSON"), ("sse", "streamed")):
+            m = r[mode]
+            ratio = m["ratio"][f"{key}_floor"]
+            ok = ratio <= 1.2
+            rows.append((f"Replay per call, OpenAI {api} {label}, @{n} calls",
+                         f"{_fmt_ms(m[key]['per_call_ms'])} "
+                         f"(load {_fmt_ms(m[key]['load_ms'])})",
+                         f"openai SDK floor {_fmt_ms(m[f'{key}_floor']['per_call_ms'])}; "
+                         f"Anthropic in the same rounds: deja "
+                         f"{_fmt_ms(m['anthropic']['per_call_ms'])}, floor "
+                         f"{_fmt_ms(m['anthropic_floor']['per_call_ms'])} "
+                         f"({m['ratio']['anthropic_floor']:.2f}x)",
+                         "<= 1.2x floor", _verdict(ok, f"{ratio:.2f}x floor")))
+            if not ok:
+                fails.append(f"openai {api} replay {label} @{n}: deja "
+                             f"{_fmt_ms(m[key]['per_call_ms'])} per call = "
+                             f"{ratio:.2f}x floor")
     notes = [
         f"openai: the replay rows' agent workload in Chat Completions with the openai SDK "
         f"{r['openai_version']} ({r['model']}) against the stub: {n // r['conv_turns']} "
         f"conversations of {r['conv_turns']} calls, tool_calls alternating, each result a "
         "role: tool message, every request the whole conversation; JSON = "
         "chat.completions.create, streamed = create(stream=True) with every chunk iterated and "
-        "text and tool-call arguments assembled. deja = replayer.replay of the openai SDK's "
-        "recording; floor = the same client with http_client=httpx2.Client(transport="
-        "httpx2.MockTransport(...)) answering the recorded bytes in order from memory. The "
+        "text and tool-call arguments assembled. Responses: the same agent in the Responses "
+        "API, each reply sent back as input items (the text, its function_call), each result "
+        "a function_call_output item, every request all the items so far; JSON = "
+        "responses.create, streamed = create(stream=True) with every event iterated, text "
+        "deltas and finished function calls assembled. deja = replayer.replay of the openai "
+        "SDK's recording (one per API); floor = the same client with "
+        "http_client=httpx2.Client(transport=httpx2.MockTransport(...)) answering the "
+        "recorded bytes in order from memory. The "
         "Anthropic deja and floor are the anthropic workload of the same shape, replayed in "
         f"the same rotated rounds; median of {r['json']['openai']['repeats']} replays each, "
         "after a warm-up; per call = (time of N calls)/N, client construction and load "

@@ -1,25 +1,204 @@
-"""``deja stub``: the stub Anthropic Messages API, from a script or from a recorded run."""
+"""``deja stub``: the stub model API (Anthropic Messages, OpenAI Chat Completions and
+Responses), from a script or from a recorded run.
+
+A script made ``--from`` a cassette answers its Anthropic Messages calls by
+:func:`replayer.stub.script_from_cassette`, and its OpenAI calls here, by the same rule: each
+call becomes a rule that answers its place in its conversation (``position`` and
+``first_user``, then ``last_user`` when two requests differ there) with what the run
+received, the attempts of one request a retry sequence. An OpenAI rule also names its
+``endpoint`` and whether the request asks for a ``stream`` (one conversation may be asked
+both ways, and the reply of one is no answer to the other), and a Responses request that
+continues a response names it (``previous_response_id``: the recorded reply is served with
+its id, so the agent continues it again). A JSON reply is kept as ``message``, a stream
+verbatim as ``sse``, an error with its status, type, message and retry headers, a call
+that got no response as ``drop``. The OpenAI rules come first: they hold only for their
+endpoint.
+"""
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import click
 
 from deja._common import BadInput, _allow_unverified_option, _fail, _load, _warn_unverified
 
+# The OpenAI endpoints a stub answers, by the path suffix of a recorded call's URL.
+OPENAI_ENDPOINTS = ("/v1/chat/completions", "/v1/responses")
+# The response headers that make a client wait or give up; kept on a recorded error.
+RETRY_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
+
+
+def _openai_endpoint(obs: Mapping[str, Any]) -> str | None:
+    path = urlsplit(str(obs.get("url") or "")).path.rstrip("/")
+    if obs.get("provider") != "openai":
+        return None
+    return next((e for e in OPENAI_ENDPOINTS if path.endswith(e)), None)
+
+
+def _openai_answer(obs: Mapping[str, Any], endpoint: str) -> tuple[dict[str, Any] | None, str]:
+    """The turn that sends what the OpenAI call ``obs`` received, or None and why not."""
+    from recorder import providers
+    from recorder.canonical import content_decoded, decode_body
+
+    response = obs.get("response")
+    if response is None:
+        return {"drop": "before_headers"}, ""
+    status = response.get("status")
+    headers = [(str(k), str(v)) for k, v in response.get("headers") or []]
+    raw = decode_body(response.get("body", ""), response.get("encoding"))
+    try:
+        text = content_decoded(raw, headers).decode("utf-8")
+    except UnicodeDecodeError:
+        return None, "its response body is not UTF-8"
+    if isinstance(status, int) and 400 <= status <= 599:
+        err: dict[str, Any] = {"status": status}
+        try:
+            doc = json.loads(text) if text else None
+        except ValueError:
+            doc = None
+        detail = doc.get("error") if isinstance(doc, dict) else None
+        for key in ("type", "message"):
+            if isinstance(detail, dict) and isinstance(detail.get(key), str) and detail[key]:
+                err[key] = detail[key]
+        named = {k.lower(): v for k, v in headers}
+        retry = {name: named[name] for name in RETRY_HEADERS if name in named}
+        if retry:
+            err["headers"] = retry
+        return {"error": err}, ""
+    if status != 200:
+        return None, f"its response has status {status}"
+    if providers.get("openai").is_stream(headers):
+        if "data:" not in text:
+            return None, "its event stream holds no event"
+        return {"sse": text}, ""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None, "its response body is not JSON"
+    shape = "choices" if endpoint == "/v1/chat/completions" else "output"
+    if not isinstance(doc, dict) or not isinstance(doc.get(shape), list):
+        what = "chat completion" if shape == "choices" else "response"
+        return None, f"its response is not a {what}"
+    return {"message": doc}, ""
+
+
+def _chain(answers: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """The failures of a request's attempts up to its first success, as one retry turn."""
+    from recorder.testing.match import is_failure
+
+    used: list[tuple[int, dict[str, Any]]] = []
+    for seq, turn in answers:
+        used.append((seq, turn))
+        if not is_failure(turn):
+            break
+    first = dict(used[0][1])
+    if is_failure(first) and len(used) > 1:
+        first["then"] = [turn for _, turn in used[1:]]
+    return {"_seq": [seq for seq, _ in used], **first}
+
+
+def _openai_rules(cassette: Any) -> tuple[list[dict[str, Any]], int, dict[int, str]]:
+    """The rules answering the OpenAI calls of ``cassette``, how many calls they answer,
+    and the OpenAI calls left out, by step, with why."""
+    from recorder.testing.match import first_user_text, last_user_text, position
+
+    # place -> request fingerprint -> (last user text, [(seq, turn)])
+    places: dict[tuple[Any, ...], dict[str, tuple[str, list[tuple[int, dict[str, Any]]]]]] = {}
+    skipped: dict[int, str] = {}
+    calls = 0
+    for obs in cassette.observations:
+        endpoint = _openai_endpoint(obs) if obs.get("kind") == "model" else None
+        if endpoint is None:
+            continue
+        seq = obs["seq"]
+        body = cassette.request_of(seq)
+        if not isinstance(body, dict):
+            skipped[seq] = f"seq {seq}: its request is not a JSON object"
+            continue
+        turn, why = _openai_answer(obs, endpoint)
+        if turn is None:
+            skipped[seq] = f"seq {seq}: {why}"
+            continue
+        calls += 1
+        previous = body.get("previous_response_id")
+        place = (endpoint, body.get("stream") is True,
+                 previous if isinstance(previous, str) else None,
+                 first_user_text(body), position(body))
+        requests = places.setdefault(place, {})
+        _, answers = requests.setdefault(str(obs.get("fp")), (last_user_text(body), []))
+        answers.append((seq, turn))
+    continued: list[dict[str, Any]] = []  # rules naming a previous response: they go first
+    fresh: list[dict[str, Any]] = []
+    for (endpoint, stream, previous, first_user, at), requests in places.items():
+        when: dict[str, Any] = {"endpoint": endpoint, "stream": stream, "position": at,
+                                "first_user": first_user}
+        if previous is not None:
+            when["previous_response_id"] = previous
+        into = fresh if previous is None else continued
+        distinct = list(requests.values())
+        if len(distinct) > 1:
+            seen: set[str] = set()
+            for last_user, answers in distinct:
+                if last_user in seen:
+                    continue  # told apart by nothing the rules look at: the first answers
+                seen.add(last_user)
+                into.append({"when": {**when, "last_user": last_user}, **_chain(answers)})
+        into.append({"when": when, **_chain(distinct[0][1])})
+    return continued + fresh, calls, skipped
+
+
+def _script_from(cassette: Any) -> Any:
+    """The stub script answering the Anthropic and OpenAI calls of a loaded cassette."""
+    from recorder.testing.server import StubScriptError
+    from replayer.stub import CassetteScript, script_from_cassette
+
+    rules, calls, skipped = _openai_rules(cassette)
+    openai_seqs = {obs["seq"] for obs in cassette.observations
+                   if obs.get("kind") == "model" and _openai_endpoint(obs) is not None}
+    try:
+        made = script_from_cassette(cassette)
+    except StubScriptError as exc:
+        if not rules:
+            reasons = "; ".join(skipped.values())
+            raise StubScriptError(
+                f"{cassette.path}: run {cassette.run} holds no model call a stub can answer: "
+                "no Anthropic Messages call (POST /v1/messages) nor OpenAI Chat Completions "
+                "or Responses call (POST /v1/chat/completions, /v1/responses)"
+                + (f" ({reasons})" if reasons else "")
+                + "; record the agent against one of those APIs to make a stub of it"
+            ) from exc
+        made = CassetteScript(
+            script={"_note": f"Generated by deja stub --from {cassette.path.name} (run "
+                             f"{cassette.run}): each rule answers a place in a conversation "
+                             "with what the run received there; _seq names the cassette "
+                             "steps.",
+                    "select": "conversation", "rules": []},
+            run=cassette.run, calls=0,
+            skipped=tuple(f"seq {o['seq']}: {o.get('url')} (no Anthropic Messages call of the "
+                          "run can be answered)" for o in cassette.observations
+                          if o.get("kind") == "model" and o["seq"] not in openai_seqs))
+    # the Anthropic side leaves every OpenAI call out: those are said here, once
+    others = tuple(why for why in made.skipped
+                   if not any(why.startswith(f"seq {seq}: ") for seq in openai_seqs))
+    return CassetteScript(
+        script={**made.script, "rules": [*rules, *made.script["rules"]]}, run=made.run,
+        calls=made.calls + calls, skipped=(*others, *skipped.values()))
+
 
 def _stub_script_from(cassette: Path, allow_unverified: bool) -> Any:
     """The stub script answering what the run of ``cassette`` received (exit 2 if none)."""
     from recorder.testing.server import StubScriptError, load_script
-    from replayer.stub import script_from_cassette
 
     loaded = _load(cassette, allow_unverified=allow_unverified)
     _warn_unverified(loaded)
     try:
-        made = script_from_cassette(loaded)
+        made = _script_from(loaded)
         load_script(made.script)  # what is written or served must load as it is
     except StubScriptError as exc:
         _fail(exc)
@@ -44,11 +223,13 @@ def _stub_script_from(cassette: Path, allow_unverified: bool) -> Any:
               help="Write the base URL to this file once the server listens.")
 def stub(script: Path | None, from_cassette: Path | None, output: Path | None,
          allow_unverified: bool, port: int, ready_file: Path | None) -> None:
-    """Serve a stub Anthropic Messages API on 127.0.0.1, answering from a script.
+    """Serve a stub model API on 127.0.0.1 (Anthropic Messages, OpenAI Chat Completions
+    and Responses), answering from a script.
 
     --script FILE serves a script; --from CASSETTE serves what a recorded run received, and
     --from CASSETTE -o FILE writes that script instead. Point an agent at the server with
-    ANTHROPIC_BASE_URL=http://127.0.0.1:PORT. Stop with Ctrl-C.
+    ANTHROPIC_BASE_URL=http://127.0.0.1:PORT (OPENAI_BASE_URL=http://127.0.0.1:PORT/v1).
+    Stop with Ctrl-C.
     """
     import signal
     import threading

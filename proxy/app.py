@@ -37,6 +37,7 @@ from proxy.runs import (
     RUN_NAME,
     ProxyRun,
     Registry,
+    conversation_items,
     credential,
     message_keys,
     parse_labels,
@@ -268,7 +269,9 @@ class Proxy:
         keys: list[str] | None = None
         if model_provider(ex.method, url):
             parsed, keys = self._read_model_request(body, ex)
-        run = await self._route(named, headers, keys, ex)
+        previous = parsed.get("previous_response_id") if isinstance(parsed, dict) else None
+        run = await self._route(named, headers, keys, ex,
+                                previous if isinstance(previous, str) else None)
         ex.run = run.run_id
         run.in_flight += 1
         run.used = time.monotonic()
@@ -317,13 +320,16 @@ class Proxy:
             raise ProxyError(400, "invalid_request_error",
                              f"deja proxy: the body of {ex.method} {ex.path} {what}; a model "
                              "request is a JSON object. Nothing was sent upstream")
-        messages = parsed.get("messages")
-        if not isinstance(messages, list):
+        items = conversation_items(parsed)
+        if items is None:
             return parsed, None
-        return parsed, message_keys(messages, texts[1] if texts else None)
+        # the body's texts are those of its messages (a Responses input is keyed by its JSON)
+        known = texts[1] if texts and items is parsed.get("messages") else None
+        return parsed, message_keys(items, known)
 
     async def _route(self, named: dict[str, str], headers: list[tuple[str, str]],
-                     keys: list[str] | None, ex: _Exchange) -> ProxyRun:
+                     keys: list[str] | None, ex: _Exchange,
+                     previous: str | None = None) -> ProxyRun:
         if self.single is not None:
             return self.single
         name = named.get(RUN_HEADER)
@@ -334,12 +340,13 @@ class Proxy:
         who = credential(headers)
         count = named.get("x-stainless-retry-count", "")
         retry = (count != "0") if count.isdigit() else None
-        run = self.registry.find(who, name, keys if name is None else None, retry)
+        run = self.registry.find(who, name, keys if name is None else None, retry, previous)
         if run is not None:
             return run
         assert self._new_run is not None
         async with self._starting:  # one at a time: two requests never start one run twice
-            run = self.registry.find(who, name, keys if name is None else None, retry)
+            run = self.registry.find(who, name, keys if name is None else None, retry,
+                                     previous)
             if run is not None:
                 return run
             try:  # a new cassette's header is forced to disk: not on the event loop
@@ -399,15 +406,20 @@ class Proxy:
                   keys: list[str] | None) -> None:
         """Log the tool results this request brings that the run has not seen yet (and
         let the guards see them)."""
-        messages = body.get("messages")
-        if not isinstance(messages, list):
+        messages = conversation_items(body)
+        if messages is None:
             return
         n = len(run.last_keys)
-        new = messages[n:] if keys is not None and keys[:n] == run.last_keys else messages[-1:]
+        if isinstance(body.get("previous_response_id"), str):
+            new = messages  # a Responses request that continues one: every item is new
+        elif keys is not None and keys[:n] == run.last_keys:
+            new = messages[n:]
+        else:
+            new = messages[-1:]
         results = [r for r in tool_results(new) if r["tool_use_id"] not in run.logged]
         if not results:
             return
-        calls = tool_calls(messages)
+        calls = {**run.calls, **tool_calls(messages)}
         now = time.time()
         since = run.answered  # the tools ran between the last response and this request
         for block in results:
@@ -444,9 +456,12 @@ class Proxy:
         run.last_failed = served.status >= 400
         run.answered = time.time()
         if seam is not None and served.status < 400:
-            summary = seam.summarize(served.status, served.headers,
-                                     content_decoded(served.body, served.headers))
+            decoded = content_decoded(served.body, served.headers)
+            summary = seam.summarize(served.status, served.headers, decoded)
             run.last_stop_reason = summary.get("stop_reason")
+            run.awaiting_tools = False
+            if _is_responses(ex.path):
+                self._read_reply(run, seam, served.headers, decoded)
 
     async def _forward(self, run: ProxyRun, rec: Any, request: HttpRequest, receive: Receive,
                        send: Send, ex: _Exchange) -> None:
@@ -535,6 +550,36 @@ class Proxy:
             if rec is not None:
                 obs = rec.end_http(request, meta, timing, error)
                 run.last_stop_reason = (obs or {}).get("stop_reason")
+            run.awaiting_tools = False
+            seam = providers.for_url(request.method, request.url) \
+                if error is None and meta.status < 400 and _is_responses(ex.path) else None
+            if seam is not None:
+                self._read_reply(run, seam, meta.headers,
+                                 content_decoded(meta.body, meta.headers))
+
+    def _read_reply(self, run: ProxyRun, seam: providers.Provider,
+                    headers: list[tuple[str, str]], body: bytes) -> None:
+        """What a Responses API reply means for the run's boundaries: the function calls
+        it asks for (a request continuing it by ``previous_response_id`` sends their
+        results without them), whether it waits for their results (how an idle run ends),
+        and its id, by which such a request finds the run."""
+        try:
+            message = seam.message(headers, body.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return
+        output = message.get("output") if isinstance(message, dict) else None
+        if not isinstance(output, list):
+            return
+        asked = tool_calls(output)
+        run.calls.update(asked)
+        run.awaiting_tools = bool(asked)
+        if isinstance(message.get("id"), str):
+            self.registry.replied(run, message["id"])
+
+
+def _is_responses(path: str) -> bool:
+    """Is this a call of the OpenAI Responses API (``POST /v1/responses``)?"""
+    return path.rstrip("/").endswith("/responses")
 
 
 def _check_results(run: ProxyRun, body: dict[str, Any]) -> None:
@@ -543,7 +588,7 @@ def _check_results(run: ProxyRun, body: dict[str, Any]) -> None:
     ``deja diff`` would name, rather than at the model request that carries it."""
     from replayer.diff import unified
 
-    for block in tool_results(body.get("messages") or []):
+    for block in tool_results(conversation_items(body) or []):
         obs = run.recorded.get(block["tool_use_id"])
         if obs is None or obs.get("edited"):
             continue
@@ -597,17 +642,19 @@ def _substitute(body: dict[str, Any], edits: dict[str, Any], raw: bytes) -> byte
     """The request with each edited tool result in place of what the agent sent (a fork
     at a tool step: the model sees the edit in every later request too)."""
     changed = False
-    for message in body.get("messages") or []:
+    for message in conversation_items(body) or []:
         if not isinstance(message, dict):
             continue
         if message.get("role") == "tool":  # OpenAI Chat Completions: the message is the result
-            targets = [(message, message.get("tool_call_id"))]
+            targets = [(message, message.get("tool_call_id"), "content")]
+        elif message.get("type") == "function_call_output":  # a Responses item: the result
+            targets = [(message, message.get("call_id"), "output")]
         else:
-            targets = [(block, block.get("tool_use_id"))
+            targets = [(block, block.get("tool_use_id"), "content")
                        for block in tool_results([message])]  # Anthropic tool_result blocks
-        for target, call in targets:
-            if isinstance(call, str) and call in edits and target.get("content") != edits[call]:
-                target["content"] = edits[call]
+        for target, call, key in targets:
+            if isinstance(call, str) and call in edits and target.get(key) != edits[call]:
+                target[key] = edits[call]
                 changed = True
     if not changed:
         return raw

@@ -24,10 +24,17 @@ time cannot be told apart without a name (each lands in a run of its own only wh
 histories differ); an agent that rewrites its history (summarising, trimming) starts a new
 run at that point. Name runs with ``x-deja-run`` where that matters.
 
+The OpenAI Responses API carries its conversation in ``input`` rather than ``messages``
+(:func:`conversation_items`), and is found again the same way when the agent resends its
+items; an agent that continues a response by ``previous_response_id`` instead sends only
+what is new, and joins the run that response came from (:meth:`Registry.replied`).
+
 Tools: the proxy never sees a tool run, but it sees its result, as a ``tool_result``
-block in the next request (an OpenAI ``role: tool`` message), and the ``tool_use`` block
-(the OpenAI ``tool_calls`` entry) that asked for it in the assistant message just
-before. Each new result is logged as a ``tool`` line marked ``observed``
+block in the next request (an OpenAI ``role: tool`` message, a Responses
+``function_call_output`` item), and the ``tool_use`` block (the OpenAI ``tool_calls``
+entry, a Responses ``function_call`` item) that asked for it in the assistant message
+just before, or in the response a ``previous_response_id`` continues. Each new result is
+logged as a ``tool`` line marked ``observed``
 (:meth:`recorder.record.RecordSession.observe_tool`), and the loop guard sees it there.
 """
 
@@ -48,8 +55,8 @@ from recorder.cassette.schema import EndStatus
 from recorder.errors import RunStopped
 from recorder.record import RecordSession
 
-__all__ = ["ProxyRun", "Registry", "credential", "message_keys", "parse_labels",
-           "tool_calls", "tool_results"]
+__all__ = ["ProxyRun", "Registry", "conversation_items", "credential", "message_keys",
+           "parse_labels", "tool_calls", "tool_results"]
 
 log = logging.getLogger("deja.proxy")
 
@@ -86,6 +93,21 @@ def message_keys(messages: Sequence[Any], texts: Sequence[str] | None = None) ->
                             digest_size=12).hexdigest() for m in messages]
 
 
+def conversation_items(body: Mapping[str, Any]) -> list[Any] | None:
+    """The list a model request carries its conversation in: ``messages`` (Anthropic,
+    Chat Completions), else the Responses API's ``input`` items (an ``input`` string is
+    one user message); None when the request has neither."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return messages
+    items = body.get("input")
+    if isinstance(items, list):
+        return items
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    return None
+
+
 def _blocks(message: Any) -> list[dict[str, Any]]:
     content = message.get("content") if isinstance(message, dict) else None
     return [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
@@ -93,11 +115,18 @@ def _blocks(message: Any) -> list[dict[str, Any]]:
 
 def tool_calls(messages: Sequence[Any]) -> dict[str, tuple[str, Any]]:
     """The tool calls of the assistant messages among ``messages``: id -> (name, input).
-    Anthropic ``tool_use`` blocks, and OpenAI Chat Completions ``tool_calls`` (whose
-    arguments, JSON text, are parsed; kept as the text when they are not JSON)."""
+    Anthropic ``tool_use`` blocks, OpenAI Chat Completions ``tool_calls`` and Responses
+    ``function_call`` items (of a request's ``input`` or a response's ``output``), named by
+    their ``call_id``; OpenAI's arguments, JSON text, are parsed (kept as the text when
+    they are not JSON)."""
     out: dict[str, tuple[str, Any]] = {}
     for message in messages:
-        if isinstance(message, dict) and message.get("role") == "assistant":
+        if not isinstance(message, dict):
+            continue
+        if message.get("type") == "function_call" and isinstance(message.get("call_id"), str):
+            out[message["call_id"]] = (str(message.get("name")),
+                                       _arguments(message.get("arguments")))
+        elif message.get("role") == "assistant":
             for block in _blocks(message):
                 if block.get("type") == "tool_use" and isinstance(block.get("id"), str):
                     out[block["id"]] = (str(block.get("name")), block.get("input"))
@@ -117,8 +146,9 @@ def _arguments(raw: Any) -> Any:
 
 def tool_results(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """The tool results among ``messages``, in order, as ``tool_result`` blocks: those of
-    the user messages (Anthropic), and OpenAI's ``role: tool`` messages as a block with
-    their ``tool_call_id`` and ``content`` (a copy: editing it leaves the message as it
+    the user messages (Anthropic); OpenAI's ``role: tool`` messages as a block with their
+    ``tool_call_id`` and ``content``, and Responses ``function_call_output`` items with
+    their ``call_id`` and ``output`` (each a copy: editing it leaves the message as it
     was)."""
     out: list[dict[str, Any]] = []
     for m in messages:
@@ -130,6 +160,9 @@ def tool_results(messages: Sequence[Any]) -> list[dict[str, Any]]:
         elif m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
             out.append({"type": "tool_result", "tool_use_id": m["tool_call_id"],
                         "content": m.get("content", "")})
+        elif m.get("type") == "function_call_output" and isinstance(m.get("call_id"), str):
+            out.append({"type": "tool_result", "tool_use_id": m["call_id"],
+                        "content": m.get("output", "")})
     return out
 
 
@@ -151,6 +184,11 @@ class ProxyRun:
     edits: dict[str, Any] = field(default_factory=dict)  # call id -> edited result (a fork)
     # call id -> the observed tool line a served run recorded for it (replay, a fork's prefix)
     recorded: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    # call id -> (name, input) of the function calls its Responses replies asked for: a
+    # request that continues one by previous_response_id sends the results, not the calls
+    calls: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    awaiting_tools: bool = False  # its last Responses reply asked for function calls
+    response_ids: list[str] = field(default_factory=list)  # its Responses replies' ids
     stopped: RunStopped | None = None
     closed: bool = False
     cut: bool = False  # a call was cut short by the proxy's shutdown
@@ -200,7 +238,8 @@ class ProxyRun:
             return EndStatus.INTERRUPTED, "a call was cut short when the proxy shut down"
         if self.last_failed:
             return EndStatus.ERROR, "its last call failed"
-        if self.last_stop_reason in (None, "tool_use", "pause_turn", "tool_calls"):
+        if self.awaiting_tools or self.last_stop_reason in (None, "tool_use", "pause_turn",
+                                                            "tool_calls"):
             return EndStatus.INTERRUPTED, "no request came after its last response"
         return EndStatus.COMPLETED, None
 
@@ -217,18 +256,23 @@ class Registry:
         self._tails: dict[tuple[str, int, str], list[ProxyRun]] = {}
         # stopped runs, kept for a while: a client that keeps sending gets the stop again
         self.stopped: list[ProxyRun] = []
+        # the run each Responses reply came from, by (API key, response id)
+        self._responses: dict[tuple[str, str], ProxyRun] = {}
 
     def __len__(self) -> int:
         return len(self.runs)
 
     def find(self, who: str, name: str | None, keys: list[str] | None,
-             retry: bool | None = None) -> ProxyRun | None:
+             retry: bool | None = None, previous: str | None = None) -> ProxyRun | None:
         """The open (or stopped) run a request belongs to; None: it starts one. ``retry``:
         whether the client says this is a retry (the SDKs' ``x-stainless-retry-count``),
-        None when it does not say."""
+        None when it does not say; ``previous``: the Responses reply the request continues
+        (its ``previous_response_id``), whose run it joins."""
         with self._lock:
             if name is not None:
                 return self.names.get((who, name))
+            if previous is not None and (who, previous) in self._responses:
+                return self._responses[(who, previous)]
             if keys is None:  # not a model call: the caller's latest run
                 mine = [r for r in self.runs if r.who == who]
                 return max(mine, key=lambda r: r.used) if mine else None
@@ -249,6 +293,20 @@ class Registry:
             if best is not None:
                 return best
         return None
+
+    def replied(self, run: ProxyRun, response_id: str) -> None:
+        """``run`` got the Responses reply ``response_id``: a request that continues it
+        (``previous_response_id``) joins ``run`` while it is open."""
+        with self._lock:
+            if run.closed and run not in self.stopped:
+                return
+            run.response_ids.append(response_id)
+            self._responses[(run.who, response_id)] = run
+
+    def _forget_replies(self, run: ProxyRun) -> None:
+        for response_id in run.response_ids:
+            if self._responses.get((run.who, response_id)) is run:
+                del self._responses[(run.who, response_id)]
 
     def _tail(self, run: ProxyRun, keys: list[str]) -> tuple[str, int, str] | None:
         return (run.who, len(keys), keys[-1]) if keys and run.name is None else None
@@ -288,6 +346,7 @@ class Registry:
                 self.stopped.append(run)
             else:
                 self._untail(run, run.last_keys)
+                self._forget_replies(run)
 
     def idle(self, older_than: float) -> list[ProxyRun]:
         """Open runs with nothing in flight, last used before ``older_than``."""
@@ -300,6 +359,7 @@ class Registry:
             for run in gone:
                 self.stopped.remove(run)
                 self._untail(run, run.last_keys)
+                self._forget_replies(run)
                 if run.name is not None and self.names.get((run.who, run.name)) is run:
                     del self.names[(run.who, run.name)]
 

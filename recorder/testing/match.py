@@ -1,14 +1,14 @@
 """Which answer of a stub script (:mod:`recorder.testing.script`) a request gets.
 
-Everything here is a function of the script and the request alone: its conversation and its
-``x-stainless-retry-count`` header, which the anthropic and openai SDKs set on every attempt
-(0 for the first, 1 for its first retry, ...). A conversation is read the same way whichever
-API asks (:func:`conversation`): an Anthropic ``messages`` list as it is; an OpenAI Chat
-Completions ``messages`` list with its ``tool`` messages as the ``tool_result`` blocks of a
-user message (``system`` and ``developer`` messages are not turns); a Responses API ``input``
-(a string, or items: messages, ``function_call`` items as the assistant's, and
-``function_call_output`` items as tool results), continued from the position a stub reply's
-id records when the request names it as ``previous_response_id``.
+Everything here is a function of the script and the request alone: its endpoint, its
+conversation and its ``x-stainless-retry-count`` header, which the anthropic and openai SDKs
+set on every attempt (0 for the first, 1 for its first retry, ...). A conversation is read
+the same way whichever API asks (:func:`conversation`): an Anthropic ``messages`` list as it
+is; an OpenAI Chat Completions ``messages`` list with its ``tool`` messages as the
+``tool_result`` blocks of a user message (``system`` and ``developer`` messages are not
+turns); a Responses API ``input`` (a string, or items: messages, ``function_call`` items as
+the assistant's, and ``function_call_output`` items as tool results), continued from the
+position a stub reply's id records when the request names it as ``previous_response_id``.
 
 Nothing is remembered between requests, so any number of runs, forks, resumes and replays of
 a conversation, in any order and at the same time, get the same answer at the same place. The
@@ -180,8 +180,18 @@ def attempt(headers: Mapping[str, str]) -> int:
 # ----------------------------------------------------------------------- choosing
 
 
-def when_holds(when: Mapping[str, Any], body: Mapping[str, Any]) -> bool:
-    """Whether every condition of a rule's ``when`` holds for the request ``body``."""
+def when_holds(when: Mapping[str, Any], body: Mapping[str, Any],
+               endpoint: str | None = None) -> bool:
+    """Whether every condition of a rule's ``when`` holds for the request ``body`` sent to
+    ``endpoint`` (its path, e.g. ``/v1/responses``; None: not known, and a rule that names
+    one does not hold)."""
+    if "endpoint" in when and endpoint != when["endpoint"]:
+        return False
+    if "stream" in when and (body.get("stream") is True) != when["stream"]:
+        return False
+    if "previous_response_id" in when and \
+            body.get("previous_response_id") != when["previous_response_id"]:
+        return False
     if "position" in when and position(body) != when["position"]:
         return False
     if "first_user" in when and first_user_text(body) != when["first_user"]:
@@ -212,14 +222,16 @@ def _in_chain(answer: dict, attempt_number: int) -> dict | None:
 
 
 def pick(script: Mapping[str, Any], body: Mapping[str, Any], attempt_number: int,
-         next_in_sequence: Callable[[], dict | None]) -> dict | None:
-    """The turn answering a valid request; ``None`` when nothing in the script answers it.
+         next_in_sequence: Callable[[], dict | None],
+         endpoint: str | None = None) -> dict | None:
+    """The turn answering a valid request (sent to ``endpoint``); ``None`` when nothing in
+    the script answers it.
 
     The first rule whose ``when`` holds answers; else, by ``select``, the turn at the request's
     position (``"conversation"``) or the next turn of the sequence; else ``default``.
     """
     for rule in script.get("rules", ()):
-        if when_holds(rule["when"], body):
+        if when_holds(rule["when"], body, endpoint):
             return _in_chain(rule, attempt_number) or script.get("default")
     if script.get("select") == "conversation":
         turns = script["turns"]

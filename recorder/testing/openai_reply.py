@@ -16,6 +16,9 @@ OpenAI's wire format:
   counted inside the prompt tokens as OpenAI counts them.
 - A recorded Anthropic ``message`` (or ``sse`` stream) is sent as its text and tool calls;
   an ``sse`` body that is already an OpenAI stream is sent verbatim to a streaming request.
+  A recorded OpenAI ``message`` (a ``chat.completion``, a Responses ``response``) is sent as
+  it is to a JSON request of its own API, and as its text, tool calls (with their ids),
+  usage and stop reason otherwise.
 - Errors (``error``, ``sse_error``) keep their keys and retry headers; the body is OpenAI's
   ``{"error": {"message", "type", "param", "code"}}``, and a stream cut by ``sse_error`` ends
   with an error chunk (Chat Completions) or an ``error`` event (Responses).
@@ -30,6 +33,7 @@ recorder's.
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Any
@@ -109,12 +113,83 @@ def _parts_of(message: dict) -> dict:
     return parts
 
 
+def _api_of(message: dict) -> str | None:
+    """The OpenAI API a recorded message object is an answer of (None: a Messages API one)."""
+    if "content" in message:
+        return None
+    if isinstance(message.get("choices"), list):
+        return CHAT
+    return RESPONSES if isinstance(message.get("output"), list) else None
+
+
+def _arguments(text: Any) -> Any:
+    try:
+        value = json.loads(text) if isinstance(text, str) else text
+    except ValueError:
+        return {"arguments": text}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+def _openai_usage(usage: Any) -> dict:
+    """An OpenAI usage object in the script's names (cached tokens apart from the input)."""
+    if not isinstance(usage, dict):
+        return {}
+    chat = "prompt_tokens" in usage
+    prompt = usage.get("prompt_tokens" if chat else "input_tokens")
+    output = usage.get("completion_tokens" if chat else "output_tokens")
+    details = usage.get("prompt_tokens_details" if chat else "input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    cached = cached if isinstance(cached, int) else 0
+    out = {"cache_read_input_tokens": cached}
+    if isinstance(prompt, int):
+        out["input_tokens"] = max(0, prompt - cached)
+    if isinstance(output, int):
+        out["output_tokens"] = output
+    return out
+
+
+def _openai_parts(message: dict) -> dict:
+    """A recorded chat completion or Responses response as turn parts: its text, tool calls
+    (by their ids), usage and stop reason."""
+    texts: list[str] = []
+    tools: list[dict] = []
+    stop: Any = None
+    if _api_of(message) == CHAT:
+        choice = message["choices"][0] if message["choices"] else {}
+        inner = (choice.get("message") if isinstance(choice, dict) else None) or {}
+        if isinstance(inner.get("content"), str):
+            texts.append(inner["content"])
+        for call in inner.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            tools.append({"id": call.get("id"), "name": fn.get("name"),
+                          "input": _arguments(fn.get("arguments"))})
+        stop = choice.get("finish_reason") if isinstance(choice, dict) else None
+    else:
+        for item in message["output"]:
+            if not isinstance(item, dict):
+                continue
+            if item.get("type") == "message":
+                texts += [str(p.get("text", "")) for p in item.get("content") or []
+                          if isinstance(p, dict) and p.get("type") == "output_text"]
+            elif item.get("type") == "function_call":
+                tools.append({"id": item.get("call_id"), "name": item.get("name"),
+                              "input": _arguments(item.get("arguments"))})
+        details = message.get("incomplete_details") or {}
+        stop = details.get("reason") if message.get("status") == "incomplete" else None
+    parts: dict[str, Any] = {"usage": _openai_usage(message.get("usage")),
+                             "stop_reason": stop, "tool_use": tools}
+    if texts:
+        parts["text"] = "".join(texts)
+    return parts
+
+
 class OpenAIReply:
     """A successful answer to an OpenAI request, as one JSON object or its stream."""
 
     def __init__(self, api: str, turn: dict, body: dict, script_model: str | None) -> None:
         self.api, self.body = api, body
         self.raw_stream: str | None = None
+        self.recorded: dict | None = None  # a recorded OpenAI message, sent as it is
         if "sse" in turn:
             if "event: message_start" not in turn["sse"]:
                 self.raw_stream = turn["sse"]  # an OpenAI stream as recorded
@@ -122,7 +197,11 @@ class OpenAIReply:
             else:
                 turn = _parts_of(read_events(turn["sse"]))
         elif "message" in turn:
-            turn = _parts_of(turn["message"])
+            recorded_api = _api_of(turn["message"])
+            if recorded_api == api and body.get("stream") is not True:
+                self.recorded = turn["message"]
+            turn = _parts_of(turn["message"]) if recorded_api is None else \
+                _openai_parts(turn["message"])
         echo = last_user_text(body)
         self.text: str | None = turn["text"].replace("{echo}", echo) if "text" in turn else None
         tools = turn.get("tool_use") or []
@@ -290,6 +369,8 @@ class OpenAIReply:
 
     def message(self) -> dict:
         """The JSON body of a non-streaming answer."""
+        if self.recorded is not None:
+            return self.recorded
         return self.chat() if self.api == CHAT else self.response()
 
     def event_bytes(self) -> list[bytes]:

@@ -28,7 +28,10 @@ How an answer is chosen (:func:`recorder.testing.match.pick`):
    ``first_user`` (the first user message's text equals), ``last_user`` (the last user
    message's text equals), ``last_user_contains``, ``tool_result_contains`` (a ``tool_result``
    of the last user message contains the string), ``tool_result_is_error`` (``true``: one of
-   those results has ``is_error: true``; ``false``: there is one and none has). A message's
+   those results has ``is_error: true``; ``false``: there is one and none has), ``endpoint``
+   (the request's path: ``/v1/messages``, ``/v1/chat/completions`` or ``/v1/responses``),
+   ``stream`` (``true``: the request asks for a stream; ``false``: it does not) and
+   ``previous_response_id`` (a Responses request continues this response). A message's
    text is its string content or its text blocks and tool results, joined by newlines.
 2. Else ``turns``: with ``"select": "conversation"`` the turn at the request's position
    (``turns[0]`` for a new conversation, ``turns[1]`` after one assistant reply, ...); with
@@ -48,8 +51,11 @@ of objects with ``name``, optional ``input`` and ``id``), ``stop_reason``, ``sto
 ``usage`` (token counts; left out, they are estimated). The placeholder ``{echo}`` in ``text``
 or ``thinking`` is replaced by the last user message's text. Or content as recorded:
 ``message`` (a whole Messages API message object, sent as it is; as a stream it is rendered to
-events) or ``sse`` (a raw ``text/event-stream`` body, sent verbatim to a streaming request and
-assembled into one message for a non-streaming one, or a 529 if it holds an error event).
+events; or an OpenAI ``chat.completion`` or Responses ``response`` object, sent as it is to a
+JSON request of its API, else rendered from its text, tool calls, usage and stop reason) or
+``sse`` (a raw ``text/event-stream`` body, sent verbatim to a streaming request and, for the
+Messages API, assembled into one message for a non-streaming one, or a 529 if it holds an
+error event; an OpenAI stream is ``data:`` lines, a Responses stream typed events).
 Neither mixes with the built parts. Failures: ``error`` (``status``
 400-599, ``type``, ``message``, ``retry_after`` seconds, which sets ``retry-after`` and
 ``retry-after-ms``, ``should_retry``, which sets ``x-should-retry``, and ``headers``, response
@@ -71,7 +77,8 @@ from typing import Any
 
 from recorder.testing.match import FAILURE_KEYS, is_failure
 
-__all__ = ["FAILURE_KEYS", "SELECT_MODES", "StubScriptError", "is_failure", "load_script"]
+__all__ = ["ENDPOINTS", "FAILURE_KEYS", "SELECT_MODES", "StubScriptError", "is_failure",
+           "load_script"]
 
 SELECT_MODES = ("sequence", "conversation")
 
@@ -107,7 +114,10 @@ _ERROR_KEYS = frozenset({"status", "type", "message", "retry_after", "should_ret
 _SSE_ERROR_KEYS = frozenset({"type", "message", "after_events", "status"})
 _TOOL_KEYS = frozenset({"name", "input", "id"})
 _WHEN_STR_KEYS = ("first_user", "last_user", "last_user_contains", "tool_result_contains")
-_WHEN_KEYS = frozenset({"position", "tool_result_is_error", *_WHEN_STR_KEYS})
+_WHEN_KEYS = frozenset({"position", "tool_result_is_error", "endpoint", "stream",
+                        "previous_response_id", *_WHEN_STR_KEYS})
+# The endpoints the stub answers, which a rule's ``when.endpoint`` may name.
+ENDPOINTS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
 # Headers the server sets itself from the body it sends; a script cannot override them.
 _FRAMING_HEADERS = frozenset(
     {"content-length", "content-type", "transfer-encoding", "connection", "request-id"}
@@ -295,17 +305,22 @@ def _validate_recorded(where: str, turn: dict) -> None:
             f"{', '.join(repr(k) for k in mixed)}"
         )
     if key == "sse":
-        if not isinstance(turn["sse"], str) or "event:" not in turn["sse"]:
+        sse = turn["sse"]
+        if not isinstance(sse, str) or ("event:" not in sse and "data:" not in sse):
             raise StubScriptError(
                 f"{where}: field 'sse' must be the text of an event stream ('event: ...' "
-                f"lines), got {turn['sse']!r:.60}"
+                f"or 'data: ...' lines), got {sse!r:.60}"
             )
         return
     message = turn["message"]
+    if isinstance(message, dict) and "content" not in message and (
+            isinstance(message.get("choices"), list) or isinstance(message.get("output"), list)):
+        return  # an OpenAI chat.completion or Responses response, sent as it is
     if not isinstance(message, dict) or not isinstance(message.get("content"), list):
         raise StubScriptError(
             f"{where}: field 'message' must be a Messages API message object with a "
-            f"'content' list, got {message!r:.80}"
+            f"'content' list (or an OpenAI chat.completion with 'choices', a Responses "
+            f"response with 'output'), got {message!r:.80}"
         )
     for i, block in enumerate(message["content"]):
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
@@ -327,6 +342,15 @@ def _validate_when(where: str, when: Any) -> None:
             _check_str(where, f"when.{key}", when[key])
     if "tool_result_is_error" in when and not isinstance(when["tool_result_is_error"], bool):
         raise StubScriptError(f"{where}: field 'when.tool_result_is_error' must be true or false")
+    if "stream" in when and not isinstance(when["stream"], bool):
+        raise StubScriptError(f"{where}: field 'when.stream' must be true or false")
+    if "previous_response_id" in when:
+        _check_str(where, "when.previous_response_id", when["previous_response_id"])
+    if "endpoint" in when and when["endpoint"] not in ENDPOINTS:
+        raise StubScriptError(
+            f"{where}: field 'when.endpoint' must be one of {', '.join(ENDPOINTS)}, got "
+            f"{when['endpoint']!r}"
+        )
 
 
 def _validate_rule(where: str, rule: Any) -> None:

@@ -266,7 +266,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(400, "invalid_request_error", problem)
             return
 
-        turn, script_model = stub.turn_for(body, attempt(headers))
+        turn, script_model = stub.turn_for(body, attempt(headers), "/v1/messages")
         if turn is None:
             # Retrying cannot help, so tell the SDK not to (keeps failing tests fast).
             self._send_error(500, "api_error", _exhausted(body), x_should_retry="false")
@@ -322,7 +322,7 @@ class _Handler(BaseHTTPRequestHandler):
         if body is None or problem:
             self._openai_error(400, "invalid_request_error", problem or "invalid body")
             return
-        turn, script_model = stub.turn_for(body, attempt(headers))
+        turn, script_model = stub.turn_for(body, attempt(headers), api)
         if turn is None:
             self._openai_error(500, "server_error", _exhausted(body), x_should_retry="false")
             return
@@ -527,14 +527,16 @@ class StubServer:
         with self._lock:
             return list(self.requests)
 
-    def turn_for(self, body: dict, attempt_number: int = 0) -> tuple[dict | None, str | None]:
-        """The turn answering a valid request (``None``: script exhausted) and the script model.
+    def turn_for(self, body: dict, attempt_number: int = 0,
+                 endpoint: str | None = None) -> tuple[dict | None, str | None]:
+        """The turn answering a valid request to ``endpoint`` (``None``: script exhausted) and
+        the script model.
 
         A turn found counts as served.
         """
         with self._lock:
             script = self._script
-            turn = pick(script, body, attempt_number, self._next_in_sequence)
+            turn = pick(script, body, attempt_number, self._next_in_sequence, endpoint)
             if turn is not None:
                 self.served += 1
             return turn, script.get("model")

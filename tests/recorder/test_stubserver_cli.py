@@ -169,7 +169,7 @@ def test_stub_from_refuses_what_it_cannot_serve(tmp_path: Path,
         recorder.value("seed", lambda: 42)
     empty = runner.invoke(cli, ["stub", "--from", str(no_model), "-o", str(script)])
     assert empty.exit_code == 2, empty.output
-    assert "holds no Anthropic Messages call" in empty.output
+    assert "holds no model call a stub can answer" in empty.output
     assert script.read_text() == '{"turns": []}'  # nothing written
 
     parent = tmp_path / "spiral.jsonl"
@@ -257,3 +257,132 @@ def test_a_script_from_a_cassette_tells_conversations_apart(tmp_path: Path) -> N
         assert talk(server.url, ["y", "x", "z"]) == [
             "start", "after y", "start", "after x", "start", "after x"]
         assert len(server.requests) == 6 + 2
+
+
+# --------------------------------------------------------------------------------------------
+# deja stub --from a cassette of OpenAI calls
+# --------------------------------------------------------------------------------------------
+
+OPENAI_MODEL = "gpt-4.1"  # a model the openai SDK knows and does not warn about
+PROMPT = "What does 'deja' mean?"
+MEANING = "French for 'already'"
+WORD = {"type": "object", "properties": {"word": {"type": "string"}}}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": WORD}}]
+RESPONSE_TOOLS = [{"type": "function", "name": "lookup", "parameters": WORD}]
+# Every conversation's first request is refused once with a 429 the SDK retries.
+OPENAI_SCRIPT = {"select": "conversation", "turns": [
+    {"error": {"status": 429, "retry_after": 0.01}, "then": [
+        {"text": "Let me look that up.", "tool_use": {"name": "lookup", "input": {"word": "deja"}},
+         "usage": {"input_tokens": 30, "output_tokens": 8, "cache_read_input_tokens": 100}}]},
+    {"text": "It means 'already'."}]}
+
+
+def openai_agent(url: str) -> list[object]:
+    """Every kind of OpenAI call: a chat tool loop (JSON), a streamed chat completion, a
+    Responses tool loop that resends its items (JSON), and a streamed one that continues
+    its response by previous_response_id. Returns what the SDK made of each answer."""
+    import openai
+
+    out: list[object] = []
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="sk-test", max_retries=2) as c:
+        messages: list[dict] = [{"role": "user", "content": PROMPT}]
+        first = c.chat.completions.create(model=OPENAI_MODEL, messages=messages,
+                                          tools=CHAT_TOOLS)
+        call = first.choices[0].message.tool_calls[0]
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": MEANING}]
+        second = c.chat.completions.create(model=OPENAI_MODEL, messages=messages,
+                                           tools=CHAT_TOOLS)
+        out += [first.model_dump(), second.model_dump()]
+        with c.chat.completions.stream(model=OPENAI_MODEL, messages=messages[:1],
+                                       tools=CHAT_TOOLS,
+                                       stream_options={"include_usage": True}) as s:
+            out.append(s.get_final_completion().model_dump())
+
+        items: list[dict] = [{"role": "user", "content": PROMPT}]
+        response = c.responses.create(model=OPENAI_MODEL, input=items, tools=RESPONSE_TOOLS)
+        items += [o.model_dump(exclude_none=True) for o in response.output]
+        items.append({"type": "function_call_output", "call_id": response.output[1].call_id,
+                      "output": MEANING})
+        out += [response.model_dump(), c.responses.create(
+            model=OPENAI_MODEL, input=items, tools=RESPONSE_TOOLS).model_dump()]
+
+        with c.responses.stream(model=OPENAI_MODEL, input=PROMPT, tools=RESPONSE_TOOLS) as s:
+            response = s.get_final_response()
+        result = [{"type": "function_call_output", "call_id": response.output[1].call_id,
+                   "output": MEANING}]
+        with c.responses.stream(model=OPENAI_MODEL, input=result, tools=RESPONSE_TOOLS,
+                                previous_response_id=response.id) as s:
+            out += [response.model_dump(), s.get_final_response().model_dump()]
+    return out
+
+
+def test_stub_from_a_cassette_of_openai_calls_serves_what_the_run_received(
+        tmp_path: Path) -> None:
+    parent = tmp_path / "openai.jsonl"
+    with StubServer(OPENAI_SCRIPT) as server, recorder.record(parent):
+        recorded = openai_agent(server.url)
+    received = _responses(parent)
+    assert [status for status, _, _ in received] == [429, 200, 200, 429, 200,
+                                                     429, 200, 200, 429, 200, 200]
+
+    script = tmp_path / "openai.stub.json"
+    made = CliRunner().invoke(cli, ["stub", "--from", str(parent), "-o", str(script)])
+    assert made.exit_code == 0, made.output
+    assert "11 model calls" in made.output and "left out" not in made.output
+    rules = json.loads(script.read_text())["rules"]
+    assert [(r["when"]["endpoint"], r["when"]["stream"], r["when"]["position"])
+            for r in rules] == [
+        ("/v1/responses", True, 1),  # it names the response it continues: first
+        ("/v1/chat/completions", False, 0), ("/v1/chat/completions", False, 1),
+        ("/v1/chat/completions", True, 0), ("/v1/responses", False, 0),
+        ("/v1/responses", False, 1), ("/v1/responses", True, 0)]
+    assert rules[0]["when"]["previous_response_id"] == recorded[5]["id"]  # type: ignore[index]
+    assert rules[1]["error"] == {"status": 429, "type": "requests",
+                                 "message": rules[1]["error"]["message"],
+                                 "headers": {"retry-after": "0.01", "retry-after-ms": "10"}}
+    assert "message" in rules[1]["then"][0] and "sse" in rules[3]["then"][0]
+
+    for args in (["--script", str(script)], ["--from", str(parent)]):
+        again = tmp_path / f"again-{args[0][2:]}.jsonl"
+        with cli_stub(tmp_path, *args) as url, recorder.record(again):
+            assert openai_agent(url) == recorded  # ids and all, as the SDK read them
+        # The same 429s with their retry headers, the same bodies and streams byte for byte.
+        assert _responses(again) == received
+
+
+def test_an_openai_message_in_a_script_answers_either_way() -> None:
+    """A recorded chat completion is sent as it is to a JSON request, and as its text,
+    tool calls and usage to a streamed one (and to the other API)."""
+    import openai
+
+    completion = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1,
+                  "model": OPENAI_MODEL, "choices": [{
+                      "index": 0, "finish_reason": "tool_calls", "logprobs": None,
+                      "message": {"role": "assistant", "content": "Looking.", "refusal": None,
+                                  "tool_calls": [{"id": "call_7", "type": "function",
+                                                  "function": {"name": "lookup",
+                                                               "arguments": '{"word":"x"}'}}]}}],
+                  "usage": {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15,
+                            "prompt_tokens_details": {"cached_tokens": 4}}}
+    with StubServer({"turns": [], "default": {"message": completion}}) as server, \
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-test",
+                          max_retries=0) as c:
+        user = [{"role": "user", "content": "x?"}]
+        assert c.chat.completions.create(model=OPENAI_MODEL,
+                                         messages=user).model_dump(exclude_none=True) == \
+            openai.types.chat.ChatCompletion.model_validate(completion).model_dump(
+                exclude_none=True)
+        with c.chat.completions.stream(model=OPENAI_MODEL, messages=user,
+                                       stream_options={"include_usage": True}) as s:
+            streamed = s.get_final_completion()
+        assert streamed.choices[0].message.content == "Looking."
+        assert streamed.choices[0].finish_reason == "tool_calls"
+        [call] = streamed.choices[0].message.tool_calls or []
+        assert (call.id, call.function.name, call.function.arguments) == \
+            ("call_7", "lookup", '{"word":"x"}')
+        assert streamed.usage is not None and streamed.usage.prompt_tokens == 12
+        response = c.responses.create(model=OPENAI_MODEL, input="x?")
+        assert response.output_text == "Looking."
+        assert [(o.call_id, o.name) for o in response.output
+                if o.type == "function_call"] == [("call_7", "lookup")]

@@ -92,6 +92,12 @@ make_server = stub_helpers.make_server
         ({"rules": [{"when": {"position": -1}}]}, ["rule 0", "when.position"]),
         ({"rules": [{"when": {"tool_result_is_error": "no"}}]}, ["rule 0", "is_error"]),
         ({"rules": [{"when": {"first_user": 3}}]}, ["rule 0", "when.first_user"]),
+        ({"rules": [{"when": {"endpoint": "/v1/x"}}]}, ["rule 0", "when.endpoint",
+                                                          "/v1/responses"]),
+        ({"rules": [{"when": {"stream": "yes"}}]}, ["rule 0", "when.stream"]),
+        ({"rules": [{"when": {"previous_response_id": 1}}]},
+         ["rule 0", "when.previous_response_id"]),
+        ({"turns": [{"message": {"choices": "x"}}]}, ["turn 0", "message", "choices"]),
         ({"rules": [{"when": {}, "text": "a", "then": [{"text": "b"}]}]}, ["rule 0", "then"]),
         (
             {"rules": [{"when": {}}, {"when": {}, "drop": "before_headers",
@@ -102,7 +108,7 @@ make_server = stub_helpers.make_server
         ({"turns": [{"message": {"content": "x"}}]}, ["turn 0", "message", "content"]),
         ({"turns": [{"message": {"content": [{"text": "x"}]}}]}, ["turn 0", "content[0]"]),
         ({"turns": [{"message": RECORDED, "text": "x"}]}, ["turn 0", "'message'", "'text'"]),
-        ({"turns": [{"sse": "data: x"}]}, ["turn 0", "sse"]),
+        ({"turns": [{"sse": "no stream"}]}, ["turn 0", "sse"]),
         ({"turns": [{"sse": "event: a\n\n", "sse_error": {}}]}, ["turn 0", "sse_error"]),
         ({"turns": [{"sse": "event: a\n\n", "message": RECORDED}]}, ["turn 0", "combined"]),
         (
