@@ -110,8 +110,12 @@ class Runs:
         bad = [s for s in status or [] if s not in LIFECYCLE]
         if bad:
             raise BadRunRequest(f"unknown status {', '.join(bad)}; valid: {', '.join(LIFECYCLE)}")
-        rows = self.store.list_runs(schedule=schedule, limit=max(limit, 1) * 4 if status or
-                                    label else limit)
+        # A run's lifecycle status can differ from its row's only while the row says it is
+        # active (the engine then knows better: cancelled, failed, queued again).
+        rows_status = sorted(set(status) | {"queued", "working", "input_required"}) \
+            if status else None
+        rows = self.store.list_runs(status=rows_status, schedule=schedule,
+                                    limit=max(limit, 1) * 4 if label else limit * 2)
         states = self.client.states([r["run_id"] for r in rows])
         out = []
         for row in rows:
@@ -139,9 +143,9 @@ class Runs:
             raise BadRunRequest("an answer is a string")
         row = self._row(run_id)
         record = record_of(row, self.client.states([run_id]).get(run_id))
-        if record["status"] in ENDED:
-            raise BadRunRequest(f"run {run_id} already ended {record['status']}; it waits for "
-                                "no answer")
+        if record["status"] != "input_required":
+            raise BadRunRequest(f"run {run_id} is {record['status']}, not waiting for an "
+                                "answer (input_required); answer once it asks")
         question = row.get("question")
         self.client.answer(run_id, text, key=f"{run_id}:{question}:{row['updated']}")
         return {"run_id": run_id, "status": record["status"], "question": question,

@@ -4,7 +4,8 @@ Start it with ``deja view [DIR]`` (``streamlit run viewer/app.py -- DIR``; the d
 may also come from ``DEJA_VIEW_DIR``). The page is in the URL: ``?run=R&file=F&step=N``
 opens run R (the cassette file F in the folder: a copied cassette keeps its run id, so the
 file is what tells two copies apart) and one of its steps, ``?a=R1&a_file=F1&b=R2&b_file=F2``
-compares two runs, nothing lists the runs (``?q=words`` keeps the search); a reload or a
+compares two runs, nothing lists the runs (``?q=words`` keeps the search),
+``?page=submitted`` shows the runs database (:mod:`viewer.submitted_page`); a reload or a
 shared link restores the view. This script only lays out: every question is
 a function of :mod:`viewer.queries`.
 """
@@ -389,6 +390,13 @@ def main() -> None:
         st.markdown("### deja")
         st.caption(f"`{folder}`")
         st.button("Runs", on_click=widgets.go, key="nav_runs")
+        st.button("Submitted runs", on_click=widgets.go, kwargs={"page": "submitted"},
+                  key="nav_submitted")
+    if st.query_params.get("page") == "submitted":  # the runs database, not the folder
+        from viewer import submitted_page  # the engine is slow to import: only here
+
+        submitted_page.page()
+        return
     if not folder.is_dir():
         st.error(f"No cassette directory {folder}. Start the viewer with `deja view DIR`.")
         return

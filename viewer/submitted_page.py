@@ -1,0 +1,196 @@
+"""The Submitted runs page (``?page=submitted``): runs out of the request cycle.
+
+The queued, working and waiting runs of the runs database (each with its status, step,
+turn, spend, worker and labels), the recently ended ones below them, and the schedules
+with their next occurrence, last verified artefact and latest alerts. A waiting run
+shows its question with a box for the answer; a queued or working run has a Cancel
+button. While runs are active the tables refresh every two seconds (every ten when
+none is).
+
+Shown by :mod:`viewer.app`, which imports this module only when the page is asked for;
+every question goes to :mod:`viewer.submitted`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+import sqlalchemy as sa
+import streamlit as st
+
+from recorder.errors import DejaError
+from runs.config import database_url
+from runs.errors import DatabaseUnavailable
+from runs.service import Runs
+from viewer import submitted
+
+EMPTY = "—"
+REFRESH_S = 2  # seconds between refreshes while runs are active
+IDLE_REFRESH_S = 10  # and otherwise (a run submitted meanwhile shows)
+FLASH = "submitted_flash"  # what the last Answer or Cancel did, shown once
+
+
+@st.cache_resource(show_spinner=False, on_release=submitted.close)
+def connection(url: str) -> Runs:
+    """One runs service per database for the whole viewer (the engine's client is slow to
+    make); a failure is not kept, so the next view tries again."""
+    return submitted.connect(url)
+
+
+def _action_errors() -> tuple[type[BaseException], ...]:
+    """What an Answer or a Cancel can meet: deja's named errors, or a database gone
+    meanwhile (the engine is imported by then: the page has a connection)."""
+    from runs import engine
+
+    return (DejaError, sa.exc.SQLAlchemyError, *engine.ENGINE_ERRORS)
+
+
+def _say(kind: str, text: str) -> None:
+    st.session_state[FLASH] = (kind, text)
+
+
+def _answer(runs: Runs, run_id: str, question: str | None) -> None:
+    text = st.session_state.get(f"answer_text:{run_id}") or ""
+    if not text.strip():
+        _say("error", f"Type an answer for run {run_id} first.")
+        return
+    try:
+        runs.answer(run_id, text)
+    except _action_errors() as exc:
+        _say("error", f"Run {run_id} could not be answered: {exc}")
+        return
+    st.session_state.setdefault("answered", set()).add((run_id, question))
+    st.session_state[f"answer_text:{run_id}"] = ""  # a later question starts empty
+    _say("success", f"Answer sent to run {run_id}; it goes on when a worker takes it up.")
+
+
+def _cancel(runs: Runs, run_id: str) -> None:
+    try:
+        done = runs.cancel(run_id)
+    except _action_errors() as exc:
+        _say("error", f"Run {run_id} could not be cancelled: {exc}")
+        return
+    if done.get("note"):
+        _say("warning", f"Run {run_id}: {done['note']}.")
+    elif done["status"] == "cancelling":
+        _say("success", f"Cancel sent to run {run_id}: it stops at its next boundary.")
+    else:
+        _say("success", f"Run {run_id} is cancelled (it was {done['was']}).")
+
+
+def how_to_start() -> None:
+    st.markdown(submitted.HOW_TO_START)
+
+
+def page() -> None:
+    st.title("Submitted runs")
+    url = database_url()
+    missing = submitted.missing_database(url)
+    if missing is not None:
+        st.info(f"No runs database yet: `{missing}` does not exist, so no run was ever "
+                "submitted here.")
+        how_to_start()
+        return
+    try:
+        runs = connection(url)
+        first = submitted.board(runs)
+    except DatabaseUnavailable as exc:
+        connection.clear()
+        st.error(f"The runs database cannot be read: {exc}")
+        how_to_start()
+        return
+    st.caption(f"Runs submitted with `deja submit` or `POST /runs`, and scheduled runs, "
+               f"from the runs database `{first.where}`")
+
+    @st.fragment(run_every=REFRESH_S if first.active else IDLE_REFRESH_S)
+    def body() -> None:
+        view = first
+        if st.session_state.pop("submitted_drawn", False):  # a refresh, not the first draw
+            try:
+                view = submitted.board(runs)
+            except DatabaseUnavailable as exc:
+                connection.clear()
+                st.error(f"The runs database cannot be read: {exc}")
+                return
+        st.session_state["submitted_drawn"] = True
+        board_body(runs, view)
+
+    st.session_state.pop("submitted_drawn", None)
+    body()
+
+
+def board_body(runs: Runs, view: submitted.Board) -> None:
+    flash = st.session_state.pop(FLASH, None)
+    if flash is not None:
+        getattr(st, flash[0])(flash[1])
+    st.subheader("Queued, working and waiting")
+    if view.active:
+        runs_table(view.active, submitted.ACTIVE_COLUMNS, "active_runs")
+    else:
+        st.caption("No run is queued, working or waiting.")
+    for record in submitted.waiting(view.active):
+        waiting_run(runs, record)
+    cancellable = submitted.cancellable(view.active)
+    if cancellable:
+        st.markdown("**Cancel a run**")
+        for record in cancellable:
+            left, right = st.columns([5, 1], vertical_alignment="center")
+            left.markdown(f"`{record['run_id']}` · {record['status']}"
+                          + (f" · {record['step']}" if record.get("step") else ""))
+            right.button("Cancel", key=f"cancel_btn:{record['run_id']}", on_click=_cancel,
+                         args=(runs, record["run_id"]),
+                         help="A queued run never starts; a working one stops at its next "
+                              "boundary.")
+    st.subheader("Recently ended")
+    if view.ended:
+        runs_table(view.ended, submitted.ENDED_COLUMNS, "ended_runs")
+    else:
+        st.caption("No run has ended yet.")
+    schedules_panel(view.schedules)
+
+
+def runs_table(records: list[dict[str, Any]], columns: tuple[str, ...], key: str) -> None:
+    frame = pd.DataFrame([{c: submitted.run_row(r)[c] for c in columns} for r in records],
+                         columns=list(columns))
+    st.dataframe(frame, hide_index=True, key=key, placeholder=EMPTY, column_config={
+        "run": st.column_config.TextColumn("run", width="medium"),
+        "step": st.column_config.TextColumn("step", width="medium"),
+        "spend": st.column_config.NumberColumn("spend", format="$%.6f"),
+        "error": st.column_config.TextColumn("error", width="large")})
+
+
+def waiting_run(runs: Runs, record: dict[str, Any]) -> None:
+    run_id = record["run_id"]
+    with st.container(border=True):
+        st.markdown(f"**Run `{run_id}` asks:** {record.get('question') or '(no question)'}")
+        if (run_id, record.get("question")) in st.session_state.get("answered", set()):
+            st.caption("Answered; the run goes on when a worker takes it up.")
+            return
+        left, right = st.columns([5, 1], vertical_alignment="bottom")
+        left.text_input("Answer", key=f"answer_text:{run_id}",
+                        placeholder="the answer the run resumes with")
+        right.button("Answer", key=f"answer_btn:{run_id}", type="primary", on_click=_answer,
+                     args=(runs, run_id, record.get("question")))
+
+
+def schedules_panel(schedules: list[dict[str, Any]]) -> None:
+    st.subheader("Schedules")
+    if not schedules:
+        st.caption("No schedule; add one with `deja schedule add NAME --cron \"0 6 * * 1\" "
+                   "--deadline 07:00 -- CMD`.")
+        return
+    columns = list(submitted.SCHEDULE_COLUMNS)
+    frame = pd.DataFrame([submitted.schedule_row(s) for s in schedules], columns=columns)
+    st.dataframe(frame, hide_index=True, key="schedules", placeholder=EMPTY, column_config={
+        "latest alert": st.column_config.TextColumn("latest alert", width="large"),
+        "last verified artefact": st.column_config.TextColumn("last verified artefact",
+                                                              width="medium")})
+    for schedule in schedules:
+        alerts = schedule.get("alerts") or []
+        if not alerts:
+            continue
+        with st.expander(f"Alerts of {schedule['name']} ({len(alerts)})"):
+            st.dataframe(pd.DataFrame(alerts, columns=["at", "kind", "occurrence", "run_id",
+                                                       "message", "delivery"]),
+                         hide_index=True, placeholder=EMPTY)
