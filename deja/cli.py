@@ -523,6 +523,7 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
     Returns the status to exit with (128 + N when a signal N stopped it)."""
     from deja import launcher
     from deja.boot import BOOT_FAILED, child_env
+    from recorder.ask import EXIT_INPUT_REQUIRED, WORKER_ENV
     from recorder.errors import CassetteWriteError, DejaError
     from recorder.record import write_end
 
@@ -543,6 +544,9 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
                                err=True)
                 except DejaError as exc:
                     _fail(exc)
+        elif ended.code == EXIT_INPUT_REQUIRED and os.environ.get(WORKER_ENV) == "1":
+            click.echo("deja: the run waits for an answer (recorder.ask); it is resumed with "
+                       "it", err=True)
         elif target.exists() and ended.code != BOOT_FAILED:
             click.echo(f"deja: the program ended (status {ended.status}) before the run could "
                        f"be closed; it can be resumed: deja resume {target}", err=True)
@@ -731,7 +735,9 @@ def diff(cassette_a: Path, cassette_b: Path, as_json: bool, allow_unverified: bo
 
 
 for command in (cli_runs.status, cli_runs.cancel, cli_stub.stub, cli_proxy.proxy,
-                cli_export.export, cli_import.import_, cli_serve.worker):
+                cli_export.export, cli_import.import_, cli_serve.worker, cli_serve.serve,
+                cli_serve.submit, cli_serve.runs_, cli_serve.answer, cli_serve.schedule,
+                cli_serve.check):
     main.add_command(command)
 
 

@@ -1,5 +1,10 @@
 """``deja status`` and ``deja cancel``: what a run is doing, and asking it to stop. A run
-is named by its id or by its cassette, whose run id is used only once it verifies."""
+is named by its id or by its cassette, whose run id is used only once it verifies.
+
+A run of this machine is read from its status record (``$DEJA_HOME/runs``). A run id
+without one here (a run submitted to ``deja serve`` that no worker of this machine has
+started), or whose record was left by a process that is gone (a worker's run waiting for
+an answer, or taken over elsewhere), is asked of ``deja serve`` (``DEJA_SERVER``)."""
 
 from __future__ import annotations
 
@@ -73,10 +78,16 @@ def status(run: str, as_json: bool, allow_unverified: bool) -> None:
     record = read_status(run)
     if record is None and cassette is not None:
         record = _status_from_cassette(cassette)
-    if record is None:
-        raise BadInput(f"no status for run {run!r} (runs record theirs under "
-                       "$DEJA_HOME/runs; is DEJA_HOME the same as the recording's? Give "
-                       "the cassette instead: deja status CASSETTE)")
+    if cassette is None and (record is None or _left_behind(record)):
+        served, why = _from_server("GET", run)
+        if served is not None:
+            _print_served(served, as_json)
+            return
+        if record is None:
+            raise BadInput(f"no status for run {run!r} (runs record theirs under "
+                           "$DEJA_HOME/runs; is DEJA_HOME the same as the recording's? Give "
+                           f"the cassette instead: deja status CASSETTE){why}")
+    assert record is not None
     gone = _process_gone(record)
     if gone:  # the record is stale: say what happened, keep what it last said
         record.update(status="crashed", last_recorded_status=record["status"],
@@ -116,6 +127,69 @@ def status(run: str, as_json: bool, allow_unverified: bool) -> None:
     click.echo("\n".join(lines))
 
 
+def _left_behind(record: dict[str, Any]) -> bool:
+    """A record of this host that does not say the run ended, whose process is gone."""
+    import socket
+
+    return not record.get("ended") and record.get("host") == socket.gethostname() and \
+        _pid_gone(record.get("pid"))
+
+
+def _from_server(method: str, run: str) -> tuple[dict[str, Any] | None, str]:
+    """What ``deja serve`` says of ``run`` (``POST``: cancels it), or None and why not
+    (to add to the message of a run not found here)."""
+    from deja.cli_serve import ServerSaid, _api, _said
+    from recorder.harness.progress import valid_run_id
+    from runs.errors import ServerUnreachable
+
+    if not valid_run_id(run):
+        return None, ""
+    path = f"/runs/{run}" + ("/cancel" if method == "POST" else "")
+    try:
+        return _api(method, path, {} if method == "POST" else None), ""
+    except ServerUnreachable as exc:
+        return None, f"; not asked of deja serve either: {exc}"
+    except ServerSaid as exc:
+        if exc.type == "NoSuchRun":
+            from runs.config import server_url
+
+            return None, f"; nor does deja serve at {server_url()} hold it (NoSuchRun)"
+        _said(exc)
+
+
+def _print_served(record: dict[str, Any], as_json: bool) -> None:
+    """A run's record as deja serve tells it."""
+    if as_json:
+        click.echo(json.dumps(record, indent=2))
+        return
+
+    def limit(value: Any, cap: Any = None, unit: str = "") -> str:
+        if value is None:
+            return "-"  # not started yet
+        return f"{value}{unit}" + (f" / {cap}{unit}" if cap is not None else "")
+
+    artefacts = ", ".join(f"{a.get('path')} (sha256 {str(a.get('sha256'))[:12]})"
+                          for a in record.get("artefacts") or []) or "-"
+    lines = [f"run {record['run_id']}: {record['status']} (deja serve"
+             + (f"; worker {record['worker']}" if record.get("worker") else "") + ")",
+             f"  command:  {' '.join(record.get('command') or [])}",
+             f"  step:     {limit(record.get('step'))}",
+             f"  turn:     {limit(record.get('turn'), record.get('turn_limit'))}",
+             f"  elapsed:  {limit(record.get('elapsed_s'), record.get('budget_s'), 's')}",
+             f"  tokens:   {limit(record.get('tokens'), record.get('token_limit'))}",
+             f"  spend:    {limit(record.get('spend_usd'), record.get('dollar_limit'), ' USD')}",
+             f"  artefacts: {artefacts}",
+             f"  cassette: {record.get('cassette')}",
+             f"  submitted: {record.get('submitted')}, updated {record.get('updated')}"]
+    if record.get("question") is not None:
+        lines += [f"  question: {record['question']}", f"  answer:   {record.get('answer')}"]
+    if record.get("error"):
+        lines.append(f"  error:    {record['error']}")
+    if not record.get("ended"):
+        lines.append(f"  cancel:   {record.get('cancel')}")
+    click.echo("\n".join(lines))
+
+
 def _process_gone(record: dict[str, Any]) -> bool:
     """A record that says running, written on this host by a process that no longer is."""
     import socket
@@ -139,6 +213,13 @@ def cancel(run: str, reason: str) -> None:
 
     run, given = _run_of(run)  # a cassette names the run it cancels only if it verifies
     record = read_status(run)
+    if given is None and (record is None or _left_behind(record)):
+        served, why = _from_server("POST", run)
+        if served is not None:
+            _cancelled_served(run, served)
+            return
+        if record is None:
+            raise BadInput(f"no run {run!r} under $DEJA_HOME/runs{why}")
     if record is None:
         raise BadInput(f"no run {run!r} under $DEJA_HOME/runs")
     if given is not None and Path(given.path).resolve() not in {
@@ -157,3 +238,15 @@ def cancel(run: str, reason: str) -> None:
         _fail(exc)
     click.echo(f"deja: cancel requested for run {run} ({path}); it stops at its next "
                "boundary")
+
+
+def _cancelled_served(run: str, answer: dict[str, Any]) -> None:
+    if answer.get("note"):  # it had ended: nothing to cancel
+        raise BadInput(f"run {run} already ended with status {answer.get('status')!r}")
+    if answer.get("status") == "cancelling":
+        click.echo(f"deja: cancel requested for run {run} (it was {answer.get('was')}); it "
+                   "stops at its next boundary")
+    else:
+        was = answer.get("was")
+        click.echo(f"deja: run {run} cancelled (it was {was}; it never "
+                   f"{'starts' if was == 'queued' else 'resumes'})")

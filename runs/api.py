@@ -1,0 +1,467 @@
+"""``deja serve``: the HTTP API of runs out of the request cycle, as a raw ASGI app.
+
+Every route speaks JSON::
+
+    POST /runs                 a submission (command, cwd, labels, guards)
+                               -> 201 {"run_id": "r_…", "status": "queued"}
+    GET  /runs/{id}            the run's progress record and lifecycle status
+    GET  /runs                 ?status=working&status=queued&label=team=billing
+                               &schedule=NAME&limit=N -> {"runs": [...]}, newest first
+    POST /runs/{id}/cancel     a queued run never starts; a working one stops at its
+                               next boundary
+    POST /runs/{id}/input      {"answer": "TEXT"}: resumes a run waiting on recorder.ask
+    GET  /runs/{id}/events     server-sent events: ``event: status`` with the record as
+                               data each time it changes, until the run has ended
+    GET  /schedules            {"schedules": [...]}
+    GET  /healthz              {"ok": true, ...}; 503 when the database cannot be reached
+
+An error is a named JSON error, never a traceback:
+``{"error": {"type": "NoSuchRun", "message": "..."}}`` with 404 (``NoSuchRun``,
+``NoSuchSchedule``, ``NotFound``), 400 (``BadRunRequest``, ``BadSchedule``, ``BadJson``),
+413 (``BodyTooLarge``: a body is at most 1 MiB), 401 (``Unauthorized``), 405
+(``MethodNotAllowed``) and 503 (``DatabaseUnavailable``).
+
+The database work of a request (a submission is one insert and one enqueue) runs in a
+thread, off the event loop, so a slow request never holds the others. Bound to
+loopback, the API needs no token unless one is given; bound to any other address it
+refuses to start without one, and every request but ``/healthz`` must then carry
+``Authorization: Bearer TOKEN``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl
+
+from recorder.errors import ConfigError, DejaError, NoSuchRun, UsageError
+from runs.errors import BadRunRequest, BadSchedule, DatabaseUnavailable, NoSuchSchedule
+from runs.store import ENDED
+
+__all__ = ["MAX_BODY", "Api", "ApiError", "is_loopback", "serve"]
+
+log = logging.getLogger("deja.serve")
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+MAX_BODY = 1024 * 1024
+EVENTS_POLL = 0.5  # seconds between looks at a run whose events are streamed
+KEEPALIVE = 15.0  # seconds between comments on an idle event stream
+STATUS_OF: tuple[tuple[type[BaseException], int], ...] = (
+    (NoSuchRun, 404), (NoSuchSchedule, 404), (BadRunRequest, 400), (BadSchedule, 400),
+    (DatabaseUnavailable, 503), (UsageError, 400))
+
+
+class ApiError(Exception):
+    """An error the API answers with: an HTTP status and a named JSON error."""
+
+    def __init__(self, status: int, type_: str, message: str,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.message = status, type_, message
+        self.headers = headers or []
+
+    @classmethod
+    def of(cls, exc: DejaError) -> ApiError:
+        status = next((code for kind, code in STATUS_OF if isinstance(exc, kind)), 500)
+        return cls(status, type(exc).__name__, str(exc))
+
+    def body(self) -> bytes:
+        return json.dumps({"error": {"type": self.type, "message": self.message}}).encode()
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _route(method: str, path: str) -> tuple[str, str | None]:
+    """The handler's name and the run id in the path; ApiError 404/405 otherwise."""
+    parts = [p for p in path.split("/") if p]
+    allowed: tuple[str, ...] = ()
+    name = ""
+    run: str | None = None
+    if parts == ["runs"]:
+        allowed, name = ("GET", "POST"), "list" if method == "GET" else "submit"
+    elif len(parts) == 2 and parts[0] == "runs":
+        allowed, name, run = ("GET",), "get", parts[1]
+    elif len(parts) == 3 and parts[0] == "runs" and parts[2] in ("cancel", "input"):
+        allowed, name, run = ("POST",), parts[2], parts[1]
+    elif len(parts) == 3 and parts[0] == "runs" and parts[2] == "events":
+        allowed, name, run = ("GET",), "events", parts[1]
+    elif parts == ["schedules"]:
+        allowed, name = ("GET",), "schedules"
+    elif parts == ["healthz"]:
+        allowed, name = ("GET",), "healthz"
+    if not allowed:
+        raise ApiError(404, "NotFound", f"no route {path}; deja serve offers /runs, "
+                       "/runs/{id}, /runs/{id}/cancel, /runs/{id}/input, /runs/{id}/events, "
+                       "/schedules and /healthz")
+    if method not in allowed:
+        raise ApiError(405, "MethodNotAllowed", f"{method} {path} is not served; use "
+                       f"{' or '.join(allowed)}", [(b"allow", ", ".join(allowed).encode())])
+    return name, run
+
+
+class Api:
+    """The ASGI app over ``runs`` (a :class:`runs.service.Runs`)."""
+
+    def __init__(self, runs: Any, *, token: str | None = None, max_body: int = MAX_BODY,
+                 poll: float = EVENTS_POLL, stopping: Callable[[], bool] | None = None) -> None:
+        self.runs = runs
+        self.token = token or None
+        self.max_body = max_body
+        self.poll = poll
+        self.stopping = stopping or (lambda: False)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        t0 = time.perf_counter()
+        method, path = scope["method"], scope["path"]
+        state = {"status": 0, "started": False}
+
+        async def sending(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                state["status"], state["started"] = message["status"], True
+            await send(message)
+
+        try:
+            await self._http(scope, receive, sending)
+        except ApiError as err:
+            await self._error(sending, err, bool(state["started"]))
+        except DejaError as exc:
+            await self._error(sending, ApiError.of(exc), bool(state["started"]))
+        except Exception as exc:  # never a traceback to the client
+            if _unreachable(exc):  # the engine's client lets its driver's errors through
+                from runs.store import unavailable
+
+                failure = ApiError.of(unavailable(self.runs.store.url, exc))
+            else:
+                log.exception("%s %s: unexpected error", method, path)
+                failure = ApiError(500, "InternalError", f"deja serve: internal error "
+                                   f"({type(exc).__name__}); see the server's log")
+            await self._error(sending, failure, bool(state["started"]))
+        finally:
+            log.info("%s %s %s %.1fms", method, path, state["status"] or "-",
+                     (time.perf_counter() - t0) * 1000)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _error(self, send: Send, err: ApiError, started: bool) -> None:
+        if started:  # an event stream under way: all that can be done is to end it
+            with contextlib.suppress(Exception):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        await _json(send, err.status, err.body(), err.headers)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method, path = scope["method"], scope["path"]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope["headers"]}
+        name, run = _route(method, path)
+        if name != "healthz":
+            self._authorize(headers)
+        query = parse_qsl((scope.get("query_string") or b"").decode("latin-1"),
+                          keep_blank_values=True)
+        if name == "submit":
+            payload = await self._json_body(receive, headers)
+            result = await asyncio.to_thread(self.runs.submit, payload)
+            await _json(send, 201, _dump(result),
+                        [(b"location", f"/runs/{result['run_id']}".encode())])
+        elif name == "list":
+            filters = _filters(query)
+            found = await asyncio.to_thread(lambda: self.runs.list_runs(**filters))
+            await _json(send, 200, _dump({"runs": found}))
+        elif name == "get":
+            await _json(send, 200, _dump(await asyncio.to_thread(self.runs.get, run)))
+        elif name == "cancel":
+            await self._json_body(receive, headers, optional=True)
+            await _json(send, 200, _dump(await asyncio.to_thread(self.runs.cancel, run)))
+        elif name == "input":
+            body = await self._json_body(receive, headers)
+            if not isinstance(body, dict) or not isinstance(body.get("answer"), str):
+                raise BadRunRequest('the body of POST /runs/{id}/input is {"answer": "TEXT"}')
+            answered = await asyncio.to_thread(self.runs.answer, run, body["answer"])
+            await _json(send, 200, _dump(answered))
+        elif name == "events":
+            await self._events(run or "", receive, send)
+        elif name == "schedules":
+            found = await asyncio.to_thread(self.runs.schedules)
+            await _json(send, 200, _dump({"schedules": found}))
+        else:
+            await self._health(send)
+
+    def _authorize(self, headers: dict[str, str]) -> None:
+        if self.token is None:
+            return
+        scheme, _, given = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+                given.strip().encode(), self.token.encode()):
+            raise ApiError(401, "Unauthorized",
+                           "this server needs its token: send Authorization: Bearer TOKEN "
+                           "(the deja commands send DEJA_TOKEN)",
+                           [(b"www-authenticate", b'Bearer realm="deja"')])
+
+    async def _json_body(self, receive: Receive, headers: dict[str, str],
+                         optional: bool = False) -> Any:
+        declared = headers.get("content-length", "")
+        too_big = ApiError(413, "BodyTooLarge", f"the request body is over the limit of "
+                           f"{self.max_body} bytes")
+        if declared.isdigit() and int(declared) > self.max_body:
+            raise too_big
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ApiError(400, "BadJson", "the client went away while sending its body")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise too_big
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        data = b"".join(chunks)
+        if optional and not data.strip():
+            return None
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, "BadJson", f"the request body is not JSON ({exc}); send a "
+                           "JSON object, e.g. {\"command\": [\"python\", \"agent.py\"]}") \
+                from None
+
+    async def _health(self, send: Send) -> None:
+        from runs.config import is_sqlite
+
+        store = self.runs.store
+        await asyncio.to_thread(store.get_meta, "cassette_dir")
+        await _json(send, 200, _dump({"ok": True, "database": "sqlite" if is_sqlite(
+            store.url) else "postgres"}))
+
+    async def _events(self, run: str, receive: Receive, send: Send) -> None:
+        record = await asyncio.to_thread(self.runs.get, run)  # a NoSuchRun is a 404 here
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no")]})
+        async def disconnected() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass  # the request's (empty) body
+
+        gone = asyncio.ensure_future(disconnected())
+        last = ""
+        quiet_since = time.monotonic()
+        try:
+            while not gone.done():
+                text = json.dumps(record, sort_keys=True)
+                if text != last:
+                    last = text
+                    quiet_since = time.monotonic()
+                    await _event(send, "status", text)
+                    if record["status"] in ENDED:
+                        break
+                elif time.monotonic() - quiet_since >= KEEPALIVE:
+                    quiet_since = time.monotonic()
+                    await send({"type": "http.response.body", "body": b": keepalive\n\n",
+                                "more_body": True})
+                if self.stopping():
+                    await _event(send, "end", json.dumps(
+                        {"run_id": run, "reason": "the server is stopping; reconnect to "
+                                                  "follow the run"}))
+                    break
+                await asyncio.wait([gone], timeout=self.poll)
+                if gone.done():
+                    return
+                try:
+                    record = await asyncio.to_thread(self.runs.get, run)
+                except DejaError as exc:
+                    err = ApiError.of(exc)
+                    await _event(send, "error", json.dumps(json.loads(err.body())["error"]))
+                    break
+            if not gone.done():
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            gone.cancel()
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """A driver's error that says the database cannot be reached (or is locked)."""
+    import sqlite3
+
+    import sqlalchemy as sa
+
+    if isinstance(exc, sa.exc.OperationalError | sa.exc.InterfaceError | sqlite3.OperationalError):
+        return True
+    psycopg = sys.modules.get("psycopg")
+    return psycopg is not None and isinstance(exc, psycopg.OperationalError)
+
+
+def _filters(query: list[tuple[str, str]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"status": [], "label": {}}
+    for key, value in query:
+        if key == "status":
+            out["status"].append(value)
+        elif key == "label":
+            name, sep, wanted = value.partition("=")
+            if not sep or not name:
+                raise BadRunRequest(f"label={value!r} is not KEY=VALUE, e.g. label=team=billing")
+            out["label"][name] = wanted
+        elif key == "schedule":
+            out["schedule"] = value or None
+        elif key == "limit":
+            if not value.isdigit() or not 1 <= int(value) <= 1000:
+                raise BadRunRequest(f"limit={value!r} is not a whole number from 1 to 1000")
+            out["limit"] = int(value)
+        else:
+            raise BadRunRequest(f"unknown filter {key!r}; GET /runs takes status, label, "
+                                "schedule and limit")
+    return out
+
+
+def _dump(data: Any) -> bytes:
+    return json.dumps(data, default=str).encode()
+
+
+async def _json(send: Send, status: int, body: bytes,
+                headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        *(headers or [])]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _event(send: Send, name: str, data: str) -> None:
+    await send({"type": "http.response.body", "body": f"event: {name}\ndata: {data}\n\n"
+                .encode(), "more_body": True})
+
+
+# -- the server
+
+
+def check_binding(host: str, token: str | None) -> None:
+    if not is_loopback(host) and not token:
+        raise ConfigError(f"deja serve binds to {host}, which is not loopback: give it a token "
+                          "(--token or DEJA_TOKEN); clients then send Authorization: Bearer "
+                          "TOKEN (the deja commands send DEJA_TOKEN)")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP named outright: asyncio sets TCP_NODELAY only on sockets created so, and
+    # without it a response can wait ~40 ms for the client's delayed ACK (Nagle)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"deja serve cannot listen on {host}:{port} ({exc.strerror or exc}); "
+                          "choose another --port or --host") from None
+    return sock
+
+
+def _sqlite_folder(url: str) -> None:
+    """The embedded database's folder is made on first use (a fresh ``$DEJA_HOME``)."""
+    from runs.config import is_sqlite
+
+    if is_sqlite(url) and url.startswith("sqlite:///"):
+        with contextlib.suppress(OSError):  # the store then names the problem
+            Path(url[len("sqlite:///"):]).parent.mkdir(mode=0o700, parents=True,
+                                                       exist_ok=True)
+
+
+def serve(host: str, port: int, token: str | None, url: str,
+          ready_file: Path | None = None) -> None:
+    """Serve the API until SIGTERM or SIGINT."""
+    import uvicorn
+    import uvloop
+
+    from runs import engine
+    from runs.service import Runs
+    from runs.store import Store
+
+    check_binding(host, token)
+    _sqlite_folder(url)
+    sock = _bind(host, port)
+    try:
+        store = Store(url)
+        client = engine.Client(url)
+    except BaseException:
+        sock.close()
+        raise
+    server: uvicorn.Server | None = None
+    app = Api(Runs(store, client), token=token,
+              stopping=lambda: server is not None and server.should_exit)
+    config = uvicorn.Config(app, lifespan="on", http="httptools", loop="uvloop",
+                            log_level="warning", access_log=False, server_header=False,
+                            date_header=False, backlog=2048, timeout_keep_alive=30,
+                            timeout_graceful_shutdown=3)
+    server = uvicorn.Server(config)
+
+    async def announce() -> None:
+        assert server is not None
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.01)
+        bound = sock.getsockname()[1]
+        address = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+        sys.stderr.write(f"deja: serving runs on {address}\n")
+        sys.stderr.flush()
+        if ready_file is not None:
+            tmp = ready_file.with_name(ready_file.name + ".tmp")
+            tmp.write_text(json.dumps({"url": address, "port": bound, "pid": os.getpid()}))
+            os.replace(tmp, ready_file)
+
+    async def main() -> None:
+        assert server is not None
+        waiter = asyncio.create_task(announce())
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            waiter.cancel()
+
+    # uvicorn re-raises the signal it stopped on once it has shut down: a stop asked for
+    # is a clean exit here
+    previous = {sig: signal.signal(sig, lambda *_: None)
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        uvloop.run(main())
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
+        with contextlib.suppress(Exception):
+            client.close()
+        store.close()
