@@ -359,11 +359,8 @@ class _EngineClient:
             try:
                 return method(*args, **kwargs)
             except ENGINE_ERRORS as exc:
-                hint = ("; the engine knows this application once a worker has started on "
-                        "this database: start `deja worker` and try again"
-                        if name == "trigger_schedule" else "")
                 raise BadInput(f"the runs engine refused ({type(exc).__name__}: {exc})"
-                               f"{hint}") from None
+                               ) from None
 
         return call
 
@@ -469,9 +466,9 @@ def schedule_rm(name: str, db: str | None) -> None:
 @_db_option
 def schedule_run_now(name: str, db: str | None) -> None:
     """Submit an occurrence of a schedule now (a worker runs it)."""
-    _with_service(db, lambda s: s.run_now(name))  # an unknown name: NoSuchSchedule
-    click.echo(f"deja: schedule {name} triggered; its run shows in: deja runs --schedule "
-               f"{name}")
+    done = _with_service(db, lambda s: s.run_now(name))  # an unknown name: NoSuchSchedule
+    click.echo(f"deja: schedule {name} triggered: run {done['run_id']} is queued; it shows "
+               f"in: deja runs --schedule {name}")
 
 
 @click.command()

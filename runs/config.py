@@ -31,6 +31,11 @@ def is_sqlite(url: str) -> bool:
     return url.startswith("sqlite")
 
 
+def sqlite_path(url: str) -> Path:
+    """The file of a ``sqlite:///`` URL."""
+    return Path(url.split("sqlite:///", 1)[1])
+
+
 def sqlalchemy_url(url: str) -> str:
     """The URL for SQLAlchemy: Postgres through psycopg 3 (the driver the engine ships)."""
     for prefix in ("postgresql://", "postgres://"):

@@ -10,9 +10,11 @@ machines, one URL apart) and checkpoints between their steps. deja uses it this 
   checkpoint inside the step. A worker that dies mid-step has its run dispatched again
   and the step resumes the cassette (recorded turns replay, a trailing intent is
   settled, then live).
-- **Input required** ends the step (the agent's process exits after asking); the
-  workflow waits on a durable message (``recv``) that survives worker restarts, then a
-  new step resumes the cassette with the answer.
+- **Input required** ends the step and the workflow (the agent's process exits after
+  asking), so a waiting run holds no worker slot. The answer is the input of the run's
+  next workflow, ``<run>.<n>`` (the n-th answer), enqueued by whoever answers: it is as
+  durable as a submission, waits in the queue while no worker is up, and an answer given
+  twice is one workflow. Its step resumes the cassette with the answer.
 - **A schedule** is an engine cron schedule, with automatic backfill, whose workflow
   (on its own queue: sleeping or scheduling work never holds a run's slot) submits the
   occurrence's run under a deterministic id, so a backfill cannot submit twice.
@@ -38,8 +40,9 @@ from typing import Any
 from dbos import DBOS, DBOSClient, DBOSConfig, EnqueueOptions, SetWorkflowID
 from dbos import error as dbos_error
 
-from runs.config import is_sqlite
+from runs.config import is_sqlite, sqlite_path
 from runs.errors import DatabaseUnavailable, RunFailed
+from runs.spec import workflow_id
 
 APP_NAME = "deja"
 APP_VERSION = "deja-runs-1"  # pinned: runs in flight survive an upgrade of deja
@@ -47,41 +50,25 @@ RUNS_QUEUE = "deja-runs"
 SCHEDULES_QUEUE = "deja-schedules"
 RUN_WORKFLOW = "deja.run"
 OCCURRENCE_WORKFLOW = "deja.occurrence"
-ANSWER_TOPIC = "answer"
-RECV_WAIT = 60.0  # seconds per durable wait for an answer (a cancel is seen between waits)
 ENGINE_ERRORS: tuple[type[BaseException], ...] = (dbos_error.DBOSException,)
 
 # What the workflows call, set by the worker before launch (the engine knows no agent).
 _hooks: dict[str, Callable[..., Any]] = {}
 
 
-def set_hooks(*, agent: Callable[[dict[str, Any], str | None], dict[str, Any]],
-              waiting: Callable[[str, str | None], None],
+def set_hooks(*, agent: Callable[[dict[str, Any], str | None, str], dict[str, Any]],
               occurrence: Callable[[str, str], dict[str, Any] | None]) -> None:
-    _hooks.update(agent=agent, waiting=waiting, occurrence=occurrence)
+    _hooks.update(agent=agent, occurrence=occurrence)
 
 
 @DBOS.step(name="deja.agent")
 def _agent_step(spec: dict[str, Any], answer: str | None) -> dict[str, Any]:
-    return dict(_hooks["agent"](spec, answer))
-
-
-@DBOS.step(name="deja.waiting")
-def _waiting_step(run_id: str, question: str | None) -> None:
-    _hooks["waiting"](run_id, question)
+    return dict(_hooks["agent"](spec, answer, DBOS.workflow_id or spec["run_id"]))
 
 
 @DBOS.workflow(name=RUN_WORKFLOW, max_recovery_attempts=1000)
-def _run_workflow(spec: dict[str, Any]) -> dict[str, Any]:
-    answer: str | None = None
-    while True:
-        outcome = _agent_step(spec, answer)
-        if outcome.get("status") != "input_required":
-            break
-        _waiting_step(spec["run_id"], outcome.get("question"))
-        answer = None
-        while answer is None:
-            answer = DBOS.recv(ANSWER_TOPIC, timeout_seconds=RECV_WAIT)
+def _run_workflow(spec: dict[str, Any], answer: str | None = None) -> dict[str, Any]:
+    outcome = _agent_step(spec, answer)
     if outcome.get("status") == "failed":  # the engine's ERROR is deja's failure
         raise RunFailed(outcome.get("error") or "the run failed")
     return outcome
@@ -100,9 +87,23 @@ def _occurrence_workflow(scheduled: datetime, context: Any) -> None:
             DBOS.enqueue_workflow(RUNS_QUEUE, _run_workflow, spec)
 
 
+class _CancelNoise(logging.Filter):
+    """A cancelled run is the user's decision, not the engine's error: no traceback."""
+
+    CANCELLED = (dbos_error.DBOSWorkflowCancelledError,
+                 dbos_error.DBOSAwaitedWorkflowCancelledError)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, self.CANCELLED)
+
+
 def _quiet() -> None:
     for name in ("dbos", "alembic", "sqlalchemy"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    dbos_logger = logging.getLogger("dbos")
+    if not any(isinstance(f, _CancelNoise) for f in dbos_logger.filters):
+        dbos_logger.addFilter(_CancelNoise())
 
 
 def prepare(url: str) -> None:
@@ -113,8 +114,7 @@ def prepare(url: str) -> None:
     except Exception as exc:  # noqa: BLE001 (the engine raises its driver's errors as they come)
         raise DatabaseUnavailable(_unreachable(url, exc)) from None
     if is_sqlite(url):
-        path = url.split("sqlite:///", 1)[1]
-        with sqlite3.connect(path, timeout=30) as conn:
+        with sqlite3.connect(sqlite_path(url), timeout=30) as conn:
             conn.execute("PRAGMA journal_mode=WAL")
 
 
@@ -163,8 +163,12 @@ class Client:
     def cancel(self, run_id: str) -> None:
         self._client.cancel_workflow(run_id)
 
-    def answer(self, run_id: str, text: str, key: str) -> None:
-        self._client.send(run_id, text, ANSWER_TOPIC, idempotency_key=key)
+    def answer(self, spec: dict[str, Any], text: str, attempt: int) -> None:
+        """Enqueue the run's next part, which resumes its cassette with ``text``."""
+        options = EnqueueOptions(workflow_name=RUN_WORKFLOW, queue_name=RUNS_QUEUE,
+                                 workflow_id=workflow_id(spec["run_id"], attempt),
+                                 app_version=APP_VERSION)
+        self._client.enqueue(options, spec, text)
 
     def add_schedule(self, name: str, cron: str, tz: str) -> None:
         self._client.create_schedule(
@@ -175,8 +179,6 @@ class Client:
     def remove_schedule(self, name: str) -> None:
         self._client.delete_schedule(f"deja-{name}")
 
-    def trigger_schedule(self, name: str) -> str:
-        return str(self._client.trigger_schedule(f"deja-{name}").get_workflow_id())
 
 
 class Worker:
@@ -207,7 +209,7 @@ class Worker:
         handles = DBOS._recover_pending_workflows(executor_ids)
         return [h.get_workflow_id() for h in handles]
 
-    def cancelled(self, run_id: str) -> bool:
-        status = DBOS.get_workflow_status(run_id)
+    def cancelled(self, workflow: str) -> bool:
+        status = DBOS.get_workflow_status(workflow)
         return status is not None and status.status == "CANCELLED"
 

@@ -3,7 +3,6 @@ takes the store and the engine's client and returns JSON-ready records."""
 
 from __future__ import annotations
 
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from recorder.record import new_run_id
 from runs import schedules
 from runs.config import cassette_dir
 from runs.errors import BadRunRequest, NoSuchSchedule
-from runs.spec import validate
+from runs.spec import validate, workflow_id
 from runs.store import ENDED, Store
 
 LIFECYCLE = ("queued", "working", "input_required", "completed", "failed", "cancelled",
@@ -33,11 +32,15 @@ def lifecycle(row: dict[str, Any], engine: dict[str, Any] | None) -> str:
         return "queued"
     if state == "PENDING":
         return status if status in ("working", "input_required") else "working"
-    if state == "SUCCESS":
-        output = (engine or {}).get("output")
+    if state == "SUCCESS" and status in ("queued", "working"):
+        output = (engine or {}).get("output")  # the step ended, its row not yet written
         if isinstance(output, dict) and output.get("status") in LIFECYCLE:
             return str(output["status"])
     return str(status)
+
+
+def current_workflow(row: dict[str, Any]) -> str:
+    return workflow_id(row["run_id"], int(row.get("attempt") or 0))
 
 
 def record_of(row: dict[str, Any], engine: dict[str, Any] | None) -> dict[str, Any]:
@@ -101,9 +104,15 @@ class Runs:
                             "`deja runs` lists the runs it holds")
         return row
 
+    def _engine(self, rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        """The engine's view of each row's current workflow, by run id."""
+        ids = {current_workflow(row): row["run_id"] for row in rows}
+        return {ids[wf]: state for wf, state in self.client.states(list(ids)).items()
+                if wf in ids}
+
     def get(self, run_id: str) -> dict[str, Any]:
         row = self._row(run_id)
-        return record_of(row, self.client.states([run_id]).get(run_id))
+        return record_of(row, self._engine([row]).get(run_id))
 
     def list_runs(self, *, status: list[str] | None = None, label: dict[str, str] | None = None,
              schedule: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
@@ -116,7 +125,7 @@ class Runs:
             if status else None
         rows = self.store.list_runs(status=rows_status, schedule=schedule,
                                     limit=max(limit, 1) * 4 if label else limit * 2)
-        states = self.client.states([r["run_id"] for r in rows])
+        states = self._engine(rows)
         out = []
         for row in rows:
             record = record_of(row, states.get(row["run_id"]))
@@ -129,12 +138,13 @@ class Runs:
 
     def cancel(self, run_id: str) -> dict[str, Any]:
         row = self._row(run_id)
-        record = record_of(row, self.client.states([run_id]).get(run_id))
+        record = record_of(row, self._engine([row]).get(run_id))
         if record["status"] in ENDED:
             return {**record, "note": f"the run already ended {record['status']}"}
-        self.client.cancel(run_id)
+        if record["status"] != "input_required":  # a waiting run has no workflow running
+            self.client.cancel(current_workflow(row))
         if record["status"] in ("queued", "input_required"):
-            self.store.update_run(run_id, status="cancelled")
+            self.store.update_run(run_id, status="cancelled", question=None)
         return {"run_id": run_id, "status": "cancelled" if record["status"] != "working"
                 else "cancelling", "was": record["status"]}
 
@@ -142,12 +152,14 @@ class Runs:
         if not isinstance(text, str):
             raise BadRunRequest("an answer is a string")
         row = self._row(run_id)
-        record = record_of(row, self.client.states([run_id]).get(run_id))
+        record = record_of(row, self._engine([row]).get(run_id))
         if record["status"] != "input_required":
             raise BadRunRequest(f"run {run_id} is {record['status']}, not waiting for an "
                                 "answer (input_required); answer once it asks")
         question = row.get("question")
-        self.client.answer(run_id, text, key=f"{run_id}:{question}:{row['updated']}")
+        attempt = int(row.get("attempt") or 0) + 1
+        self.client.answer(row["spec"], text, attempt)  # the same answer twice: one part
+        self.store.update_run(run_id, status="queued", attempt=attempt)
         return {"run_id": run_id, "status": record["status"], "question": question,
                 "answered": True}
 
@@ -202,9 +214,15 @@ class Runs:
         return {"name": name, "removed": True}
 
     def run_now(self, name: str) -> dict[str, Any]:
+        """Submit an occurrence of ``name`` for this second (its deterministic id)."""
         self.schedule(name)
-        self.client.trigger_schedule(name)
-        return {"name": name, "triggered": True, "at": _iso(time.time())}
+        when = datetime.now(UTC).replace(microsecond=0)
+        spec = schedules.occurrence(self.store, name, when.isoformat())
+        if spec is None:
+            raise NoSuchSchedule(f"no schedule {name!r}; `deja schedule ls` lists them")
+        self.client.submit(spec)
+        return {"name": name, "triggered": True, "run_id": spec["run_id"],
+                "at": when.isoformat()}
 
 
 def _where(store: Store) -> str:

@@ -102,6 +102,12 @@ def validate(payload: Any, *, run_id: str, cassettes: Path,
             "cassette": str(cassettes / f"{run_id}.jsonl")}
 
 
+def workflow_id(run_id: str, attempt: int) -> str:
+    """The engine workflow of a run's ``attempt``-th part: the submission, then one per
+    answer (``<run>.1``, ``<run>.2``, ...)."""
+    return run_id if attempt == 0 else f"{run_id}.{attempt}"
+
+
 def deja_argv() -> list[str]:
     return [sys.executable, "-m", "deja"]
 

@@ -1,11 +1,12 @@
 """deja's own tables beside the engine's, in the same database: runs, workers, schedules,
-alerts.
+alerts, and the verdict on each scheduled occurrence's deadline.
 
 The engine keeps what it needs to execute a run durably (its workflow and step rows);
 these tables keep what people ask about: a run's command, labels and lifecycle status, its
 latest progress record, the question it waits on, its verified artefacts; the workers and
-their heartbeats; the schedules, their occurrences and the alerts sent. ``deja check``
-reads only these, so an absence alert fires with no worker alive.
+their heartbeats; the schedules, their occurrences, whether each had its verified
+artefact by its deadline, and the alerts sent. ``deja check`` reads only these, so an
+absence alert fires with no worker alive.
 
 SQLAlchemy Core (the engine's own dependency) speaks to SQLite and Postgres alike. Nothing
 secret is stored: a submission whose command line holds a secret is refused before it
@@ -14,6 +15,7 @@ gets here (``runs.spec``), and progress records arrive redacted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -22,7 +24,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from runs.config import is_sqlite, safe_url, sqlalchemy_url
+from runs.config import is_sqlite, safe_url, sqlalchemy_url, sqlite_path
 from runs.errors import DatabaseUnavailable
 
 metadata = sa.MetaData()
@@ -43,6 +45,8 @@ runs_table = sa.Table(
     sa.Column("ended", sa.Float),
     sa.Column("schedule", sa.String(128), index=True),
     sa.Column("occurrence", sa.String(64)),
+    # Answers given so far: the run's current workflow is run_id, then run_id.1, .2, ...
+    sa.Column("attempt", sa.Integer, nullable=False, default=0),
 )
 
 workers_table = sa.Table(
@@ -79,6 +83,14 @@ alerts_table = sa.Table(
     sa.UniqueConstraint("schedule", "occurrence", "kind", name="deja_alert_once"),
 )
 
+deadlines_table = sa.Table(
+    "deja_deadlines", metadata,
+    sa.Column("schedule", sa.String(128), primary_key=True),
+    sa.Column("occurrence", sa.String(64), primary_key=True),
+    sa.Column("met", sa.Boolean, nullable=False),
+    sa.Column("at", sa.Float, nullable=False),
+)
+
 meta_table = sa.Table(
     "deja_meta", metadata,
     sa.Column("key", sa.String(128), primary_key=True),
@@ -109,6 +121,10 @@ class Store:
         kwargs: dict[str, Any] = {}
         if is_sqlite(url):
             kwargs["connect_args"] = {"timeout": 30}
+            folder = sqlite_path(url).parent
+            if not folder.exists():  # a fresh $DEJA_HOME: private, like the rest of it
+                with contextlib.suppress(OSError):
+                    folder.mkdir(mode=0o700, parents=True)
         else:
             kwargs.update(pool_pre_ping=True, pool_size=2, max_overflow=2)
         self.engine = sa.create_engine(sqlalchemy_url(url), **kwargs)
@@ -147,7 +163,7 @@ class Store:
                 conn.execute(runs_table.insert().values(
                     run_id=run_id, spec=json.dumps(spec),
                     labels=json.dumps(spec.get("labels") or {}),
-                    created=now, updated=now, status="queued", schedule=schedule,
+                    created=now, updated=now, status="queued", attempt=0, schedule=schedule,
                     occurrence=occurrence))
         except sa.exc.IntegrityError:
             return False
@@ -264,6 +280,25 @@ class Store:
             query = query.where(alerts_table.c.schedule == schedule)
         with self.begin() as conn:
             return [dict(row._mapping) for row in conn.execute(query)]
+
+    # -- deadlines: each occurrence is judged once, when its deadline has passed
+
+    def judged(self, schedule: str) -> set[str]:
+        """The occurrences of ``schedule`` whose deadline was already judged."""
+        with self.begin() as conn:
+            return {row[0] for row in conn.execute(sa.select(deadlines_table.c.occurrence)
+                                                   .where(deadlines_table.c.schedule == schedule))}
+
+    def judge(self, schedule: str, occurrence: str, met: bool) -> bool:
+        """Record whether the occurrence had its verified artefact by its deadline; False
+        when another check judged it first."""
+        try:
+            with self.begin() as conn:
+                conn.execute(deadlines_table.insert().values(
+                    schedule=schedule, occurrence=occurrence, met=met, at=time.time()))
+        except sa.exc.IntegrityError:
+            return False
+        return True
 
     # -- meta
 

@@ -5,7 +5,12 @@ it dequeues, its agent step (:func:`AgentStep.__call__`):
 
 1. takes the run's lock, so that two agents never run one run at once: a ``flock`` next to
    the cassette on one machine and, on Postgres, an advisory lock as well (both die with
-   their holder; a run dispatched again waits for the old holder to be gone);
+   their holder; a run dispatched again waits for the old holder to be gone). That lock
+   dies with the worker, but a dead worker's agent lives on until its parent-death signal
+   has ended it (it writes an ``interrupted`` end line; a tool stuck in a C call sees the
+   signal only when the call returns), holding the cassette's writer lock: the step then
+   waits for that writer to be gone too, so that the resume reads the cassette as the
+   agent left it and is not refused;
 2. runs ``deja record`` the first time, ``deja resume`` once the cassette holds a
    recorded prefix (a worker died mid-run, or the run asked a question): recorded turns
    replay, a trailing intent is settled, then the run goes on live. The child dies with
@@ -15,8 +20,8 @@ it dequeues, its agent step (:func:`AgentStep.__call__`):
    agent stops at its next boundary;
 4. reads how the run ended from its cassette: ``completed`` (with the artefacts the
    verified cassette vouches for), ``exhausted``, ``stopped``, ``cancelled``,
-   ``interrupted``, ``input_required`` (exit 75: the engine then waits durably for the
-   answer), or ``failed``.
+   ``interrupted``, ``input_required`` (exit 75: the run's part ends; the answer
+   enqueues the next part, which resumes the cassette with it), or ``failed``.
 
 Every worker beats every 2 s in ``deja_workers``. A worker whose beat is older than 10 s is
 dead: the first live peer to claim it asks the engine to recover its pending runs (they
@@ -45,6 +50,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from recorder.ask import ANSWER_ENV, EXIT_INPUT_REQUIRED, WORKER_ENV
+from recorder.cassette.lock import describe, holder_of
 from recorder.harness.child import preexec
 from recorder.harness.progress import read_status, request_cancel, valid_run_id
 from runs import schedules
@@ -174,16 +180,14 @@ class AgentStep:
         self.children: set[subprocess.Popen[bytes]] = set()
         self._lock = threading.Lock()
 
-    def waiting(self, run_id: str, question: str | None) -> None:
-        self.store.update_run(run_id, status="input_required", question=question)
-
-    def __call__(self, spec: dict[str, Any], answer: str | None) -> dict[str, Any]:
+    def __call__(self, spec: dict[str, Any], answer: str | None,
+                 workflow: str) -> dict[str, Any]:
         run_id = spec["run_id"]
         if not valid_run_id(run_id):
             return {"status": "failed", "error": f"{run_id!r} is not a run id"}
         self.store.update_run(run_id, status="working", worker=self.worker_id, question=None)
         with self.locks.hold(run_id, self.stopping):
-            outcome = self._run(spec, answer)
+            outcome = self._run(spec, answer, workflow)
         fields: dict[str, Any] = {"status": outcome["status"],
                                   "question": outcome.get("question"),
                                   "error": outcome.get("error")}
@@ -197,8 +201,22 @@ class AgentStep:
             schedules.after_run(self.store, run_id)
         return outcome
 
-    def _run(self, spec: dict[str, Any], answer: str | None) -> dict[str, Any]:
+    def _last_writer_gone(self, run_id: str, cassette: Path) -> None:
+        """Wait until no process holds the cassette's writer lock (a dead worker's agent,
+        still ending); said once in the log when it takes a while."""
+        since = time.monotonic()
+        said = False
+        while (holder := holder_of(cassette)) is not None:
+            if not said and time.monotonic() - since > DEAD_AFTER:
+                said = True
+                log.warning("run %s: waiting for %s to stop writing %s before resuming it",
+                            run_id, describe(holder), cassette)
+            if self.stopping.wait(0.1):
+                raise WorkerStopping
+
+    def _run(self, spec: dict[str, Any], answer: str | None, workflow: str) -> dict[str, Any]:
         cassette = Path(spec["cassette"])
+        self._last_writer_gone(spec["run_id"], cassette)
         state, end = cassette_state(cassette)
         if state == "ended" and end is not None and end.get("status") != "interrupted":
             return self._ended(spec, end)  # dispatched again after it ended: report it
@@ -217,7 +235,7 @@ class AgentStep:
         with self._lock:
             self.children.add(child)
         try:
-            code = self._watch(spec["run_id"], child)
+            code = self._watch(spec["run_id"], workflow, child)
         finally:
             with self._lock:
                 self.children.discard(child)
@@ -235,7 +253,7 @@ class AgentStep:
         return {"status": "failed",
                 "error": f"the program ended without an end line (exit status {code})"}
 
-    def _watch(self, run_id: str, child: subprocess.Popen[bytes]) -> int:
+    def _watch(self, run_id: str, workflow: str, child: subprocess.Popen[bytes]) -> int:
         asked = False
         last: str | None = None
         while True:
@@ -252,7 +270,7 @@ class AgentStep:
                         self.store.update_run(run_id, progress=record)
             if not asked:
                 with contextlib.suppress(Exception):
-                    if self.cancelled(run_id):
+                    if self.cancelled(workflow):
                         request_cancel(run_id, "cancelled through deja serve")
                         asked = True
 
@@ -341,7 +359,7 @@ def serve(worker_id: str, url: str | None = None, concurrency: int = 1,
     check_shared(store, cassettes)
     worker = engine.Worker(url, worker_id, concurrency)
     step = AgentStep(store, worker_id, cassettes, worker.cancelled)
-    engine.set_hooks(agent=step, waiting=step.waiting,
+    engine.set_hooks(agent=step,
                      occurrence=lambda name, when: schedules.occurrence(store, name, when))
     stop = threading.Event()
 
