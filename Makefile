@@ -38,6 +38,7 @@ node:
 
 # The durable-runs tests start a throwaway PostgreSQL server of their own (tests/pg_server.py)
 # from Debian's binaries; a cluster the package itself starts on port 5432 is never used.
+# The durable-runs tests start throwaway Postgres servers (never a mock): Debian's server.
 postgres:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
 	  echo "installing Debian's postgresql for the durable-runs tests"; \
@@ -47,11 +48,12 @@ postgres:
 check: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/mypy
 
-test: $(STAMP) chromium node check
+test: $(STAMP) chromium node postgres check
 	$(BIN)/python -m pytest
 
-stress: $(STAMP) node
+stress: $(STAMP) node postgres
 	DEJA_CRASH_SEEDS=200 $(BIN)/python -m pytest tests/replayer/test_crash_resume.py
+	DEJA_WORKER_SEEDS=100 $(BIN)/python -m pytest tests/runs/test_worker_death.py
 	DEJA_TAMPER=full $(BIN)/python -m pytest tests/replayer/test_tamper.py
 
 # The benchmark's extra anchors (agent-rewind), installed once beside the test extras.
@@ -59,7 +61,7 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
 	touch $(BENCH_STAMP)
 
-bench: $(BENCH_STAMP) node
+bench: $(BENCH_STAMP) node postgres
 	$(BIN)/python bench/run.py
 
 lint: $(STAMP)

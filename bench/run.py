@@ -13,7 +13,8 @@ Measurements (``--only`` names): replay, overhead, ttft, size, resume, load (loa
 paint in headless Chromium, which needs Debian's chromium: ``make chromium``), proxy (what
 ``deja proxy`` adds to a call, at 1, 32 and 200 concurrent clients), openai (replay per call
 of the openai SDK's Chat Completions and Responses, JSON and streamed, beside the anthropic
-SDK's).
+SDK's), runs (``POST /runs`` to a run id with the embedded SQLite default and with Postgres,
+beside the engine's own enqueue, and ``deja submit`` as a fresh process).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results" / "latest.json"
 NAMES = ("replay", "openai", "overhead", "ttft", "size", "resume", "load", "memory", "viewer",
-         "proxy")
+         "proxy", "runs")
 
 # No real home is touched: a throwaway DEJA_HOME and signing key for this process.
 _HOME = tempfile.mkdtemp(prefix="deja-bench-home-")
@@ -54,6 +55,7 @@ import proxy_speed  # noqa: E402
 import record_overhead  # noqa: E402
 import replay_speed  # noqa: E402
 import resume_speed  # noqa: E402
+import runs_submit  # noqa: E402
 import ttft  # noqa: E402
 import viewer_speed  # noqa: E402
 
@@ -501,6 +503,40 @@ def rows_proxy(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     return rows, notes, fails
 
 
+def rows_runs(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+    rows: list[Row] = []
+    fails: list[str] = []
+    for key, label in (("sqlite", "embedded SQLite"), ("postgres", "Postgres")):
+        post, floor = r[key]["post"], r[key]["engine"]
+        ok = post["median_ms"] <= 40.0
+        rows.append((
+            f"POST /runs to an id, {label} (N={post['n']})",
+            f"median {_fmt_ms(post['median_ms'])} (p95 {_fmt_ms(post['p95_ms'])})",
+            f"the engine's enqueue alone {_fmt_ms(floor['median_ms'])} (p95 "
+            f"{_fmt_ms(floor['p95_ms'])}); {post['median_ms'] / floor['median_ms']:.1f}x",
+            "<= 40 ms", _verdict(ok, f"{post['median_ms']:.1f} ms")))
+        if not ok:
+            fails.append(f"POST /runs, {label}: median {post['median_ms']:.1f} ms (> 40 ms)")
+    cli = r["sqlite"].get("cli")
+    if cli:
+        ok = cli["submit"]["median_ms"] <= 500.0
+        rows.append((
+            f"deja submit, a fresh process, to an id (N={cli['submit']['n']})",
+            f"median {_fmt_ms(cli['submit']['median_ms'])}",
+            f"python -c pass {_fmt_ms(cli['python']['median_ms'])}",
+            "<= 500 ms", _verdict(ok, f"{cli['submit']['median_ms']:.0f} ms")))
+        if not ok:
+            fails.append(f"deja submit: median {cli['submit']['median_ms']:.0f} ms (> 500 ms)")
+    notes = [
+        "runs: `python -m deja serve --port 0` in its own process, no worker (the submission "
+        f"alone); {r['n']} POST /runs over one kept-alive connection after 5 untimed, request "
+        "start -> parsed {run_id, status}; engine floor = runs.engine.Client.submit "
+        "(DBOSClient.enqueue) of the same submission in a process of its own, on the same "
+        "database; Postgres = a throwaway local server (tests/pg_server.py, fsync off). "
+        "deja submit = a fresh `python -m deja submit -- python agent.py` to the same server."]
+    return rows, notes, fails
+
+
 MEASURES = {
     "replay": (replay_speed.run, rows_replay),
     "openai": (openai_replay.run, rows_openai),
@@ -512,6 +548,7 @@ MEASURES = {
     "memory": (load_speed.run_memory, rows_memory),
     "viewer": (viewer_speed.run, rows_viewer),
     "proxy": (proxy_speed.run, rows_proxy),
+    "runs": (runs_submit.run, rows_runs),
 }
 
 
@@ -528,7 +565,8 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
                 "load": {"lines": 2000, "repeats": 3, "rewind_repeats": 1},
                 "memory": {"calls": 400},
                 "viewer": {"steps": 2000, "loads": 3, "runs": 2000, "repeats": 5},
-                "proxy": {"calls": 100, "block": 25, "convs_per_client": 1, "conc_rounds": 1}}
+                "proxy": {"calls": 100, "block": 25, "convs_per_client": 1, "conc_rounds": 1},
+                "runs": {"n": 20, "cli_n": 3}}
     return {"replay": {"small": 200, "large": 2000, "repeats": 5, "vcr_repeats": 1,
                        "stride": 100, "full_vcr": full_vcr},
             "openai": {"n": 200, "repeats": 5},
@@ -541,7 +579,8 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
             "memory": {"calls": 2000},
             "viewer": {"steps": 10_000, "small_steps": 2000, "loads": 5, "runs": 100_000,
                        "repeats": 7},
-            "proxy": {"calls": 300, "block": 50, "convs_per_client": 2, "conc_rounds": 2}}
+            "proxy": {"calls": 300, "block": 50, "convs_per_client": 2, "conc_rounds": 2},
+            "runs": {"n": 50, "cli_n": 10}}
 
 
 # ---------------------------------------------------------------------------- output

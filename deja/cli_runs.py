@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +62,13 @@ def _status_from_cassette(c: Any) -> dict[str, Any]:
 @click.command()
 @click.argument("run", metavar="RUN|CASSETTE")
 @click.option("--json", "as_json", is_flag=True, help="Print the status record as JSON.")
+@click.option("--wait", is_flag=True,
+              help="A submitted run: wait until it ends or waits for an answer, then show it.")
+@click.option("--timeout", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="With --wait: give up after this long (exit status 1).")
 @_allow_unverified_option
-def status(run: str, as_json: bool, allow_unverified: bool) -> None:
+def status(run: str, as_json: bool, wait: bool, timeout: float | None,
+           allow_unverified: bool) -> None:
     """Show what a run is doing: status, turn, step, elapsed, budgets, tokens, spend.
 
     Give the run id or its cassette. Reads the run's status record ($DEJA_HOME/runs/RUN.json),
@@ -72,6 +78,9 @@ def status(run: str, as_json: bool, allow_unverified: bool) -> None:
     """
     from recorder.harness.progress import read_status
 
+    if wait:
+        _wait_served(run, as_json, timeout)
+        return
     run, cassette = _run_of(run, allow_unverified)
     if cassette is not None:
         _warn_unverified(cassette)
@@ -155,6 +164,30 @@ def _from_server(method: str, run: str) -> tuple[dict[str, Any] | None, str]:
 
             return None, f"; nor does deja serve at {server_url()} hold it (NoSuchRun)"
         _said(exc)
+
+
+SETTLED = ("input_required", "completed", "failed", "cancelled", "exhausted", "stopped",
+           "interrupted", "needs_attention")
+
+
+def _wait_served(run: str, as_json: bool, timeout: float | None) -> None:
+    """Poll deja serve until ``run`` ends or waits for an answer; print it then."""
+    import time
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        served, why = _from_server("GET", run)
+        if served is None:
+            raise BadInput(f"no submitted run {run!r}{why}")
+        if served.get("status") in SETTLED:
+            _print_served(served, as_json)
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            _print_served(served, as_json)
+            click.echo(f"deja: run {run} is still {served.get('status')} after {timeout:g} s",
+                       err=True)
+            sys.exit(1)
+        time.sleep(0.2)
 
 
 def _print_served(record: dict[str, Any], as_json: bool) -> None:

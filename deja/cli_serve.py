@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -473,9 +474,10 @@ def schedule_run_now(name: str, db: str | None) -> None:
 
 @click.command()
 @_db_option
-@click.option("--now", "at", metavar="ISO8601",
-              help="Evaluate deadlines as of this time, with its zone "
-                   "(2026-12-07T07:30:00+00:00; default: now).")
+@click.option("--now", "at", metavar="TIME",
+              help="Evaluate deadlines as of this time: ISO 8601 with its zone "
+                   "(2026-12-07T07:30:00+00:00) or ahead of now (+7d, +36h, +90m; "
+                   "default: now).")
 @click.option("--json", "as_json", is_flag=True, help="Print the new alerts as JSON.")
 def check(db: str | None, at: str | None, as_json: bool) -> None:
     """Raise the alerts that are due: failed scheduled runs, and occurrences with no
@@ -484,7 +486,7 @@ def check(db: str | None, at: str | None, as_json: bool) -> None:
     Reads the runs database only, so it works with no worker alive: run it from system
     cron, which mails what it prints. Each alert fires once.
     """
-    from datetime import datetime
+    from datetime import UTC, datetime, timedelta
 
     from recorder.errors import DejaError
     from runs import schedules
@@ -492,12 +494,16 @@ def check(db: str | None, at: str | None, as_json: bool) -> None:
     from runs.store import Store
 
     when = None
-    if at is not None:
+    ahead = re.fullmatch(r"\+(\d+)([smhd])", at or "")
+    if ahead is not None:
+        unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[ahead.group(2)]
+        when = datetime.now(UTC) + timedelta(**{unit: int(ahead.group(1))})
+    elif at is not None:
         try:
             when = datetime.fromisoformat(at)
         except ValueError:
-            raise BadInput(f"--now {at!r} is not an ISO 8601 time, e.g. "
-                           "2026-12-07T07:30:00+00:00") from None
+            raise BadInput(f"--now {at!r} is not an ISO 8601 time (2026-12-07T07:30:00+00:00) "
+                           "nor a time ahead of now (+7d)") from None
         if when.tzinfo is None:
             raise BadInput(f"--now {at!r} has no time zone; add one, e.g. {at}+00:00")
     try:
