@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from dbos import DBOS, DBOSClient, DBOSConfig, EnqueueOptions, SetWorkflowID
@@ -203,6 +203,23 @@ class Worker:
                             polling_interval_sec=0.2, on_conflict="always_update")
         DBOS.register_queue(SCHEDULES_QUEUE, polling_interval_sec=0.5,
                             on_conflict="always_update")
+
+    def backfill_unfired(self, created: dict[str, float]) -> int:
+        """Submit the missed occurrences of schedules that never fired.
+
+        The engine backfills from a schedule's last firing; one that never fired (no
+        worker was up since it was added) has none, so its occurrences since it was
+        added are enqueued here, under the same deterministic ids the scheduler uses:
+        never twice, whoever starts first."""
+        now = datetime.now(UTC)
+        count = 0
+        for name, stamp in created.items():
+            schedule = DBOS.get_schedule(f"deja-{name}")
+            if schedule is None or schedule.get("last_fired_at"):
+                continue
+            count += len(DBOS.backfill_schedule(
+                f"deja-{name}", datetime.fromtimestamp(stamp, UTC), now))
+        return count
 
     def recover(self, executor_ids: list[str]) -> list[str]:
         """Take over the pending runs of dead executors (the engine's recovery call)."""

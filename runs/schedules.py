@@ -8,17 +8,21 @@ schedule whose workflow submits each occurrence as a run with a **deterministic 
 **Backfill.** After downtime, every occurrence missed since the schedule last fired is
 submitted once when a worker comes back (the engine's automatic backfill), oldest first,
 each under its own deterministic id: never twice, however often workers restart. An
-occurrence that runs late can still satisfy its deadline check if it has not yet been
-alerted; an alert already raised stays raised.
+occurrence that runs late can still satisfy its deadline if no check has judged it yet;
+an alert already raised stays raised.
 
 **The deadline** is a time of day (``07:00``: the first 07:00 in the schedule's zone at
 or after the occurrence) or a delay (``90m``, ``2h``, ``30s``). By then the occurrence
 must have a **verified artefact**: its run ended ``completed``, its cassette verifies,
 and a file it declared with ``recorder.artefact(path)`` still has the SHA-256 the
-cassette recorded. Otherwise an **absence** alert fires: the run never started, is still
-queued or working, or ended without a verified artefact. A scheduled run that ends in any
-status but ``completed`` raises a **failure** alert at once. Each alert fires once per
-occurrence (a unique row in ``deja_alerts``).
+cassette recorded (the worker stores the verified ones on the run's row when it ends; the
+first check after the deadline hashes those files again). Otherwise an **absence** alert
+fires: the run never started, is still queued or working, or ended without a verified
+artefact (a file changed since the run counts as none). Each occurrence is judged once,
+by the first check after its deadline (``deja_deadlines``): a later run that overwrites
+the same file does not page for an occurrence already judged. A scheduled run that ends
+in any status but ``completed`` raises a **failure** alert at once. Each alert fires
+once per occurrence (a unique row in ``deja_alerts``).
 
 :func:`check` evaluates deadlines from the database alone, so ``deja check`` from system
 cron fires alerts even when no worker is alive; live workers run it every 15 s as well.
@@ -107,21 +111,25 @@ def deadline_of(when: datetime, deadline: str, tz: str) -> datetime:
 
 
 def occurrences(schedule: dict[str, Any], until: datetime) -> list[datetime]:
-    """The schedule's occurrences from its creation up to ``until`` (the latest
-    ``LOOKBACK``), oldest first."""
+    """The schedule's occurrences after its creation up to ``until`` included (the latest
+    ``LOOKBACK``), oldest first.
+
+    Walked backwards from ``until``: a check costs ``LOOKBACK`` steps however old the
+    schedule is (walking forwards from its creation, a per-minute schedule a month old
+    took seconds per check).
+    """
     from croniter import croniter
 
     tz = ZoneInfo(schedule["tz"])
-    start = datetime.fromtimestamp(schedule["created"], tz)
+    start = (until + timedelta(microseconds=1)).astimezone(tz)  # get_prev is strict
     it = croniter(schedule["cron"], start, second_at_beginning=True)
     out: list[datetime] = []
-    while True:
-        when = it.get_next(datetime)
-        if when > until:
-            return out[-LOOKBACK:]
+    while len(out) < LOOKBACK:
+        when = it.get_prev(datetime)
+        if when.timestamp() <= schedule["created"]:
+            break
         out.append(when)
-        if len(out) > 10 * LOOKBACK:
-            del out[:-LOOKBACK]
+    return out[::-1]
 
 
 def next_occurrence(schedule: dict[str, Any], after: datetime | None = None) -> datetime:
@@ -174,6 +182,22 @@ def verified_artefacts(spec: dict[str, Any]) -> list[dict[str, Any]]:
         if digest == info.get("sha256"):
             out.append({"path": info["path"], "sha256": digest, "bytes": info.get("bytes")})
     return out
+
+
+def still_verified(run: dict[str, Any]) -> bool:
+    """Whether a completed run's verified artefacts (stored on its row when it ended,
+    from its verified cassette) still hold the content the cassette vouched for."""
+    if run["status"] != "completed":
+        return False
+    for info in run.get("artefacts") or []:
+        try:
+            digest = hashlib.sha256((Path(run["spec"]["cwd"]) / info["path"])
+                                    .read_bytes()).hexdigest()
+        except (OSError, KeyError, TypeError):
+            continue
+        if digest == info.get("sha256"):
+            return True
+    return False
 
 
 def _message(kind: str, schedule: dict[str, Any], occ: str, run: dict[str, Any] | None,
@@ -258,14 +282,16 @@ def check(store: Store, now: datetime | None = None) -> list[dict[str, Any]]:
                     raised.append(alert)
         if not schedule.get("deadline"):
             continue
+        judged = store.judged(schedule["name"])
         for when in occurrences(schedule, now):
             due = deadline_of(when, schedule["deadline"], schedule["tz"])
-            if due > now:
-                continue
             occ = when.astimezone(UTC).isoformat()
-            held = runs.get(occ)
-            if held is not None and held["status"] == "completed" and held.get("artefacts"):
+            if due > now or occ in judged:
                 continue
+            held = runs.get(occ)
+            met = held is not None and still_verified(held)
+            if not store.judge(schedule["name"], occ, met) or met:
+                continue  # judged by a concurrent check, or satisfied
             alert = _raise(store, schedule, occ, "absence", held, due)
             if alert:
                 raised.append(alert)

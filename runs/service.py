@@ -3,6 +3,7 @@ takes the store and the engine's client and returns JSON-ready records."""
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,8 @@ def record_of(row: dict[str, Any], engine: dict[str, Any] | None) -> dict[str, A
     if status == "input_required":
         out["question"] = row.get("question")
         out["answer"] = f"deja answer {row['run_id']} TEXT"
+    if (engine or {}).get("cancel_requested"):
+        out["cancel_requested"] = True
     if row.get("error") or (engine or {}).get("error"):
         out["error"] = row.get("error") or (engine or {}).get("error")
     if row.get("schedule"):
@@ -105,10 +108,27 @@ class Runs:
         return row
 
     def _engine(self, rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-        """The engine's view of each row's current workflow, by run id."""
+        """The engine's view of each row's current workflow, by run id.
+
+        A working run that was cancelled goes on to its next boundary: while its worker is
+        alive it is still ``working`` (with ``cancel_requested``), then ``cancelled``.
+        """
         ids = {current_workflow(row): row["run_id"] for row in rows}
-        return {ids[wf]: state for wf, state in self.client.states(list(ids)).items()
-                if wf in ids}
+        states = {ids[wf]: state for wf, state in self.client.states(list(ids)).items()
+                  if wf in ids}
+        stopping = [row for row in rows if row["status"] == "working" and
+                    (states.get(row["run_id"]) or {}).get("status") == "CANCELLED"]
+        if stopping:
+            from runs.worker import DEAD_AFTER
+
+            now = time.time()
+            alive = {w["worker_id"] for w in self.store.workers()
+                     if now - w["beat"] < DEAD_AFTER}
+            for row in stopping:
+                if row.get("worker") in alive:
+                    states[row["run_id"]] = {**states[row["run_id"]], "status": "PENDING",
+                                             "cancel_requested": True}
+        return states
 
     def get(self, run_id: str) -> dict[str, Any]:
         row = self._row(run_id)

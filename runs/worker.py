@@ -370,6 +370,7 @@ def serve(worker_id: str, url: str | None = None, concurrency: int = 1,
     signal.signal(signal.SIGINT, on_signal)
     store.beat(worker_id, socket.gethostname(), os.getpid(), first=True)
     worker.launch()
+    worker.backfill_unfired({s["name"]: s["created"] for s in store.schedules()})
     sys.stderr.write(f"deja: worker {worker_id} is up ({concurrency} at a time; "
                      f"database {'embedded SQLite' if is_sqlite(url) else 'Postgres'}, "
                      f"cassettes in {cassettes})\n")
