@@ -151,3 +151,69 @@ def _pid_gone(pid: Any) -> bool:
     except OSError:
         return False
     return stat.rpartition(")")[2].split()[:1] == ["Z"]
+
+
+def _stack(func: Any, options: list[Any]) -> Any:
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def guard_options(per: str = "") -> Any:
+    """The harness's budget and guard flags (``deja record``, ``proxy``, ``submit``);
+    :func:`budgets_of` turns them into ``[tool.deja.budgets]`` form. ``per`` says what a
+    budget is counted over ("per run" for the proxy's many runs)."""
+    budget = f"Budget{' ' + per if per else ''}"
+
+    def decorate(func: Any) -> Any:
+        return _stack(func, [
+            click.option("--max-turns", type=click.IntRange(min=0),
+                         help=f"{budget}: model turns."),
+            click.option("--max-tokens", "max_tokens_total", type=click.IntRange(min=0),
+                         help=f"{budget}: cumulative input + output tokens."),
+            click.option("--max-tokens-per-turn", type=click.IntRange(min=0),
+                         help="Ceiling on a request's max_tokens; a request asking for more "
+                              "is refused."),
+            click.option("--clamp-max-tokens", is_flag=True,
+                         help="Clamp a request over the per-turn ceiling instead of refusing "
+                              "it."),
+            click.option("--max-seconds", type=click.FloatRange(min=0),
+                         help=f"{budget}: wall-clock seconds."),
+            click.option("--max-dollars", type=click.FloatRange(min=0),
+                         help=f"{budget}: dollars, from the price table."),
+            click.option("--no-loop-guard", is_flag=True,
+                         help="Do not stop repeated identical tool calls."),
+            click.option("--no-breaker", is_flag=True,
+                         help="Do not use the per-host circuit breaker."),
+        ])
+    return decorate
+
+
+def budgets_of(max_turns: int | None = None, max_tokens_total: int | None = None,
+               max_tokens_per_turn: int | None = None, clamp_max_tokens: bool = False,
+               max_seconds: float | None = None, max_dollars: float | None = None,
+               **_other: Any) -> dict[str, Any]:
+    """The budgets given by :func:`guard_options`' flags, in settings form."""
+    return {k: v for k, v in {
+        "turns": max_turns, "tokens": max_tokens_total, "max_tokens": max_tokens_per_turn,
+        "seconds": max_seconds, "dollars": max_dollars,
+        "max_tokens_mode": "clamp" if clamp_max_tokens else None}.items() if v is not None}
+
+
+def redaction_options(func: Any) -> Any:
+    """What else to keep out of a cassette, beyond the defaults (``record``, ``proxy``)."""
+    return _stack(func, [
+        click.option("--redact-header", "redact_headers", multiple=True, metavar="NAME",
+                     help="Another header never to write (authorization, x-api-key and "
+                          "cookies always are)."),
+        click.option("--redact-body", "redact_body", multiple=True, metavar="POINTER",
+                     help="A JSON pointer into request bodies never to write, e.g. "
+                          "/metadata/user_id (repeatable)."),
+        click.option("--redact-pattern", "redact_patterns", multiple=True, metavar="REGEX",
+                     help="A regular expression for secrets to redact wherever they appear; "
+                          "with a group, only the group (repeatable). Key shapes (sk-..., "
+                          "AKIA..., ghp_..., JWTs) always are."),
+        click.option("--redact-query", "redact_query", multiple=True, metavar="NAME",
+                     help="Another query parameter whose value is never written (key, "
+                          "token, access_token, signature ... always are)."),
+    ])

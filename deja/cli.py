@@ -37,6 +37,9 @@ from deja._common import (
     _python_argv,
     _read_json_file,
     _warn_unverified,
+    budgets_of,
+    guard_options,
+    redaction_options,
 )
 
 
@@ -55,33 +58,10 @@ def main() -> None:
               help="Cassette file, or a directory to create <run id>.jsonl in.")
 @click.option("--fsync", type=click.Choice(["sync", "turn", "exit"]), default=None,
               help="When lines are forced to disk (default: [tool.deja] fsync, else turn).")
-@click.option("--max-turns", type=click.IntRange(min=0), help="Budget: model turns.")
-@click.option("--max-tokens", "max_tokens_total", type=click.IntRange(min=0),
-              help="Budget: cumulative input + output tokens.")
-@click.option("--max-tokens-per-turn", type=click.IntRange(min=0),
-              help="Ceiling on a request's max_tokens; a request asking for more is refused.")
-@click.option("--clamp-max-tokens", is_flag=True,
-              help="Clamp a request over the per-turn ceiling instead of refusing it.")
-@click.option("--max-seconds", type=click.FloatRange(min=0), help="Budget: wall-clock seconds.")
-@click.option("--max-dollars", type=click.FloatRange(min=0),
-              help="Budget: dollars, from the price table.")
-@click.option("--no-loop-guard", is_flag=True, help="Do not stop repeated identical tool calls.")
-@click.option("--no-breaker", is_flag=True, help="Do not use the per-host circuit breaker.")
+@guard_options()
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
               help="Label the run (repeatable).")
-@click.option("--redact-header", "redact_headers", multiple=True, metavar="NAME",
-              help="Another header never to write (authorization, x-api-key and cookies "
-                   "always are).")
-@click.option("--redact-body", "redact_body", multiple=True, metavar="POINTER",
-              help="A JSON pointer into request bodies never to write, e.g. "
-                   "/metadata/user_id (repeatable).")
-@click.option("--redact-pattern", "redact_patterns", multiple=True, metavar="REGEX",
-              help="A regular expression for secrets to redact wherever they appear; with "
-                   "a group, only the group (repeatable). Key shapes (sk-..., AKIA..., "
-                   "ghp_..., JWTs) always are.")
-@click.option("--redact-query", "redact_query", multiple=True, metavar="NAME",
-              help="Another query parameter whose value is never written (key, token, "
-                   "access_token, signature ... always are).")
+@redaction_options
 @click.option("--force", is_flag=True, help="Overwrite the cassette file if it exists.")
 @click.option("--run-id", "given_run_id", metavar="ID",
               help="The run's id (default: a new one); a worker passes the id it was given.")
@@ -119,10 +99,8 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
         raise BadInput(f"{path} already exists; pass --force to overwrite it or choose "
                        "another -o")
     argv = list(command)
-    budgets = {k: v for k, v in {
-        "turns": max_turns, "tokens": max_tokens_total, "max_tokens": max_tokens_per_turn,
-        "seconds": max_seconds, "dollars": max_dollars,
-        "max_tokens_mode": "clamp" if clamp_max_tokens else None}.items() if v is not None}
+    budgets = budgets_of(max_turns, max_tokens_total, max_tokens_per_turn, clamp_max_tokens,
+                         max_seconds, max_dollars)
     try:
         resolve_settings(budgets=budgets, loop_guard=False if no_loop_guard else None,
                          breaker=False if no_breaker else None, redact_headers=redact_headers,

@@ -16,6 +16,9 @@ from deja._common import (
     _fail,
     _labels,
     _read_json_file,
+    budgets_of,
+    guard_options,
+    redaction_options,
 )
 
 
@@ -57,30 +60,10 @@ from deja._common import (
               help="Write {url, port, pid, mode} as JSON here once the proxy listens.")
 @click.option("--fsync", type=click.Choice(["sync", "turn", "exit"]), default=None,
               help="When lines are forced to disk (default: [tool.deja] fsync, else turn).")
-@click.option("--max-turns", type=click.IntRange(min=0), help="Budget per run: model turns.")
-@click.option("--max-tokens", "max_tokens_total", type=click.IntRange(min=0),
-              help="Budget per run: cumulative input + output tokens.")
-@click.option("--max-tokens-per-turn", type=click.IntRange(min=0),
-              help="Ceiling on a request's max_tokens; a request asking for more is refused.")
-@click.option("--clamp-max-tokens", is_flag=True,
-              help="Clamp a request over the per-turn ceiling instead of refusing it.")
-@click.option("--max-seconds", type=click.FloatRange(min=0),
-              help="Budget per run: wall-clock seconds.")
-@click.option("--max-dollars", type=click.FloatRange(min=0),
-              help="Budget per run: dollars, from the price table.")
-@click.option("--no-loop-guard", is_flag=True, help="Do not stop repeated identical tool calls.")
-@click.option("--no-breaker", is_flag=True, help="Do not use the per-host circuit breaker.")
+@guard_options("per run")
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
               help="Label every run (repeatable; clients add x-deja-labels).")
-@click.option("--redact-header", "redact_headers", multiple=True, metavar="NAME",
-              help="Another header never to write (authorization, x-api-key and cookies "
-                   "always are).")
-@click.option("--redact-body", "redact_body", multiple=True, metavar="POINTER",
-              help="A JSON pointer into request bodies never to write (repeatable).")
-@click.option("--redact-pattern", "redact_patterns", multiple=True, metavar="REGEX",
-              help="A regular expression for secrets to redact wherever they appear.")
-@click.option("--redact-query", "redact_query", multiple=True, metavar="NAME",
-              help="Another query parameter whose value is never written.")
+@redaction_options
 @click.option("-q", "--quiet", is_flag=True, help="No log line per request.")
 @_allow_unverified_option
 def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | None,
@@ -120,10 +103,8 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
     elif at is not None or edits or output is not None:
         raise BadInput("--at, --set, --patch, --replace and -o go with --fork CASSETTE")
     label_map = _labels(labels)
-    budgets = {k: v for k, v in {
-        "turns": max_turns, "tokens": max_tokens_total, "max_tokens": max_tokens_per_turn,
-        "seconds": max_seconds, "dollars": max_dollars,
-        "max_tokens_mode": "clamp" if clamp_max_tokens else None}.items() if v is not None}
+    budgets = budgets_of(max_turns, max_tokens_total, max_tokens_per_turn, clamp_max_tokens,
+                         max_seconds, max_dollars)
     record: dict[str, Any] = {
         "fsync": fsync, "budgets": budgets or None,
         "loop_guard": False if no_loop_guard else None,

@@ -22,7 +22,15 @@ from urllib.parse import quote, urlencode
 
 import click
 
-from deja._common import BadInput, RunsCommand, _fail, _labels, _pid_gone, _print_table
+from deja._common import (
+    BadInput,
+    RunsCommand,
+    _fail,
+    _labels,
+    _pid_gone,
+    _print_table,
+    guard_options,
+)
 
 REQUEST_TIMEOUT = 30.0  # seconds a command waits for deja serve to answer
 
@@ -130,29 +138,21 @@ def _guard_options(func: Callable[..., Any]) -> Callable[..., Any]:
     options = [
         click.option("--label", "labels", multiple=True, metavar="KEY=VALUE",
                      help="Label the run (repeatable)."),
-        click.option("--max-turns", type=click.IntRange(min=0), help="Budget: model turns."),
-        click.option("--max-dollars", type=click.FloatRange(min=0),
-                     help="Budget: dollars, from the price table."),
-        click.option("--max-seconds", type=click.FloatRange(min=0),
-                     help="Budget: wall-clock seconds."),
-        click.option("--max-tokens", type=click.IntRange(min=0),
-                     help="Budget: cumulative input + output tokens."),
-        click.option("--no-loop-guard", is_flag=True,
-                     help="Do not stop repeated identical tool calls."),
-        click.option("--no-breaker", is_flag=True,
-                     help="Do not use the per-host circuit breaker."),
         click.option("--cwd", type=click.Path(file_okay=False, exists=True, path_type=Path),
                      help="The directory the command runs in (default: this one)."),
         click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED),
     ]
     for option in reversed(options):
         func = option(func)
-    return func
+    return guard_options()(func)
 
 
 def _submission(labels: tuple[str, ...], cwd: Path | None, command: tuple[str, ...],
                 **guards: Any) -> dict[str, Any]:
-    chosen = {k: v for k, v in guards.items() if k.startswith("max_") and v is not None}
+    chosen = {("max_tokens" if k == "max_tokens_total" else k): v for k, v in guards.items()
+              if k.startswith("max_") and v is not None}
+    if guards.get("clamp_max_tokens"):
+        chosen["clamp_max_tokens"] = True
     if guards.get("no_loop_guard"):
         chosen["loop_guard"] = False
     if guards.get("no_breaker"):

@@ -6,7 +6,8 @@ A submission is JSON::
     {"command": ["python", "agent.py"], "cwd": "/srv/agents",
      "labels": {"team": "billing"},
      "guards": {"max_turns": 60, "max_dollars": 5, "max_seconds": 3600,
-                "max_tokens": 400000, "loop_guard": true, "breaker": true}}
+                "max_tokens": 400000, "max_tokens_per_turn": 4096,
+                "clamp_max_tokens": false, "loop_guard": true, "breaker": true}}
 
 Everything but ``command`` is optional. The command line is stored in the runs database
 for the worker to run, so it must not hold a secret: an argument that deja's redaction
@@ -25,10 +26,12 @@ from recorder.capture.redact import DEFAULT
 from recorder.harness.progress import valid_run_id
 from runs.errors import BadRunRequest
 
-GUARDS = {"max_turns": int, "max_tokens": int, "max_seconds": float, "max_dollars": float,
+GUARDS = {"max_turns": int, "max_tokens": int, "max_tokens_per_turn": int,
+          "clamp_max_tokens": bool, "max_seconds": float, "max_dollars": float,
           "loop_guard": bool, "breaker": bool}
 _FLAGS = {"max_turns": "--max-turns", "max_tokens": "--max-tokens",
-          "max_seconds": "--max-seconds", "max_dollars": "--max-dollars"}
+          "max_tokens_per_turn": "--max-tokens-per-turn", "max_seconds": "--max-seconds",
+          "max_dollars": "--max-dollars"}
 
 
 def _command(payload: dict[str, Any]) -> list[str]:
@@ -120,6 +123,8 @@ def record_argv(spec: dict[str, Any]) -> list[str]:
     for key, flag in _FLAGS.items():
         if key in guards:
             argv += [flag, str(guards[key])]
+    if guards.get("clamp_max_tokens"):
+        argv.append("--clamp-max-tokens")
     if guards.get("loop_guard") is False:
         argv.append("--no-loop-guard")
     if guards.get("breaker") is False:
