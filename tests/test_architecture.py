@@ -6,6 +6,7 @@ Every rule here reads the modules' imports with ``ast`` (imports inside function
 - the top-level packages form layers, each importing only from the layers below it;
 - the stub server (``recorder.testing``) is a test fake that imports nothing else of deja;
 - the cassette format and the providers know nothing of capture, the harness or recording;
+- the durable-execution engine (DBOS) is imported by ``runs.engine`` alone;
 - a private module or name (``_x``) is used only inside the package that owns it;
 - a package's ``__init__`` says what it exports in ``__all__``;
 - a test file stays short enough to read.
@@ -151,7 +152,7 @@ def report(found: list[str], rule: str) -> str:
 
 
 def test_the_checks_see_the_source() -> None:
-    assert {"recorder", "replayer", "viewer", "deja"} <= set(PACKAGES)
+    assert {"recorder", "replayer", "proxy", "runs", "viewer", "deja"} <= set(PACKAGES)
     assert len(ALL_USES) > 100
     assert owner_of_private("recorder.cassette._delta.encode") == "recorder.cassette"
     assert owner_of_private("recorder.cassette.reader._x") == "recorder.cassette"
@@ -192,6 +193,24 @@ def test_the_cassette_and_the_providers_know_nothing_of_capture_or_recording() -
         and any(inside(use.target, high) for high in ABOVE_FORMAT)
     ]
     assert not found, report(found, "the cassette or the providers importing what builds on them")
+
+
+def engine_importers(path: Path) -> Iterator[str]:
+    """Where the module at ``path`` imports the durable-execution engine (DBOS)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(name.split(".")[0] == "dbos" for name in names):
+            yield f"{module_name(path)}:{node.lineno}"
+
+
+def test_only_the_engine_module_imports_the_engine() -> None:
+    """Every use of DBOS goes through ``runs.engine``, so its moving API is in one place."""
+    found = [where for path in source_files() for where in engine_importers(path)]
+    assert found and all(where.startswith("runs.engine:") for where in found), \
+        report([w for w in found if not w.startswith("runs.engine:")] or ["no import at all"],
+               "imports of dbos outside runs.engine")
 
 
 def test_private_modules_and_names_stay_in_their_package() -> None:
