@@ -96,6 +96,7 @@ def _stop_on_signals() -> None:
     Signals that arrive while the run is already stopping are ignored."""
     import signal
 
+    from recorder.capture.session import mark_stopping
     from recorder.errors import Interrupted
 
     fired: list[int] = []
@@ -104,6 +105,7 @@ def _stop_on_signals() -> None:
         if fired:
             return
         fired.append(signum)
+        mark_stopping()  # a response cut from here on is not logged: a resume asks again
         raise Interrupted(signum)
 
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):

@@ -514,9 +514,16 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
             raise BadInput(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
         if report.exists():
             end = json.loads(report.read_text()).get("end")
+            if end is not None and end.get("status") == "completed" and \
+                    ended.received is not None and ended.code != 0:
+                # Every step was logged, but a signal stopped the program on its way out:
+                # resumable (a resume replays it all and closes the run), not a failure.
+                end = dict(end, status="interrupted",
+                           reason=f"signal {ended.received} as the program exited")
             if end is not None:
                 try:
-                    write_end(target, end, ended.status)
+                    write_end(target, end, ended.code if ended.received is None or
+                              end.get("status") != "completed" else 0)
                 except CassetteWriteError as exc:  # still no room: the run stays open
                     click.echo(f"deja: the run's end line could not be written ({exc})",
                                err=True)

@@ -85,20 +85,29 @@ def check_shared(store: Store, cassettes: Path) -> None:
                                  f"({exc.strerror or exc}); set DEJA_CASSETTE_DIR to a "
                                  "writable directory every worker reaches") from None
     marker = cassettes / SHARE_MARKER
+    found = _read_marker(marker)
+    created = False
+    if found is None:  # the first worker here: create it whole, or read the winner's
+        draft = cassettes / f"{SHARE_MARKER}.{os.getpid()}"
+        draft.write_text(os.urandom(12).hex() + "\n")
+        try:
+            os.link(draft, marker)
+            created = True
+        except FileExistsError:
+            pass
+        finally:
+            draft.unlink(missing_ok=True)
+        found = _read_marker(marker)
     expected = store.get_meta("cassette_share")
-    try:
-        found = marker.read_text().strip()
-    except OSError:
-        found = None
-    if expected is None:
-        token = found or os.urandom(12).hex()
-        if found is None:
-            marker.write_text(token + "\n")
-        if store.set_meta("cassette_share", token):
+    if expected is None and found is not None:
+        if store.set_meta("cassette_share", found):
             store.set_meta("cassette_dir", str(cassettes))
             return
         expected = store.get_meta("cassette_share")
     if found != expected:
+        if created:  # not the directory the database knows: leave it as it was
+            marker.unlink(missing_ok=True)
+            found = None
         where = store.get_meta("cassette_dir") or "the shared directory"
         raise CassettesNotShared(
             f"the cassette directory {cassettes} is not the one the other workers of this "
@@ -106,6 +115,13 @@ def check_shared(store: Store, cassettes: Path) -> None:
             f"{'missing' if found is None else 'different'} here). Mount that shared "
             "directory at the same path on every worker (NFS or the like, with working "
             "flock and rename) and point DEJA_CASSETTE_DIR at it")
+
+
+def _read_marker(marker: Path) -> str | None:
+    try:
+        return marker.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def cassette_state(path: Path) -> tuple[str, dict[str, Any] | None]:

@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from recorder.capture.exchange import HttpRequest, HttpResponse
-from recorder.capture.session import Session, Timing
+from recorder.capture.session import Session, Timing, stopping
 from recorder.errors import DejaError, sdk_passthrough
 
 _CLASSES: dict[tuple[str, str], type] = {}
@@ -89,6 +89,17 @@ class _Recording:
             self.first = time.perf_counter()
         self.chunks.append(data)
 
+    def abandon(self) -> None:
+        """The program is being stopped mid-response: log nothing (a resume asks again)."""
+        self.done = True
+
+    def cut(self, error: BaseException | None) -> None:
+        """The stream ended early (``close`` before the end, or an exception in the read)."""
+        if isinstance(error, KeyboardInterrupt) or stopping():
+            self.abandon()
+        else:
+            self.finish(error)
+
     def finish(self, error: BaseException | None) -> None:
         if self.done:
             return
@@ -123,7 +134,7 @@ def _tee_class(httpx: ModuleType, kind: str) -> type:
                 except GeneratorExit:
                     raise
                 except BaseException as exc:
-                    self._rec.finish(exc)
+                    self._rec.cut(exc)
                     raise
                 self._rec.finish(None)
 
@@ -131,7 +142,7 @@ def _tee_class(httpx: ModuleType, kind: str) -> type:
                 try:
                     self._inner.close()
                 finally:
-                    self._rec.finish(None)
+                    self._rec.cut(None)
 
         _CLASSES[key] = SyncTee
     else:
@@ -148,7 +159,7 @@ def _tee_class(httpx: ModuleType, kind: str) -> type:
                 except GeneratorExit:
                     raise
                 except BaseException as exc:
-                    self._rec.finish(exc)
+                    self._rec.cut(exc)
                     raise
                 self._rec.finish(None)
 
@@ -156,7 +167,7 @@ def _tee_class(httpx: ModuleType, kind: str) -> type:
                 try:
                     await self._inner.aclose()
                 finally:
-                    self._rec.finish(None)
+                    self._rec.cut(None)
 
         _CLASSES[key] = AsyncTee
     return _CLASSES[key]

@@ -87,6 +87,20 @@ def active() -> Session | None:
     return _active
 
 
+_stopping = threading.Event()
+
+
+def mark_stopping() -> None:
+    """A signal is stopping this process (``deja.boot``): an exchange whose response is
+    cut from here on is not logged, so a resume sends it again instead of serving a
+    truncated body as if the model had said it."""
+    _stopping.set()
+
+
+def stopping() -> bool:
+    return _stopping.is_set()
+
+
 def activate(session: Session) -> None:
     global _active
     with _lock:
