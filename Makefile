@@ -48,8 +48,9 @@ postgres:
 check: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/mypy
 
+# Two test processes, each taking whole files (a file's servers and ports stay together).
 test: $(STAMP) chromium node postgres check
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 stress: $(STAMP) node postgres
 	DEJA_CRASH_SEEDS=200 $(BIN)/python -m pytest tests/replayer/test_crash_resume.py
