@@ -522,8 +522,8 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
                            reason=f"signal {ended.received} as the program exited")
             if end is not None:
                 try:
-                    write_end(target, end, ended.code if ended.received is None or
-                              end.get("status") != "completed" else 0)
+                    write_end(target, end, 0 if ended.received is not None and
+                              end.get("status") == "completed" else ended.status)
                 except CassetteWriteError as exc:  # still no room: the run stays open
                     click.echo(f"deja: the run's end line could not be written ({exc})",
                                err=True)
