@@ -50,7 +50,7 @@ check: $(STAMP)
 
 # Two test processes, each taking whole files (a file's servers and ports stay together).
 test: $(STAMP) chromium node postgres check
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
 stress: $(STAMP) node postgres
 	DEJA_CRASH_SEEDS=200 $(BIN)/python -m pytest tests/replayer/test_crash_resume.py

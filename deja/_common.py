@@ -88,7 +88,15 @@ def _print_table(rows: list[dict[str, Any]], columns: list[str], title: str | No
         table.add_column(col, overflow="fold")
     for row in rows:
         table.add_row(*("" if row.get(c) is None else _fmt(row.get(c)) for c in columns))
-    Console(width=max(100, shutil.get_terminal_size((120, 20)).columns)).print(table)
+    Console(width=table_width()).print(table)
+
+
+def table_width() -> int:
+    """On a terminal, its width (at least 100); piped or captured, wide enough that no
+    column is cut whatever ``COLUMNS`` says."""
+    if sys.stdout.isatty():
+        return max(100, shutil.get_terminal_size((120, 20)).columns)
+    return 200
 
 
 def _fmt(value: Any) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from deja._common import (
     budgets_of,
     guard_options,
     redaction_options,
+    table_width,
 )
 
 
@@ -387,7 +387,7 @@ def ls_(directory: Path, as_json: bool, allow_unverified: bool) -> None:
                "duration_s", "parent", "forks", "labels", "error")} for run in runs]
     columns = [c for c in cells[0] if c in ("run", "file", "status")
                or any(row[c] for row in cells)]
-    width = max(100, shutil.get_terminal_size((120, 20)).columns)
+    width = table_width()
     widest = {c: max(len(c), *(len(row[c]) for row in cells)) for c in columns}
     keep = {c: w for c, w in widest.items() if w <= 12 or c == "run"}
     if sum(keep.values()) + 8 * (len(columns) - len(keep)) + 3 * len(columns) > width:

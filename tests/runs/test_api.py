@@ -237,6 +237,11 @@ def test_a_submitted_run_waits_for_an_answer_and_completes_with_its_artefact(
     assert f"run {run}: input_required" in shown.stdout
     assert "question: Ship the weekly report?" in shown.stdout
 
+    # The event stream polls; let it report the wait before the answer ends it.
+    deadline = time.monotonic() + 30
+    while not any(data.get("status") == "input_required" for _, data in list(events)):
+        assert time.monotonic() < deadline, events
+        time.sleep(0.1)
     answered = deja("answer", run, "yes, ship it")
     assert answered.returncode == 0, answered.stderr
     assert "answered run" in answered.stdout and "Ship the weekly report?" in answered.stdout
