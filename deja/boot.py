@@ -97,6 +97,7 @@ def _stop_on_signals() -> None:
     import signal
 
     from recorder.capture.session import mark_stopping
+    from recorder.cassette.whole import interrupt
     from recorder.errors import Interrupted
 
     fired: list[int] = []
@@ -106,7 +107,7 @@ def _stop_on_signals() -> None:
             return
         fired.append(signum)
         mark_stopping()  # a response cut from here on is not logged: a resume asks again
-        raise Interrupted(signum)
+        interrupt(Interrupted(signum))  # at once, or when the line being written is whole
 
     for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(signum, stop)

@@ -32,6 +32,7 @@ from recorder.cassette.format import FORMAT, KINDS, RESUMABLE_ENDS, TURN_SYNC_KI
 from recorder.cassette.keys import key_id
 from recorder.cassette.schema import Kind
 from recorder.cassette.signing import encode_sig, line_bytes, mac, with_sig
+from recorder.cassette.whole import WHOLE
 from recorder.errors import (
     CassetteLocked,
     CassetteWriteError,
@@ -156,7 +157,7 @@ class CassetteWriter:
         line = {"format": FORMAT, **{k: v for k, v in header.items() if k != "format"}}
         line["key_id"] = key_id(key)
         self.header: Mapping[str, Any] = line
-        with self._lock:
+        with self._lock, WHOLE:
             self._write(line, sync=True)
 
     @classmethod
@@ -216,7 +217,7 @@ class CassetteWriter:
         Its stored request, a delta against earlier lines, stays valid because the lines
         before it were copied at the same positions; ``request_body`` is its full request.
         """
-        with self._lock:
+        with self._lock, WHOLE:
             self._check_open()
             copy = {k: v for k, v in line.items() if k != "sig"}
             if copy.get("seq") != self._seq:
@@ -244,7 +245,7 @@ class CassetteWriter:
         line's response gives the conversation (:func:`recorder.cassette.compact.reply_message`),
         which a later request may refer to.
         """
-        with self._lock:
+        with self._lock, WHOLE:
             self._check_open()
             line = {"seq": self._seq, **obs}
             if self._v1:  # a deja/1 cassette goes on with the fields deja/1 has
@@ -267,7 +268,7 @@ class CassetteWriter:
 
     def close(self, end: dict[str, Any]) -> dict[str, Any]:
         """Write the ``end`` line, force everything to disk and close the file."""
-        with self._lock:
+        with self._lock, WHOLE:
             self._check_open()
             line = {"seq": self._seq, "kind": Kind.END.value, **end}
             self._stop_group()
@@ -282,7 +283,7 @@ class CassetteWriter:
 
     def abandon(self) -> None:
         """Close the file without an end line (the run is to be resumed later)."""
-        with self._lock:
+        with self._lock, WHOLE:
             if not self.closed:
                 self._stop_group()
                 with contextlib.suppress(OSError):  # a failed disk: what is there, stays
