@@ -88,22 +88,9 @@ def _openai_answer(obs: Mapping[str, Any], endpoint: str) -> tuple[dict[str, Any
     return {"message": doc}, ""
 
 
-def _chain(answers: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
-    """The failures of a request's attempts up to its first success, as one retry turn."""
-    from recorder.testing.match import is_failure
-
-    used: list[tuple[int, dict[str, Any]]] = []
-    for seq, turn in answers:
-        used.append((seq, turn))
-        if not is_failure(turn):
-            break
-    first = dict(used[0][1])
-    if is_failure(first) and len(used) > 1:
-        first["then"] = [turn for _, turn in used[1:]]
-    return {"_seq": [seq for seq, _ in used], **first}
-
-
 def _openai_rules(cassette: Any) -> tuple[list[dict[str, Any]], int, dict[int, str]]:
+    from replayer.stub import retry_chain
+
     """The rules answering the OpenAI calls of ``cassette``, how many calls they answer,
     and the OpenAI calls left out, by step, with why."""
     from recorder.testing.match import first_user_text, last_user_text, position
@@ -148,8 +135,8 @@ def _openai_rules(cassette: Any) -> tuple[list[dict[str, Any]], int, dict[int, s
                 if last_user in seen:
                     continue  # told apart by nothing the rules look at: the first answers
                 seen.add(last_user)
-                into.append({"when": {**when, "last_user": last_user}, **_chain(answers)})
-        into.append({"when": when, **_chain(distinct[0][1])})
+                into.append({"when": {**when, "last_user": last_user}, **retry_chain(answers)})
+        into.append({"when": when, **retry_chain(distinct[0][1])})
     return continued + fresh, calls, skipped
 
 
