@@ -56,6 +56,18 @@ from deja._common import (
               help="Seconds in-flight streams get to finish on SIGTERM.")
 @click.option("--max-body", type=click.IntRange(min=1), default=32 * 1024 * 1024,
               show_default=True, help="Largest request body accepted, in bytes (413 above).")
+@click.option("--max-response", type=click.IntRange(min=1), default=64 * 1024 * 1024,
+              show_default=True,
+              help="Largest upstream response passed on and recorded, in bytes, as received "
+                   "and as a gzip or deflate body inflates: a whole response over it is a "
+                   "502, a stream is cut there with an error event (ResponseTooLarge).")
+@click.option("--header-timeout", type=click.FloatRange(min=0.1), default=10.0,
+              show_default=True,
+              help="Seconds a client gets to send a request's headers; slower connections "
+                   "are closed.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="Also answer requests that name this host (repeatable); by default only "
+                   "loopback names and --host are (a web page's request is refused).")
 @click.option("--ready-file", type=click.Path(path_type=Path, dir_okay=False),
               help="Write {url, port, pid, mode} as JSON here once the proxy listens.")
 @click.option("--fsync", type=click.Choice(["sync", "turn", "exit"]), default=None,
@@ -69,7 +81,8 @@ from deja._common import (
 def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | None,
           fork: Path | None, at: int | None, sets: tuple[str, ...], patch_file: Path | None,
           replace_file: Path | None, output: Path | None, token: str | None, idle: float,
-          grace: float, max_body: int, ready_file: Path | None, fsync: str | None,
+          grace: float, max_body: int, max_response: int, header_timeout: float,
+          allowed_hosts: tuple[str, ...], ready_file: Path | None, fsync: str | None,
           max_turns: int | None, max_tokens_total: int | None,
           max_tokens_per_turn: int | None, clamp_max_tokens: bool,
           max_seconds: float | None, max_dollars: float | None, no_loop_guard: bool,
@@ -126,7 +139,9 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
         logger.setLevel(logging.WARNING if quiet and name == "deja.proxy" else
                         logging.INFO if name == "deja.proxy" else logging.WARNING)
     options = ProxyOptions(host=host, port=port, upstream=upstream, directory=directory,
-                           token=token, max_body=max_body, idle=idle, grace=grace,
+                           token=token, max_body=max_body, max_response=max_response,
+                           header_timeout=header_timeout, allowed_hosts=allowed_hosts,
+                           idle=idle, grace=grace,
                            ready_file=ready_file, record=record, labels=label_map,
                            replay=replay, allow_unverified=allow_unverified or None,
                            fork=fork, at=at, edit=edit, out=output)

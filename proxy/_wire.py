@@ -1,5 +1,5 @@
 """What the proxy says on the wire besides what it forwards: error responses in the
-provider's own shape, and which headers pass a hop.
+provider's own shape, which headers pass a hop, and whom it answers.
 
 An error the proxy answers itself is an Anthropic error object
 (``{"type": "error", "error": {"type": ..., "message": ...}}``), so that every SDK raises
@@ -9,15 +9,25 @@ both read first: ``false`` is never retried, whatever the status; without it the
 408, 409, 429 and 5xx. A stopped run and a divergence are answered with a 4xx and
 ``x-should-retry: false``: retrying cannot help, and a retry storm is what a guard exists
 to prevent.
+
+Whom it answers (:class:`Callers`): an SDK, ``curl`` or any program on the machine sends
+a loopback ``Host`` and no ``Origin``. A web page the developer opens must not use the
+proxy: neither by DNS rebinding (its own name made to resolve to 127.0.0.1: the request
+then names that name in ``Host``, refused with 421) nor by a cross-origin request (its
+``Origin`` is not loopback, or, for a request that carries none, ``Sec-Fetch-Site`` says
+``cross-site``: refused with 403). Nothing the proxy answers itself carries a CORS header.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
-__all__ = ["HOP_BY_HOP", "ProxyError", "error_body", "forwardable", "served_headers"]
+__all__ = ["HOP_BY_HOP", "Callers", "ProxyError", "error_body", "forwardable", "hop_by_hop",
+           "is_loopback", "served_headers"]
 
 # Headers that describe one hop, not the message (RFC 9110 7.6.1), and the ones the
 # upstream client sets itself from the URL and the body it sends.
@@ -47,20 +57,127 @@ def error_body(kind: str, message: str) -> bytes:
                       ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-def forwardable(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
-    """A client's request headers as they go upstream: without hop-by-hop headers and
-    without deja's own ``x-deja-*`` headers (its token among them)."""
+def hop_by_hop(headers: Sequence[tuple[str, str]]) -> frozenset[str]:
+    """The names of ``headers`` that belong to one hop: the standard ones, and every name
+    a ``Connection`` header lists (RFC 9110 7.6.1), lower-cased."""
+    named = [v for k, v in headers if k.lower() == "connection"]
+    if not named:
+        return HOP_BY_HOP
+    return HOP_BY_HOP | {n.strip().lower() for v in named for n in v.split(",") if n.strip()}
+
+
+def forwardable(headers: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A client's request headers as they go upstream: without hop-by-hop headers (those
+    its ``Connection`` header names included) and without deja's own ``x-deja-*`` headers
+    (its token among them)."""
+    drop = hop_by_hop(headers)
     return [(k, v) for k, v in headers
-            if k.lower() not in HOP_BY_HOP and not k.lower().startswith(DEJA_PREFIX)]
+            if k.lower() not in drop and not k.lower().startswith(DEJA_PREFIX)]
 
 
-def served_headers(headers: Iterable[tuple[str, str]], body_length: int | None
+def served_headers(headers: Sequence[tuple[str, str]], body_length: int | None
                    ) -> list[tuple[bytes, bytes]]:
-    """Response headers as the proxy sends them on: hop-by-hop ones dropped, and
-    ``content-length`` set to ``body_length`` when the whole body is known (else the
-    server frames the body itself, chunked)."""
+    """Response headers as the proxy sends them on: hop-by-hop ones dropped (those the
+    upstream's ``Connection`` header names included), and ``content-length`` set to
+    ``body_length`` when the whole body is known (else the server frames the body itself,
+    chunked)."""
+    drop = hop_by_hop(headers)
     out = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers
-           if k.lower() not in HOP_BY_HOP]
+           if k.lower() not in drop]
     if body_length is not None:
         out.append((b"content-length", str(body_length).encode("ascii")))
     return out
+
+
+def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(name)
+    except ValueError:
+        return None
+
+
+def is_loopback(host: str) -> bool:
+    """Is ``host`` (a name or an address, without a port) this machine's loopback?"""
+    name = host.strip().lower().strip("[]").rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    ip = _ip(name)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip is not None and ip.is_loopback
+
+
+def host_name(value: str) -> str | None:
+    """The name of a ``Host`` value (``127.0.0.1:8787``, ``[::1]:8787``, ``localhost``),
+    lower-cased, without its port; None when it is not a host and optional port."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        name, sep, rest = value[1:].partition("]")
+        if not sep or _ip(name) is None:
+            return None
+    else:
+        name, _, port = value.partition(":")
+        rest = f":{port}" if port else ""
+        if not name or any(not (c.isalnum() or c in "._-") for c in name) or not name.isascii():
+            return None
+    if rest and (not rest.startswith(":") or not rest[1:].isdigit()):
+        return None
+    return name.rstrip(".")
+
+
+@dataclass(frozen=True)
+class Callers:
+    """The names the proxy answers to: loopback, the address it listens on, and
+    ``--allowed-host`` names; listening on every address (``0.0.0.0``, ``::``), any IP
+    address of the machine too (an address cannot be rebound)."""
+
+    names: frozenset[str] = frozenset()
+    any_address: bool = False
+
+    @classmethod
+    def of(cls, listen: str, allowed: Iterable[str] = ()) -> Callers:
+        names = {n.strip().lower().strip("[]").rstrip(".") for n in allowed if n.strip()}
+        wildcard = listen.strip("[]") in ("0.0.0.0", "::", "")
+        if not wildcard:
+            names.add(listen.lower().strip("[]"))
+        return cls(frozenset(names), wildcard)
+
+    def _ours(self, name: str) -> bool:
+        return is_loopback(name) or name in self.names or (
+            self.any_address and _ip(name) is not None)
+
+    def shown(self) -> str:
+        extra = sorted(self.names - {"localhost", "127.0.0.1", "::1"})
+        return ", ".join(["localhost", "127.0.0.1", "[::1]", *extra,
+                          *(["any IP address of this machine"] if self.any_address else [])])
+
+    def refusal(self, headers: Mapping[str, str]) -> ProxyError | None:
+        """Why a request with these (lower-cased) headers is refused; None: it is not."""
+        given = headers.get("host")
+        name = host_name(given) if given is not None else None
+        if given is not None and (name is None or not self._ours(name)):
+            return ProxyError(421, "invalid_request_error",
+                              f"deja proxy: the request names the host {given!r}; the proxy "
+                              f"answers to {self.shown()} only (a web page whose name was "
+                              "made to point here is refused). Use one of those, or start "
+                              "it with --allowed-host NAME")
+        origin = headers.get("origin")
+        if origin is not None:
+            try:
+                parts = urlsplit(origin.strip())
+                page = (parts.hostname or "").rstrip(".")
+                foreign = not page or not (is_loopback(page) or page in self.names)
+            except ValueError:
+                foreign = True
+            if foreign:
+                return ProxyError(403, "permission_error",
+                                  f"deja proxy: a request from the web page {origin!r} is "
+                                  "refused: web pages cannot use the proxy (only programs "
+                                  "on this machine, or pages served from loopback or an "
+                                  "--allowed-host name)")
+        elif headers.get("sec-fetch-site", "").strip().lower() == "cross-site":
+            return ProxyError(403, "permission_error",
+                              "deja proxy: a request a web page of another site made is "
+                              "refused (Sec-Fetch-Site: cross-site): web pages cannot use "
+                              "the proxy")
+        return None

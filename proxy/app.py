@@ -1,19 +1,22 @@
 """The recording proxy as an ASGI application: every request of every client, one
 exchange at a time.
 
-A request is read whole (up to ``max_body``), routed to its run (:mod:`proxy.runs`), and
-handed to the run's session exactly as the in-process capture hands an exchange over:
-``begin_http`` runs the guards and answers from a cassette when the run is served (replay,
-a fork's prefix); otherwise the request goes to the upstream, its response streams back
-to the client chunk by chunk as it arrives and is teed, and ``end_http`` logs it once it
-is complete. A JSON response is logged after its last byte is sent, so the client does
-not wait for the write.
+A request is checked for whom it comes from (:class:`proxy._wire.Callers`), read whole (up
+to ``max_body``), routed to its run (:mod:`proxy.runs`), and handed to the run's session
+exactly as the in-process capture hands an exchange over: ``begin_http`` runs the guards
+and answers from a cassette when the run is served (replay, a fork's prefix); otherwise
+the request goes to the upstream. A stream's response goes back to the client chunk by
+chunk as it arrives and is teed; a whole (JSON) response is passed on once complete;
+both within ``max_response`` bytes (:mod:`proxy._bounds`). ``end_http`` logs the exchange
+once it is complete, after its last byte is sent, so the client does not wait for the
+write (a large one is logged in a worker thread, the run's next request waiting for it).
 
 Errors the proxy answers itself are in the provider's shape (:mod:`proxy._wire`), never a
 traceback: a malformed body (400), a body over the limit (413), a wrong token (401), a
 path under ``/_deja/`` it does not serve (404), an unreachable upstream (502, which the SDKs
-retry as they retry a connection error), a stopped run or a divergence (400 with
-``x-should-retry: false``), an open circuit (503, not retried).
+retry as they retry a connection error), a response over ``max_response`` (502, not
+retried), a stopped run or a divergence (400 with ``x-should-retry: false``), an open
+circuit (503, not retried), a foreign ``Host`` (421) or a web page's request (403).
 """
 
 from __future__ import annotations
@@ -27,12 +30,21 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import yarl
 
-from proxy._wire import ProxyError, error_body, forwardable, served_headers
+from proxy._bounds import (
+    MAX_RESPONSE,
+    OFFLOAD_BYTES,
+    Passing,
+    cut_tail,
+    decoded_within,
+    said,
+    too_large,
+)
+from proxy._wire import Callers, ProxyError, error_body, forwardable, served_headers
 from proxy.runs import (
     RUN_NAME,
     ProxyRun,
@@ -45,7 +57,6 @@ from proxy.runs import (
     tool_results,
 )
 from recorder import providers
-from recorder.canonical import content_decoded
 from recorder.capture.exchange import HttpRequest, HttpResponse, RequestReader
 from recorder.capture.session import Timing
 from recorder.errors import (
@@ -53,6 +64,7 @@ from recorder.errors import (
     DejaError,
     Divergence,
     DivergenceInfo,
+    ResponseTooLarge,
     RunStopped,
     UnserializableValue,
 )
@@ -63,6 +75,7 @@ __all__ = ["Proxy"]
 
 log = logging.getLogger("deja.proxy")
 
+T = TypeVar("T")
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -102,7 +115,8 @@ class Proxy:
                                                            ProxyRun] | None = None,
                  single: ProxyRun | None = None, token: str | None = None,
                  max_body: int = 32 * 1024 * 1024, idle: float = 300.0,
-                 timeout: float = 600.0, mode: str = "record") -> None:
+                 timeout: float = 600.0, mode: str = "record",
+                 max_response: int = MAX_RESPONSE, callers: Callers | None = None) -> None:
         if (new_run is None) == (single is None):
             raise ValueError("give exactly one of new_run and single")
         self.upstream = upstream.rstrip("/")
@@ -110,6 +124,8 @@ class Proxy:
         self._new_run, self.single = new_run, single
         self.token = token
         self.max_body = max_body
+        self.max_response = max_response
+        self.callers = callers or Callers.of("127.0.0.1")
         self.idle = idle
         self.timeout = timeout
         self.registry = Registry()
@@ -249,6 +265,9 @@ class Proxy:
     async def _http(self, scope: Scope, receive: Receive, send: Send, ex: _Exchange) -> None:
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in scope["headers"]]
         named = {k.lower(): v for k, v in headers}
+        refused = self.callers.refusal(named)
+        if refused is not None:
+            raise refused
         if ex.path == "/_deja/health":
             await self._health(send, ex)
             return
@@ -268,7 +287,7 @@ class Proxy:
         parsed: Any = None
         keys: list[str] | None = None
         if model_provider(ex.method, url):
-            parsed, keys = self._read_model_request(body, ex)
+            parsed, keys = await _off_loop(len(body), self._read_model_request, body, ex)
         previous = parsed.get("previous_response_id") if isinstance(parsed, dict) else None
         run = await self._route(named, headers, keys, ex,
                                 previous if isinstance(previous, str) else None)
@@ -364,6 +383,9 @@ class Proxy:
     async def _exchange(self, run: ProxyRun, request: HttpRequest, parsed: Any,
                         keys: list[str] | None, receive: Receive, send: Send,
                         ex: _Exchange) -> None:
+        if run.logging.locked():  # a large line of this run is being written: it goes first
+            async with run.logging:
+                pass
         if run.stopped is not None:
             raise _stop_error(run, run.stopped)
         if run.closed and run is not self.single:
@@ -439,33 +461,47 @@ class Proxy:
 
     async def _serve(self, run: ProxyRun, served: HttpResponse, send: Send,
                      ex: _Exchange) -> None:
-        """Answer from a cassette: the recorded status, headers and bytes."""
-        error = served.extra.get("error")
+        """Answer from a cassette: the recorded status, headers and bytes (a stream the
+        proxy cut while recording ends as it ended then, with its error event)."""
+        error: dict[str, Any] = served.extra.get("error") or {}
+        refused = error.get("type") == ResponseTooLarge.__name__
         if error and not served.extra.get("has_response"):
             raise ProxyError(502, "api_error",
                              f"deja replay: the recorded call failed before any response: "
-                             f"{error.get('type')}: {error.get('message')}", retry=True)
+                             f"{error.get('type')}: {error.get('message')}",
+                             retry=not refused)
         seam = providers.for_url(ex.method, self.upstream + ex.path)
         stream = seam is not None and seam.is_stream(served.headers)
-        headers = served_headers(served.headers, None if stream else len(served.body))
+        body = served.body
+        if refused and stream:
+            body += cut_tail(served.headers, f"deja proxy: {error.get('type')}: "
+                                             f"{error.get('message')}")
+        headers = served_headers(served.headers, None if stream else len(body))
         headers.append((RUN_ID_HEADER, run.run_id.encode()))
         ex.status, ex.started, ex.note = served.status, True, "replayed"
         await send({"type": "http.response.start", "status": served.status,
                     "headers": headers})
-        await send({"type": "http.response.body", "body": served.body, "more_body": False})
-        run.last_failed = served.status >= 400
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        run.last_failed = served.status >= 400 or refused
         run.answered = time.time()
         if seam is not None and served.status < 400:
-            decoded = content_decoded(served.body, served.headers)
-            summary = seam.summarize(served.status, served.headers, decoded)
+            try:
+                plain = await _off_loop(len(served.body), decoded_within, served.body,
+                                        served.headers, self.max_response)
+            except ResponseTooLarge as exc:  # a cassette is untrusted input too
+                log.warning("run %s: a recorded response is not read: %s", run.run_id, exc)
+                return
+            summary = seam.summarize(served.status, served.headers, plain)
             run.last_stop_reason = summary.get("stop_reason")
             run.awaiting_tools = False
             if _is_responses(ex.path):
-                self._read_reply(run, seam, served.headers, decoded)
+                await _off_loop(len(plain), self._read_reply, run, seam, served.headers, plain)
 
     async def _forward(self, run: ProxyRun, rec: Any, request: HttpRequest, receive: Receive,
                        send: Send, ex: _Exchange) -> None:
-        """Send the request upstream and stream its response back, teed into the log."""
+        """Send the request upstream and pass its response back within ``max_response``
+        bytes, teed into the log: a stream event by event as it arrives, a whole body
+        once complete (so that one over the limit can still be answered with a 502)."""
         client = self._client
         assert client is not None
         start, t0 = time.time(), time.perf_counter()
@@ -505,57 +541,111 @@ class Proxy:
                             headers=[(k.decode("latin-1"), v.decode("latin-1"))
                                      for k, v in response.raw_headers],
                             body=b"", reason=response.reason or "")
+        passing = Passing(meta.headers, self.max_response, f"{request.method} {ex.path}")
         length = response.headers.get("content-length")
         chunked = "chunked" in response.headers.get("transfer-encoding", "").lower()
-        headers = served_headers(meta.headers, int(length) if length and length.isdigit()
-                                 and not chunked else None)
-        headers.append((RUN_ID_HEADER, run.run_id.encode()))
-        chunks: list[bytes] = []
-        first: float | None = None
-        error: BaseException | None = None
-        try:
+        declared = int(length) if length and length.isdigit() and not chunked else None
+        start_message = {"type": "http.response.start", "status": response.status}
+
+        async def started(body_length: int | None) -> None:
+            headers = served_headers(meta.headers, body_length)
+            headers.append((RUN_ID_HEADER, run.run_id.encode()))
             ex.status, ex.started = response.status, True
-            await send({"type": "http.response.start", "status": response.status,
-                        "headers": headers})
-            async for chunk in response.content.iter_any():
-                if first is None:
-                    first = time.perf_counter()
-                chunks.append(chunk)
-                if gone.done():
-                    error = ClientGone("the client disconnected before the response ended")
-                    break
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            if error is None:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except UPSTREAM_ERRORS as exc:  # the upstream cut the stream short
-            error = exc
-        except asyncio.CancelledError as exc:  # the grace period of a shutdown ran out
-            error = ClientGone("cut short: the proxy shut down before the response ended")
-            run.cut = True
-            raise exc
-        finally:
-            gone.cancel()
-            if error is None:
-                response.release()  # the connection goes back to the pool
+            await send({**start_message, "headers": headers})
+
+        error: BaseException | None = None
+        held = False  # run.logging, taken before the last byte goes out when the line is large
+        try:
+            if declared is not None and declared > self.max_response:
+                error = too_large(self.max_response, where=passing.where)
             else:
-                response.close()
-            meta.body = b"".join(chunks)
-            now = time.perf_counter()
-            timing = Timing(start, (now - t0) * 1000,
-                            (first - t0) * 1000 if first is not None else None)
-            if error is not None:
-                ex.note = str(error) or type(error).__name__
-            run.last_failed = error is not None or meta.status >= 400
-            run.answered = time.time()
+                if passing.stream:
+                    await started(declared)
+                async for chunk in response.content.iter_any():
+                    out = await passing.take(chunk)
+                    if gone.done():
+                        error = ClientGone("the client disconnected before the response ended")
+                        break
+                    if out:
+                        await send({"type": "http.response.body", "body": out,
+                                    "more_body": True})
+                    if passing.refused is not None:
+                        error = passing.refused
+                        break
+                if error is None or (passing.refused is not None and ex.started):
+                    if passing.size + len(request.body) > OFFLOAD_BYTES:
+                        await run.logging.acquire()  # the run's next request waits for it
+                        held = True
+                    if not passing.stream and error is None:
+                        body = passing.body()
+                        await started(declared if declared is not None else len(body))
+                    else:  # the rest of a stream, or the error event of one that was cut
+                        body = passing.tail()
+                    await send({"type": "http.response.body", "body": body,
+                                "more_body": False})
+        except UPSTREAM_ERRORS as exc:  # the upstream cut the response short
+            error = exc
+        except BaseException as exc:  # the grace period of a shutdown ran out, say
+            if isinstance(exc, asyncio.CancelledError):
+                run.cut = True
+                exc = ClientGone("cut short: the proxy shut down before the response ended")
+            try:
+                self._ended(run, response, gone, ex, passing, meta, exc)
+                if rec is not None:  # written here and now: the task is going away
+                    rec.end_http(request, meta if ex.started else None,
+                                 passing.timing(start, t0), exc)
+            finally:
+                if held:
+                    run.logging.release()
+            raise
+        self._ended(run, response, gone, ex, passing, meta, error)
+        seam = providers.for_url(request.method, request.url) \
+            if error is None and meta.status < 400 and _is_responses(ex.path) else None
+        timing = passing.timing(start, t0)
+
+        def log_it() -> None:
             if rec is not None:
-                obs = rec.end_http(request, meta, timing, error)
+                obs = rec.end_http(request, meta if ex.started else None, timing, error)
                 run.last_stop_reason = (obs or {}).get("stop_reason")
-            run.awaiting_tools = False
-            seam = providers.for_url(request.method, request.url) \
-                if error is None and meta.status < 400 and _is_responses(ex.path) else None
             if seam is not None:
                 self._read_reply(run, seam, meta.headers,
-                                 content_decoded(meta.body, meta.headers))
+                                 decoded_within(meta.body, meta.headers, self.max_response))
+
+        try:
+            if not held and len(meta.body) + len(request.body) > OFFLOAD_BYTES:
+                await run.logging.acquire()
+                held = True
+            if held:  # in a thread: the other clients are served meanwhile
+                await asyncio.to_thread(log_it)
+            else:
+                log_it()
+        finally:
+            if held:
+                run.logging.release()
+        if not ex.started and error is not None:  # the client has been sent nothing yet
+            if isinstance(error, ResponseTooLarge):
+                raise ProxyError(502, "api_error", said(error))
+            if not isinstance(error, ClientGone):
+                raise ProxyError(502, "api_error",
+                                 f"deja proxy: the upstream {self.upstream} cut its response "
+                                 f"short ({type(error).__name__}: {error})", retry=True)
+
+    def _ended(self, run: ProxyRun, response: aiohttp.ClientResponse, gone: asyncio.Future[Any],
+               ex: _Exchange, passing: Passing, meta: HttpResponse,
+               error: BaseException | None) -> None:
+        """A forwarded response is over: its connection released (or closed, after an
+        error), what the log keeps of it in ``meta``, and the run told."""
+        gone.cancel()
+        if error is None:
+            response.release()  # the connection goes back to the pool
+        else:
+            response.close()
+        meta.body = passing.recorded()
+        if error is not None:
+            ex.note = str(error) or type(error).__name__
+        run.last_failed = error is not None or meta.status >= 400
+        run.answered = time.time()
+        run.awaiting_tools = False
 
     def _read_reply(self, run: ProxyRun, seam: providers.Provider,
                     headers: list[tuple[str, str]], body: bytes) -> None:
@@ -659,3 +749,11 @@ def _substitute(body: dict[str, Any], edits: dict[str, Any], raw: bytes) -> byte
     if not changed:
         return raw
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+async def _off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, in a worker thread when it works on more than
+    :data:`proxy._bounds.OFFLOAD_BYTES` (the other clients are served meanwhile)."""
+    if size > OFFLOAD_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)

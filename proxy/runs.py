@@ -40,6 +40,7 @@ logged as a ``tool`` line marked ``observed``
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -192,6 +193,9 @@ class ProxyRun:
     stopped: RunStopped | None = None
     closed: bool = False
     cut: bool = False  # a call was cut short by the proxy's shutdown
+    # held while a large line of the run is written in a worker thread: the run's next
+    # request waits for it, so that its lines keep their order
+    logging: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @property
     def last_keys(self) -> list[str]:

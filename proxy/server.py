@@ -4,14 +4,15 @@
 ``directory``; ``replay`` serves one cassette offline; ``fork`` serves a cassette's steps
 up to the fork step, the edited step, then goes live into a new cassette whose header
 names its parent. The server is uvicorn: a readiness file once the socket listens, one log
-line per request, and on SIGTERM or SIGINT a graceful stop (no new connections; in-flight
-streams get ``grace`` seconds to finish), after which every open cassette gets its end line.
+line per request, a client that does not send a request's headers within
+``header_timeout`` seconds is dropped (:mod:`recorder.serving`), and on SIGTERM or SIGINT a
+graceful stop (no new connections; in-flight streams get ``grace`` seconds to finish),
+after which every open cassette gets its end line.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import os
@@ -22,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from proxy._bounds import MAX_RESPONSE
+from proxy._wire import Callers, is_loopback
 from proxy.app import Proxy
 from proxy.runs import ProxyRun
 from recorder.capture.redact import Redaction
@@ -29,6 +32,7 @@ from recorder.cassette import load
 from recorder.cassette.keys import load_keyring, require_signing_key
 from recorder.errors import ConfigError
 from recorder.record import RecordSession
+from recorder.serving import HEADER_TIMEOUT, MAX_WAITING, guarded_httptools
 
 __all__ = ["ProxyOptions", "ServeResult", "build", "is_loopback", "serve"]
 
@@ -48,6 +52,10 @@ class ProxyOptions:
     directory: Path = Path("cassettes")
     token: str | None = None
     max_body: int = 32 * 1024 * 1024
+    max_response: int = MAX_RESPONSE  # bytes of a response, as received and as inflated
+    header_timeout: float = HEADER_TIMEOUT  # seconds a client gets to send its headers
+    max_waiting: int = MAX_WAITING  # connections waiting for their headers at once
+    allowed_hosts: tuple[str, ...] = ()  # names besides loopback and --host it answers to
     idle: float = 300.0
     grace: float = 10.0
     ready_file: Path | None = None
@@ -79,15 +87,6 @@ class ServeResult:
     fork: str | None = None  # a fork's new cassette
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def build(options: ProxyOptions) -> Proxy:
     """The proxy of ``options``, checked: every bad input is a named error here, before
     anything listens or is written."""
@@ -98,7 +97,9 @@ def build(options: ProxyOptions) -> Proxy:
     if not upstream.startswith(("http://", "https://")):
         raise ConfigError(f"--upstream must be an http:// or https:// URL, not {upstream!r}")
     common: dict[str, Any] = {"token": options.token, "max_body": options.max_body,
-                              "idle": options.idle, "mode": options.mode}
+                              "idle": options.idle, "mode": options.mode,
+                              "max_response": options.max_response,
+                              "callers": Callers.of(options.host, options.allowed_hosts)}
     if options.replay is not None:
         return _replaying(options, upstream, common)
     if options.fork is not None:
@@ -184,7 +185,8 @@ def serve(options: ProxyOptions, proxy: Proxy | None = None) -> ServeResult:
 
     app = proxy or build(options)
     config = uvicorn.Config(app, host=options.host, port=options.port, lifespan="on",
-                            http="httptools", loop="uvloop",
+                            http=guarded_httptools(options.header_timeout,
+                                                   options.max_waiting), loop="uvloop",
                             log_level="warning", access_log=False, server_header=False,
                             date_header=False, backlog=2048, timeout_keep_alive=30,
                             # a float is what asyncio.wait_for takes; the hint says int

@@ -36,6 +36,8 @@
     │                            class could not be rebuilt, so this stands in for it
     ├── ExportFailed             a run's spans could not be delivered to the tracing
     │                            backend (unreachable, or it refused them)
+    ├── ResponseTooLarge         the recording proxy: an upstream response over its limit
+    │                            (as received, or a gzip or deflate body inflated)
     └── RunStopped               the harness ended the run at a boundary
         ├── NeedsAttention       resume met a side effect it cannot settle by itself
         ├── BudgetExhausted      a budget (turns, tokens, max_tokens, seconds, dollars)
@@ -253,6 +255,15 @@ _PASSTHROUGH: dict[type, type] = {}
 
 class ExportFailed(DejaError):
     """A run's spans could not be delivered: the endpoint is unreachable, or refused them."""
+
+
+class ResponseTooLarge(DejaError):
+    """An upstream response the recording proxy refused: its body, as received or as it
+    inflates (gzip, deflate), is over ``limit`` bytes (``deja proxy --max-response``)."""
+
+    def __init__(self, message: str, *, limit: int):
+        self.limit = limit
+        super().__init__(message)
 
 
 class RunStopped(DejaError):
