@@ -13,6 +13,15 @@ comes from whoever runs the program:
   ``deja answer RUN TEXT``, which leaves the answer in ``$DEJA_HOME/runs/<run>.answer``
   (read and removed here; a cancel stops the wait).
 
+An answer may hold a secret (a one-time code, a key the agent is to use). Nothing deja
+keeps holds it in clear: the ``ask`` line is redacted like any other, and a submitted run's
+answer is stored in the runs database, and handed to the engine, redacted
+(:func:`seal_answer`); when redaction changed it, the answer as typed waits in
+``$DEJA_HOME/runs/<run>.answer`` (mode 0600), which the resumed program reads and removes.
+So the program gets what was typed, and a replay or a later resume gets the redacted
+answer from the cassette. A worker on another machine than ``deja serve`` finds no such
+file: its program gets the redacted answer.
+
 ``recorder.artefact("report.csv")`` declares a file the run produced: its path, size and
 SHA-256 are an effect line, so a verified cassette vouches for the file's content. A
 scheduled run's "verified artefact" is such a file whose hash still matches.
@@ -28,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from recorder.capture import session
+from recorder.capture.redact import DEFAULT, REDACTED
 from recorder.effects import value
 from recorder.errors import Cancelled, ConfigError
-from recorder.harness.progress import answer_path, cancel_requested
+from recorder.harness.progress import answer_path, cancel_requested, leave_answer
 
 EXIT_INPUT_REQUIRED = 75  # EX_TEMPFAIL: the run waits for an answer and is resumed with it
 ANSWER_ENV = "DEJA_ANSWER"
@@ -63,11 +73,36 @@ def _wait_for_answer(run: str, question: str, poll: float) -> str:
         time.sleep(poll)
 
 
+def seal_answer(run: str, text: str) -> str:
+    """The form of ``text``, an answer to run ``run``, that deja may store: redacted by the
+    built-in rules. When that changed it, ``text`` itself is left for the run's program in
+    a private file (see the module docstring)."""
+    stored = DEFAULT.text(text)
+    if stored != text:
+        leave_answer(run, text)
+    return stored
+
+
+def _unsealed(run: Any, given: str) -> str:
+    """The answer as typed, when ``given`` is its sealed form and the file is here."""
+    if not isinstance(run, str) or REDACTED not in given:
+        return given
+    path = answer_path(run)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return given
+    if DEFAULT.text(text) != given:  # another answer's: not this one
+        return given
+    path.unlink(missing_ok=True)
+    return text
+
+
 def _live_answer(question: str, current: Any, poll: float) -> str:
+    run = getattr(current, "run_id", None)
     given = os.environ.pop(ANSWER_ENV, None)  # the worker's answer, for one question
     if given is not None:
-        return given
-    run = getattr(current, "run_id", None)
+        return _unsealed(run, given)
     if run is None:
         return input(f"{question} ")
     progress = _progress(current)

@@ -10,6 +10,11 @@ A loaded (and checked) cassette becomes one trace, built with the OpenTelemetry 
 - one ``execute_tool {name}`` span per tool call (a ``tool`` line, or a side effect's
   ``outcome`` line, timed from its ``intent``), a child of the root.
 
+Every exported string (attributes, status descriptions, span names) goes through the run's
+redaction rules with today's built-in ones (:meth:`Redaction.latest`): what a cassette
+recorded before a rule existed, or what only shows once a stream is assembled, is
+redacted on the way out too.
+
 Every span carries ``gen_ai.conversation.id``, the run id. Times come from each line's
 ``t`` (epoch seconds) and ``ms``. Message content (``gen_ai.input.messages``,
 ``gen_ai.output.messages``, ``gen_ai.system_instructions``, tool arguments and results)
@@ -54,9 +59,10 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 
 from recorder import providers, values
 from recorder.canonical import content_decoded, decode_body
+from recorder.capture.redact import DEFAULT, Redaction
 from recorder.cassette import Cassette
 from recorder.cassette.schema import Kind
-from recorder.errors import ExportFailed
+from recorder.errors import ConfigError, ExportFailed
 
 __all__ = ["root_span_id", "send", "to_json", "to_spans", "trace_id"]
 
@@ -415,6 +421,32 @@ def _agent_name(cassette: Cassette) -> str:
     return " ".join(argv) or "agent"
 
 
+def _rules(cassette: Cassette) -> Redaction:
+    """The rules the run was recorded with, brought up to today's built-in ones."""
+    try:
+        return Redaction.from_header(cassette.header.get("redact")).latest()
+    except ConfigError:
+        return DEFAULT
+
+
+def _clean(rules: Redaction, attrs: dict[str, Any]) -> dict[str, Any]:
+    """``attrs`` with every string (and string in a list) redacted."""
+    out: dict[str, Any] = {}
+    for key, value in attrs.items():
+        if isinstance(value, str):
+            value = rules.text(value)
+        elif isinstance(value, list | tuple):
+            value = [rules.text(v) if isinstance(v, str) else v for v in value]
+        out[key] = value
+    return out
+
+
+def _status(rules: Redaction, status: Status | None) -> Status | None:
+    if status is None or status.description is None:
+        return status
+    return Status(status.status_code, rules.text(status.description))
+
+
 def to_spans(cassette: Cassette, *, content: bool = False) -> list[ReadableSpan]:
     """The run in ``cassette`` as finished spans, root first (see the module docstring).
     ``content`` adds the messages, system instructions and tool arguments and results.
@@ -422,18 +454,23 @@ def to_spans(cassette: Cassette, *, content: bool = False) -> list[ReadableSpan]
     A model call or a tool call made inside a tool's body (a line ``within`` it) is a
     child of that tool's span; every other step is a child of the root."""
     run, steps = cassette.run, cassette.observations
+    rules = _rules(cassette)
     ids = _Ids(run)
     exporter = InMemorySpanExporter()
     provider = TracerProvider(sampler=ALWAYS_ON, id_generator=ids, shutdown_on_exit=False,
                               resource=Resource({"service.name": "deja"}))
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer(SCOPE)
-    root = tracer.start_span(*_root(cassette), start_time=_run_start(cassette))
+    name, context, root_kind, attributes, links = _root(cassette)
+    root = tracer.start_span(rules.text(name), context, root_kind, _clean(rules, attributes),
+                             links,
+                             start_time=_run_start(cassette))
     end: Mapping[str, Any] = cassette.end or {}
     if end.get("status") == "error":
         err = end.get("error") or {}
-        root.set_attribute(ERROR_TYPE, str(err.get("type") or "error"))
-        root.set_status(Status(StatusCode.ERROR, str(err.get("message") or "the run failed")))
+        root.set_attribute(ERROR_TYPE, rules.text(str(err.get("type") or "error")))
+        root.set_status(Status(StatusCode.ERROR, rules.text(str(err.get("message")
+                                                                or "the run failed"))))
     pending: list[tuple[str, str, Any]] = []  # tool calls the last model reply asked for
     intents: dict[Any, Mapping[str, Any]] = {o["seq"]: o for o in steps
                                              if o.get("kind") == Kind.INTENT}
@@ -456,8 +493,10 @@ def to_spans(cassette: Cassette, *, content: bool = False) -> list[ReadableSpan]
         attrs.update({CONVERSATION: run, "deja.step": obs["seq"]})
         begin, finish = _span_ns(obs)
         ids.key = f"step {obs['seq']}"
-        span = tracer.start_span(name, context=_parent(run, steps, index, root), kind=span_kind,
-                                 attributes=attrs, start_time=begin)
+        span = tracer.start_span(rules.text(name), context=_parent(run, steps, index, root),
+                                 kind=span_kind, attributes=_clean(rules, attrs),
+                                 start_time=begin)
+        status = _status(rules, status)
         if status is not None:
             span.set_status(status)
         span.end(end_time=finish)

@@ -298,7 +298,7 @@ class RecordSession(session.Session):
             "run": self.run_id, "parent": self.parent,
             "created": utc_stamp(),
             **self._launch(), "versions": dict(_versions()),
-            "labels": {k: self.redaction.value(v) for k, v in self.labels.items()},
+            "labels": self.redaction.value(dict(self.labels)),  # names count: ci_token=...
             **self.settings.to_header(),
             "fsync": self.fsync.value, "redact": self.redaction.to_header(),
             **self.redaction.value(self._header),

@@ -60,23 +60,31 @@ _MARK = REDACTED.encode("ascii")
 _URL_MARK = b"%5Bredacted%5D"  # the marker in URL userinfo, where brackets would not parse
 
 # The built-in rule set. 0: secret headers only (cassettes made before the other rules);
-# 1: headers, URL userinfo, query parameters by name (SECRET_QUERY) and secret shapes.
+# 1: headers, URL userinfo, query parameters by name (SECRET_QUERY_1) and secret shapes;
+# 2: also values named like secrets (JSON keys, ``name=value``, ``name: value``), more
+# shapes (Slack app, Stripe webhook, Google OAuth, Hugging Face, npm, GitLab, PyPI tokens),
+# ``Basic`` credentials, more query names (SECRET_QUERY) and ``-p PASSWORD`` in a command.
 # A change to what the built-in rules replace in a request (a shape, a query name) changes
 # fingerprints: it needs a new number, with the old rules kept for replaying older
 # cassettes. SECRET_HEADERS may grow freely: headers are never fingerprinted.
-RULES = 1
+RULES = 2
 
 SECRET_HEADERS = frozenset(
     {"authorization", "proxy-authorization", "x-api-key", "cookie", "set-cookie", "api-key",
      "x-goog-api-key", "x-amz-security-token", "x-auth-token", "x-access-token",
      "x-csrf-token", "x-xsrf-token"})
 
-# Query parameters (and form fields) whose value is a secret, compared without case.
-SECRET_QUERY = frozenset(
+# Query parameters (and form fields) whose value is a secret, compared without case: those
+# of rules 1, and the current set.
+SECRET_QUERY_1 = frozenset(
     {"key", "api_key", "api-key", "apikey", "access_token", "refresh_token", "id_token",
      "token", "auth", "auth_token", "password", "passwd", "pwd", "secret", "client_secret",
      "private_token", "session_token", "signature", "sig", "jwt", "x-amz-signature",
      "x-amz-credential", "x-amz-security-token", "x-goog-signature", "x-goog-credential"})
+SECRET_QUERY = SECRET_QUERY_1 | {
+    "access_key", "accesskey", "access-key", "secret_key", "secretkey", "secret-key",
+    "api_token", "apitoken", "api-token", "passphrase", "private_key", "client_key",
+    "oauth_token", "oauth_signature", "security_token", "x-api-key", "code_verifier"}
 
 # Command-line options whose value is a secret: the last word of the option name (or the
 # last two, for ``...-key``), e.g. --api-key, --github-token, --db-password, --auth.
@@ -113,14 +121,24 @@ def _named(names: frozenset[str]) -> list[str]:
     return [rf"(?<=[?&;](?i:{'|'.join(group)})=)" for _, group in sorted(by_length.items())]
 
 
-def _builtin_source(query: frozenset[str]) -> str:
+def _builtin_source(query: frozenset[str], rules: int = RULES) -> str:
     value = r"(?!\[redacted\])[^&#\s\"'<>\\]+"
     token = r"(?:[A-Za-z0-9._~+/-]{16,}|(?=[A-Za-z._~+/-]*[0-9])[A-Za-z0-9._~+/-]{8,})=*"
+    dash = more_underscore = ""
+    if rules >= 2:
+        dash = (rf"|(?<=xapp-){_word('xapp-')}(?P<c7>)[A-Za-z0-9-]{{10,}}"  # Slack app
+                rf"|(?<=glpat-){_word('glpat-')}(?P<c8>)[A-Za-z0-9_-]{{20,}}"  # GitLab
+                rf"|(?<=pypi-){_word('pypi-')}(?P<c9>)AgE[A-Za-z0-9_-]{{40,}}")  # PyPI
+        more_underscore = (
+            rf"|(?<=whsec_){_word('whsec_')}(?P<c10>)[A-Za-z0-9+/=]{{16,}}"  # Stripe webhook
+            rf"|(?<=hf_){_word('hf_')}(?P<c11>)[A-Za-z0-9]{{30,}}"  # Hugging Face
+            rf"|(?<=npm_){_word('npm_')}(?P<c12>)[A-Za-z0-9]{{30,}}")  # npm
     branches = [
         # sk-ant-... (Anthropic), sk-... and sk-proj-... (OpenAI); xoxb-... (Slack); PEM keys
         "-(?:"
         rf"(?<=sk-){_word('sk-')}(?P<c1>)(?:ant-{_RUN}{{8,}}|{_RUN}{{20,}})"
         rf"|(?<=xox[abprs]-){_word('xox[abprs]-')}(?P<c2>)[A-Za-z0-9-]{{10,}}"
+        rf"{dash}"
         r"|----BEGIN[A-Z ]{0,40}PRIVATE KEY-----(?:[^\"]*?-----END[A-Z ]{0,40}PRIVATE KEY-----"
         r"|(?:\\[nr]|[A-Za-z0-9+/= \t\r\n])*))",
         # sk_live_... (Stripe), ghp_... gho_... (GitHub), github_pat_..., and the value of
@@ -129,6 +147,7 @@ def _builtin_source(query: frozenset[str]) -> str:
         rf"(?<=[sr]k_){_word('[sr]k_')}(?P<c3>)(?:live|test)_[A-Za-z0-9]{{16,}}"
         rf"|(?<=gh[pousr]_){_word('gh[pousr]_')}(?P<c4>)[A-Za-z0-9]{{20,}}"
         rf"|(?<=github_){_word('github_')}(?P<c5>)pat_[A-Za-z0-9_]{{20,}}"
+        rf"{more_underscore}"
         r"|(?<=[aA][wW][sS]_)(?P<p1>(?i:secret_access_key)\\?[\"']?[ \t]*[=:][ \t]*"
         r"\\?[\"']?)[A-Za-z0-9/+=]{16,})",
         # AKIA... ASIA... (AWS access key ids), AIza... (Google API keys)
@@ -142,19 +161,136 @@ def _builtin_source(query: frozenset[str]) -> str:
         # the value of a query parameter (or form field) named like a secret: ?key=...
         "=(?:" + "|".join(_named(query)) + rf"){value}",
     ]
+    if rules >= 2:
+        branches += [
+            # ya29.... (Google OAuth access tokens)
+            rf"\.(?<=ya29\.){_word('ya29[.]')}(?P<c13>)[A-Za-z0-9_-]{{20,}}",
+            # Basic credentials: base64 of user:password, a whole number of quads, mixed
+            rf"B(?P<k1>asic[ \t]+){_BASIC}",
+            rf"b(?P<k2>asic[ \t]+){_BASIC}",
+            _named_values(),
+        ]
     return "|".join(branches)
 
 
-_KEEP_ANCHOR = ("c1", "c2", "c3", "c4", "c5", "c6")
+# ``Basic <base64>``: at least two quads that look like base64 rather than a word (a digit,
+# +, / or =, or a lower-case letter followed by an upper-case one), then not a base64 char.
+_B64 = "[A-Za-z0-9+/]"
+_BASIC = (rf"(?=[A-Za-z0-9+/]*(?:[0-9+/]|[a-z][A-Z])|(?:{_B64}{{4}})+{_B64}{{0,3}}=)"
+          rf"(?:{_B64}{{4}}){{2,}}(?:{_B64}{{2}}==|{_B64}{{3}}=)?(?![A-Za-z0-9+/=])")
+
+# Values named like secrets (rules 2): ``"password": "..."``, ``'client_secret': '...'``,
+# ``SecretAccessKey=...``, ``api-key: ...``, ``DB_PASSWORD=...``, in JSON, escaped JSON,
+# Python reprs, env files, headers written as text and prose. A name is matched as the last
+# word (or two) of an identifier in any case style; these words may end any identifier
+# (``PGPASSWORD``, ``clientsecret``, ``SecretAccessKey``) ...
+_ANY_ENDING = ("password", "passwd", "passphrase", "secret")
+_KEY_QUALIFIERS_2 = ("api", "access", "secret", "private", "signing", "client", "encryption",
+                     "master", "account", "license", "auth", "subscription", "session")
+# ... these only a whole word (after a non-alphanumeric or as a camel-case word):
+# ``access_token``, ``sessionToken``, ``x-auth``, but not ``max_tokens``, ``tokenizer``.
+_WORD_ENDING = ("pwd", "credential", "credentials", "token", "auth", "authorization",
+                "cookie")
+# A token named by one of these is no secret: a page cursor, a tokenizer's special token.
+_NOT_SECRET_TOKENS = ("page", "next", "prev", "previous", "continuation", "pagination",
+                      "sync", "cursor", "resume", "eos", "bos", "pad", "unk", "sep", "cls",
+                      "mask", "max", "min", "num", "total", "start", "end", "stop",
+                      "special", "input", "output", "cache", "cancellation", "reasoning")
+# What a value may be. Quoted: anything up to its closing quote (JSON escapes kept whole).
+# Unquoted (``name=value``, ``name: value``): a run that holds a digit or is 16 characters
+# long, so that code (``password: str``, ``token = get_token()``) and prose are left alone.
+_BARE = r"[^\s\"'<>\\&,;()\[\]{}]"
+_QUOTED = {'"': r"(?!\[redacted\])(?:[^\"\\\n]|\\[^\"\n])+",
+           "'": r"(?!\[redacted\])(?:[^'\\\n]|\\[^'\n])+"}
+_QUOTED_TOKEN = r"(?!\[redacted\])[^\"'\s\\]{8,}(?=\\?[\"'])"
+_BARE_ANY = rf"(?!\[redacted\])(?=(?:{_BARE})*[0-9]|(?:{_BARE}){{16}}){_BARE}+"
+_BARE_TOKEN = rf"(?!\[redacted\])(?=(?:{_BARE})*[0-9]|(?:{_BARE}){{16}}){_BARE}{{8,}}"
+_SCHEMES = r"(?i:basic|bearer|token|digest|bot)[ \t]"
+_SCHEME = rf"(?:{_SCHEMES}+)?"
+_SPACES = r"[ \t]*"
+
+
+def _name_forms(word: str, whole: bool) -> list[str]:
+    """Fixed-width regex fragments matching ``word`` (any case) as a name's ending."""
+    if not whole:
+        return [f"(?i:{word})"]
+    first, rest = word[0], word[1:]
+    guard = ""
+    if word in ("token", "auth"):
+        by_length: dict[int, list[str]] = {}
+        for q in _NOT_SECRET_TOKENS:
+            by_length.setdefault(len(q), []).append(q)
+        guard = "".join(rf"(?<!(?i:{'|'.join(g)}))(?<!(?i:{'|'.join(g)})[_-])"
+                        for g in by_length.values())
+    if word in ("token", "auth"):  # alone (a short value is not one) or qualified
+        return [rf"(?<![A-Za-z0-9_-])[{first}{first.upper()}](?i:{rest})",
+                rf"{guard}(?:(?<=[A-Za-z0-9][_-])[{first}{first.upper()}]|(?<=[a-z0-9])"
+                rf"{first.upper()})(?i:{rest})"]
+    return [rf"(?:(?<![A-Za-z0-9])[{first}{first.upper()}]|(?<=[a-z0-9]){first.upper()})"
+            f"(?i:{rest})"]
+
+
+def _lookbehinds(names: list[tuple[str, int]], suffixes: tuple[tuple[str, int], ...]) -> str:
+    """One lookbehind per width: a name, one of ``suffixes``, then the separator."""
+    by_width: dict[int, list[str]] = {}
+    for fragment, width in names:
+        for suffix, extra in suffixes:
+            by_width.setdefault(width + extra, []).append(fragment + suffix)
+    return "|".join(rf"(?<=(?:{'|'.join(group)})[:=])" for _, group in sorted(by_width.items()))
+
+
+def _named_values() -> str:
+    """The branch of values named like secrets, anchored on the ``:`` or ``=`` after the
+    name (``k<n>`` groups keep the separator's spaces, the quote or the auth scheme)."""
+    def forms(words: tuple[str, ...], whole: bool) -> list[tuple[str, int]]:
+        return [(f, len(w)) for w in words for f in _name_forms(w, whole)]
+
+    keys = tuple(f"{q}{sep}key" for q in _KEY_QUALIFIERS_2 for sep in ("", "_", "-"))
+    alone = [(f, n) for f, n in forms(("token", "auth"), True) if f.startswith("(?<![")]
+    any_value = forms(_ANY_ENDING + keys, False) + forms(
+        ("pwd", "credential", "credentials"), True) + [
+        (f, n) for f, n in forms(("token", "auth"), True) if (f, n) not in alone]
+    token = alone
+    auth = forms(("authorization",), True)
+    cookie = forms(("cookie",), True)
+    quoted = (('"', 1), (r'\\"', 2), ("'", 1))  # the name's closing quote
+    bare = (("", 0), (" ", 1))
+    groups = iter(range(3, 100))
+
+    def keep(pattern: str) -> str:
+        return f"(?P<k{next(groups)}>{pattern})"
+
+    def quoted_value(q: str, value: str | None = None) -> str:
+        return keep(rf"[ \t]*\\?{q}") + (value or _QUOTED[q])
+
+    def either(value_token: bool) -> str:
+        if value_token:
+            return "|".join(quoted_value(q, _QUOTED_TOKEN) for q in ('"', "'"))
+        return "|".join(quoted_value(q) for q in ('"', "'"))
+
+    branches = [
+        rf"(?:{_lookbehinds(any_value + auth + cookie, quoted)})(?:{either(False)})",
+        rf"(?:{_lookbehinds(token, quoted)})(?:{either(True)})",
+        rf"(?:{_lookbehinds(any_value, bare)})(?:{either(False)}|{keep(_SPACES)}{_BARE_ANY})",
+        rf"(?:{_lookbehinds(token, bare)})(?:{either(True)}|{keep(_SPACES)}{_BARE_TOKEN})",
+        rf"(?:{_lookbehinds(auth, bare)})(?:{either(False)}|"
+        rf"{keep(_SPACES + _SCHEME)}(?!{_SCHEMES})(?!\[redacted\])[^\s\"'<>\\&,;]+)",
+        rf"(?:{_lookbehinds(cookie, bare)})(?:{either(False)})",
+    ]
+    return "[:=](?:" + "|".join(branches) + ")"
+
+
+_KEEP_ANCHOR = ("c1", "c2", "c3", "c4", "c5", "c6", "c7", "c8", "c9", "c10", "c11", "c12",
+                "c13")
 _KEEP_PREFIX = ("p1", "p2", "p4")
 
 
 @functools.lru_cache(maxsize=32)
-def _compiled(query: frozenset[str]) -> tuple[re.Pattern[bytes], re.Pattern[str],
-                                               re.Pattern[bytes], re.Pattern[str]]:
+def _compiled(query: frozenset[str], rules: int = RULES
+              ) -> tuple[re.Pattern[bytes], re.Pattern[str], re.Pattern[bytes], re.Pattern[str]]:
     """(bytes, str) versions of the built-in regex, and of the form-field rule, which
     only applies at the very start of a text (a form-encoded body)."""
-    source = _builtin_source(query)
+    source = _builtin_source(query, rules)
     names = "|".join(re.escape(n) for n in sorted(query, key=lambda n: (-len(n), n)))
     start = rf"(?P<p0>(?i:{names})=)(?!\[redacted\])[^&#\s\"'<>\\]+"
     return (re.compile(source.encode("ascii")), re.compile(source, re.ASCII),
@@ -171,6 +307,9 @@ def _replacement(m: re.Match[Any]) -> Any:
     if "s1" in found:  # userinfo: the marker as a URL spells it, so the URL still parses
         url_mark: Any = _URL_MARK if isinstance(mark, bytes) else _URL_MARK.decode("ascii")
         return anchor + found["p3"] + url_mark + found["s1"]
+    for name, kept in found.items():
+        if name[0] == "k":  # rules 2: a separator (and its quote or scheme) kept
+            return anchor + kept + mark
     for name in _KEEP_PREFIX:
         if name in found:
             return anchor + found[name] + mark
@@ -194,8 +333,8 @@ class _Scanner:
     MIN_SHARED = 2048  # below this a full scan is as cheap as comparing
     _CHUNK = 8192
 
-    def __init__(self, query: frozenset[str]) -> None:
-        self.pattern, self._str, self._start_bytes, self._start_str = _compiled(query)
+    def __init__(self, query: frozenset[str], rules: int = RULES) -> None:
+        self.pattern, self._str, self._start_bytes, self._start_str = _compiled(query, rules)
         self._lock = threading.Lock()
         self._recent: deque[tuple[bytes, list[tuple[int, int, bytes]]]] = deque(
             maxlen=self.MEMORY)
@@ -274,8 +413,8 @@ def _shared_prefix(a: bytes, b: bytes, chunk: int) -> int:
 
 
 @functools.lru_cache(maxsize=32)
-def _scanner(query: frozenset[str]) -> _Scanner:
-    return _Scanner(query)
+def _scanner(query: frozenset[str], rules: int) -> _Scanner:
+    return _Scanner(query, rules)
 
 
 # ------------------------------------------------------------------ configured patterns
@@ -326,7 +465,7 @@ class Redaction:
                                                    compare=False)
 
     def __post_init__(self) -> None:
-        if self.rules not in (0, RULES):
+        if self.rules not in range(RULES + 1) or isinstance(self.rules, bool):
             raise ConfigError(f"redaction rules version {self.rules} is not known to this "
                               f"deja (it applies versions 0-{RULES}); upgrade deja to "
                               "replay this cassette")
@@ -336,6 +475,11 @@ class Redaction:
     def of(cls, headers: Iterable[str] = (), body_paths: Iterable[str] = (),
            patterns: Iterable[str] = (), query: Iterable[str] = ()) -> Redaction:
         """The built-in rules plus these; anything malformed is a ConfigError."""
+        return cls._of(headers, body_paths, patterns, query, RULES)
+
+    @classmethod
+    def _of(cls, headers: Iterable[str], body_paths: Iterable[str], patterns: Iterable[str],
+            query: Iterable[str], rules: int) -> Redaction:
         headers, body_paths = list(headers), list(body_paths)
         patterns, query = list(patterns), list(query)
         for what, items in (("header", headers), ("query parameter", query)):
@@ -348,29 +492,36 @@ class Redaction:
                                   "such as /metadata/user_id")
         return cls(SECRET_HEADERS | {h.strip().lower() for h in headers},
                    tuple(dict.fromkeys(body_paths)), tuple(dict.fromkeys(patterns)),
-                   SECRET_QUERY | {q.strip().lower() for q in query})
+                   _builtin_query(rules) | {q.strip().lower() for q in query}, rules=rules)
 
     @classmethod
     def from_header(cls, redact: dict[str, Any] | None) -> Redaction:
         """The rules a cassette was recorded with (its header's ``redact``); a header
         without ``rules`` predates the built-in shapes and is replayed without them."""
         redact = redact if isinstance(redact, dict) else {}
-        base = cls.of(redact.get("headers", ()), redact.get("body_paths", ()),
-                      redact.get("patterns", ()), redact.get("query", ()))
-        return cls(base.headers, base.body_paths, base.patterns, base.query,
-                   rules=redact.get("rules", 0))
+        rules = redact.get("rules", 0)
+        if rules not in range(RULES + 1) or isinstance(rules, bool):
+            return cls(rules=rules)  # refused, with the message saying why
+        return cls._of(redact.get("headers", ()), redact.get("body_paths", ()),
+                       redact.get("patterns", ()), redact.get("query", ()), rules)
+
+    def latest(self) -> Redaction:
+        """These rules with today's built-in ones (what is shown or exported from an older
+        cassette: nothing is matched against it)."""
+        return Redaction.of(self.headers - SECRET_HEADERS, self.body_paths, self.patterns,
+                            self.query - _builtin_query(self.rules))
 
     def to_header(self) -> dict[str, Any]:
         """Names and patterns, never a value: what a replay needs to redact the same way."""
         return {"headers": sorted(self.headers - SECRET_HEADERS),
                 "body_paths": list(self.body_paths), "patterns": list(self.patterns),
-                "query": sorted(self.query - SECRET_QUERY), "rules": self.rules}
+                "query": sorted(self.query - _builtin_query(self.rules)), "rules": self.rules}
 
     # -- applying them
 
     @property
     def _scanner(self) -> _Scanner | None:
-        return _scanner(self.query) if self.rules >= 1 else None
+        return _scanner(self.query, self.rules) if self.rules >= 1 else None
 
     def text(self, text: str) -> str:
         """``text`` with every secret replaced."""
@@ -476,16 +627,25 @@ class Redaction:
 
     def argv(self, argv: Iterable[str]) -> list[str]:
         """A command line with secrets replaced: by shape, and the values of options
-        named like secrets (``--api-key X``, ``--token=X``, ``DB_PASSWORD=X``)."""
+        named like secrets (``--api-key X``, ``--token=X``, ``DB_PASSWORD=X``, and with
+        rules 2 ``-p X`` / ``-pX`` when X looks like a password rather than a port, a
+        count, a path or a plugin)."""
         out: list[str] = []
-        secret_next = False
+        secret_next = password_next = False
         for arg in argv:
             arg = str(arg)
-            if secret_next and not arg.startswith("-"):
+            if (secret_next and not arg.startswith("-")) or (password_next
+                                                             and _password_like(arg)):
                 out.append(REDACTED)
-                secret_next = False
+                secret_next = password_next = False
                 continue
-            secret_next = False
+            secret_next = password_next = False
+            if self.rules >= 2 and arg.startswith("-p") and not arg.startswith("--"):
+                if arg == "-p":  # mysql -p PASSWORD, sshpass -p PASSWORD
+                    password_next = True
+                elif _password_like(arg[2:]):  # mysql -pPASSWORD
+                    out.append(f"-p{REDACTED}")
+                    continue
             name, sep, value = arg.partition("=")
             if sep and value and _secret_option(name):
                 out.append(f"{name}={REDACTED}")
@@ -513,9 +673,10 @@ class Redaction:
                 return body, headers
         else:  # br, zstd: not readable here; stored as received
             return body, headers
-        clean = self.data(plain)
+        clean = plain
         if "event-stream" in lowered.get("content-type", ""):
-            clean = self._sse(clean)
+            clean = self._sse(clean)  # first: a piece alone may hold only part of a secret
+        clean = self.data(clean)
         if clean == plain:
             return body, headers
         stored = clean if plain is body else _compress(clean, coding)
@@ -524,10 +685,6 @@ class Redaction:
         return stored, fixed
 
     # -- SSE: secrets streamed in pieces
-
-    _DELTA = re.compile(
-        rb'"index":\s*(\d+),\s*"delta":\s*\{\s*"type":\s*"(?:text|thinking|input_json)_delta",'
-        rb'\s*"(?:text|thinking|partial_json)":\s*"((?:[^"\\]|\\.)*)"')
 
     def _finders(self) -> list[Any]:
         finders: list[Any] = []
@@ -539,12 +696,15 @@ class Redaction:
         return finders
 
     def _sse(self, data: bytes) -> bytes:
-        """Take out secrets that only show once a content block's deltas are joined."""
-        blocks: dict[bytes, list[tuple[int, int]]] = {}
-        for m in self._DELTA.finditer(data):
-            blocks.setdefault(m.group(1), []).append(m.span(2))
+        """Take out secrets that only show once a streamed value's pieces are joined (a
+        content block's deltas, a choice's content chunks, a tool call's arguments): each
+        provider says where its stream's pieces are (``Provider.stream_pieces``)."""
+        from recorder import providers
+
+        values = [spans for name in providers.names()
+                  for spans in providers.get(name).stream_pieces(data)]
         edits: list[tuple[int, int, bytes]] = []
-        for spans in blocks.values():
+        for spans in values:
             if len(spans) < 2:
                 continue
             original = pieces = [data[s:e] for s, e in spans]
@@ -562,7 +722,7 @@ class Redaction:
         if not edits:
             return data
         parts, pos = [], 0
-        for start, end, new in edits:
+        for start, end, new in sorted(edits):
             parts += [data[pos:start], new]
             pos = end
         parts.append(data[pos:])
@@ -625,6 +785,18 @@ def _compress(body: bytes, coding: str) -> bytes:
     import gzip
 
     return gzip.compress(body, mtime=0)
+
+
+def _builtin_query(rules: int) -> frozenset[str]:
+    return SECRET_QUERY if rules >= 2 else SECRET_QUERY_1
+
+
+def _password_like(value: str) -> bool:
+    """Is the word after ``-p`` a password (``-p hunter2``, ``-pS3cret``) rather than a port,
+    a count, a path or a plugin (``-p 8080:80``, ``-p 4``, ``-p no:cacheprovider``)?"""
+    return (6 <= len(value) <= 256 and not value.startswith("-") and "/" not in value
+            and not value.startswith("no:") and any(c.isalpha() for c in value)
+            and any(c.isdigit() for c in value) and not any(c.isspace() for c in value))
 
 
 def _secret_option(name: str) -> bool:

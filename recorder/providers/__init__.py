@@ -17,7 +17,9 @@ This package sits below capture, cassette reading and replay: it imports only
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -30,9 +32,9 @@ from recorder.providers.pricing import CACHE_WRITE_1H, PriceTable
 
 __all__ = ["BUILT_IN", "CACHE_WRITE_1H", "USAGE_KEYS", "VOLATILE_HEADERS",
            "VOLATILE_HEADER_PREFIXES", "Conversation", "Headers", "Provider", "Summary",
-           "default",
-           "endpoints", "for_line", "for_url", "get", "model_provider", "names", "register",
-           "sse_events", "token_counts", "unregister", "volatile_header"]
+           "data_lines", "default", "endpoints", "for_line", "for_url", "get", "model_provider",
+           "names", "register", "sse_events", "string_spans", "token_counts", "unregister",
+           "volatile_header"]
 
 Headers = Iterable[Sequence[str]]  # (name, value) pairs, as received or as stored
 
@@ -150,6 +152,13 @@ class Provider(ABC):
         """Is a response with these headers a stream (rather than one JSON body)?"""
         return any(k.lower() == "content-type" and "event-stream" in v for k, v in headers)
 
+    def stream_pieces(self, body: bytes) -> list[list[tuple[int, int]]]:
+        """Where a stream delivers text in pieces: for each piece-wise value (a content
+        block's text, a tool call's arguments), the byte spans in ``body`` of its pieces,
+        in order, each the inside of a JSON string as received. Redaction joins each
+        value's pieces to find a secret cut across them. None here (no stream format)."""
+        return []
+
     @abstractmethod
     def assemble(self, text: str) -> dict[str, Any]:
         """The message a recorded stream delivers, as the SDK would build it."""
@@ -232,6 +241,40 @@ def sse_events(text: str) -> Iterator[tuple[str, str]]:
 def token_counts(usage: Any, keys: Sequence[str] = USAGE_KEYS) -> dict[str, int]:
     """The counts among ``usage``'s ``keys``: a body is whatever the upstream sent, and a
     count that is no non-negative 64-bit integer (a string, true, 10**30) is no count."""
+def data_lines(body: bytes) -> Iterator[tuple[int, bytes]]:
+    """(offset, payload) of each ``data:`` line of an event stream's raw bytes."""
+    pos = 0
+    for line in body.splitlines(keepends=True):
+        if line.startswith(b"data:"):
+            start = 5 + (1 if line[5:6] == b" " else 0)
+            yield pos + start, line[start:].rstrip(b"\r\n")
+        pos += len(line)
+
+
+_STRING = b'"((?:[^"\\\\]|\\\\.)*)"'
+
+
+@functools.lru_cache(maxsize=64)
+def _key_pattern(key: str) -> re.Pattern[bytes]:
+    return re.compile(b'"' + re.escape(key.encode()) + b'"\\s*:\\s*' + _STRING)
+
+
+def string_spans(data: bytes, key: str, values: Sequence[str]) -> list[tuple[int, int]] | None:
+    """The spans in ``data`` (raw JSON) of the string values of ``key``, when they are
+    exactly ``values`` in this order (None otherwise: the line is read some other way)."""
+    pattern = _key_pattern(key)
+    found = [m.span(1) for m in pattern.finditer(data)]
+    if len(found) != len(values):
+        return None
+    for (start, end), value in zip(found, values, strict=True):
+        try:
+            if json.loads(b'"' + data[start:end] + b'"') != value:
+                return None
+        except ValueError:
+            return None
+    return found
+
+
     if not isinstance(usage, dict):
         return {}
     return {k: usage[k] for k in keys if type(usage.get(k)) is int and 0 <= usage[k] < 2**63}

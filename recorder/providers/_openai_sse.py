@@ -26,10 +26,10 @@ import copy
 import json
 from typing import Any
 
-from recorder.providers import sse_events
+from recorder.providers import data_lines, sse_events, string_spans
 
-__all__ = ["assemble_chat", "assemble_responses", "is_responses", "synthesize_chat",
-           "synthesize_responses"]
+__all__ = ["assemble_chat", "assemble_responses", "is_responses", "stream_pieces",
+           "synthesize_chat", "synthesize_responses"]
 
 _TERMINAL = ("response.completed", "response.incomplete", "response.failed")
 _LIFECYCLE = ("response.created", "response.queued", "response.in_progress", *_TERMINAL)
@@ -268,3 +268,80 @@ def _emit_item(emit: Any, index: int, item: dict[str, Any]) -> None:
     else:
         emit("response.output_item.added", output_index=index, item=item)
     emit("response.output_item.done", output_index=index, item=item)
+
+
+# ------------------------------------------------------------------ pieces, for redaction
+
+# Responses events whose ``delta`` is a piece of a value, and what names that value.
+_PIECES = {"response.output_text.delta": ("output_index", "content_index"),
+           "response.refusal.delta": ("output_index", "content_index"),
+           "response.function_call_arguments.delta": ("output_index",),
+           "response.custom_tool_call_input.delta": ("output_index",),
+           "response.reasoning_text.delta": ("output_index", "content_index"),
+           "response.reasoning_summary_text.delta": ("output_index", "summary_index")}
+# Chat Completions delta fields that arrive in pieces (a choice's text, its refusal, the
+# reasoning some compatible servers stream).
+_CHAT_TEXT = ("content", "refusal", "reasoning_content", "reasoning")
+
+
+def stream_pieces(body: bytes) -> list[list[tuple[int, int]]]:
+    """For each value a Chat Completions or Responses stream sends in pieces (a choice's
+    content, a tool call's arguments, an output item's text), the byte spans of its
+    pieces in ``body``. A line that does not read as expected is left out."""
+    chat = b"chat.completion.chunk" in body
+    if not chat and b".delta" not in body:
+        return []
+    values: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
+    for offset, line in data_lines(body):
+        if chat and b'"choices"' in line:
+            found = _chat_pieces(line)
+        elif not chat and b'.delta"' in line:
+            found = _responses_pieces(line)
+        else:
+            continue
+        for name, (start, end) in found:
+            values.setdefault(name, []).append((offset + start, offset + end))
+    return list(values.values())
+
+
+def _doc(line: bytes) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(line)
+    except (ValueError, RecursionError):  # nested too deep: no pieces read
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _chat_pieces(line: bytes) -> list[tuple[tuple[Any, ...], tuple[int, int]]]:
+    doc = _doc(line)
+    if doc is None or not isinstance(doc.get("choices"), list):
+        return []
+    by_key: dict[str, list[tuple[tuple[Any, ...], str]]] = {}
+    for choice in doc["choices"]:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        if not isinstance(delta, dict):
+            continue
+        index = choice.get("index", 0)
+        for key in _CHAT_TEXT:
+            if isinstance(delta.get(key), str):
+                by_key.setdefault(key, []).append(((key, index), delta[key]))
+        for call in delta.get("tool_calls") or []:
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                by_key.setdefault("arguments", []).append(
+                    (("arguments", index, call.get("index", 0)), fn["arguments"]))
+    out = []
+    for key, named in by_key.items():
+        spans = string_spans(line, key, [value for _, value in named])
+        if spans is not None:
+            out += [(name, span) for (name, _), span in zip(named, spans, strict=True)]
+    return out
+
+
+def _responses_pieces(line: bytes) -> list[tuple[tuple[Any, ...], tuple[int, int]]]:
+    doc = _doc(line)
+    if doc is None or doc.get("type") not in _PIECES or not isinstance(doc.get("delta"), str):
+        return []
+    name = (doc["type"], *(doc.get(k) for k in _PIECES[doc["type"]]))
+    spans = string_spans(line, "delta", [doc["delta"]])
+    return [(name, spans[0])] if spans else []

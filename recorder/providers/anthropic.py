@@ -12,6 +12,7 @@ message and synthesising a stream from a message live in
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from recorder.providers import (
@@ -30,6 +31,15 @@ __all__ = ["AnthropicProvider"]
 class AnthropicProvider(Provider):
     name: str = "anthropic"
     endpoints: tuple[str, ...] = ("/v1/messages",)
+
+    def stream_pieces(self, body: bytes) -> list[list[tuple[int, int]]]:
+        """Text, thinking and tool input deltas, per content block."""
+        if b"_delta" not in body:
+            return []
+        blocks: dict[bytes, list[tuple[int, int]]] = {}
+        for m in _DELTA.finditer(body):
+            blocks.setdefault(m.group(1), []).append(m.span(2))
+        return list(blocks.values())
 
     def assemble(self, text: str) -> dict[str, Any]:
         return assemble(text)
@@ -98,6 +108,10 @@ class AnthropicProvider(Provider):
                 out["error"] = _error(doc.get("error"))
         return out
 
+
+_DELTA = re.compile(
+    rb'"index":\s*(\d+),\s*"delta":\s*\{\s*"type":\s*"(?:text|thinking|input_json)_delta",'
+    rb'\s*"(?:text|thinking|partial_json)":\s*"((?:[^"\\]|\\.)*)"')
 
 # The events a summary reads. An event whose name is none of them, and whose data holds
 # none of their names as a JSON string (nor a \u escape, which could spell one), cannot be

@@ -43,6 +43,7 @@ from recorder.providers._openai_sse import (
     assemble_chat,
     assemble_responses,
     is_responses,
+    stream_pieces,
     synthesize_chat,
     synthesize_responses,
 )
@@ -107,6 +108,9 @@ class OpenAIProvider(Provider):
         return {**body, field: limit}
 
     # -- responses
+
+    def stream_pieces(self, body: bytes) -> list[list[tuple[int, int]]]:
+        return stream_pieces(body)
 
     def assemble(self, text: str) -> dict[str, Any]:
         return assemble_responses(text) if is_responses(text) else assemble_chat(text)

@@ -265,7 +265,7 @@ def test_gzip_bodies_are_redacted_decoded_and_stored_encoded() -> None:
     body = gzip.compress(json.dumps({"token": secret}).encode())
     stored, headers = Redaction().response_body(
         body, [("content-encoding", "gzip"), ("content-length", str(len(body)))])
-    assert json.loads(gzip.decompress(stored)) == {"token": "ghp_[redacted]"}
+    assert json.loads(gzip.decompress(stored)) == {"token": "[redacted]"}  # by its name
     assert dict(headers)["content-length"] == str(len(stored))
     plain = gzip.compress(b'{"nothing": "secret"}')
     assert Redaction().response_body(plain, [("content-encoding", "gzip")])[0] is plain
