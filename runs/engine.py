@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -87,32 +88,85 @@ def _occurrence_workflow(scheduled: datetime, context: Any) -> None:
             DBOS.enqueue_workflow(RUNS_QUEUE, _run_workflow, spec)
 
 
-class _CancelNoise(logging.Filter):
-    """A cancelled run is the user's decision, not the engine's error: no traceback."""
+class _EngineNoise(logging.Filter):
+    """What the engine logs is for deja's own eyes, not the worker's output.
 
-    CANCELLED = (dbos_error.DBOSWorkflowCancelledError,
-                 dbos_error.DBOSAwaitedWorkflowCancelledError)
+    - A cancelled run is the user's decision, a failed run is reported by the worker in
+      one line (``run R failed: why``): neither gets the engine's traceback.
+    - An execution that lost its workflow to another (a peer recovered it while this
+      worker could not reach the database) waits for the owner's outcome: expected after
+      an outage, not news.
+    - Anything else is kept, in one line (no traceback), and the same line at most once a
+      minute (a database that is down makes the engine say so at every poll).
+    """
+
+    QUIET = (dbos_error.DBOSWorkflowCancelledError,
+             dbos_error.DBOSAwaitedWorkflowCancelledError, RunFailed)
+    EXPECTED = ("no longer owned by this execution", "was cancelled during execution",
+                "outcome was not recorded")
+    REPEAT_AFTER = 60.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._said: dict[str, float] = {}
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not isinstance(exc, self.CANCELLED)
+        if isinstance(exc, self.QUIET) or (exc is not None and
+                                           _caused_by(exc, self.QUIET)):
+            return False
+        text = record.getMessage()
+        if any(phrase in text for phrase in self.EXPECTED):
+            return False
+        if exc is not None:
+            first = (str(exc).strip().splitlines() or [""])[0]
+            record.msg, record.args = f"{text.rstrip(': ')}: {type(exc).__name__}: {first}", None
+            record.exc_info, record.exc_text = None, None
+            text = record.msg
+        key = text[:80]
+        now = time.monotonic()
+        if now - self._said.get(key, -self.REPEAT_AFTER) < self.REPEAT_AFTER:
+            return False
+        self._said[key] = now
+        return True
+
+
+def _caused_by(exc: BaseException, kinds: tuple[type[BaseException], ...]) -> bool:
+    seen = 0
+    while exc is not None and seen < 10:
+        if isinstance(exc, kinds):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+        seen += 1
+    return False
 
 
 def _quiet() -> None:
     for name in ("dbos", "alembic", "sqlalchemy"):
         logging.getLogger(name).setLevel(logging.WARNING)
     dbos_logger = logging.getLogger("dbos")
-    if not any(isinstance(f, _CancelNoise) for f in dbos_logger.filters):
-        dbos_logger.addFilter(_CancelNoise())
+    if not any(isinstance(f, _EngineNoise) for f in dbos_logger.filters):
+        dbos_logger.addFilter(_EngineNoise())
+
+
+MIGRATE_ATTEMPTS = 20  # tries while another process creates the same tables
 
 
 def prepare(url: str) -> None:
-    """Create or migrate the engine's tables (idempotent); SQLite in WAL mode."""
+    """Create or migrate the engine's tables (idempotent, also when ``deja serve`` and a
+    worker do it at the same moment: the loser tries again); SQLite in WAL mode."""
     _quiet()
-    try:
-        DBOS.migrate(url)
-    except Exception as exc:  # noqa: BLE001 (the engine raises its driver's errors as they come)
-        raise DatabaseUnavailable(_unreachable(url, exc)) from None
+    for attempt in range(MIGRATE_ATTEMPTS):
+        try:
+            DBOS.migrate(url)
+            break
+        except Exception as exc:  # noqa: BLE001 (the engine raises its driver's errors as they come)
+            text = str(exc).lower()
+            raced = "already exists" in text or "database is locked" in text or \
+                "duplicate key" in text
+            if not raced or attempt == MIGRATE_ATTEMPTS - 1:
+                raise DatabaseUnavailable(_unreachable(url, exc)) from None
+            time.sleep(0.05 * (attempt + 1))
     if is_sqlite(url):
         with sqlite3.connect(sqlite_path(url), timeout=30) as conn:
             conn.execute("PRAGMA journal_mode=WAL")
@@ -229,4 +283,22 @@ class Worker:
     def cancelled(self, workflow: str) -> bool:
         status = DBOS.get_workflow_status(workflow)
         return status is not None and status.status == "CANCELLED"
+
+    def known(self, workflows: list[str]) -> set[str]:
+        """Which of ``workflows`` the engine holds."""
+        if not workflows:
+            return set()
+        return {status.workflow_id for status in DBOS.list_workflows(workflow_ids=workflows)}
+
+    def enqueue(self, spec: dict[str, Any], attempt: int) -> None:
+        """Enqueue part ``attempt`` of a run (0: its submission) without an answer: a run
+        whose row is queued but the engine never took it, or one dispatched again once its
+        cassette directory is writable. Idempotent (the part's id is deterministic)."""
+        options = EnqueueOptions(workflow_name=RUN_WORKFLOW, queue_name=RUNS_QUEUE,
+                                 workflow_id=workflow_id(spec["run_id"], attempt),
+                                 app_version=APP_VERSION)
+        if attempt:
+            DBOS.enqueue_workflow_with_options(options, spec, None)
+        else:
+            DBOS.enqueue_workflow_with_options(options, spec)
 

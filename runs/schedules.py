@@ -45,8 +45,10 @@ from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from recorder.cassette.schema import run_status
+from recorder.harness.progress import cassette_end
 from runs.errors import BadSchedule
-from runs.store import ENDED, Store
+from runs.store import DISK_ERROR, ENDED, Store
 
 log = logging.getLogger("deja.runs")
 
@@ -187,7 +189,7 @@ def verified_artefacts(spec: dict[str, Any]) -> list[dict[str, Any]]:
 def still_verified(run: dict[str, Any]) -> bool:
     """Whether a completed run's verified artefacts (stored on its row when it ended,
     from its verified cassette) still hold the content the cassette vouched for."""
-    if run["status"] != "completed":
+    if status_of(run) != "completed":
         return False
     for info in run.get("artefacts") or []:
         try:
@@ -200,22 +202,39 @@ def still_verified(run: dict[str, Any]) -> bool:
     return False
 
 
+def status_of(run: dict[str, Any]) -> str:
+    """A run's status as everyone shows it (:func:`recorder.cassette.schema.run_status`):
+    its cassette's end line first, then its row."""
+    cassette = (run.get("spec") or {}).get("cassette")
+    end = cassette_end(cassette)[1] if cassette else None
+    return run_status(end, run["status"])
+
+
+def _failed(run: dict[str, Any]) -> bool:
+    """Ended other than ``completed``; a run its full cassette directory stopped is not
+    over (it is dispatched again once there is room)."""
+    status = status_of(run)
+    waiting = status == "interrupted" and (run.get("error") or "").startswith(DISK_ERROR)
+    return status in ENDED and status != "completed" and not waiting
+
+
 def _message(kind: str, schedule: dict[str, Any], occ: str, run: dict[str, Any] | None,
              due: datetime | None) -> str:
     name = schedule["name"]
+    status = status_of(run) if run is not None else None
     if kind == "failure":
         assert run is not None
-        return (f"scheduled run {run['run_id']} of {name} ({occ}) ended {run['status']}"
+        return (f"scheduled run {run['run_id']} of {name} ({occ}) ended {status}"
                 + (f": {run['error']}" if run.get("error") else ""))
     when = due.isoformat() if due is not None else "its deadline"
     if run is None:
         why = "the run never started"
-    elif run["status"] in ("queued", "working", "input_required"):
-        why = f"the run {run['run_id']} is still {run['status']}"
-    elif run["status"] == "completed":
+    elif status in ("queued", "working", "input_required"):
+        why = f"the run {run['run_id']} is still {status}"
+    elif status == "completed":
         why = f"the run {run['run_id']} completed without a verified artefact"
     else:
-        why = f"the run {run['run_id']} ended {run['status']}"
+        why = f"the run {run['run_id']} ended {status}"
     return f"no verified artefact for {name} ({occ}) by {when}: {why}"
 
 
@@ -258,8 +277,7 @@ def deliver(target: str | None, alert: dict[str, Any]) -> str:
 def after_run(store: Store, run_id: str) -> None:
     """A scheduled run that ended other than ``completed`` raises its failure alert."""
     run = store.get_run(run_id)
-    if run is None or not run.get("schedule") or run["status"] not in ENDED or \
-            run["status"] == "completed":
+    if run is None or not run.get("schedule") or not _failed(run):
         return
     schedule = store.schedule(run["schedule"])
     if schedule is not None:
@@ -276,7 +294,7 @@ def check(store: Store, now: datetime | None = None) -> list[dict[str, Any]]:
         runs = {r["occurrence"]: r for r in store.list_runs(schedule=schedule["name"],
                                                            limit=LOOKBACK)}
         for run in runs.values():
-            if run["status"] in ENDED and run["status"] != "completed":
+            if _failed(run):
                 alert = _raise(store, schedule, run["occurrence"], "failure", run)
                 if alert:
                     raised.append(alert)

@@ -3,26 +3,40 @@ takes the store and the engine's client and returns JSON-ready records."""
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from recorder.ask import seal_answer
+from recorder.cassette.schema import run_status
 from recorder.errors import NoSuchRun
-from recorder.harness.progress import valid_run_id
+from recorder.harness.progress import cassette_end, valid_run_id
 from recorder.record import new_run_id
 from runs import schedules
 from runs.config import cassette_dir
-from runs.errors import BadRunRequest, NoSuchSchedule
+from runs.errors import BadRunRequest, DatabaseUnavailable, NoSuchSchedule
 from runs.spec import validate, workflow_id
 from runs.store import ENDED, Store
+
+log = logging.getLogger("deja.runs")
 
 LIFECYCLE = ("queued", "working", "input_required", "completed", "failed", "cancelled",
              "exhausted", "stopped", "interrupted", "needs_attention")
 
 
-def lifecycle(row: dict[str, Any], engine: dict[str, Any] | None) -> str:
-    """A run's status from deja's row and the engine's view of its workflow."""
+def lifecycle(row: dict[str, Any], engine: dict[str, Any] | None,
+              end: dict[str, Any] | None = None) -> str:
+    """A run's status (:func:`recorder.cassette.schema.run_status`): the end line of its
+    cassette first, then deja's row and the engine's view of its current part."""
+    return run_status(end, _queued_state(row, engine))
+
+
+def _queued_state(row: dict[str, Any], engine: dict[str, Any] | None) -> str:
+    """What deja's row and the engine say of a run while its cassette has no final end
+    line."""
     status = row["status"]
     state = (engine or {}).get("status")
     if state == "CANCELLED":
@@ -40,6 +54,12 @@ def lifecycle(row: dict[str, Any], engine: dict[str, Any] | None) -> str:
     return str(status)
 
 
+def end_of(row: dict[str, Any]) -> dict[str, Any] | None:
+    """The end line of the run's cassette, if it has one (read from the file's tail)."""
+    cassette = (row.get("spec") or {}).get("cassette")
+    return cassette_end(cassette)[1] if cassette else None
+
+
 def current_workflow(row: dict[str, Any]) -> str:
     return workflow_id(row["run_id"], int(row.get("attempt") or 0))
 
@@ -47,7 +67,10 @@ def current_workflow(row: dict[str, Any]) -> str:
 def record_of(row: dict[str, Any], engine: dict[str, Any] | None) -> dict[str, Any]:
     """The progress record of a run (seed 001's shape) with its lifecycle status."""
     progress = dict(row.get("progress") or {})
-    status = lifecycle(row, engine)
+    end = end_of(row)
+    status = lifecycle(row, engine, end)
+    if end is not None and status == run_status(end):  # the step the end line closed
+        progress["step"] = f"ended: {status}"
     out: dict[str, Any] = {
         "run_id": row["run_id"], "status": status,
         "command": row["spec"]["command"], "labels": row.get("labels") or {},
@@ -59,7 +82,10 @@ def record_of(row: dict[str, Any], engine: dict[str, Any] | None) -> dict[str, A
         "budget_s": progress.get("budget_s"), "tokens": progress.get("tokens"),
         "token_limit": progress.get("token_limit"), "spend_usd": progress.get("spend_usd"),
         "dollar_limit": progress.get("dollar_limit"),
-        "artefacts": row.get("artefacts") or [],
+        "artefacts": row.get("artefacts") or (
+            # ended, its worker not done with its bookkeeping yet: what the worker will store
+            schedules.verified_artefacts(row["spec"]) if status == "completed" and
+            row["status"] in ("queued", "working") else []),
         "cancel": f"deja cancel {row['run_id']}",
     }
     if status == "input_required":
@@ -67,14 +93,31 @@ def record_of(row: dict[str, Any], engine: dict[str, Any] | None) -> dict[str, A
         out["answer"] = f"deja answer {row['run_id']} TEXT"
     if (engine or {}).get("cancel_requested"):
         out["cancel_requested"] = True
-    if row.get("error") or (engine or {}).get("error"):
-        out["error"] = row.get("error") or (engine or {}).get("error")
+    error = row.get("error") or (engine or {}).get("error")
+    if end is not None and status == run_status(end) and row["status"] != status:
+        error = _end_error(end)  # the end line says more than the row, not updated yet
+    if error and status != "completed":  # a completed run's error is an earlier part's
+        out["error"] = error
     if row.get("schedule"):
         out["schedule"] = row["schedule"]
         out["occurrence"] = row["occurrence"]
     if row.get("ended"):
         out["ended"] = _iso(row["ended"])
+    elif status in ENDED and end is not None:  # when the end line was written
+        try:
+            out["ended"] = _iso(os.stat(row["spec"]["cassette"]).st_mtime)
+        except OSError:
+            out["ended"] = _iso(row["updated"])
     return out
+
+
+def _end_error(end: dict[str, Any]) -> str | None:
+    """What an end line says went wrong (a failed run's message, an interruption's)."""
+    error = end.get("error")
+    message = error.get("message") if isinstance(error, dict) else None
+    if message or end.get("reason"):
+        return str(message or end.get("reason"))
+    return "the program failed" if run_status(end) == "failed" else None
 
 
 def _iso(stamp: float | None) -> str | None:
@@ -96,9 +139,22 @@ class Runs:
             raise BadRunRequest(f"{given!r} is not a run id")
         spec = validate(payload, run_id=given or new_run_id(), cassettes=cassette_dir(),
                         default_cwd=default_cwd)
-        if self.store.add_run(spec["run_id"], spec):
+        run_id = spec["run_id"]
+        if not self.store.add_run(run_id, spec):
+            return {"run_id": run_id, "status": "queued"}  # the same submission again
+        # The row and the engine's queue are one unit: a row whose run the engine could not
+        # take is removed (the caller is told it failed); one left by a crash in between is
+        # removed by a worker (runs.worker.reconcile).
+        try:
             self.client.submit(spec)
-        return {"run_id": spec["run_id"], "status": "queued"}
+        except BaseException:
+            try:
+                self.store.forget_submission(run_id)
+            except DatabaseUnavailable as exc:  # a worker removes it once it can
+                log.warning("run %s: its failed submission is still in the database (%s)",
+                            run_id, exc)
+            raise
+        return {"run_id": run_id, "status": "queued"}
 
     def _row(self, run_id: str) -> dict[str, Any]:
         row = self.store.get_run(run_id) if valid_run_id(run_id) else None
@@ -139,12 +195,11 @@ class Runs:
         bad = [s for s in status or [] if s not in LIFECYCLE]
         if bad:
             raise BadRunRequest(f"unknown status {', '.join(bad)}; valid: {', '.join(LIFECYCLE)}")
-        # A run's lifecycle status can differ from its row's only while the row says it is
-        # active (the engine then knows better: cancelled, failed, queued again).
-        rows_status = sorted(set(status) | {"queued", "working", "input_required"}) \
-            if status else None
-        rows = self.store.list_runs(status=rows_status, schedule=schedule,
-                                    limit=max(limit, 1) * 4 if label else limit * 2)
+        # A run's status can differ from its row's (the engine knows better while the row
+        # says it is active; an end line written since, a run resumed by hand, wins over
+        # both): a filtered list looks at the newest rows whatever their status.
+        rows = self.store.list_runs(schedule=schedule,
+                                    limit=max(limit, 1) * 4 if label or status else limit * 2)
         states = self._engine(rows)
         out = []
         for row in rows:
@@ -178,6 +233,7 @@ class Runs:
                                 "answer (input_required); answer once it asks")
         question = row.get("question")
         attempt = int(row.get("attempt") or 0) + 1
+        text = seal_answer(run_id, text)  # the engine keeps it: redacted (recorder.ask)
         self.client.answer(row["spec"], text, attempt)  # the same answer twice: one part
         self.store.update_run(run_id, status="queued", attempt=attempt)
         return {"run_id": run_id, "status": record["status"], "question": question,

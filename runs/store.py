@@ -16,16 +16,25 @@ gets here (``runs.spec``), and progress records arrive redacted.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
+from recorder.capture.redact import DEFAULT
 from runs.config import is_sqlite, safe_url, sqlalchemy_url, sqlite_path
 from runs.errors import DatabaseUnavailable
+
+log = logging.getLogger("deja.runs")
+T = TypeVar("T")
+CREATE_ATTEMPTS = 20  # tries to create the tables while another process creates them
+MAX_RETRY_DELAY = 5.0  # seconds between tries to reach a database that is down
 
 metadata = sa.MetaData()
 
@@ -97,6 +106,7 @@ meta_table = sa.Table(
     sa.Column("value", sa.Text, nullable=False),
 )
 
+DISK_ERROR = "CassetteWriteError"  # the error of a run its cassette directory stopped
 ENDED = frozenset({"completed", "failed", "cancelled", "exhausted", "stopped",
                    "interrupted", "needs_attention"})
 
@@ -111,6 +121,26 @@ def _row(row: Any) -> dict[str, Any]:
         if key in out:
             out[key] = _loads(out[key])
     return out
+
+
+def _created_meanwhile(exc: sa.exc.DBAPIError) -> bool:
+    """Another process created a table (or locked the file to do so) as this one did."""
+    text = str(getattr(exc, "orig", exc)).lower()
+    return "already exists" in text or "database is locked" in text or \
+        "duplicate key" in text
+
+
+def _retried(method: Callable[..., T]) -> Callable[..., T]:
+    """A store method that, once :meth:`Store.wait_for_database` was called, waits for a
+    database that cannot be reached instead of raising (``wait=False``: not this call)."""
+
+    @functools.wraps(method)
+    def call(self: Store, *args: Any, wait: bool = True, **kwargs: Any) -> T:
+        if not wait:  # this call only: raise at once (a progress record, best effort)
+            return method(self, *args, **kwargs)
+        return self._retry(lambda: method(self, *args, **kwargs))
+
+    return call
 
 
 class Store:
@@ -134,19 +164,62 @@ class Store:
                 cursor = dbapi_conn.cursor()
                 cursor.execute("PRAGMA busy_timeout=30000")
                 cursor.close()
-        try:
-            metadata.create_all(self.engine, checkfirst=True)
-        except sa.exc.OperationalError as exc:
-            raise unavailable(url, exc) from None
-        except sa.exc.IntegrityError:  # two processes created the tables at once
-            metadata.create_all(self.engine, checkfirst=True)
+        self.patient = False  # see wait_for_database()
+        self._down_since: float | None = None
+        self.back_since = float("-inf")  # time.monotonic() when an outage last ended
+        self._down_lock = threading.Lock()
+        self._create_tables()
+
+    def _create_tables(self) -> None:
+        """Create the tables that are missing: idempotent, also when another process
+        (``deja serve`` and ``deja worker`` started together) creates them at the same
+        moment. SQLite then says ``OperationalError: table ... already exists``, Postgres
+        a duplicate in its catalogue: the loser looks again, and finds them made."""
+        for attempt in range(CREATE_ATTEMPTS):
+            try:
+                metadata.create_all(self.engine, checkfirst=True)
+                return
+            except sa.exc.DBAPIError as exc:
+                if not _created_meanwhile(exc) or attempt == CREATE_ATTEMPTS - 1:
+                    raise unavailable(self.url, exc) from None
+                time.sleep(0.05 * (attempt + 1))
+
+    def wait_for_database(self) -> None:
+        """From now on, a call that cannot reach the database waits for it and tries again
+        (a worker's bookkeeping: a database restarted mid-run must not fail the run).
+        The outage is logged once when it starts and once when it ends."""
+        self.patient = True
+
+    def _retry(self, call: Callable[[], T]) -> T:
+        delay = 0.25
+        while True:
+            try:
+                result = call()
+            except DatabaseUnavailable as exc:
+                if not self.patient:
+                    raise
+                with self._down_lock:
+                    if self._down_since is None:
+                        self._down_since = time.monotonic()
+                        log.warning("%s; waiting for it, and trying again", exc)
+                time.sleep(delay)
+                delay = min(delay * 2, MAX_RETRY_DELAY)
+                continue
+            if self._down_since is not None:
+                with self._down_lock:
+                    if self._down_since is not None:
+                        log.warning("the runs database %s is back after %.0f s",
+                                    safe_url(self.url), time.monotonic() - self._down_since)
+                        self._down_since = None
+                        self.back_since = time.monotonic()
+            return result
 
     @contextmanager
     def begin(self) -> Iterator[sa.Connection]:
         try:
             with self.engine.begin() as conn:
                 yield conn
-        except sa.exc.OperationalError as exc:
+        except (sa.exc.OperationalError, sa.exc.InterfaceError) as exc:
             raise unavailable(self.url, exc) from None
 
     def close(self) -> None:
@@ -154,6 +227,7 @@ class Store:
 
     # -- runs
 
+    @_retried
     def add_run(self, run_id: str, spec: dict[str, Any], *, schedule: str | None = None,
                 occurrence: str | None = None) -> bool:
         """Record a submitted run; False when the id is already known (idempotent)."""
@@ -169,11 +243,32 @@ class Store:
             return False
         return True
 
+    def forget_submission(self, run_id: str) -> bool:
+        """Remove the row of a submission the engine did not take (its caller was told it
+        failed); a row a worker took further is kept."""
+        with self.begin() as conn:
+            return bool(conn.execute(runs_table.delete().where(
+                runs_table.c.run_id == run_id, runs_table.c.status == "queued",
+                runs_table.c.attempt == 0)).rowcount)
+
+    @_retried
+    def requeue(self, run_id: str, status: str, attempt: int) -> bool:
+        """Move a run that is ``status`` at part ``attempt`` to its next part, ``queued``:
+        True for exactly one caller (two workers reconciling at once agree)."""
+        with self.begin() as conn:
+            return bool(conn.execute(runs_table.update().where(
+                runs_table.c.run_id == run_id, runs_table.c.status == status,
+                runs_table.c.attempt == attempt).values(
+                status="queued", attempt=attempt + 1, error=None, ended=None,
+                updated=time.time())).rowcount)
+
+    @_retried
     def get_run(self, run_id: str) -> dict[str, Any] | None:
         with self.begin() as conn:
             row = conn.execute(runs_table.select().where(runs_table.c.run_id == run_id)).first()
         return _row(row) if row is not None else None
 
+    @_retried
     def list_runs(self, *, status: list[str] | None = None, schedule: str | None = None,
                   limit: int = 100) -> list[dict[str, Any]]:
         query = runs_table.select().order_by(runs_table.c.created.desc()).limit(limit)
@@ -184,9 +279,12 @@ class Store:
         with self.begin() as conn:
             return [_row(row) for row in conn.execute(query)]
 
+    @_retried
     def update_run(self, run_id: str, **fields: Any) -> None:
         values: dict[str, Any] = {"updated": time.time()}
         for key, value in fields.items():
+            if key in ("question", "error", "progress") and value is not None:
+                value = DEFAULT.value(value)  # nothing secret is stored (recorder's rules)
             values[key] = json.dumps(value) if key in ("progress", "artefacts") and \
                 value is not None else value
         if fields.get("status") in ENDED:
@@ -196,6 +294,7 @@ class Store:
 
     # -- workers
 
+    @_retried
     def beat(self, worker_id: str, host: str, pid: int, *, first: bool = False) -> None:
         now = time.time()
         with self.begin() as conn:
@@ -207,17 +306,20 @@ class Store:
                 conn.execute(workers_table.insert().values(
                     worker_id=worker_id, host=host, pid=pid, started=now, beat=now))
 
+    @_retried
     def workers(self) -> list[dict[str, Any]]:
         with self.begin() as conn:
             return [dict(row._mapping) for row in conn.execute(
                 workers_table.select().order_by(workers_table.c.worker_id))]
 
+    @_retried
     def worker(self, worker_id: str) -> dict[str, Any] | None:
         with self.begin() as conn:
             row = conn.execute(workers_table.select().where(
                 workers_table.c.worker_id == worker_id)).first()
         return dict(row._mapping) if row is not None else None
 
+    @_retried
     def claim_dead(self, dead: str, by: str, older_than: float) -> bool:
         """Claim a dead worker's runs for ``by``: True for exactly one claimant."""
         with self.begin() as conn:
@@ -227,6 +329,7 @@ class Store:
 
     # -- schedules
 
+    @_retried
     def add_schedule(self, name: str, cron: str, tz: str, deadline: str | None,
                      alert: str | None, spec: dict[str, Any]) -> bool:
         try:
@@ -238,17 +341,20 @@ class Store:
             return False
         return True
 
+    @_retried
     def schedules(self) -> list[dict[str, Any]]:
         with self.begin() as conn:
             return [_row(row) for row in conn.execute(
                 schedules_table.select().order_by(schedules_table.c.name))]
 
+    @_retried
     def schedule(self, name: str) -> dict[str, Any] | None:
         with self.begin() as conn:
             row = conn.execute(schedules_table.select().where(
                 schedules_table.c.name == name)).first()
         return _row(row) if row is not None else None
 
+    @_retried
     def remove_schedule(self, name: str) -> bool:
         with self.begin() as conn:
             return bool(conn.execute(schedules_table.delete().where(
@@ -256,6 +362,7 @@ class Store:
 
     # -- alerts
 
+    @_retried
     def add_alert(self, schedule: str, occurrence: str, kind: str, message: str,
                   run_id: str | None) -> bool:
         """Record an alert; False when this one was already raised (each fires once)."""
@@ -268,12 +375,14 @@ class Store:
             return False
         return True
 
+    @_retried
     def set_delivery(self, schedule: str, occurrence: str, kind: str, delivery: str) -> None:
         with self.begin() as conn:
             conn.execute(alerts_table.update().where(
                 alerts_table.c.schedule == schedule, alerts_table.c.occurrence == occurrence,
                 alerts_table.c.kind == kind).values(delivery=delivery))
 
+    @_retried
     def alerts(self, schedule: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         query = alerts_table.select().order_by(alerts_table.c.at.desc()).limit(limit)
         if schedule:
@@ -283,12 +392,14 @@ class Store:
 
     # -- deadlines: each occurrence is judged once, when its deadline has passed
 
+    @_retried
     def judged(self, schedule: str) -> set[str]:
         """The occurrences of ``schedule`` whose deadline was already judged."""
         with self.begin() as conn:
             return {row[0] for row in conn.execute(sa.select(deadlines_table.c.occurrence)
                                                    .where(deadlines_table.c.schedule == schedule))}
 
+    @_retried
     def judge(self, schedule: str, occurrence: str, met: bool) -> bool:
         """Record whether the occurrence had its verified artefact by its deadline; False
         when another check judged it first."""
@@ -302,11 +413,13 @@ class Store:
 
     # -- meta
 
+    @_retried
     def get_meta(self, key: str) -> str | None:
         with self.begin() as conn:
             row = conn.execute(sa.select(meta_table.c.value).where(meta_table.c.key == key)).first()
         return row[0] if row is not None else None
 
+    @_retried
     def set_meta(self, key: str, value: str) -> bool:
         """Set ``key`` unless it is set; False when another value was there first."""
         try:

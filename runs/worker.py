@@ -51,13 +51,14 @@ import sqlalchemy as sa
 
 from recorder.ask import ANSWER_ENV, EXIT_INPUT_REQUIRED, WORKER_ENV
 from recorder.cassette.lock import describe, holder_of
+from recorder.cassette.schema import run_status
 from recorder.harness.child import preexec
-from recorder.harness.progress import read_status, request_cancel, valid_run_id
+from recorder.harness.progress import cassette_end, read_status, request_cancel, valid_run_id
 from runs import schedules
 from runs.config import cassette_dir, database_url, is_sqlite
-from runs.errors import CassettesNotShared, WorkerIdTaken
-from runs.spec import record_argv, resume_argv
-from runs.store import Store
+from runs.errors import CassettesNotShared, DatabaseUnavailable, WorkerIdTaken
+from runs.spec import record_argv, resume_argv, workflow_id
+from runs.store import DISK_ERROR, Store
 
 log = logging.getLogger("deja.runs")
 
@@ -65,6 +66,11 @@ BEAT = 2.0  # seconds between heartbeats
 DEAD_AFTER = 10.0  # a worker whose last beat is older than this is dead
 WATCH = 0.5  # seconds between looks at a running child
 SHARE_MARKER = ".deja-share"
+RETRY_DELAYS = (1.0, 4.0, 16.0)  # an agent that dies is resumed after each; then it fails
+PROBE_BYTES = 256 * 1024  # written to a cassette directory to tell whether it takes lines
+RECONCILE_EVERY = 5.0  # seconds between reconciliations of the database and the engine
+RECONCILE_ROWS = 1000  # rows looked at per reconciliation
+SUBMIT_GRACE = 30.0  # a submission older than this that the engine does not hold failed
 
 
 def default_worker_id() -> str:
@@ -117,6 +123,14 @@ def check_shared(store: Store, cassettes: Path) -> None:
             "flock and rename) and point DEJA_CASSETTE_DIR at it")
 
 
+def _write_error(end: dict[str, Any] | None) -> str | None:
+    """The message of an end line that says a cassette write failed (a full disk)."""
+    error = (end or {}).get("error")
+    if isinstance(error, dict) and error.get("type") == DISK_ERROR:
+        return str(error.get("message") or "a cassette write failed")
+    return None
+
+
 def _read_marker(marker: Path) -> str | None:
     try:
         return marker.read_text().strip() or None
@@ -127,18 +141,36 @@ def _read_marker(marker: Path) -> str | None:
 def cassette_state(path: Path) -> tuple[str, dict[str, Any] | None]:
     """``("none", None)`` when no header is on disk, ``("open", None)`` for a recorded
     prefix, ``("ended", end_line)`` for a run that ended."""
+    return cassette_end(path)
+
+
+def disk_trouble(directory: Path) -> str | None:
+    """Why ``directory`` cannot take a cassette's lines now (full, read-only, failing), or
+    None when a probe of :data:`PROBE_BYTES` is written and synced there."""
+    probe = directory / f".deja-probe-{os.getpid()}-{threading.get_ident()}"
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return "none", None
-    lines = data.split(b"\n")
-    if not lines or not lines[0].strip() or not data.startswith(b"{") or b"\n" not in data:
-        return "none", None
-    last = next((line for line in reversed(lines) if line.strip()), b"")
-    if b'"kind":"end"' in last:
-        with contextlib.suppress(ValueError):
-            return "ended", json.loads(last)
-    return "open", None
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, b"\0" * PROBE_BYTES)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return f"{directory}: {exc.strerror or exc}"
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+    return None
+
+
+def _died(code: int) -> str | None:
+    """How a ``deja record``/``resume`` exit status says its program was killed (a
+    signal to the launcher, or one its program died of), else None."""
+    if code < 0:
+        return f"deja was killed by signal {-code}"
+    if code > 128 and code - 128 < 65:
+        return f"the agent was killed by signal {code - 128}"
+    return None
 
 
 class RunLock:
@@ -201,7 +233,11 @@ class AgentStep:
         run_id = spec["run_id"]
         if not valid_run_id(run_id):
             return {"status": "failed", "error": f"{run_id!r} is not a run id"}
-        self.store.update_run(run_id, status="working", worker=self.worker_id, question=None)
+        if self.store.get_run(run_id) is None:  # a submission withdrawn: its caller was told
+            return {"status": "failed", "error": f"run {run_id} is not in the runs database "
+                                                 "(its submission failed); nothing was run"}
+        self.store.update_run(run_id, status="working", worker=self.worker_id, question=None,
+                              error=None)
         with self.locks.hold(run_id, self.stopping):
             outcome = self._run(spec, answer, workflow)
         fields: dict[str, Any] = {"status": outcome["status"],
@@ -213,13 +249,15 @@ class AgentStep:
         if progress is not None:
             fields["progress"] = progress
         self.store.update_run(run_id, **fields)
+        if outcome["status"] in ("failed", "interrupted"):  # one line per run
+            log.warning("run %s %s: %s", run_id, outcome["status"], outcome.get("error"))
         if outcome["status"] != "input_required":
             schedules.after_run(self.store, run_id)
         return outcome
 
     def _last_writer_gone(self, run_id: str, cassette: Path) -> None:
         """Wait until no process holds the cassette's writer lock (a dead worker's agent,
-        still ending); said once in the log when it takes a while."""
+        or a killed launcher's, still ending); said once in the log when it takes a while."""
         since = time.monotonic()
         said = False
         while (holder := holder_of(cassette)) is not None:
@@ -231,11 +269,61 @@ class AgentStep:
                 raise WorkerStopping
 
     def _run(self, spec: dict[str, Any], answer: str | None, workflow: str) -> dict[str, Any]:
-        cassette = Path(spec["cassette"])
-        self._last_writer_gone(spec["run_id"], cassette)
-        state, end = cassette_state(cassette)
-        if state == "ended" and end is not None and end.get("status") != "interrupted":
-            return self._ended(spec, end)  # dispatched again after it ended: report it
+        """Run the agent until its run ends; an agent that dies without closing its run is
+        started again (``deja resume``) after each of :data:`RETRY_DELAYS`, then fails."""
+        run_id, cassette = spec["run_id"], Path(spec["cassette"])
+        deaths: list[str] = []
+        while True:
+            self._last_writer_gone(run_id, cassette)
+            state, end = cassette_state(cassette)
+            if state == "ended" and end is not None and end.get("status") != "interrupted":
+                return self._ended(spec, end)  # dispatched again after it ended: report it
+            code = self._child(spec, answer if not deaths else None, workflow, state)
+            if isinstance(code, dict):
+                return code
+            if self.stopping.is_set():
+                raise WorkerStopping  # the run stays pending; it resumes on the next dispatch
+            self._last_writer_gone(run_id, cassette)  # a killed launcher's agent closing up
+            state, end = cassette_state(cassette)
+            if state == "ended" and end is not None and end.get("status") != "interrupted":
+                return self._ended(spec, end)
+            record = read_status(run_id) or {}
+            if state == "open" and code == EXIT_INPUT_REQUIRED and \
+                    record.get("status") == "input_required":
+                return {"status": "input_required", "question": record.get("question")}
+            full = _write_error(end) or (disk_trouble(cassette.parent) if state != "ended"
+                                         or end is None else None)
+            if full is not None:
+                return {"status": "interrupted",
+                        "error": f"{DISK_ERROR}: {full}; the run is dispatched again once "
+                                 f"{cassette.parent} is writable"}
+            killed = _died(code)
+            if state == "none" and killed is None:
+                return {"status": "failed", "error": f"the program did not start recording "
+                                                     f"(deja exited {code})"}
+            deaths.append(killed or ("the run ended interrupted" if state == "ended" else
+                                     f"deja exited {code} without an end line"))
+            with contextlib.suppress(Exception):
+                if self.cancelled(workflow):
+                    return {"status": "cancelled"}
+            if len(deaths) > len(RETRY_DELAYS):
+                return {"status": "failed",
+                        "error": f"the agent died {len(deaths)} times without closing its run "
+                                 f"({'; '.join(deaths)}); {len(RETRY_DELAYS)} retries are "
+                                 f"spent. It can be resumed by hand: deja resume {cassette}"}
+            delay = RETRY_DELAYS[len(deaths) - 1]
+            log.warning("run %s: %s before its run ended; resumed in %g s (retry %d of %d)",
+                        run_id, deaths[-1], delay, len(deaths), len(RETRY_DELAYS))
+            with contextlib.suppress(DatabaseUnavailable):
+                self.store.update_run(run_id, wait=False,
+                                      error=f"{deaths[-1]}; retry {len(deaths)} of "
+                                            f"{len(RETRY_DELAYS)} in {delay:g} s")
+            if self.stopping.wait(delay):
+                raise WorkerStopping
+
+    def _child(self, spec: dict[str, Any], answer: str | None, workflow: str,
+               state: str) -> int | dict[str, Any]:
+        """Run ``deja record`` (nothing on disk yet) or ``deja resume`` to its exit status."""
         argv = record_argv(spec) if state == "none" else resume_argv(spec)
         env = dict(os.environ)
         env[WORKER_ENV] = "1"
@@ -251,23 +339,10 @@ class AgentStep:
         with self._lock:
             self.children.add(child)
         try:
-            code = self._watch(spec["run_id"], workflow, child)
+            return self._watch(spec["run_id"], workflow, child)
         finally:
             with self._lock:
                 self.children.discard(child)
-        if self.stopping.is_set():
-            raise WorkerStopping  # the run stays pending; it resumes on the next dispatch
-        state, end = cassette_state(cassette)
-        if state == "ended" and end is not None:
-            return self._ended(spec, end)
-        record = read_status(spec["run_id"]) or {}
-        if code == EXIT_INPUT_REQUIRED and record.get("status") == "input_required":
-            return {"status": "input_required", "question": record.get("question")}
-        if state == "none":
-            return {"status": "failed", "error": f"the program did not start recording "
-                                                 f"(deja exited {code})"}
-        return {"status": "failed",
-                "error": f"the program ended without an end line (exit status {code})"}
 
     def _watch(self, run_id: str, workflow: str, child: subprocess.Popen[bytes]) -> int:
         asked = False
@@ -282,8 +357,9 @@ class AgentStep:
                 text = json.dumps(record, sort_keys=True)
                 if text != last:
                     last = text
-                    with contextlib.suppress(sa.exc.SQLAlchemyError, OSError):
-                        self.store.update_run(run_id, progress=record)
+                    with contextlib.suppress(DatabaseUnavailable, sa.exc.SQLAlchemyError,
+                                             OSError):
+                        self.store.update_run(run_id, progress=record, wait=False)
             if not asked:
                 with contextlib.suppress(Exception):
                     if self.cancelled(workflow):
@@ -291,14 +367,18 @@ class AgentStep:
                         asked = True
 
     def _ended(self, spec: dict[str, Any], end: dict[str, Any]) -> dict[str, Any]:
-        status = str(end.get("status"))
+        status = run_status(end)
         if status == "completed":
             return {"status": "completed", "artefacts": schedules.verified_artefacts(spec)}
-        if status == "error":
-            error = end.get("error") or {}
-            message = error.get("message") if isinstance(error, dict) else None
-            return {"status": "failed", "error": message or "the program failed"}
-        return {"status": status}
+        error = end.get("error") or {}
+        message = error.get("message") if isinstance(error, dict) else None
+        if status == "failed":
+            return {"status": "failed", "error": message or end.get("reason")
+                    or "the program failed"}
+        out: dict[str, Any] = {"status": status}
+        if status == "interrupted":  # a resumable run (a full disk): say why
+            out["error"] = str(message or end.get("reason") or "interrupted")
+        return out
 
     def stop(self) -> None:
         """Stop every running agent (each ends ``interrupted``, resumable)."""
@@ -339,28 +419,91 @@ class WorkerIdLock:
                                 "ago); give each worker its own --id")
 
 
-def _beat_and_watch(store: Store, worker_id: str, recover: Any, stop: threading.Event,
+def reconcile(store: Store, worker: Any, now: float | None = None) -> list[str]:
+    """Bring the runs database and the engine back into agreement; what was done, in words.
+
+    - A run interrupted by a full or failing cassette directory (:data:`DISK_ERROR`) is
+      dispatched again, as its next part, once a probe writes there: exactly once, however
+      many workers reconcile at the same moment.
+    - A ``queued`` row whose current part the engine does not hold after
+      :data:`SUBMIT_GRACE`: a submission the engine never took (``deja serve`` removes
+      the row and answers an error; a crash or a database that failed in between can
+      leave it) is removed, since its caller never heard that it was accepted; a part
+      dispatched again here whose enqueue failed is enqueued.
+    """
+    now = time.time() if now is None else now
+    done: list[str] = []
+    rows = store.list_runs(status=["queued", "interrupted"], limit=RECONCILE_ROWS)
+    for row in rows:
+        error = row.get("error") or ""
+        if row["status"] != "interrupted" or not error.startswith(DISK_ERROR):
+            continue
+        attempt = int(row.get("attempt") or 0)
+        if disk_trouble(Path(row["spec"]["cassette"]).parent) is None and \
+                store.requeue(row["run_id"], "interrupted", attempt):
+            worker.enqueue(row["spec"], attempt + 1)
+            done.append(f"run {row['run_id']}: its cassette directory is writable again; "
+                        "dispatched again")
+    stale = {workflow_id(row["run_id"], int(row.get("attempt") or 0)): row for row in rows
+             if row["status"] == "queued" and now - row["updated"] > SUBMIT_GRACE}
+    known = worker.known(list(stale))
+    for part, row in stale.items():
+        if part in known:
+            continue
+        attempt = int(row.get("attempt") or 0)
+        if attempt == 0:
+            if store.forget_submission(row["run_id"]):
+                done.append(f"run {row['run_id']}: its submission never reached the queue "
+                            "(its caller was answered an error); its row is removed")
+        else:
+            worker.enqueue(row["spec"], attempt)
+            done.append(f"run {row['run_id']}: part {attempt} was not in the queue; "
+                        "enqueued")
+    return done
+
+
+def _beat_and_watch(store: Store, worker_id: str, worker: Any, stop: threading.Event,
                     check_every: float) -> None:
     host, pid = socket.gethostname(), os.getpid()
-    last_check = 0.0
+    last_check = last_reconcile = 0.0
     while not stop.wait(BEAT):
         try:
             store.beat(worker_id, host, pid)
             now = time.time()
-            for peer in store.workers():
+            # After the database was down, every worker's beat is old: wait until the
+            # others had time to beat again before calling any of them dead.
+            settled = time.monotonic() - store.back_since >= DEAD_AFTER
+            for peer in store.workers() if settled else []:
                 if peer["worker_id"] == worker_id or peer["taken_over_by"] is not None:
                     continue
                 if now - peer["beat"] > DEAD_AFTER and store.claim_dead(
                         peer["worker_id"], worker_id, now - DEAD_AFTER):
-                    taken = recover([peer["worker_id"]])
+                    taken = worker.recover([peer["worker_id"]])
                     log.warning("worker %s is dead (last beat %.0f s ago); %s took over %d "
                                 "run(s): %s", peer["worker_id"], now - peer["beat"],
                                 worker_id, len(taken), ", ".join(taken) or "none")
+            if now - last_reconcile >= RECONCILE_EVERY:
+                last_reconcile = now
+                for line in reconcile(store, worker, now):
+                    log.warning("%s", line)
             if now - last_check >= check_every:
                 last_check = now
                 schedules.check(store)
-        except Exception:  # a database hiccup must not stop the heartbeat
-            log.exception("worker %s: heartbeat", worker_id)
+        except Exception as exc:  # noqa: BLE001 (a hiccup must not stop the heartbeat)
+            log.warning("worker %s: heartbeat: %s: %s", worker_id, type(exc).__name__,
+                        (str(exc).strip().splitlines() or [""])[0])
+
+
+def _log_to_stderr(worker_id: str) -> None:
+    """deja's own lines on standard error, one per event, no traceback."""
+    logger = logging.getLogger("deja.runs")
+    if not any(getattr(h, "name", None) == "deja-worker" for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.name = "deja-worker"
+        handler.setFormatter(logging.Formatter(f"deja: worker {worker_id}: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+        logger.setLevel(logging.WARNING)
 
 
 def serve(worker_id: str, url: str | None = None, concurrency: int = 1,
@@ -370,6 +513,7 @@ def serve(worker_id: str, url: str | None = None, concurrency: int = 1,
 
     url = url or database_url()
     cassettes = cassette_dir()
+    _log_to_stderr(worker_id)
     store = Store(url)
     WorkerIdLock(store, worker_id)
     check_shared(store, cassettes)
@@ -386,13 +530,16 @@ def serve(worker_id: str, url: str | None = None, concurrency: int = 1,
     signal.signal(signal.SIGINT, on_signal)
     store.beat(worker_id, socket.gethostname(), os.getpid(), first=True)
     worker.launch()
+    store.wait_for_database()  # from here on, an outage is waited out, not a failure
     worker.backfill_unfired({s["name"]: s["created"] for s in store.schedules()})
+    for line in reconcile(store, worker):
+        log.warning("%s", line)
     sys.stderr.write(f"deja: worker {worker_id} is up ({concurrency} at a time; "
                      f"database {'embedded SQLite' if is_sqlite(url) else 'Postgres'}, "
                      f"cassettes in {cassettes})\n")
     sys.stderr.flush()
     beat = threading.Thread(target=_beat_and_watch, name="deja-heartbeat", daemon=True,
-                            args=(store, worker_id, worker.recover, stop, check_every))
+                            args=(store, worker_id, worker, stop, check_every))
     beat.start()
     while not stop.wait(1.0):
         pass

@@ -41,8 +41,9 @@ from viewer.content import searchable_text
 log = logging.getLogger("deja.viewer")
 
 LEGACY_NAME = ".index.duckdb"  # where deja kept the index before: inside DIR itself
-SCHEMA_VERSION = 3  # 2: steps.text, the searchable words of each step; 3: steps.t,
-#   edited, within (what the timeline shows, so that it never parses a payload)
+SCHEMA_VERSION = 4  # 2: steps.text, the searchable words of each step; 3: steps.t,
+#   edited, within (what the timeline shows, so that it never parses a payload); 4: a run
+#   that ended in error has status failed (the one vocabulary of run statuses)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);

@@ -37,6 +37,7 @@ from recorder.cassette.schema import (
     error_of,
     totals_of,
 )
+from recorder.cassette.schema import run_status as schema_run_status
 
 __all__ = [
     "STEP_COLUMNS",
@@ -181,9 +182,10 @@ def describe_split(totals: dict[str, Any]) -> list[str]:
 
 
 def run_status(cassette: Cassette) -> str:
-    """The end line's status; without one, ``torn`` or ``incomplete``."""
-    if cassette.end is not None and cassette.end["status"]:
-        return cassette.end["status"]
+    """The run's status from its file (:func:`~recorder.cassette.schema.run_status`): the
+    end line's (``error`` shown as ``failed``); without one, ``torn`` or ``incomplete``."""
+    if cassette.end is not None:
+        return schema_run_status(cassette.end)
     return "torn" if cassette.torn_offset is not None else "incomplete"
 
 

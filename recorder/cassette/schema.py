@@ -6,7 +6,8 @@ This module is the one home of what those lines mean:
 
 - the names: the line kinds (:class:`Kind`), the statuses a run ends with
   (:class:`EndStatus`) and the events of a control line (:class:`Control`). Being
-  ``StrEnum`` members they compare and hash equal to the strings on disk;
+  ``StrEnum`` members they compare and hash equal to the strings on disk; the one
+  vocabulary of a run's status, whoever shows it (:class:`RunStatus`, :func:`run_status`);
 - a typed record per line kind (:class:`Header`, :class:`ModelLine` ... :class:`EndLine`),
   told apart by ``kind``;
 - the decisions more than one reader makes about a line: which control lines are
@@ -77,6 +78,43 @@ STOPS = frozenset({Control.BUDGET_EXHAUSTED, Control.CANCELLED, Control.LOOP_DET
                    Control.CIRCUIT_OPEN})
 # Control lines that only mark how the log was made; they stand for nothing the agent did.
 BOOKKEEPING = frozenset({Control.FORK_EDIT, Control.RESUMED})
+
+
+class RunStatus(enum.StrEnum):
+    """A run's status as every reader shows it (``deja status``, ``deja runs``, the runs
+    API, ``deja show`` and ``ls``, the viewer, alerts), derived by :func:`run_status`.
+
+    The end statuses are the end line's, but for ``error``, shown as ``failed``; the
+    others say where a run without a final end line is."""
+
+    QUEUED = "queued"  # submitted, waiting for a worker
+    WORKING = "working"  # a worker runs it (a submitted run)
+    RUNNING = "running"  # a process on this machine writes it (``deja record``)
+    INPUT_REQUIRED = "input_required"  # it waits for an answer (``recorder.ask``)
+    COMPLETED = "completed"
+    FAILED = "failed"  # end line ``error``: the program raised, exited non-zero, never started
+    CANCELLED = "cancelled"
+    EXHAUSTED = "exhausted"
+    STOPPED = "stopped"
+    INTERRUPTED = "interrupted"  # resumable; under a worker only a full disk leaves it so
+    NEEDS_ATTENTION = "needs_attention"
+    CRASHED = "crashed"  # no end line, and the process that wrote it is gone
+    INCOMPLETE = "incomplete"  # no end line, nothing says who writes it (a copy, a cut file)
+    TORN = "torn"  # the last line is cut short
+
+
+def run_status(end: Mapping[str, Any] | None, state: str | None = None) -> str:
+    """A run's status: its end line first, then ``state`` (what the queue, the engine or
+    the status record says of a run whose cassette holds no final end line).
+
+    An end line is final but for ``interrupted``, which a resume cuts: while ``state`` is
+    known (a worker dispatches the run again, a disk-full run waits for room, retries
+    ran out) it says more. Without either: ``incomplete``."""
+    status = end.get("status") if end is not None else None
+    if isinstance(status, str) and status and not (
+            status == EndStatus.INTERRUPTED and state):
+        return RunStatus.FAILED.value if status == EndStatus.ERROR else status
+    return state or RunStatus.INCOMPLETE.value
 
 
 # -------------------------------------------------------------------- the records
@@ -387,6 +425,7 @@ __all__ = [
     "OutcomeLine",
     "Parent",
     "Response",
+    "RunStatus",
     "StepTotals",
     "ToolLine",
     "Totals",
@@ -397,6 +436,7 @@ __all__ = [
     "is_bookkeeping",
     "replayed_totals",
     "run_file",
+    "run_status",
     "totals_of",
     "utc_stamp",
     "zero_totals",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lifecycle_helpers import (  # noqa: F401 (fixtures)
@@ -32,6 +33,11 @@ from runs import config, engine, service
 from runs.errors import CassettesNotShared, DatabaseUnavailable, WorkerIdTaken
 from runs.store import Store
 from runs.worker import WorkerIdLock, check_shared
+
+
+def status_of_row(runs: service.Runs, run_id: str, status: str) -> dict[str, Any] | None:
+    row = runs.store.get_run(run_id)
+    return row if row is not None and row["status"] == status else None
 
 
 def submit(runs: service.Runs, directory: Path, agent: Path) -> str:
@@ -130,7 +136,10 @@ def test_a_failing_agent_ends_failed_with_its_error(
     record = wait_for("the run to end", lambda: status_of(runs, run_id, "failed", "completed"))
     assert record["status"] == "failed"
     assert record["error"] == "the ledger is locked"
-    assert runs.store.get_run(run_id)["error"] == "the ledger is locked"  # type: ignore[index]
+    # The status comes from the end line; the worker's bookkeeping follows it.
+    row = wait_for("the row to say failed",
+                   lambda: status_of_row(runs, run_id, "failed"))
+    assert row["error"] == "the ledger is locked"
     end = ended(config.cassette_dir() / f"{run_id}.jsonl")
     assert end is not None and end["status"] == "error"
     assert [r["run_id"] for r in runs.list_runs(status=["failed"])] == [run_id]
