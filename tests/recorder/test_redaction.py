@@ -1,12 +1,6 @@
-"""Secrets never reach disk: the redaction rules, and a scan of everything deja writes.
+"""Secrets never reach disk: the redaction rules, status records and the index.
 
-The scan records one agent (``tests/secret_agent.py``) that puts a distinct secret in
-every place deja writes something, through the real ``deja record`` in a subprocess and
-through ``recorder.record``, against the stub model and a plain HTTP service; then it
-greps every file under the cassette directory (cassettes, the DuckDB index and its WAL
-after ``deja ls``), every status record and a copy of one taken while a tool call was in
-flight, for each secret in clear and base64 (standard and urlsafe, at each alignment).
-Both runs then replay identical, offline. Nothing is mocked.
+The scan of everything deja writes is ``tests/recorder/test_secret_scan.py``.
 """
 
 from __future__ import annotations
@@ -15,15 +9,10 @@ import base64
 import gzip
 import json
 import logging
-import os
 import random
 import stat
 import string
-import subprocess
 import sys
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -42,43 +31,11 @@ from recorder.cassette import load
 from recorder.errors import ConfigError
 from recorder.harness.progress import Progress, request_cancel, runs_dir, status_path
 from recorder.harness.settings import resolve as resolve_settings
-from recorder.testing.server import StubServer
 from viewer.index import RunIndex, index_path
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT = ROOT / "tests" / "secret_agent.py"
 USER = [{"role": "user", "content": "hi"}]
-
-
-def deja(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT
-         ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "deja", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, cwd=cwd, timeout=180)
-
-
-def b64_forms(secret: str) -> list[bytes]:
-    """The base64 text a secret shows up as inside a longer blob, at each of the three
-    alignments, standard and urlsafe (the characters that mix with neighbours dropped)."""
-    data = secret.encode()
-    forms = [base64.b64encode(data), base64.urlsafe_b64encode(data)]
-    for pad in range(3):
-        encoded = base64.b64encode(b"\x00" * pad + data)
-        core = encoded[4 if pad else 0:len(encoded) - 4]
-        forms += [core, core.replace(b"+", b"-").replace(b"/", b"_")]
-    return [f for f in forms if len(f) >= 8]
-
-
-def leaks(secrets: dict[str, str], files: list[Path]) -> list[str]:
-    """Every (secret, file, form) found: the secret in clear or in one of its base64 forms."""
-    found = []
-    for path in files:
-        data = path.read_bytes()
-        for name, secret in secrets.items():
-            if secret.encode() in data:
-                found.append(f"{name} in clear in {path.name}")
-            found += [f"{name} as base64 {form!r} in {path.name}"
-                      for form in b64_forms(secret) if form in data]
-    return found
 
 
 # ------------------------------------------------------------------------ the rules
@@ -282,180 +239,6 @@ def test_recording_and_replay_fingerprint_the_same_redacted_request() -> None:
     other = classify("POST", "http://h/v1/messages", b, r)[2]
     assert fingerprint("model", "POST", "/v1/messages", body) == fingerprint(
         "model", "POST", "/v1/messages", other)
-
-
-# -------------------------------------------------------------------- the secret scan
-
-
-class _Service(BaseHTTPRequestHandler):
-    """A plain HTTP service whose answers carry secrets (body, header, cookie)."""
-
-    protocol_version = "HTTP/1.1"
-    secrets: dict[str, str] = {}
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        s = type(self).secrets
-        if self.path.startswith("/search"):
-            body = json.dumps({"echo_token": s["http_response_body"], "ok": True}).encode()
-        else:
-            body = b"hello"
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("x-debug-auth", f"Bearer {s['http_response_header']}")
-        self.send_header("set-cookie", f"sid={s['cookie']}; Path=/")
-        self.send_header("content-length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-
-def scan_secrets() -> dict[str, str]:
-    """One distinct secret per place deja writes something."""
-    rng = random.Random(2025)
-    hexs = string.hexdigits[:16]
-    r = lambda n, a=string.ascii_letters + string.digits: _rand(rng, n, a)  # noqa: E731
-    return {
-        "env_api_key": f"envkey{r(20)}",                     # ANTHROPIC_API_KEY, a header
-        "flag_header": f"hdr{r(20)}",                        # --redact-header x-tenant
-        "header_shape": f"xoxb-{r(12, string.digits)}-{r(24)}",  # a key in another header
-        "model_query": f"mq{r(20)}",                         # ?api_key= on the model call
-        "query_key": f"qk{r(20)}",                           # ?key= on an HTTP call
-        "flag_query": f"sr{r(20)}",                          # --redact-query session_ref
-        "userinfo": f"ui{r(20)}",                            # http://svc:SECRET@host (httpx)
-        "userinfo_requests": f"ur{r(20)}",                   # the same through requests
-        "argv_option": f"ao{r(20)}",                         # --api-key SECRET in the argv
-        "argv_shape": f"sk-ant-api03-{r(40)}",               # a key as a program argument
-        "label": f"ghr_{r(36)}",                             # --label ci_token=SECRET
-        "cwd": f"ghs_{r(36)}",                               # the working directory's name
-        "body_shape": f"AKIA{r(16, string.ascii_uppercase + string.digits)}",  # request body
-        "echo": f"sk-proj-{r(40)}",                          # echoed back by the model
-        "body_path": f"bp{r(20)}",                           # --redact-body /metadata/user_id
-        "pyproject_pattern": r(16, hexs.lower()),            # [tool.deja.redact] patterns
-        "flag_pattern_group": r(20),                         # --redact-pattern with a group
-        "stream_split": f"ghp_{r(36)}",                      # tool input streamed in pieces,
-        "tool_result_query": f"rt{r(20)}",                   # then tool args; ?token= in a
-        "tool_result_shape": f"AIza{r(35)}",                 # tool result; a key in it;
-        "aws_secret": r(40, string.ascii_letters + string.digits + "/+"),  # aws_secret_...=
-        "tool_error_jwt": f"eyJ{r(20)}.eyJ{r(30)}.{r(43)}",  # a tool's exception message
-        "status_flight": f"sk_live_{r(30)}",                 # a status record mid-call
-        "effect": f"github_pat_{r(22)}_{r(40)}",             # an effect value
-        "http_response_body": f"ASIA{r(16, string.ascii_uppercase + string.digits)}",
-        "http_response_header": f"{r(30)}9",                 # Bearer ... in a response header
-        "cookie": f"ck{r(20)}",                              # set-cookie
-    }
-
-
-def _script(s: dict[str, str]) -> dict[str, Any]:
-    return {"turns": [
-        {"text": "You said: {echo}"},
-        {"text": "Looking it up.", "tool_use": {"name": "lookup",
-                                                "input": {"token": s["stream_split"],
-                                                          "query": "q"}}},
-        {"text": "All done."}]}
-
-
-@pytest.fixture
-def service() -> Iterator[str]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Service)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                              daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-
-
-def test_no_secret_reaches_any_file_deja_writes(tmp_path: Path, deja_home: Path,
-                                                service: str,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    s = scan_secrets()
-    _Service.secrets = s
-    cassettes = tmp_path / "cassettes"
-    snapshots = tmp_path / "snapshots"
-    snapshots.mkdir()
-    work = tmp_path / s["cwd"]  # a working directory whose name is a token
-    work.mkdir()
-    (work / "pyproject.toml").write_text(
-        '[tool.deja.redact]\npatterns = ["corp-[0-9a-f]{16}"]\n')
-    cfg = tmp_path / "agent-config.json"
-    env = {"SECRET_AGENT_CONFIG": str(cfg), "ANTHROPIC_API_KEY": s["env_api_key"]}
-    flags = ["--redact-header", "x-tenant", "--redact-body", "/metadata/user_id",
-             "--redact-pattern", r"tenant-([A-Za-z0-9]{12,})", "--redact-query", "session_ref",
-             "--label", f"ci_token={s['label']}"]
-
-    with StubServer(_script(s)) as model:
-        cfg.write_text(json.dumps({"secrets": s, "model_url": model.url, "http_url": service,
-                                   "snapshot_dir": str(snapshots)}))
-        # 1. through the real CLI, the agent unmodified, in a subprocess
-        proc = deja("record", "-o", str(cassettes / "cli.jsonl"), *flags, "--", "python",
-                    str(AGENT), "--api-key", s["argv_option"], s["argv_shape"], env=env,
-                    cwd=work)
-        assert proc.returncode == 0, proc.stderr
-        # The secrets did go out: the stub saw the key, the echo and the metadata.
-        seen = model.requests[0]
-        assert s["env_api_key"] in json.dumps(seen["headers"])
-        assert s["body_path"] in json.dumps(seen["body"])
-        # 2. through the Python API, the same agent in this process
-        model.load(_script(s))
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
-        monkeypatch.chdir(work)
-        import secret_agent
-
-        with recorder.record(cassettes / "api.jsonl", redact_headers=("x-tenant",),
-                             redact_body=("/metadata/user_id",),
-                             redact_patterns=(r"tenant-([A-Za-z0-9]{12,})",),
-                             redact_query=("session_ref",),
-                             labels={"ci_token": s["label"]}):
-            answers = json.loads(secret_agent.run())
-        assert s["echo"] in answers["echo"]  # the agent itself got everything live
-        assert s["tool_result_shape"] in answers["result"]["note"]
-
-    proc = deja("ls", str(cassettes))  # builds the DuckDB index from the cassettes
-    assert proc.returncode == 0, proc.stderr
-    files = [p for p in cassettes.rglob("*") if p.is_file()]
-    assert {p.name for p in files} >= {"cli.jsonl", "api.jsonl"}
-    files.append(index_path(cassettes))  # the index, under $DEJA_HOME/index
-    records = sorted(runs_dir().glob("*"))
-    in_flight = sorted(snapshots.glob("*.json"))
-    assert len(records) >= 2 and len(in_flight) == 2
-    for snapshot in in_flight:  # taken while slow() ran: the step names the call
-        assert json.loads(snapshot.read_text())["step"].startswith("tool slow(")
-    found = leaks(s, files + records + in_flight)
-    assert not found, "\n".join(found)
-
-    # What was recorded is all there, only redacted.
-    for name in ("cli.jsonl", "api.jsonl"):
-        cassette = load(cassettes / name)
-        kinds = [o["kind"] for o in cassette.observations]
-        assert kinds.count("model") == 3 and kinds.count("tool") == 3 and "effect" in kinds
-        assert kinds.count("http") == 3
-        assert cassette.header["redact"]["patterns"][-1] == r"tenant-([A-Za-z0-9]{12,})"
-        assert (cassettes / name).read_text().count(REDACTED) >= 20
-    header = load(cassettes / "cli.jsonl").header
-    assert header["argv"][-3:] == ["--api-key", REDACTED, "sk-[redacted]"]
-    assert header["redact"]["patterns"] == ["corp-[0-9a-f]{16}", r"tenant-([A-Za-z0-9]{12,})"]
-    assert "ghs_[redacted]" in header["cwd"]
-
-    # Both runs replay identical, offline (the model and the service are gone).
-    # The recorded directory is redacted, so it does not exist: deja says so and runs
-    # nothing until it is given.
-    proc = deja("replay", str(cassettes / "cli.jsonl"), env=env, cwd=work)
-    assert proc.returncode == 2 and "does not exist on this machine" in proc.stderr
-    proc = deja("replay", str(cassettes / "cli.jsonl"), "--cwd", str(work), env=env, cwd=work)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "identical" in proc.stdout
-    ctx = replayer.replay(cassettes / "api.jsonl")
-    with ctx:
-        replayed = json.loads(secret_agent.run())
-    assert ctx.result is not None and ctx.result.identical
-    assert replayed["echo"].startswith("You said: my access key is [redacted]")
-    assert replayed["result"]["ini"] == "aws_secret_access_key = [redacted]"
 
 
 # ------------------------------------------------------- rules from every entry point
