@@ -2,9 +2,10 @@
 ``deja worker``, and the clients: ``submit``, ``runs``, ``answer``, ``schedule`` and
 ``check``.
 
-``submit``, ``runs`` and ``answer`` speak to ``deja serve`` at ``DEJA_SERVER`` (with the
-bearer token ``DEJA_TOKEN``) through the standard library only, so that they start at
-once: nothing here imports the engine or the database layer on their path.
+``submit``, ``runs`` and ``answer`` speak to ``deja serve`` at ``DEJA_SERVER`` through the
+standard library only, so that they start at once: nothing here imports the engine or
+the database layer on their path. They send the server's token themselves: ``DEJA_TOKEN``,
+else, to a server on this machine, the per-install token in ``$DEJA_HOME/serve.token``.
 ``schedule`` and ``check`` use the runs database directly (``--db``, else
 ``DEJA_DATABASE_URL``, else the embedded SQLite file under ``$DEJA_HOME``).
 """
@@ -12,7 +13,6 @@ once: nothing here imports the engine or the database layer on their path.
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from collections.abc import Callable
@@ -51,6 +51,8 @@ def _api(method: str, path: str, body: Any = None) -> Any:
     import urllib.request
     from urllib.parse import urlsplit
 
+    from recorder.errors import ConfigError
+    from runs.auth import client_token
     from runs.config import server_url
     from runs.errors import ServerUnreachable
 
@@ -58,17 +60,21 @@ def _api(method: str, path: str, body: Any = None) -> Any:
     if not base.startswith(("http://", "https://")):
         raise BadInput(f"DEJA_SERVER={base!r} is not an address; give one such as "
                        "http://127.0.0.1:8977")
+    local = _loopback(urlsplit(base).hostname)
     headers = {"accept": "application/json"}
     data = None
-    if body is not None:
-        data = json.dumps(body).encode()
+    if body is not None or method == "POST":
+        data = json.dumps({} if body is None else body).encode()
         headers["content-type"] = "application/json"
-    token = os.environ.get("DEJA_TOKEN")
+    try:
+        token = client_token(local=local)
+    except ConfigError as exc:
+        _fail(exc)
     if token:
         headers["authorization"] = f"Bearer {token}"
     request = urllib.request.Request(base + path, data=data, method=method, headers=headers)
     # a server on this machine is reached directly, whatever proxy the environment names
-    handlers = [urllib.request.ProxyHandler({})] if _loopback(urlsplit(base).hostname) else []
+    handlers = [urllib.request.ProxyHandler({})] if local else []
     opener = urllib.request.build_opener(*handlers)
     try:
         with opener.open(request, timeout=REQUEST_TIMEOUT) as response:
@@ -114,7 +120,9 @@ def _ask(method: str, path: str, body: Any = None) -> Any:
 
 
 def _said(exc: ServerSaid) -> NoReturn:
-    hint = " (set DEJA_TOKEN to the server's token)" if exc.status == 401 else ""
+    hint = (" (deja sends DEJA_TOKEN, else, to a server on this machine, the token in "
+            "$DEJA_HOME/serve.token; is DEJA_HOME the server's? On the server's machine "
+            "`deja serve --print-token` prints it)") if exc.status == 401 else ""
     raise BadInput(f"{exc.type}: {exc.message}{hint}") from None
 
 
@@ -170,28 +178,41 @@ def _submission(labels: tuple[str, ...], cwd: Path | None, command: tuple[str, .
 @click.option("--port", type=click.IntRange(0, 65535), default=8977, show_default=True,
               help="Port to listen on (0: any free port; see --ready-file).")
 @click.option("--token", envvar="DEJA_TOKEN", metavar="TOKEN",
-              help="Requests must send Authorization: Bearer TOKEN (also DEJA_TOKEN). "
-                   "Required off loopback; optional on it.")
+              help="The token requests must send as Authorization: Bearer TOKEN (also "
+                   "DEJA_TOKEN). Default: this install's, $DEJA_HOME/serve.token, made on "
+                   "first use and read by deja's commands. Required off loopback.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              help="A host name clients reach this server by (repeatable), beside "
+                   "localhost, 127.0.0.1, [::1] and --host: e.g. behind a reverse proxy. "
+                   "A request naming another Host is refused (421).")
 @_db_option
 @click.option("--ready-file", type=click.Path(dir_okay=False, path_type=Path),
               help="Write {url, port, pid} as JSON here once listening (removed on exit).")
 @click.option("--quiet", is_flag=True, help="No line per request on stderr.")
-def serve(host: str, port: int, token: str | None, db: str | None, ready_file: Path | None,
-          quiet: bool) -> None:
+@click.option("--print-token", is_flag=True,
+              help="Print the token this server requires (made if there is none yet) and "
+                   "exit: for curl, or DEJA_TOKEN on another machine.")
+def serve(host: str, port: int, token: str | None, allowed_hosts: tuple[str, ...],
+          db: str | None, ready_file: Path | None, quiet: bool, print_token: bool) -> None:
     """Serve the runs API over HTTP: submit, list, read, cancel and answer runs.
 
     POST /runs, GET /runs, GET /runs/ID, POST /runs/ID/cancel, POST /runs/ID/input,
     GET /runs/ID/events (server-sent events), GET /schedules, GET /healthz. Runs are
-    executed by `deja worker` processes on the same database. Stop with SIGTERM or
-    Ctrl-C.
+    executed by `deja worker` processes on the same database. Every request but
+    /healthz sends the token (deja's commands do it themselves), a POST is
+    application/json, and no web page may call it. Stop with SIGTERM or Ctrl-C.
     """
     import logging
 
     from recorder.errors import DejaError
     from runs import api
+    from runs.auth import server_token
     from runs.config import database_url
 
     try:
+        if print_token:
+            click.echo(server_token(token))
+            return
         api.check_binding(host, token)  # before anything heavy is imported
     except DejaError as exc:
         _fail(exc)
@@ -201,7 +222,7 @@ def serve(host: str, port: int, token: str | None, db: str | None, ready_file: P
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING if quiet else logging.INFO)
     try:
-        api.serve(host, port, token, db or database_url(), ready_file)
+        api.serve(host, port, token, db or database_url(), ready_file, allowed_hosts)
     except DejaError as exc:
         _fail(exc)
 

@@ -2,7 +2,7 @@
 
 Every route speaks JSON::
 
-    POST /runs                 a submission (command, cwd, labels, guards)
+    POST /runs                 a submission (command, cwd, labels, guards, run_id)
                                -> 201 {"run_id": "r_…", "status": "queued"}
     GET  /runs/{id}            the run's progress record and lifecycle status
     GET  /runs                 ?status=working&status=queued&label=team=billing
@@ -15,24 +15,38 @@ Every route speaks JSON::
     GET  /schedules            {"schedules": [...]}
     GET  /healthz              {"ok": true, ...}; 503 when the database cannot be reached
 
+The API runs commands, so it answers deja's own commands and the scripts of the user who
+owns the install, and no web page and no other user (:mod:`runs.guard` has the rules):
+``Host`` must name this server (421 ``MisdirectedRequest``), a browser's ``Origin`` must
+be this server's own (403 ``ForeignOrigin``), every request but ``/healthz`` carries the
+token as ``Authorization: Bearer TOKEN``, on loopback too (401 ``Unauthorized``; the
+per-install token of :mod:`runs.auth` unless ``--token`` names one), and a ``POST`` is
+``Content-Type: application/json`` (415 ``UnsupportedMediaType``). No answer carries a
+CORS header, and the preflight a browser would need is answered 405.
+
 An error is a named JSON error, never a traceback:
 ``{"error": {"type": "NoSuchRun", "message": "..."}}`` with 404 (``NoSuchRun``,
-``NoSuchSchedule``, ``NotFound``), 400 (``BadRunRequest``, ``BadSchedule``, ``BadJson``),
-413 (``BodyTooLarge``: a body is at most 1 MiB), 401 (``Unauthorized``), 405
-(``MethodNotAllowed``) and 503 (``DatabaseUnavailable``).
+``NoSuchSchedule``, ``NotFound``), 400 (``BadRunRequest``, ``BadSchedule``, ``BadJson``:
+a body that is not strict JSON, nests over 32 deep, or holds a NUL or a lone surrogate),
+401, 403, 405 (``MethodNotAllowed``), 413 (``BodyTooLarge``: a body is at most 1 MiB),
+415, 421 and 503 (``DatabaseUnavailable``).
+
+Each ``status`` event has an ``id:``, the version of the record it carries. A client
+whose stream dropped reconnects with ``Last-Event-ID: ID`` (or ``?after=ID``): the stream
+goes on from the first record that differs from that one instead of repeating it, and a
+run that has ended since is answered 204 (nothing more will come; an ``EventSource``
+stops there).
 
 The database work of a request (a submission is one insert and one enqueue) runs in a
-thread, off the event loop, so a slow request never holds the others. Bound to
-loopback, the API needs no token unless one is given; bound to any other address it
-refuses to start without one, and every request but ``/healthz`` must then carry
-``Authorization: Bearer TOKEN``.
+thread, off the event loop, so a slow request never holds the others. Bound to anything
+but loopback, the server refuses to start without a token of its own (``--token``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import hashlib
 import ipaddress
 import json
 import logging
@@ -41,13 +55,14 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
 from recorder.errors import ConfigError, DejaError, NoSuchRun, UsageError
 from runs.errors import BadRunRequest, BadSchedule, DatabaseUnavailable, NoSuchSchedule
+from runs.guard import ApiError, Guard, bad_text, parse_json, require_json, safe_headers
 from runs.store import ENDED
 
 __all__ = ["MAX_BODY", "Api", "ApiError", "is_loopback", "serve"]
@@ -66,22 +81,10 @@ STATUS_OF: tuple[tuple[type[BaseException], int], ...] = (
     (DatabaseUnavailable, 503), (UsageError, 400))
 
 
-class ApiError(Exception):
-    """An error the API answers with: an HTTP status and a named JSON error."""
-
-    def __init__(self, status: int, type_: str, message: str,
-                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.type, self.message = status, type_, message
-        self.headers = headers or []
-
-    @classmethod
-    def of(cls, exc: DejaError) -> ApiError:
-        status = next((code for kind, code in STATUS_OF if isinstance(exc, kind)), 500)
-        return cls(status, type(exc).__name__, str(exc))
-
-    def body(self) -> bytes:
-        return json.dumps({"error": {"type": self.type, "message": self.message}}).encode()
+def error_of(exc: DejaError) -> ApiError:
+    """The answer to a named error of deja's."""
+    status = next((code for kind, code in STATUS_OF if isinstance(exc, kind)), 500)
+    return ApiError(status, type(exc).__name__, str(exc))
 
 
 def is_loopback(host: str) -> bool:
@@ -124,10 +127,10 @@ def _route(method: str, path: str) -> tuple[str, str | None]:
 class Api:
     """The ASGI app over ``runs`` (a :class:`runs.service.Runs`)."""
 
-    def __init__(self, runs: Any, *, token: str | None = None, max_body: int = MAX_BODY,
+    def __init__(self, runs: Any, *, guard: Guard, max_body: int = MAX_BODY,
                  poll: float = EVENTS_POLL, stopping: Callable[[], bool] | None = None) -> None:
         self.runs = runs
-        self.token = token or None
+        self.guard = guard
         self.max_body = max_body
         self.poll = poll
         self.stopping = stopping or (lambda: False)
@@ -152,12 +155,12 @@ class Api:
         except ApiError as err:
             await self._error(sending, err, bool(state["started"]))
         except DejaError as exc:
-            await self._error(sending, ApiError.of(exc), bool(state["started"]))
+            await self._error(sending, error_of(exc), bool(state["started"]))
         except Exception as exc:  # never a traceback to the client
             if _unreachable(exc):  # the engine's client lets its driver's errors through
                 from runs.store import unavailable
 
-                failure = ApiError.of(unavailable(self.runs.store.url, exc))
+                failure = error_of(unavailable(self.runs.store.url, exc))
             else:
                 log.exception("%s %s: unexpected error", method, path)
                 failure = ApiError(500, "InternalError", f"deja serve: internal error "
@@ -185,13 +188,19 @@ class Api:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in scope["headers"]}
+        headers: dict[str, str] = {}
+        for key, value in scope["headers"]:  # a header sent twice: both values, joined
+            key_text = key.decode("latin-1").lower()
+            text = value.decode("latin-1")
+            headers[key_text] = f"{headers[key_text]}, {text}" if key_text in headers else text
+        host = self.guard.host(headers)
+        self.guard.origin(headers, host)
         name, run = _route(method, path)
         if name != "healthz":
-            self._authorize(headers)
-        query = parse_qsl((scope.get("query_string") or b"").decode("latin-1"),
-                          keep_blank_values=True)
+            self.guard.authorize(headers)
+        if method == "POST":
+            require_json(headers)
+        query = _query(scope.get("query_string") or b"")
         if name == "submit":
             payload = await self._json_body(receive, headers)
             result = await asyncio.to_thread(self.runs.submit, payload)
@@ -213,23 +222,13 @@ class Api:
             answered = await asyncio.to_thread(self.runs.answer, run, body["answer"])
             await _json(send, 200, _dump(answered))
         elif name == "events":
-            await self._events(run or "", receive, send)
+            cursor = headers.get("last-event-id") or dict(query).get("after") or None
+            await self._events(run or "", receive, send, cursor)
         elif name == "schedules":
             found = await asyncio.to_thread(self.runs.schedules)
             await _json(send, 200, _dump({"schedules": found}))
         else:
             await self._health(send)
-
-    def _authorize(self, headers: dict[str, str]) -> None:
-        if self.token is None:
-            return
-        scheme, _, given = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-                given.strip().encode(), self.token.encode()):
-            raise ApiError(401, "Unauthorized",
-                           "this server needs its token: send Authorization: Bearer TOKEN "
-                           "(the deja commands send DEJA_TOKEN)",
-                           [(b"www-authenticate", b'Bearer realm="deja"')])
 
     async def _json_body(self, receive: Receive, headers: dict[str, str],
                          optional: bool = False) -> Any:
@@ -254,12 +253,7 @@ class Api:
         data = b"".join(chunks)
         if optional and not data.strip():
             return None
-        try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, "BadJson", f"the request body is not JSON ({exc}); send a "
-                           "JSON object, e.g. {\"command\": [\"python\", \"agent.py\"]}") \
-                from None
+        return parse_json(data)
 
     async def _health(self, send: Send) -> None:
         from runs.config import is_sqlite
@@ -269,17 +263,24 @@ class Api:
         await _json(send, 200, _dump({"ok": True, "database": "sqlite" if is_sqlite(
             store.url) else "postgres"}))
 
-    async def _events(self, run: str, receive: Receive, send: Send) -> None:
+    async def _events(self, run: str, receive: Receive, send: Send,
+                      cursor: str | None = None) -> None:
         record = await asyncio.to_thread(self.runs.get, run)  # a NoSuchRun is a 404 here
+        seen = cursor is not None and version(json.dumps(record, sort_keys=True)) == cursor
+        if seen and record["status"] in ENDED:  # the client has the last word already
+            await send({"type": "http.response.start", "status": 204,
+                         "headers": safe_headers()})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
         await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-            (b"x-accel-buffering", b"no")]})
+            (b"content-type", b"text/event-stream"), (b"x-accel-buffering", b"no"),
+            *safe_headers()]})
         async def disconnected() -> None:
             while (await receive())["type"] != "http.disconnect":
                 pass  # the request's (empty) body
 
         gone = asyncio.ensure_future(disconnected())
-        last = ""
+        last = json.dumps(record, sort_keys=True) if seen else ""
         quiet_since = time.monotonic()
         try:
             while not gone.done():
@@ -287,7 +288,7 @@ class Api:
                 if text != last:
                     last = text
                     quiet_since = time.monotonic()
-                    await _event(send, "status", text)
+                    await _event(send, "status", text, version(text))
                     if record["status"] in ENDED:
                         break
                 elif time.monotonic() - quiet_since >= KEEPALIVE:
@@ -305,7 +306,7 @@ class Api:
                 try:
                     record = await asyncio.to_thread(self.runs.get, run)
                 except DejaError as exc:
-                    err = ApiError.of(exc)
+                    err = error_of(exc)
                     await _event(send, "error", json.dumps(json.loads(err.body())["error"]))
                     break
             if not gone.done():
@@ -324,6 +325,25 @@ def _unreachable(exc: BaseException) -> bool:
         return True
     psycopg = sys.modules.get("psycopg")
     return psycopg is not None and isinstance(exc, psycopg.OperationalError)
+
+
+def version(text: str) -> str:
+    """The event id of a record: the same record, the same id."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _query(raw: bytes) -> list[tuple[str, str]]:
+    """The query's parameters, strict UTF-8, with no NUL and no lone surrogate."""
+    try:
+        pairs = parse_qsl(raw.decode("ascii"), keep_blank_values=True, encoding="utf-8",
+                          errors="strict")
+    except UnicodeError:
+        raise BadRunRequest("the query string is not UTF-8") from None
+    for key, value in pairs:
+        why = bad_text(key + value)
+        if why is not None:
+            raise BadRunRequest(f"the query parameter {key!r} holds {why}")
+    return pairs
 
 
 def _filters(query: list[tuple[str, str]]) -> dict[str, Any]:
@@ -356,12 +376,13 @@ async def _json(send: Send, status: int, body: bytes,
                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        *(headers or [])]})
+        *safe_headers(), *(headers or [])]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def _event(send: Send, name: str, data: str) -> None:
-    await send({"type": "http.response.body", "body": f"event: {name}\ndata: {data}\n\n"
+async def _event(send: Send, name: str, data: str, event_id: str | None = None) -> None:
+    head = f"id: {event_id}\n" if event_id else ""
+    await send({"type": "http.response.body", "body": f"{head}event: {name}\ndata: {data}\n\n"
                 .encode(), "more_body": True})
 
 
@@ -401,16 +422,19 @@ def _sqlite_folder(url: str) -> None:
 
 
 def serve(host: str, port: int, token: str | None, url: str,
-          ready_file: Path | None = None) -> None:
-    """Serve the API until SIGTERM or SIGINT."""
+          ready_file: Path | None = None, allowed_hosts: Iterable[str] = ()) -> None:
+    """Serve the API until SIGTERM or SIGINT, to requests that carry ``token`` (default:
+    this install's, made on first use) and name ``host`` or ``allowed_hosts``."""
     import uvicorn
     import uvloop
 
     from runs import engine
+    from runs.auth import server_token
     from runs.service import Runs
     from runs.store import Store
 
     check_binding(host, token)
+    guard = Guard.of(server_token(token), host, allowed_hosts)
     _sqlite_folder(url)
     sock = _bind(host, port)
     try:
@@ -420,9 +444,11 @@ def serve(host: str, port: int, token: str | None, url: str,
         sock.close()
         raise
     server: uvicorn.Server | None = None
-    app = Api(Runs(store, client), token=token,
+    app = Api(Runs(store, client), guard=guard,
               stopping=lambda: server is not None and server.should_exit)
-    config = uvicorn.Config(app, lifespan="on", http="httptools", loop="uvloop",
+    from recorder.serving import guarded_httptools  # slow clients: a header timeout
+
+    config = uvicorn.Config(app, lifespan="on", http=guarded_httptools(), loop="uvloop",
                             log_level="warning", access_log=False, server_header=False,
                             date_header=False, backlog=2048, timeout_keep_alive=30,
                             timeout_graceful_shutdown=3)

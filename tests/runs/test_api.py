@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from runs.auth import read_token
+
 ASK_AGENT = '''\
 import pathlib, time
 import recorder
@@ -148,13 +150,23 @@ def wait_for(done: Callable[[], Any], timeout: float, say: Callable[[], str] = s
     raise AssertionError(f"not done within {timeout}s\n{say()}")
 
 
+OWN = "the install's token"
+
+
 def api(method: str, url: str, body: Any = None, *, raw: bytes | None = None,
-        token: str | None = None) -> tuple[int, Any]:
-    """One request to the API; its status and JSON body."""
+        token: str | None = OWN, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    """One request to the API, as deja's own clients send it (this install's token, a
+    JSON body) unless told otherwise; its status and JSON body."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     request = urllib.request.Request(url, data=data, method=method)
+    if token == OWN:
+        token = read_token()
     if token is not None:
         request.add_header("authorization", f"Bearer {token}")
+    if method == "POST":
+        request.add_header("content-type", "application/json")
+    for key, value in (headers or {}).items():
+        request.add_header(key, value)
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(request, timeout=30) as response:
@@ -170,7 +182,8 @@ def follow(url: str, run: str, events: list[tuple[str, dict[str, Any]]]) -> thre
 
     def read() -> None:
         conn = http.client.HTTPConnection(host, int(port), timeout=60)
-        conn.request("GET", f"/runs/{run}/events")
+        conn.request("GET", f"/runs/{run}/events",
+                     headers={"authorization": f"Bearer {read_token()}"})
         response = conn.getresponse()
         assert response.status == 200
         assert response.getheader("content-type") == "text/event-stream"
@@ -271,8 +284,8 @@ def test_a_submitted_run_waits_for_an_answer_and_completes_with_its_artefact(
     assert listed("--label", "team=other") == []
     table = deja("runs")
     assert table.returncode == 0 and run in table.stdout and "completed" in table.stdout
-    as_json = json.loads(deja("status", run, "--json", env={
-        "DEJA_HOME": str(deja.tmp / "elsewhere")}).stdout)  # not known here: asked
+    as_json = json.loads(deja("status", run, "--json", env={  # not known here: asked
+        "DEJA_HOME": str(deja.tmp / "elsewhere"), "DEJA_TOKEN": str(read_token())}).stdout)
     assert as_json["status"] == "completed" and as_json["run_id"] == run
 
 
@@ -289,7 +302,8 @@ def test_cancel_a_queued_run_it_never_starts_and_a_working_one_it_stops(deja: De
     record, _ = watch(server.url, looping, lambda r: r["status"] == "working" and
                       Path(r["cassette"]).is_file())
     time.sleep(0.5)  # a few of its ticks recorded
-    elsewhere = {"DEJA_HOME": str(deja.tmp / "elsewhere")}  # another machine: asks deja serve
+    elsewhere = {"DEJA_HOME": str(deja.tmp / "elsewhere"),  # another machine: asks deja serve
+                 "DEJA_TOKEN": str(read_token())}
     stopping = deja("cancel", looping, env=elsewhere)
     assert stopping.returncode == 0, stopping.stderr
     assert "cancel requested" in stopping.stdout and "it was working" in stopping.stdout
@@ -336,6 +350,8 @@ def test_bad_input_is_a_named_error(deja: Deja) -> None:
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     conn.putrequest("POST", "/runs")  # 2 MiB announced: refused before it is sent
     conn.putheader("content-length", str(2 * 1024 * 1024))
+    conn.putheader("content-type", "application/json")
+    conn.putheader("authorization", f"Bearer {read_token()}")
     conn.endheaders()
     response = conn.getresponse()
     body = json.loads(response.read())
@@ -382,17 +398,18 @@ def test_a_token_is_required_off_loopback_and_checked_when_given(deja: Deja) -> 
     refused = deja("serve", "--host", "0.0.0.0", "--port", "0")
     assert refused.returncode == 2 and "not loopback" in refused.stderr
     assert "--token" in refused.stderr and "Traceback" not in refused.stderr
-    server = deja.serve("--token", "s3cret-token")
-    status, body = api("GET", f"{server.url}/runs")
+    token = "s3cret-token-of-this-test"
+    server = deja.serve("--token", token)
+    status, body = api("GET", f"{server.url}/runs", token=None)
     assert status == 401 and body["error"]["type"] == "Unauthorized"
     assert api("GET", f"{server.url}/runs", token="wrong")[0] == 401
-    assert api("POST", f"{server.url}/runs", {"command": ["true"]})[0] == 401
-    assert api("GET", f"{server.url}/runs", token="s3cret-token") == (200, {"runs": []})
+    assert api("POST", f"{server.url}/runs", {"command": ["true"]}, token=None)[0] == 401
+    assert api("GET", f"{server.url}/runs", token=token) == (200, {"runs": []})
     assert api("GET", f"{server.url}/healthz")[0] == 200
     denied = deja("runs")
     assert denied.returncode == 2 and "Unauthorized" in denied.stderr
     assert "DEJA_TOKEN" in denied.stderr
-    allowed = deja("runs", "--json", env={"DEJA_TOKEN": "s3cret-token"})
+    allowed = deja("runs", "--json", env={"DEJA_TOKEN": token})
     assert allowed.returncode == 0 and json.loads(allowed.stdout) == {"runs": []}
 
 
