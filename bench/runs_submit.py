@@ -69,14 +69,15 @@ def _server(env: dict[str, str], work: Path) -> Iterator[str]:
             proc.kill()
 
 
-def _post_times(url: str, n: int) -> list[float]:
+def _post_times(url: str, n: int, token: str) -> list[float]:
     host, _, port = url.split("//", 1)[1].rstrip("/").partition(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     body = json.dumps(BODY).encode()
     times = []
     for i in range(n + 5):
         t0 = time.perf_counter()
-        conn.request("POST", "/runs", body=body, headers={"content-type": "application/json"})
+        conn.request("POST", "/runs", body=body, headers={
+            "content-type": "application/json", "authorization": f"Bearer {token}"})
         response = conn.getresponse()
         data = json.loads(response.read())
         elapsed = time.perf_counter() - t0
@@ -132,7 +133,8 @@ def _backend(name: str, url: str | None, n: int, cli_n: int) -> dict[str, Any]:
         else:
             env.pop("DEJA_DATABASE_URL", None)
         with _server(env, work) as server:
-            out: dict[str, Any] = {"post": _stats(_post_times(server, n)),
+            token = (work / "home" / "serve.token").read_text().strip()  # made by the server
+            out: dict[str, Any] = {"post": _stats(_post_times(server, n, token)),
                                    "engine": _stats(_engine_floor(env, n))}
             if cli_n:
                 out["cli"] = _cli_times(env, server, cli_n, work)
