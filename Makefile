@@ -52,10 +52,12 @@ check: $(STAMP)
 test: $(STAMP) chromium node postgres check
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
+# Long sweeps; the last writes the chaos table, docs/chaos.md (as root: full disks are tmpfs).
 stress: $(STAMP) node postgres
 	DEJA_CRASH_SEEDS=200 $(BIN)/python -m pytest tests/replayer/test_crash_resume.py
 	DEJA_WORKER_SEEDS=100 $(BIN)/python -m pytest tests/runs/test_worker_death.py
 	DEJA_TAMPER=full $(BIN)/python -m pytest tests/replayer/test_tamper.py
+	DEJA_CHAOS=full $(BIN)/python -m pytest tests/runs/test_chaos.py
 
 # The benchmark's extra anchors (agent-rewind), installed once beside the test extras.
 $(BENCH_STAMP): $(STAMP) pyproject.toml
