@@ -42,10 +42,11 @@ def _status_from_cassette(c: Any) -> dict[str, Any]:
     machine's run, or another DEJA_HOME): its end line, or who is still writing it."""
     from recorder.cassette import lock
     from recorder.cassette.rows import run_summary
+    from recorder.cassette.schema import run_status
 
     summary = run_summary(c)
     holder = lock.holder_of(c.path)
-    status = c.end["status"] if c.end else ("running" if holder else "crashed")
+    status = run_status(c.end, None if c.end else ("running" if holder else "crashed"))
     record = {"run_id": c.run, "status": status, "source": "cassette",
               "artefacts": [str(c.path)], "steps": summary.get("steps"),
               "tokens": (summary.get("input_tokens") or 0) + (summary.get("output_tokens") or 0),
@@ -97,7 +98,8 @@ def status(run: str, as_json: bool, wait: bool, timeout: float | None,
                            "$DEJA_HOME/runs; is DEJA_HOME the same as the recording's? Give "
                            f"the cassette instead: deja status CASSETTE){why}")
     assert record is not None
-    gone = _process_gone(record)
+    closed = record.get("source") != "cassette" and _end_line_first(record)
+    gone = not closed and _process_gone(record)
     if gone:  # the record is stale: say what happened, keep what it last said
         record.update(status="crashed", last_recorded_status=record["status"],
                       process_alive=False)
@@ -134,6 +136,30 @@ def status(run: str, as_json: bool, wait: bool, timeout: float | None,
     elif record.get("status") == "running":
         lines.append(f"  cancel:   {record.get('cancel')}")
     click.echo("\n".join(lines))
+
+
+def _end_line_first(record: dict[str, Any]) -> bool:
+    """A run's status from its cassette's end line first, then its record
+    (:func:`recorder.cassette.schema.run_status`): the record is the program's own
+    account, written before ``deja record`` learns its exit status (a program that exits
+    1 after its last step ended ``error``, shown ``failed``), and a run resumed since
+    has a newer end line. True when the end line decided."""
+    from recorder.cassette.schema import run_status
+    from recorder.harness.progress import cassette_end
+
+    cassette = next(iter(record.get("artefacts") or []), None)
+    if not isinstance(cassette, str):
+        return False
+    state, end = cassette_end(cassette)
+    if state != "ended" or end is None or (record.get("status") == "running" and
+                                           not _process_gone(record)):
+        return False  # not closed, or a resume is writing it again right now
+    status = run_status(end)
+    if status != record.get("status"):
+        record["last_recorded_status"] = record.get("status")
+        record.update(status=status, step=f"ended: {status}")
+    record["ended"] = True
+    return True
 
 
 def _left_behind(record: dict[str, Any]) -> bool:

@@ -19,8 +19,14 @@ from typing import Any
 
 from recorder.cassette import lock
 from recorder.cassette.rows import step_count, step_name, step_status
+from recorder.cassette.schema import run_status
 from recorder.errors import NoSuchRun, UsageError
-from recorder.harness.progress import cancel_requested, read_status, request_cancel
+from recorder.harness.progress import (
+    cancel_requested,
+    cassette_end,
+    read_status,
+    request_cancel,
+)
 from replayer.diff import FieldChange, RunDiff, aligned, compare, render
 from viewer.index import RunIndex
 from viewer.step import (
@@ -40,10 +46,12 @@ from viewer.step import (
 __all__ = [
     "RUN_COLUMNS",
     "TIMELINE_COLUMNS",
+    "UNFINISHED",
     "DiffView",
     "LaunchedFork",
     "StepDetail",
     "cancel",
+    "current_status",
     "diff",
     "document_text",
     "editable",
@@ -146,6 +154,25 @@ def writer_state(path: str | Path, run: str | None) -> str | None:
         return None
     alive = _alive(record)
     return "running" if alive else "crashed" if alive is False else None
+
+
+UNFINISHED = ("running", "crashed", "incomplete", "torn")
+
+
+def current_status(header: dict[str, Any]) -> str:
+    """A run's status now (:func:`recorder.cassette.schema.run_status`): the end line of
+    its file first, read from the file's tail, so that a run that ended since the index
+    was refreshed (cancelled, say) is not shown as running; then who writes it. A file
+    that cannot be read stays ``error``."""
+    status = str(header.get("status"))
+    if status == "error":
+        return status
+    _, end = cassette_end(header["path"])
+    if end is not None:
+        return run_status(end)
+    if status in UNFINISHED:
+        return writer_state(header["path"], header.get("run")) or status
+    return status
 
 
 _RUN_SELECT = """
