@@ -177,7 +177,8 @@ def run_page(index: RunIndex, run: str) -> None:
 
 
 def live_state(header: dict[str, Any]) -> dict[str, Any]:
-    unfinished = header["status"] in ("running", "crashed", "incomplete", "torn")
+    header["status"] = queries.current_status(header)  # the end line first, not the index
+    unfinished = header["status"] in queries.UNFINISHED
     status = queries.live(header["run"]) if unfinished and header["run"] else None
     forks = [f for f in st.session_state.get("forks", [])
              if str(f.parent) == header["path"] and f.process.poll() is None]
