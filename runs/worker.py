@@ -52,6 +52,7 @@ import sqlalchemy as sa
 from recorder.ask import ANSWER_ENV, EXIT_INPUT_REQUIRED, WORKER_ENV
 from recorder.cassette.lock import describe, holder_of
 from recorder.cassette.schema import run_status
+from recorder.errors import ConfigError
 from recorder.harness.child import preexec
 from recorder.harness.progress import cassette_end, read_status, request_cancel, valid_run_id
 from runs import schedules
@@ -67,10 +68,31 @@ DEAD_AFTER = 10.0  # a worker whose last beat is older than this is dead
 WATCH = 0.5  # seconds between looks at a running child
 SHARE_MARKER = ".deja-share"
 RETRY_DELAYS = (1.0, 4.0, 16.0)  # an agent that dies is resumed after each; then it fails
+RETRIES_ENV = "DEJA_AGENT_RETRIES"  # another list of delays, in seconds: "1,4,16"; "none"
 PROBE_BYTES = 256 * 1024  # written to a cassette directory to tell whether it takes lines
 RECONCILE_EVERY = 5.0  # seconds between reconciliations of the database and the engine
 RECONCILE_ROWS = 1000  # rows looked at per reconciliation
 SUBMIT_GRACE = 30.0  # a submission older than this that the engine does not hold failed
+
+
+def retry_delays() -> tuple[float, ...]:
+    """The delays before each resume of an agent that died (``DEJA_AGENT_RETRIES``)."""
+    given = os.environ.get(RETRIES_ENV)
+    if given is None or not given.strip():
+        return RETRY_DELAYS
+    if given.strip().lower() == "none":
+        return ()
+    try:
+        delays = tuple(float(part) for part in given.split(","))
+    except ValueError:
+        delays = (-1.0,)
+    if any(not 0 <= d <= 3600 for d in delays):
+        raise ConfigError(f"{RETRIES_HINT} {given!r}: give seconds between 0 and 3600 "
+                          "separated by commas (the default is 1,4,16), or none")
+    return delays
+
+
+RETRIES_HINT = f"{RETRIES_ENV}="
 
 
 def default_worker_id() -> str:
@@ -227,6 +249,7 @@ class AgentStep:
         self.stopping = threading.Event()
         self.children: set[subprocess.Popen[bytes]] = set()
         self._lock = threading.Lock()
+        self.delays = retry_delays()
 
     def __call__(self, spec: dict[str, Any], answer: str | None,
                  workflow: str) -> dict[str, Any]:
@@ -270,7 +293,8 @@ class AgentStep:
 
     def _run(self, spec: dict[str, Any], answer: str | None, workflow: str) -> dict[str, Any]:
         """Run the agent until its run ends; an agent that dies without closing its run is
-        started again (``deja resume``) after each of :data:`RETRY_DELAYS`, then fails."""
+        started again (``deja resume``) after each of the delays (:func:`retry_delays`),
+        then the run fails."""
         run_id, cassette = spec["run_id"], Path(spec["cassette"])
         deaths: list[str] = []
         while True:
@@ -306,18 +330,18 @@ class AgentStep:
             with contextlib.suppress(Exception):
                 if self.cancelled(workflow):
                     return {"status": "cancelled"}
-            if len(deaths) > len(RETRY_DELAYS):
+            if len(deaths) > len(self.delays):
                 return {"status": "failed",
                         "error": f"the agent died {len(deaths)} times without closing its run "
-                                 f"({'; '.join(deaths)}); {len(RETRY_DELAYS)} retries are "
+                                 f"({'; '.join(deaths)}); {len(self.delays)} retries are "
                                  f"spent. It can be resumed by hand: deja resume {cassette}"}
-            delay = RETRY_DELAYS[len(deaths) - 1]
+            delay = self.delays[len(deaths) - 1]
             log.warning("run %s: %s before its run ended; resumed in %g s (retry %d of %d)",
-                        run_id, deaths[-1], delay, len(deaths), len(RETRY_DELAYS))
+                        run_id, deaths[-1], delay, len(deaths), len(self.delays))
             with contextlib.suppress(DatabaseUnavailable):
                 self.store.update_run(run_id, wait=False,
                                       error=f"{deaths[-1]}; retry {len(deaths)} of "
-                                            f"{len(RETRY_DELAYS)} in {delay:g} s")
+                                            f"{len(self.delays)} in {delay:g} s")
             if self.stopping.wait(delay):
                 raise WorkerStopping
 
