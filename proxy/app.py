@@ -559,8 +559,8 @@ class Proxy:
             if declared is not None and declared > self.max_response:
                 error = too_large(self.max_response, where=passing.where)
             else:
-                if passing.stream:
-                    await started(declared)
+                if passing.stream:  # a compressed one may be cut short of its length
+                    await started(declared if passing.inflation is None else None)
                 async for chunk in response.content.iter_any():
                     out = await passing.take(chunk)
                     if gone.done():

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import pytest
 from proxy_helpers import ProxyProcess, cassettes
 
@@ -264,7 +265,7 @@ def read_stream(response: http.client.HTTPResponse, most: int, seconds: float) -
 
 def test_an_endless_stream_is_cut_at_the_limit_with_an_error_event(
         proxy: Proxy, upstream: Upstream, tmp_path: Path) -> None:
-    limit = 2 * MIB
+    limit = MIB
     p = proxy("--upstream", upstream.url, "--dir", str(tmp_path / "c"), "--max-response",
               str(limit))
     with post(p.url, "endless") as r:
@@ -277,10 +278,19 @@ def test_an_endless_stream_is_cut_at_the_limit_with_an_error_event(
     event = json.loads(tail.removeprefix(b"data: ").strip())
     assert event["type"] == "error" and "ResponseTooLarge" in event["error"]["message"]
     assert f"cut after {len(passed)} bytes" in event["error"]["message"]
+    # the SDK raises it as an API error, with deja's message
+    client = anthropic.Anthropic(base_url=p.url, api_key="sk-test", max_retries=0,
+                                 default_headers={"x-case": "endless"})
+    with pytest.raises(anthropic.APIStatusError, match="ResponseTooLarge"), \
+            client.messages.stream(model="claude-sonnet-4-6", max_tokens=10,
+                                   messages=[{"role": "user", "content": "hi"}]) as stream:
+        for _ in stream:
+            pass
+    client.close()
 
     code, log = p.stop()
     assert code == 0 and "Traceback" not in log, log
-    [path] = cassettes(tmp_path / "c")
+    [path] = [c for c in cassettes(tmp_path / "c") if "case endless" in c.read_text()]
     longest = max(len(line) for line in path.read_bytes().splitlines())
     assert longest < limit * 1.25, longest  # the body passed on, escaped as JSON
     [step] = [o for o in load(path).observations if o["kind"] == "model"]
