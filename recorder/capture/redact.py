@@ -168,7 +168,6 @@ def _builtin_source(query: frozenset[str], rules: int = RULES) -> str:
             # Basic credentials: base64 of user:password, a whole number of quads, mixed
             rf"B(?P<k1>asic[ \t]+){_BASIC}",
             rf"b(?P<k2>asic[ \t]+){_BASIC}",
-            _named_values(),
         ]
     return "|".join(branches)
 
@@ -181,103 +180,111 @@ _BASIC = (rf"(?=[A-Za-z0-9+/]*(?:[0-9+/]|[a-z][A-Z])|(?:{_B64}{{4}})+{_B64}{{0,3
 
 # Values named like secrets (rules 2): ``"password": "..."``, ``'client_secret': '...'``,
 # ``SecretAccessKey=...``, ``api-key: ...``, ``DB_PASSWORD=...``, in JSON, escaped JSON,
-# Python reprs, env files, headers written as text and prose. A name is matched as the last
-# word (or two) of an identifier in any case style; these words may end any identifier
-# (``PGPASSWORD``, ``clientsecret``, ``SecretAccessKey``) ...
+# Python reprs, env files, headers written as text and prose. A second, small pass: its
+# regex finds a ``:`` or ``=`` right after one of these words (and an optional closing
+# quote or space) and the value after it; :func:`_named_replacement` then reads the whole
+# name and decides. Being a pass of its own, a candidate it leaves alone never hides a
+# secret shape from the first pass.
+_NAME_WORDS = ("password", "passwd", "passphrase", "secret", "pwd", "credential",
+               "credentials", "token", "auth", "authorization", "cookie", "key")
+# Words that end any name (``PGPASSWORD``, ``clientsecret``, ``SecretAccessKey``) ...
 _ANY_ENDING = ("password", "passwd", "passphrase", "secret")
+# ... words that only count as a whole word: ``access_token``, ``sessionToken``, ``x-auth``
+# (not ``mytoken``); ``key`` after one of these qualifiers (``api_key``, ``AccessKey``).
+_WHOLE_WORDS = ("pwd", "credential", "credentials", "token", "auth", "authorization",
+                "cookie")
 _KEY_QUALIFIERS_2 = ("api", "access", "secret", "private", "signing", "client", "encryption",
                      "master", "account", "license", "auth", "subscription", "session")
-# ... these only a whole word (after a non-alphanumeric or as a camel-case word):
-# ``access_token``, ``sessionToken``, ``x-auth``, but not ``max_tokens``, ``tokenizer``.
-_WORD_ENDING = ("pwd", "credential", "credentials", "token", "auth", "authorization",
-                "cookie")
 # A token named by one of these is no secret: a page cursor, a tokenizer's special token.
-_NOT_SECRET_TOKENS = ("page", "next", "prev", "previous", "continuation", "pagination",
-                      "sync", "cursor", "resume", "eos", "bos", "pad", "unk", "sep", "cls",
-                      "mask", "max", "min", "num", "total", "start", "end", "stop",
-                      "special", "input", "output", "cache", "cancellation", "reasoning")
-# What a value may be. Quoted: anything up to its closing quote (JSON escapes kept whole).
-# Unquoted (``name=value``, ``name: value``): a run that holds a digit or is 16 characters
-# long, so that code (``password: str``, ``token = get_token()``) and prose are left alone.
-_BARE = r"[^\s\"'<>\\&,;()\[\]{}]"
-_QUOTED = {'"': r"(?!\[redacted\])(?:[^\"\\\n]|\\[^\"\n])+",
-           "'": r"(?!\[redacted\])(?:[^'\\\n]|\\[^'\n])+"}
-_QUOTED_TOKEN = r"(?!\[redacted\])[^\"'\s\\]{8,}(?=\\?[\"'])"
-_BARE_ANY = rf"(?!\[redacted\])(?=(?:{_BARE})*[0-9]|(?:{_BARE}){{16}}){_BARE}+"
-_BARE_TOKEN = rf"(?!\[redacted\])(?=(?:{_BARE})*[0-9]|(?:{_BARE}){{16}}){_BARE}{{8,}}"
-_SCHEMES = r"(?i:basic|bearer|token|digest|bot)[ \t]"
-_SCHEME = rf"(?:{_SCHEMES}+)?"
-_SPACES = r"[ \t]*"
+_NOT_SECRET_TOKENS = frozenset({
+    "page", "next", "prev", "previous", "continuation", "pagination", "sync", "cursor",
+    "resume", "eos", "bos", "pad", "unk", "sep", "cls", "mask", "max", "min", "num", "total",
+    "start", "end", "stop", "special", "input", "output", "cache", "cancellation",
+    "reasoning"})
+_SCHEMES = r"(?i:basic|bearer|token|digest|bot)[ \t]+"
+_NAME_SPLIT = re.compile(r"[A-Z]+(?=[A-Z][a-z])|[A-Z]?[a-z]+|[A-Z]+|[0-9]+")
 
 
-def _name_forms(word: str, whole: bool) -> list[str]:
-    """Fixed-width regex fragments matching ``word`` (any case) as a name's ending."""
-    if not whole:
-        return [f"(?i:{word})"]
-    first, rest = word[0], word[1:]
-    guard = ""
-    if word in ("token", "auth"):
-        by_length: dict[int, list[str]] = {}
-        for q in _NOT_SECRET_TOKENS:
-            by_length.setdefault(len(q), []).append(q)
-        guard = "".join(rf"(?<!(?i:{'|'.join(g)}))(?<!(?i:{'|'.join(g)})[_-])"
-                        for g in by_length.values())
-    if word in ("token", "auth"):  # alone (a short value is not one) or qualified
-        return [rf"(?<![A-Za-z0-9_-])[{first}{first.upper()}](?i:{rest})",
-                rf"{guard}(?:(?<=[A-Za-z0-9][_-])[{first}{first.upper()}]|(?<=[a-z0-9])"
-                rf"{first.upper()})(?i:{rest})"]
-    return [rf"(?:(?<![A-Za-z0-9])[{first}{first.upper()}]|(?<=[a-z0-9]){first.upper()})"
-            f"(?i:{rest})"]
-
-
-def _lookbehinds(names: list[tuple[str, int]], suffixes: tuple[tuple[str, int], ...]) -> str:
-    """One lookbehind per width: a name, one of ``suffixes``, then the separator."""
+def _named_source() -> str:
+    """The candidates of the second pass (groups: ``q`` the kept space and opening quote,
+    ``v`` a quoted value; ``b`` the kept space and auth scheme, ``w`` a bare value)."""
     by_width: dict[int, list[str]] = {}
-    for fragment, width in names:
-        for suffix, extra in suffixes:
-            by_width.setdefault(width + extra, []).append(fragment + suffix)
-    return "|".join(rf"(?<=(?:{'|'.join(group)})[:=])" for _, group in sorted(by_width.items()))
+    for word in _NAME_WORDS:
+        for suffix, extra in (('"', 1), ("'", 1), (r"\\\"", 2), ("", 0), (" ", 1)):
+            by_width.setdefault(len(word) + extra, []).append(f"(?i:{word}){suffix}")
+    names = "|".join(rf"(?<=(?:{'|'.join(g)})[:=])" for _, g in sorted(by_width.items()))
+    ending = "dDeEtTyYsSlLnNhH"  # the words' last letters: most separators stop here
+    quick = (rf"(?:(?<=[{ending}][:=])|(?<=[{ending}][\"' ][:=])"
+             rf"|(?<=[{ending}]\\\"[:=]))")
+    # possessive: a value is read once, in runs, and never given back
+    quoted = r"(?!\[redacted\])(?:[^\"\\\n]++|\\[^\"\n])++"
+    single = r"(?!\[redacted\])(?:[^'\\\n]++|\\[^'\n])++"
+    bare = r"(?!\[redacted\])[^\s\"'<>\\&,;()\[\]{}]++"
+    return (rf"[:=]{quick}(?:{names})(?:(?P<q>[ \t]*\\?\")(?P<v>{quoted})"
+            rf"|(?P<q1>[ \t]*\\?')(?P<v1>{single})"
+            rf"|(?P<b>[ \t]*(?:{_SCHEMES})?)(?!{_SCHEMES})(?P<w>{bare}))")
 
 
-def _named_values() -> str:
-    """The branch of values named like secrets, anchored on the ``:`` or ``=`` after the
-    name (``k<n>`` groups keep the separator's spaces, the quote or the auth scheme)."""
-    def forms(words: tuple[str, ...], whole: bool) -> list[tuple[str, int]]:
-        return [(f, len(w)) for w in words for f in _name_forms(w, whole)]
+def _secret_name(name: str) -> str | None:
+    """What a value named ``name`` must look like to be redacted: ``any`` value, a value
+    that looks like a ``token`` (a bare ``token`` or ``auth``: 8 characters or more), an
+    ``auth`` header's; None when the name is not a secret's."""
+    lowered = name.lower()
+    if lowered.endswith(_ANY_ENDING):
+        return "any"
+    words = [w.lower() for w in _NAME_SPLIT.findall(name)]
+    if not words:
+        return None
+    last = words[-1]
+    if last.endswith("key") and (last[:-3] in _KEY_QUALIFIERS_2 or (
+            last == "key" and len(words) > 1 and words[-2] in _KEY_QUALIFIERS_2)):
+        return "any"
+    if last not in _WHOLE_WORDS:
+        return None
+    if last in ("token", "auth"):
+        if len(words) == 1:
+            return "token"
+        return None if words[-2] in _NOT_SECRET_TOKENS else "any"
+    return "auth" if last == "authorization" else last if last == "cookie" else "any"
 
-    keys = tuple(f"{q}{sep}key" for q in _KEY_QUALIFIERS_2 for sep in ("", "_", "-"))
-    alone = [(f, n) for f, n in forms(("token", "auth"), True) if f.startswith("(?<![")]
-    any_value = forms(_ANY_ENDING + keys, False) + forms(
-        ("pwd", "credential", "credentials"), True) + [
-        (f, n) for f, n in forms(("token", "auth"), True) if (f, n) not in alone]
-    token = alone
-    auth = forms(("authorization",), True)
-    cookie = forms(("cookie",), True)
-    quoted = (('"', 1), (r'\\"', 2), ("'", 1))  # the name's closing quote
-    bare = (("", 0), (" ", 1))
-    groups = iter(range(3, 100))
 
-    def keep(pattern: str) -> str:
-        return f"(?P<k{next(groups)}>{pattern})"
-
-    def quoted_value(q: str, value: str | None = None) -> str:
-        return keep(rf"[ \t]*\\?{q}") + (value or _QUOTED[q])
-
-    def either(value_token: bool) -> str:
-        if value_token:
-            return "|".join(quoted_value(q, _QUOTED_TOKEN) for q in ('"', "'"))
-        return "|".join(quoted_value(q) for q in ('"', "'"))
-
-    branches = [
-        rf"(?:{_lookbehinds(any_value + auth + cookie, quoted)})(?:{either(False)})",
-        rf"(?:{_lookbehinds(token, quoted)})(?:{either(True)})",
-        rf"(?:{_lookbehinds(any_value, bare)})(?:{either(False)}|{keep(_SPACES)}{_BARE_ANY})",
-        rf"(?:{_lookbehinds(token, bare)})(?:{either(True)}|{keep(_SPACES)}{_BARE_TOKEN})",
-        rf"(?:{_lookbehinds(auth, bare)})(?:{either(False)}|"
-        rf"{keep(_SPACES + _SCHEME)}(?!{_SCHEMES})(?!\[redacted\])[^\s\"'<>\\&,;]+)",
-        rf"(?:{_lookbehinds(cookie, bare)})(?:{either(False)})",
-    ]
-    return "[:=](?:" + "|".join(branches) + ")"
+def _named_replacement(m: re.Match[Any]) -> Any:
+    """The second pass's replacement: the separator, the kept prefix and the marker when
+    the name and the value are a secret's, else the match unchanged."""
+    data = m.string
+    binary = isinstance(data, (bytes, bytearray))
+    start = m.start()
+    before = data[max(0, start - 80):start]
+    text = before.decode("latin-1") if binary else before
+    quoted_name = text[-1:] in ("\"", "'")
+    end = len(text) - (1 if quoted_name or text[-1:] == " " else 0)
+    if quoted_name and text[end - 1:end] == "\\":
+        end -= 1
+    begin = end
+    while begin > 0 and (text[begin - 1].isalnum() or text[begin - 1] in "_-.") \
+            and text[begin - 1].isascii():
+        begin -= 1
+    kind = _secret_name(text[begin:end])
+    found = m.groupdict()
+    value = found["v"] if found["v"] is not None else found["v1"]
+    kept = found["q"] if found["q"] is not None else found["q1"]
+    if value is None:  # a bare value: after a bare name, one that looks like a secret
+        value, kept = found["w"], found["b"]
+        raw = value.decode("latin-1") if binary else value
+        long_enough = 8 if kind == "token" else 1
+        if quoted_name or kind == "cookie" or (kind != "auth" and not (
+                len(raw) >= long_enough and (len(raw) >= 16 or any(c.isdigit() for c in raw)))):
+            kind = None
+        elif kind != "auth" and kept.strip():  # a scheme word only goes with authorization
+            kind = None
+    elif kind == "token":  # a bare "token": one word of 8 characters or more
+        raw = value.decode("latin-1") if binary else value
+        if len(raw) < 8 or any(c.isspace() for c in raw):
+            kind = None
+    if kind is None:
+        return m.group(0)
+    mark: Any = _MARK if binary else REDACTED
+    return m.group(0)[:1] + kept + mark
 
 
 _KEEP_ANCHOR = ("c1", "c2", "c3", "c4", "c5", "c6", "c7", "c8", "c9", "c10", "c11", "c12",
@@ -318,52 +325,52 @@ def _replacement(m: re.Match[Any]) -> Any:
     return mark
 
 
-class _Scanner:
-    """The built-in rules, with a memory of recently scanned texts.
+@functools.lru_cache(maxsize=1)
+def _named_compiled() -> tuple[re.Pattern[bytes], re.Pattern[str]]:
+    source = _named_source()
+    return re.compile(source.encode("ascii")), re.compile(source, re.ASCII)
+
+
+class _Pass:
+    """One regex pass over bytes, with a memory of recently scanned texts.
 
     A model request repeats the conversation before it, so most of a body's bytes were
     already scanned a turn ago. No built-in rule reads past the third quote after the
     position where it starts (their character classes exclude the quote; only the
-    ``aws_secret_access_key": "`` prefix crosses two), so the matches that start before
-    the third-last quote of the prefix two texts share are the same in both: they are
-    reused, and the scan resumes from there. The result is exactly that of a full scan.
+    ``aws_secret_access_key": "`` prefix crosses two; a named value reads two), and what a
+    match is replaced with depends only on what precedes its end: so the matches that
+    start before the third-last quote of the prefix two texts share are the same in both.
+    They are reused, and the scan resumes from there. The result is exactly that of a
+    full scan.
     """
 
     MEMORY = 4  # recent texts to compare a new one with (conversations may interleave)
     MIN_SHARED = 2048  # below this a full scan is as cheap as comparing
     _CHUNK = 8192
 
-    def __init__(self, query: frozenset[str], rules: int = RULES) -> None:
-        self.pattern, self._str, self._start_bytes, self._start_str = _compiled(query, rules)
+    def __init__(self, pattern: re.Pattern[bytes], replace: Any) -> None:
+        self.pattern, self.replace = pattern, replace
         self._lock = threading.Lock()
         self._recent: deque[tuple[bytes, list[tuple[int, int, bytes]]]] = deque(
             maxlen=self.MEMORY)
 
-    def text(self, text: str) -> str:
-        out = self._str.sub(_replacement, text)
-        m = self._start_str.match(out)
-        if m is not None:
-            out = _replacement(m) + out[m.end():]
-        return out
+    def find(self, data: bytes) -> list[tuple[int, int, bytes]]:
+        """(start, end, replacement) of each match that changes something."""
+        return [found for m in self.pattern.finditer(data)
+                if (found := (m.start(), m.end(), self.replace(m)))[2] != m.group(0)]
 
-    def data(self, data: bytes, *, remember: bool = False) -> bytes:
+    def apply(self, data: bytes, *, remember: bool = False) -> bytes:
         if not remember or len(data) < self.MIN_SHARED:
-            out = self.pattern.sub(_replacement, data)
-        else:
-            matches = self._matches(data)
-            if not matches:
-                out = data
-            else:
-                parts, pos = [], 0
-                for start, end, repl in matches:
-                    parts += [data[pos:start], repl]
-                    pos = end
-                parts.append(data[pos:])
-                out = b"".join(parts)
-        m = self._start_bytes.match(out)
-        if m is not None:
-            out = _replacement(m) + out[m.end():]
-        return out
+            return self.pattern.sub(self.replace, data)
+        matches = self._matches(data)
+        if not matches:
+            return data
+        parts, pos = [], 0
+        for start, end, repl in matches:
+            parts += [data[pos:start], repl]
+            pos = end
+        parts.append(data[pos:])
+        return b"".join(parts)
 
     def _matches(self, data: bytes) -> list[tuple[int, int, bytes]]:
         with self._lock:
@@ -384,11 +391,43 @@ class _Scanner:
             if safe > 0:
                 kept = [m for m in best[1] if m[0] < safe]
                 resume = max(safe, kept[-1][1]) if kept else safe
-        found = kept + [(m.start(), m.end(), _replacement(m))
+        found = kept + [(m.start(), m.end(), self.replace(m))
                         for m in self.pattern.finditer(data, resume)]
         with self._lock:
             self._recent.append((data, found))
         return found
+
+
+class _Scanner:
+    """The built-in rules: the first pass (shapes, names of headers and query parameters,
+    userinfo), the form-field rule at the very start of a text, and with rules 2 the
+    second pass (values named like secrets)."""
+
+    def __init__(self, query: frozenset[str], rules: int = RULES) -> None:
+        self.pattern, self._str, self._start_bytes, self._start_str = _compiled(query, rules)
+        self.passes = [_Pass(self.pattern, _replacement)]
+        self._named_str: re.Pattern[str] | None = None
+        if rules >= 2:
+            named, self._named_str = _named_compiled()
+            self.passes.append(_Pass(named, _named_replacement))
+
+    def text(self, text: str) -> str:
+        out = self._str.sub(_replacement, text)
+        m = self._start_str.match(out)
+        if m is not None:
+            out = _replacement(m) + out[m.end():]
+        if self._named_str is not None:
+            out = self._named_str.sub(_named_replacement, out)
+        return out
+
+    def data(self, data: bytes, *, remember: bool = False) -> bytes:
+        out = self.passes[0].apply(data, remember=remember)
+        m = self._start_bytes.match(out)
+        if m is not None:
+            out = _replacement(m) + out[m.end():]
+        for later in self.passes[1:]:
+            out = later.apply(out, remember=remember)
+        return out
 
 
 def _shared_prefix(a: bytes, b: bytes, chunk: int) -> int:
@@ -690,8 +729,7 @@ class Redaction:
         finders: list[Any] = []
         scanner = self._scanner
         if scanner is not None:
-            finders.append(lambda data: [(m.start(), m.end(), _replacement(m))
-                                         for m in scanner.pattern.finditer(data)])
+            finders.extend(one.find for one in scanner.passes)
         finders.extend(functools.partial(_pattern_spans, p) for p in self._patterns_re)
         return finders
 
