@@ -238,9 +238,6 @@ def sse_events(text: str) -> Iterator[tuple[str, str]]:
             yield event, "\n".join(data)
 
 
-def token_counts(usage: Any, keys: Sequence[str] = USAGE_KEYS) -> dict[str, int]:
-    """The counts among ``usage``'s ``keys``: a body is whatever the upstream sent, and a
-    count that is no non-negative 64-bit integer (a string, true, 10**30) is no count."""
 def data_lines(body: bytes) -> Iterator[tuple[int, bytes]]:
     """(offset, payload) of each ``data:`` line of an event stream's raw bytes."""
     pos = 0
@@ -275,6 +272,9 @@ def string_spans(data: bytes, key: str, values: Sequence[str]) -> list[tuple[int
     return found
 
 
+def token_counts(usage: Any, keys: Sequence[str] = USAGE_KEYS) -> dict[str, int]:
+    """The counts among ``usage``'s ``keys``: a body is whatever the upstream sent, and a
+    count that is no non-negative 64-bit integer (a string, true, 10**30) is no count."""
     if not isinstance(usage, dict):
         return {}
     return {k: usage[k] for k in keys if type(usage.get(k)) is int and 0 <= usage[k] < 2**63}
