@@ -405,8 +405,12 @@ def ls_(directory: Path, as_json: bool, allow_unverified: bool) -> None:
                 default=Path("cassettes"))
 @click.option("--port", type=click.IntRange(1, 65535), default=8501, show_default=True,
               help="Port on 127.0.0.1.")
+@click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
+              help="Also answer requests made to this host name (repeatable; by default only "
+                   "localhost, 127.0.0.1 and [::1]), e.g. a name that a tunnel forwards here.")
 @_allow_unverified_option
-def view(directory: Path, port: int, allow_unverified: bool) -> None:
+def view(directory: Path, port: int, allow_hosts: tuple[str, ...],
+         allow_unverified: bool) -> None:
     """Browse the runs of a cassette directory in the browser (default: cassettes).
 
     Serves the viewer on http://127.0.0.1:PORT: every run with filters and text search;
@@ -414,30 +418,53 @@ def view(directory: Path, port: int, allow_unverified: bool) -> None:
     forks from an edited step; live runs with a cancel button. Stop it with Ctrl-C.
     The folder is indexed first (the index lives under $DEJA_HOME/index/), with a
     progress bar when stderr is a terminal and there are many files to read.
+
+    A run's content is shown as text, never as markup, and the page fetches nothing
+    from elsewhere. The server answers only requests made to a loopback name (or an
+    --allow-host name) from its own pages: another site's page, even one whose name
+    resolves to 127.0.0.1, cannot read the viewer or press its buttons.
     """
+    import importlib.util
     import signal
 
     import viewer
     from viewer.console import indexing_progress
+    from viewer.guard import HOSTS_ENV, host_name
     from viewer.index import RunIndex
 
     if not directory.is_dir():
         raise BadInput(f"no directory {directory}")
+    for name in allow_hosts:
+        if host_name(name) is None or ":" in name.strip("[]"):
+            raise BadInput(f"--allow-host {name!r}: give a host name (such as "
+                           "viewer.example), without a port or a scheme")
+    if importlib.util.find_spec("streamlit.starlette") is None:
+        raise BadInput("deja view needs Streamlit 1.53 or newer (its Starlette server "
+                       "runs the viewer's host checks): pip install -U 'streamlit>=1.53'")
     # Indexed here first, with a progress bar on a terminal, so the first page is quick.
     with RunIndex(directory, allow_unverified=allow_unverified or None) as index, \
             indexing_progress() as progress:
         index.refresh(progress=progress)
-    app = Path(viewer.__file__).resolve().parent / "app.py"
+    # serve.py: the page script (app.py) behind the viewer's Host and Origin checks
+    app = Path(viewer.__file__).resolve().parent / "serve.py"
     argv = [sys.executable, "-m", "streamlit", "run", str(app),
             "--server.address", "127.0.0.1", "--server.port", str(port),
             "--server.headless", "true", "--browser.gatherUsageStats", "false",
             "--client.toolbarMode", "viewer",  # no Deploy button, no developer menu
-            "--", str(directory)]
+            "--server.enableCORS", "true", "--server.enableXsrfProtection", "true"]
+    from streamlit import config as streamlit_config
+
+    if "server.allowedHosts" in streamlit_config.get_config_options():  # its own check too
+        for name in ("localhost", "127.0.0.1", "::1", *allow_hosts):
+            argv += ["--server.allowedHosts", name.strip("[]")]
+    argv += ["--", str(directory)]
     # A SIGTERM from here on stops the viewer with us, even one that comes while it starts.
     terminated: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _: terminated.append(signum))
     click.echo(f"deja view: {directory} at http://127.0.0.1:{port} (Ctrl-C stops it)", err=True)
     env = dict(os.environ)
+    env["DEJA_VIEW_DIR"] = str(directory)
+    env[HOSTS_ENV] = ",".join(name.strip("[]") for name in allow_hosts)
     if allow_unverified:
         env["DEJA_ALLOW_UNVERIFIED"] = "1"
     if terminated:

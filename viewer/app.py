@@ -27,6 +27,7 @@ import streamlit as st
 from recorder.errors import DejaError
 from viewer import queries, widgets
 from viewer.index import RunIndex
+from viewer.safe import md
 
 log = logging.getLogger("deja.viewer")
 
@@ -35,9 +36,11 @@ EMPTY = "—"  # what a cell without a value shows
 
 
 def directory() -> Path:
-    """``streamlit run app.py -- DIR``, else ``$DEJA_VIEW_DIR``, else ``cassettes``."""
+    """``streamlit run app.py -- DIR`` (or ``serve.py -- DIR``, as ``deja view`` runs it),
+    else ``$DEJA_VIEW_DIR``, else ``cassettes``."""
     argv = sys.argv
-    if len(argv) > 1 and Path(argv[0]).resolve() == Path(__file__).resolve():
+    here = Path(__file__).resolve()
+    if len(argv) > 1 and Path(argv[0]).resolve() in (here, here.with_name("serve.py")):
         return Path(argv[1])
     return Path(os.environ.get("DEJA_VIEW_DIR") or "cassettes")
 
@@ -71,7 +74,7 @@ def _int(value: Any) -> int | None:
 
 def runs_page(index: RunIndex) -> None:
     st.title("Runs")
-    st.caption(f"Every run recorded in the folder `{index.directory}`, newest first")
+    st.caption(md("Every run recorded in the folder {:code}, newest first", index.directory))
     options = queries.filter_options(index)
     with st.sidebar:
         st.header("Filters")
@@ -110,7 +113,7 @@ def runs_page(index: RunIndex) -> None:
 
 
 def runs_table(rows: list[dict[str, Any]]) -> None:
-    st.caption(f"{len(rows)} run(s)")
+    st.caption(md("{} run(s)", len(rows)))
     frame = pd.DataFrame([{c: r.get(c) for c in queries.RUN_COLUMNS} for r in rows],
                          columns=list(queries.RUN_COLUMNS))
     st.dataframe(frame, hide_index=True, key="runs_table", placeholder=EMPTY, column_config={
@@ -120,9 +123,10 @@ def runs_table(rows: list[dict[str, Any]]) -> None:
         "error": st.column_config.TextColumn("error", width="large")})
     bad = [r for r in rows if r["status"] == "error"]
     if bad:
-        st.warning(f"{len(bad)} cassette(s) could not be read; the rest are listed as usual.")
+        st.warning(md("{} cassette(s) could not be read; the rest are listed as usual.",
+                      len(bad)))
         for r in bad:
-            st.error(f"`{r['name']}`: {r['error']}")
+            st.error(md("{:code}: {}", r["name"], r["error"]))
     if not rows:
         return
     by_file = {r["file"]: r for r in rows}
@@ -151,13 +155,13 @@ def run_page(index: RunIndex, run: str) -> None:
     st.button("← All runs", on_click=widgets.go, key="back")
     found = queries.run_header(index, run)
     if found is None:
-        st.error(f"No run {run!r} in `{index.directory}`.")
+        st.error(md("No run {!r} in {:code}.", run, index.directory))
         return
     header: dict[str, Any] = found  # not None, also in the fragment that refreshes it
-    st.title(f"Run {header['name']}")
-    st.caption(f"`{header['path']}` · started {header['started'] or '-'}")
+    st.title(md("Run {}", header["name"]))
+    st.caption(md("{:code} · started {}", header["path"], header["started"] or "-"))
     if header["status"] == "error":
-        st.error(f"This cassette cannot be read: {header['error']}")
+        st.error(md("This cassette cannot be read: {}", header["error"]))
         return
     state = live_state(header)
 
@@ -204,10 +208,10 @@ def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | N
     # verified is sent before it.
     totals = st.container()
     if header.get("error"):
-        st.warning(header["error"])
+        st.warning(md("{}", header["error"]))
     if not header.get("verified"):
-        st.error(f"{header.get('verify_note') or 'NOT VERIFIED'}. What this page shows is "
-                 "the file as it is, unchecked.", icon="⚠️")
+        st.error(md("{}. What this page shows is the file as it is, unchecked.",
+                    header.get("verify_note") or "NOT VERIFIED"), icon="⚠️")
     panels = st.container()
     frame, labels = timeline(index.file_state(header["path"]), index)
     st.subheader("Timeline")
@@ -219,12 +223,12 @@ def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | N
                                                                  format="%.2f")})
     with totals:
         cols = st.columns([1.6, 0.8, 1, 1.6, 1, 1.1])  # room for "incomplete", "$0.012345"
-        cols[0].metric("Status", header["status"])
-        cols[1].metric("Steps", header["steps"])
+        cols[0].metric("Status", md("{}", header["status"]))
+        cols[1].metric("Steps", md("{}", header["steps"]))
         cols[2].metric("Tokens", f"{header['tokens']:,}",
                        help=f"{header['input_tokens']:,} in, {header['output_tokens']:,} out")
         cols[3].metric("Cost", widgets.money(header["cost"]))
-        cols[4].metric("Model calls", header["model_calls"])
+        cols[4].metric("Model calls", md("{}", header["model_calls"]))
         cols[5].metric("Duration", "-" if header["duration"] is None
                        else f"{header['duration']:.3f}s")
     with panels:
@@ -232,7 +236,8 @@ def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | N
         if status and status["record"] is not None:
             widgets.live_panel(header, status)
     # A long run's charts are drawn on request, so its timeline paints first.
-    if len(frame) <= DENSE or st.toggle(f"Charts of the {len(frame):,} steps", key="charts"):
+    if len(frame) <= DENSE or st.toggle(md("Charts of the {:,} steps", len(frame)),
+                                        key="charts"):
         charts(queries.run_steps(index, header["path"]))
     step_panel(index, header, labels)
 
@@ -263,7 +268,7 @@ def charts(steps: list[dict[str, Any]]) -> None:
         for col, field, title, fmt in ((left, "tokens", "Tokens so far", ",d"),
                                        (right, "cost", "Cost so far ($)", "$,.6f")):
             with col:
-                st.caption(title)
+                st.caption(md("{}", title))
                 chart = alt.Chart(frame).mark_line(point=len(frame) <= DENSE,
                                                    interpolate="step-after").encode(
                     x=alt.X("time_s:Q", title="time since the run began (s)"),
@@ -314,9 +319,9 @@ def step_panel(index: RunIndex, header: dict[str, Any], names: dict[int, str]) -
         detail = queries.step_detail(header["path"], current,
                                      full=st.session_state.get(full_key, False))
     except (DejaError, OSError) as exc:
-        st.error(f"Step {current} cannot be shown: {exc}")
+        st.error(md("Step {} cannot be shown: {}", current, exc))
         return
-    st.subheader(f"Step {current}: {detail.kind} {detail.name}")
+    st.subheader(md("Step {}: {} {}", current, detail.kind, detail.name))
     if detail.truncated:
         st.warning("Payloads over 100 KB are cut short.")
         st.button("Show full", key="show_full", on_click=st.session_state.__setitem__,
@@ -335,12 +340,12 @@ def diff_page(index: RunIndex, a: str, b: str) -> None:
     try:
         view = queries.diff(index, a, b)
     except (DejaError, OSError) as exc:
-        st.error(f"Cannot compare {a} and {b}: {exc}")
+        st.error(md("Cannot compare {} and {}: {}", a, b, exc))
         return
     left, right = st.columns(2)
     for col, side, tag in ((left, view.a, "A"), (right, view.b, "B")):
-        col.markdown(f"**{tag}: {side['name']}** · {side['steps']} steps")
-        col.button(f"Open {tag}", key=f"open_{tag}", on_click=widgets.go,
+        col.markdown(md("**{}: {}** · {} steps", tag, side["name"], side["steps"]))
+        col.button(md("Open {}", tag), key=f"open_{tag}", on_click=widgets.go,
                    kwargs=widgets.run_params(side))
     result = view.result
     if result.same:
@@ -348,12 +353,11 @@ def diff_page(index: RunIndex, a: str, b: str) -> None:
         return
     prefix = view.same_prefix
     if prefix:
-        label = "Step 0: identical" if prefix == 1 else \
-            f"Steps 0-{prefix - 1}: identical ({prefix} steps)"
-        with st.expander(label):
+        with st.expander("Step 0: identical" if prefix == 1 else
+                         md("Steps 0-{}: identical ({} steps)", prefix - 1, prefix)):
             st.dataframe(_aligned_frame(view.rows[:prefix]), hide_index=True,
                          placeholder=EMPTY)
-    st.error(f"First divergence: step {result.first_divergence}")
+    st.error(md("First divergence: step {}", result.first_divergence))
     rest = view.rows[prefix:]
     frame = _aligned_frame(rest)
     st.dataframe(frame.style.apply(
@@ -364,9 +368,10 @@ def diff_page(index: RunIndex, a: str, b: str) -> None:
         changes = view.changes.get(row["step"])
         if not changes:
             continue
-        label = (f"Step {row['step']}: A seq {row['seq_a']} {row['kind_a'] or '(absent)'} · "
-                 f"B seq {row['seq_b']} {row['kind_b'] or '(absent)'}")
-        with st.expander(("▶ first divergence · " if row["first"] else "") + label,
+        with st.expander(("▶ first divergence · " if row["first"] else "")
+                         + md("Step {}: A seq {} {} · B seq {} {}", row["step"], row["seq_a"],
+                              row["kind_a"] or "(absent)", row["seq_b"],
+                              row["kind_b"] or "(absent)"),
                          expanded=row["first"]):
             st.dataframe(pd.DataFrame(widgets.changes_table(changes)), hide_index=True,
                          placeholder=EMPTY)
@@ -389,7 +394,7 @@ def main() -> None:
     folder = directory()
     with st.sidebar:
         st.markdown("### deja")
-        st.caption(f"`{folder}`")
+        st.caption(md("{:code}", folder))
         st.button("Runs", on_click=widgets.go, key="nav_runs")
         st.button("Submitted runs", on_click=widgets.go, kwargs={"page": "submitted"},
                   key="nav_submitted")
@@ -399,7 +404,7 @@ def main() -> None:
         submitted_page.page()
         return
     if not folder.is_dir():
-        st.error(f"No cassette directory {folder}. Start the viewer with `deja view DIR`.")
+        st.error(md("No cassette directory {}. Start the viewer with `deja view DIR`.", folder))
         return
     index = open_index(folder)
     params = st.query_params

@@ -24,6 +24,7 @@ from runs.config import database_url
 from runs.errors import DatabaseUnavailable
 from runs.service import Runs
 from viewer import submitted
+from viewer.safe import md
 
 EMPTY = "—"
 REFRESH_S = 2  # seconds between refreshes while runs are active
@@ -46,37 +47,38 @@ def _action_errors() -> tuple[type[BaseException], ...]:
     return (DejaError, sa.exc.SQLAlchemyError, *engine.ENGINE_ERRORS)
 
 
-def _say(kind: str, text: str) -> None:
-    st.session_state[FLASH] = (kind, text)
+def _say(kind: str, template: str, *values: Any) -> None:
+    """Keep a message to show once: ``template`` with ``values`` as literal text."""
+    st.session_state[FLASH] = (kind, md(template, *values))
 
 
 def _answer(runs: Runs, run_id: str, question: str | None) -> None:
     text = st.session_state.get(f"answer_text:{run_id}") or ""
     if not text.strip():
-        _say("error", f"Type an answer for run {run_id} first.")
+        _say("error", "Type an answer for run {} first.", run_id)
         return
     try:
         runs.answer(run_id, text)
     except _action_errors() as exc:
-        _say("error", f"Run {run_id} could not be answered: {exc}")
+        _say("error", "Run {} could not be answered: {}", run_id, exc)
         return
     st.session_state.setdefault("answered", set()).add((run_id, question))
     st.session_state[f"answer_text:{run_id}"] = ""  # a later question starts empty
-    _say("success", f"Answer sent to run {run_id}; it goes on when a worker takes it up.")
+    _say("success", "Answer sent to run {}; it goes on when a worker takes it up.", run_id)
 
 
 def _cancel(runs: Runs, run_id: str) -> None:
     try:
         done = runs.cancel(run_id)
     except _action_errors() as exc:
-        _say("error", f"Run {run_id} could not be cancelled: {exc}")
+        _say("error", "Run {} could not be cancelled: {}", run_id, exc)
         return
     if done.get("note"):
-        _say("warning", f"Run {run_id}: {done['note']}.")
+        _say("warning", "Run {}: {}.", run_id, done["note"])
     elif done["status"] == "cancelling":
-        _say("success", f"Cancel sent to run {run_id}: it stops at its next boundary.")
+        _say("success", "Cancel sent to run {}: it stops at its next boundary.", run_id)
     else:
-        _say("success", f"Run {run_id} is cancelled (it was {done['was']}).")
+        _say("success", "Run {} is cancelled (it was {}).", run_id, done["was"])
 
 
 def how_to_start() -> None:
@@ -88,8 +90,8 @@ def page() -> None:
     url = database_url()
     missing = submitted.missing_database(url)
     if missing is not None:
-        st.info(f"No runs database yet: `{missing}` does not exist, so no run was ever "
-                "submitted here.")
+        st.info(md("No runs database yet: {:code} does not exist, so no run was ever "
+                   "submitted here.", missing))
         how_to_start()
         return
     try:
@@ -97,11 +99,11 @@ def page() -> None:
         first = submitted.board(runs)
     except DatabaseUnavailable as exc:
         connection.clear()
-        st.error(f"The runs database cannot be read: {exc}")
+        st.error(md("The runs database cannot be read: {}", exc))
         how_to_start()
         return
-    st.caption(f"Runs submitted with `deja submit` or `POST /runs`, and scheduled runs, "
-               f"from the runs database `{first.where}`")
+    st.caption(md("Runs submitted with `deja submit` or `POST /runs`, and scheduled runs, "
+                  "from the runs database {:code}", first.where))
 
     @st.fragment(run_every=REFRESH_S if first.active else IDLE_REFRESH_S)
     def body() -> None:
@@ -111,7 +113,7 @@ def page() -> None:
                 view = submitted.board(runs)
             except DatabaseUnavailable as exc:
                 connection.clear()
-                st.error(f"The runs database cannot be read: {exc}")
+                st.error(md("The runs database cannot be read: {}", exc))
                 return
         st.session_state["submitted_drawn"] = True
         board_body(runs, view)
@@ -123,7 +125,7 @@ def page() -> None:
 def board_body(runs: Runs, view: submitted.Board) -> None:
     flash = st.session_state.pop(FLASH, None)
     if flash is not None:
-        getattr(st, flash[0])(flash[1])
+        getattr(st, flash[0])(flash[1])  # made by md() in _say
     st.subheader("Queued, working and waiting")
     if view.active:
         runs_table(view.active, submitted.ACTIVE_COLUMNS, "active_runs")
@@ -136,8 +138,8 @@ def board_body(runs: Runs, view: submitted.Board) -> None:
         st.markdown("**Cancel a run**")
         for record in cancellable:
             left, right = st.columns([5, 1], vertical_alignment="center")
-            left.markdown(f"`{record['run_id']}` · {record['status']}"
-                          + (f" · {record['step']}" if record.get("step") else ""))
+            left.markdown(md("{:code} · {}", record["run_id"], record["status"])
+                          + (md(" · {}", record["step"]) if record.get("step") else ""))
             right.button("Cancel", key=f"cancel_btn:{record['run_id']}", on_click=_cancel,
                          args=(runs, record["run_id"]),
                          help="A queued run never starts; a working one stops at its next "
@@ -163,7 +165,8 @@ def runs_table(records: list[dict[str, Any]], columns: tuple[str, ...], key: str
 def waiting_run(runs: Runs, record: dict[str, Any]) -> None:
     run_id = record["run_id"]
     with st.container(border=True):
-        st.markdown(f"**Run `{run_id}` asks:** {record.get('question') or '(no question)'}")
+        st.markdown(md("**Run {:code} asks:** {}", run_id,
+                       record.get("question") or "(no question)"))
         if (run_id, record.get("question")) in st.session_state.get("answered", set()):
             st.caption("Answered; the run goes on when a worker takes it up.")
             return
@@ -190,7 +193,7 @@ def schedules_panel(schedules: list[dict[str, Any]]) -> None:
         alerts = schedule.get("alerts") or []
         if not alerts:
             continue
-        with st.expander(f"Alerts of {schedule['name']} ({len(alerts)})"):
+        with st.expander(md("Alerts of {} ({})", schedule["name"], len(alerts))):
             st.dataframe(pd.DataFrame(alerts, columns=["at", "kind", "occurrence", "run_id",
                                                        "message", "delivery"]),
                          hide_index=True, placeholder=EMPTY)

@@ -17,9 +17,10 @@ from streamlit.errors import StreamlitAPIException
 
 from recorder.errors import DejaError
 from viewer import queries
-from viewer.content import Block
+from viewer.content import Block, image_type
 from viewer.index import RunIndex
 from viewer.queries import StepDetail
+from viewer.safe import md
 
 THUMBNAIL_WIDTH = 160
 
@@ -62,13 +63,19 @@ def _short(value: Any, width: int = 300) -> str:
 
 
 def image(block: Block) -> None:
-    if block.get("data") is not None:
-        st.image(block["data"], width=THUMBNAIL_WIDTH,
-                 caption=f"{block.get('media_type') or 'image'}, {block['size']:,} bytes")
+    """An image from its bytes (PNG, JPEG, GIF or WebP by their signature); a remote one
+    by its URL, as text: the page never fetches what a run names."""
+    data = block.get("data")
+    if isinstance(data, (bytes, bytearray)) and image_type(bytes(data)):
+        st.image(bytes(data), width=THUMBNAIL_WIDTH,
+                 caption=md("{}, {:,} bytes", image_type(bytes(data)), len(data)))
+    elif data is not None:
+        st.warning(md("🖼 {:,} bytes that are not a PNG, JPEG, GIF or WebP image (not shown)",
+                      len(data)))
     elif block.get("url"):
-        st.markdown(f"🖼 image at `{block['url']}` (not fetched)")
+        st.markdown(md("🖼 image at {:code} (not fetched)", block["url"]))
     else:
-        st.warning(f"🖼 {block.get('error', 'image')}")
+        st.warning(md("🖼 {}", block.get("error", "image")))
 
 
 def blocks(items: list[Block], *, result: bool = False) -> None:
@@ -79,22 +86,24 @@ def blocks(items: list[Block], *, result: bool = False) -> None:
             if result:
                 st.code(block["text"], language=None, wrap_lines=True)
             else:
-                st.markdown(block["text"])
+                st.text(block["text"])
         elif kind == "thinking":
             with st.expander("💭 Thinking", expanded=False):
-                st.markdown(block["text"])
+                st.text(block["text"])
         elif kind == "tool_use":
-            st.markdown(f"🔧 **tool call** `{block.get('name')}` · id `{block.get('id')}`")
+            st.markdown(md("🔧 **tool call** {:code} · id {:code}", block.get("name"),
+                           block.get("id")))
             st.json(block.get("input"), expanded=True)
         elif kind == "tool_result":
-            error = " · ❌ **error**" if block.get("is_error") else ""
-            name = f" of `{block['name']}`" if block.get("name") else ""
-            st.markdown(f"↩ **tool result**{name} for `{block.get('tool_use_id')}`{error}")
+            st.markdown("↩ **tool result**"
+                        + (md(" of {:code}", block["name"]) if block.get("name") else "")
+                        + md(" for {:code}", block.get("tool_use_id"))
+                        + (" · ❌ **error**" if block.get("is_error") else ""))
             blocks(block.get("blocks") or [], result=True)
         elif kind == "image":
             image(block)
         else:
-            st.caption(f"{block.get('label')} block")
+            st.caption(md("{} block", block.get("label")))
             st.json(block.get("raw"), expanded=False)
 
 
@@ -115,7 +124,7 @@ def conversation(conv: dict[str, Any]) -> None:
             blocks(conv["system"])
     earlier = [m for m in conv["messages"] if not m["new"]]
     if earlier:
-        with st.expander(f"Earlier messages of the conversation ({len(earlier)})"):
+        with st.expander(md("Earlier messages of the conversation ({})", len(earlier))):
             for msg in earlier:
                 message(msg)
     for msg in conv["messages"]:
@@ -124,31 +133,32 @@ def conversation(conv: dict[str, Any]) -> None:
     response = conv["response"]
     if response is None:
         err = conv.get("error") or {}
-        st.error(f"No response: {err.get('type')}: {err.get('message')}")
+        st.error(md("No response: {}: {}", err.get("type"), err.get("message")))
         return
     with st.chat_message("assistant"):
         blocks(response["blocks"])
         if response.get("error"):
-            st.error(f"{response['error'].get('type')}: {response['error'].get('message')}")
+            st.error(md("{}: {}", response["error"].get("type"),
+                        response["error"].get("message")))
         usage = response.get("usage") or {}
-        st.caption(" · ".join(str(p) for p in (
+        st.caption(md("{}", " · ".join(str(p) for p in (
             f"HTTP {response.get('status')}", "streamed" if response.get("streamed") else None,
             f"stop: {response.get('stop_reason')}",
             f"tokens in/out: {usage.get('input_tokens')}/{usage.get('output_tokens')}"
-            if usage else None) if p))
+            if usage else None) if p)))
 
 
 def tool(detail: StepDetail) -> None:
     call = detail.tool or {}
     with st.chat_message("tool", avatar="🔧"):
         label = "effect" if detail.kind == "effect" else detail.kind
-        st.markdown(f"**{label}** `{call.get('name')}`")
+        st.markdown(md("**{}** {:code}", label, call.get("name")))
         if call.get("args") is not None:
             st.caption("arguments")
             st.json(call["args"], expanded=True)
         if "error" in call:
             err = call["error"] or {}
-            st.error(f"{err.get('type')}: {err.get('message')}")
+            st.error(md("{}: {}", err.get("type"), err.get("message")))
         elif "result" in call:
             st.caption("value" if detail.kind == "effect" else "result")
             if isinstance(call["result"], str):
@@ -161,7 +171,7 @@ def tool(detail: StepDetail) -> None:
 
 def control(detail: StepDetail) -> None:
     info = detail.control or {}
-    st.warning(f"⚑ control line: **{info.get('event')}**")
+    st.warning(md("⚑ control line: **{}**", info.get("event")))
     st.json(info.get("detail"), expanded=True)
 
 
@@ -173,7 +183,7 @@ def raw(detail: StepDetail) -> None:
             st.json(detail.request, expanded=False)
     if detail.response is not None:
         with st.expander("Raw response"):
-            st.caption(f"HTTP {detail.response.get('status')}")
+            st.caption(md("HTTP {}", detail.response.get("status")))
             body = detail.response.get("body")
             if isinstance(body, str):
                 st.code(body, language=None, wrap_lines=True)
@@ -189,7 +199,7 @@ def step(detail: StepDetail) -> None:
         marks.append("✎ edited by a fork")
     if detail.within:
         marks.append(f"↳ made inside tool call {detail.within}")
-    st.caption(" · ".join(marks + detail.notes))
+    st.caption(md("{}", " · ".join(marks + detail.notes)))
     if detail.kind == "control":
         control(detail)
     elif detail.conversation is not None:
@@ -214,21 +224,21 @@ def lineage_panel(index: RunIndex, header: dict[str, Any]) -> None:
     parent = info.get("parent")
     if parent:
         where = "" if parent["indexed"] else " (not in this directory)"
-        st.info(f"Forked from run **{parent['run']}** at step {parent['step']}{where}.")
+        st.info(md("Forked from run **{}** at step {}{}.", parent["run"], parent["step"], where))
         left, right = st.columns(2)
-        left.button(f"Open parent {parent['run']}", key="open_parent", on_click=go,
+        left.button(md("Open parent {}", parent["run"]), key="open_parent", on_click=go,
                     kwargs=run_params(parent), disabled=not parent["indexed"])
         right.button("Diff against parent", key="diff_parent", on_click=go,
                      kwargs=diff_params(parent, header) if parent["indexed"] else {},
                      disabled=not parent["indexed"])
     children = info.get("children") or []
     if children:
-        st.markdown(f"**Forks of this run** ({len(children)})")
+        st.markdown(md("**Forks of this run** ({})", len(children)))
         for child in children:
             left, right = st.columns([3, 1])
-            left.button(f"{child['name']} · {child['file']} · forked at step {child['step']} · "
-                        f"{child['status']}", key=f"child:{child['path']}", on_click=go,
-                        kwargs=run_params(child))
+            left.button(md("{} · {} · forked at step {} · {}", child["name"], child["file"],
+                           child["step"], child["status"]), key=f"child:{child['path']}",
+                        on_click=go, kwargs=run_params(child))
             right.button("Diff", key=f"childdiff:{child['path']}", on_click=go,
                          kwargs=diff_params(header, child))
 
@@ -244,28 +254,29 @@ def live_panel(header: dict[str, Any], status: dict[str, Any]) -> None:
     record = status["record"]
     if not status["running"]:
         if status["alive"] is False:
-            st.warning(f"The status record says running, but process {record.get('pid')} is "
-                       f"gone: the run crashed. Continue it with `deja resume {header['path']}`.")
+            st.warning(md("The status record says running, but process {} is gone: the run "
+                          "crashed. Continue it with {:code}.", record.get("pid"),
+                          f"deja resume {header['path']}"))
         return
     st.subheader("● Live")
-    st.info(f"Running: {record.get('step')} (updated {record.get('updated')})")
+    st.info(md("Running: {} (updated {})", record.get("step"), record.get("updated")))
     cols = st.columns(4)
     limit = record.get("turn_limit")
-    cols[0].metric("Turn", f"{record.get('turn')}" + (f" / {limit}" if limit else ""))
+    cols[0].metric("Turn", md("{}", record.get("turn")) + (md(" / {}", limit) if limit else ""))
     cols[1].metric("Elapsed", f"{record.get('elapsed_s') or 0:.1f}s")
     cols[2].metric("Tokens", f"{record.get('tokens') or 0:,}")
     cols[3].metric("Spend", money(record.get("spend_usd")))
     with st.expander("Progress record"):
         st.json(record, expanded=True)
     if status["cancel"] is not None:
-        st.warning(f"Cancel requested ({status['cancel'].get('reason') or 'no reason'}); the "
-                   "run stops at its next boundary.")
+        st.warning(md("Cancel requested ({}); the run stops at its next boundary.",
+                      status["cancel"].get("reason") or "no reason"))
         return
     confirm = st.checkbox("Yes, stop this run at its next boundary", key="cancel_confirm")
     st.button("Cancel run", key="cancel_btn", type="primary", disabled=not confirm,
               on_click=_cancel, args=(header["run"],))
     if "cancel_error" in st.session_state:
-        st.error(st.session_state.pop("cancel_error"))
+        st.error(md("{}", st.session_state.pop("cancel_error")))
 
 
 # ---------------------------------------------------------------------- fork
@@ -291,7 +302,7 @@ def _keep(store: str, key: str, widget: str) -> None:
 
 
 def fork_editor(header: dict[str, Any], detail: queries.StepDetail) -> None:
-    st.subheader(f"Fork at step {detail.seq}")
+    st.subheader(md("Fork at step {}", detail.seq))
     st.caption("Edit what this step returned and run the agent again: the steps before it "
                "replay from this run, this step serves your edit, the rest goes live. The "
                "edit is the whole document, or an RFC 6902 patch (a JSON list).")
@@ -300,7 +311,7 @@ def fork_editor(header: dict[str, Any], detail: queries.StepDetail) -> None:
     try:
         original = queries.document_text(queries.fork_document(header["path"], detail.seq))
     except DejaError as exc:
-        st.error(str(exc))
+        st.error(md("{}", exc))
         return
     _kept("fork_edits", key, widget, original)
     text = st.text_area("Edited document (JSON)", key=widget, height=260, on_change=_keep,
@@ -319,7 +330,7 @@ def fork_editor(header: dict[str, Any], detail: queries.StepDetail) -> None:
         cache[check_key] = queries.validate_edit(header["path"], detail.seq, text or "")
     error = cache[check_key]
     if error:
-        st.error(error)
+        st.error(md("{}", error))
     elif text == original:
         st.info("The document is unchanged: a fork would serve the recorded value.")
     else:
@@ -329,7 +340,7 @@ def fork_editor(header: dict[str, Any], detail: queries.StepDetail) -> None:
             launched = queries.launch_fork(header["path"], detail.seq, text,
                                            live_url=live_url or None)
         except (DejaError, OSError) as exc:
-            st.error(f"The fork did not start: {exc}")
+            st.error(md("The fork did not start: {}", exc))
             return
         st.session_state.setdefault("forks", []).append(launched)
         st.rerun()
@@ -348,19 +359,19 @@ def forks_panel(header: dict[str, Any]) -> None:
         name = state["run"] or launched.path.name
         if state["running"]:
             progress = state["progress"] or {}
-            st.info(f"⏳ Fork of step {launched.seq} running: {name} · "
-                    f"{progress.get('step', 'starting')}")
+            st.info(md("⏳ Fork of step {} running: {} · {}", launched.seq, name,
+                       progress.get("step", "starting")))
             continue
         if state["reason"] is None:
-            st.success(f"✔ Fork of step {launched.seq} finished: run {name}")
+            st.success(md("✔ Fork of step {} finished: run {}", launched.seq, name))
         else:
-            st.error(f"Fork of step {launched.seq} failed: {state['reason']}")
-            with st.expander(f"Full log (exit status {state['returncode']})"):
+            st.error(md("Fork of step {} failed: {}", launched.seq, state["reason"]))
+            with st.expander(md("Full log (exit status {})", state["returncode"])):
                 st.code(state["log"] or "(no output)", language=None, wrap_lines=True)
         if state["exists"] and state["run"]:
             left, right = st.columns(2)
             fork = {"run": state["run"], "path": str(launched.path)}
-            left.button(f"Open fork {name}", key=f"open_fork:{launched.path}", on_click=go,
+            left.button(md("Open fork {}", name), key=f"open_fork:{launched.path}", on_click=go,
                         kwargs=run_params(fork))
             right.button("Diff fork against parent", key=f"diff_fork:{launched.path}",
                          on_click=go, kwargs=diff_params(header, fork))

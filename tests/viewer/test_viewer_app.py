@@ -38,6 +38,7 @@ from deja.cli import main as cli
 from recorder.cassette import load
 from recorder.harness.progress import cancel_requested
 from recorder.testing.server import StubServer
+from viewer.safe import unescape
 
 APP = Path(__file__).resolve().parents[2] / "viewer" / "app.py"
 
@@ -63,7 +64,8 @@ def ok(at: AppTest) -> AppTest:
 
 
 def texts(elements: Any) -> list[str]:
-    return [str(e.value) for e in elements]
+    """The elements' text as it reads (a run's words are escaped in their Markdown)."""
+    return [unescape(str(e.value)) for e in elements]
 
 
 def table(at: AppTest, column: str, nth: int = 0) -> Any:
@@ -147,8 +149,8 @@ def test_opening_a_step_renders_its_conversation(corpus: Corpus,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     at = ok(app(monkeypatch, corpus.runs, run=corpus.ids["rich"], step="0"))
     assert [c.name for c in at.chat_message] == ["system", "user", "assistant"]
-    markdown = texts(at.markdown)
-    assert GREETING in markdown and "Let me look that up for you." in markdown
+    markdown, text = texts(at.markdown), texts(at.text)  # a run's words: text, not markup
+    assert GREETING in text and "Let me look that up for you." in text
     assert any("tool call** `weather`" in m for m in markdown)
     assert "💭 Thinking" in [e.label for e in at.expander]
     assert len(at.get("image")) == 1  # the user's image, as a thumbnail
@@ -159,7 +161,7 @@ def test_opening_a_step_renders_its_conversation(corpus: Corpus,
     markdown = texts(at.markdown)
     assert any("tool result" in m for m in markdown)
     assert "東京: sunny, 22°C" in texts(at.code)
-    assert "Sunny in 東京 today. Schöne Grüße!" in markdown
+    assert "Sunny in 東京 today. Schöne Grüße!" in texts(at.text)
     assert "Earlier messages of the conversation (1)" in [e.label for e in at.expander]
     big = ok(app(monkeypatch, corpus.runs, run=corpus.ids["big"], step="0"))
     assert any("over 100 KB" in w for w in texts(big.warning))
@@ -230,7 +232,7 @@ def test_fork_button_launches_a_fork_that_completes(corpus: Corpus, tmp_path: Pa
     assert any(f"Forked from run **{spiral}** at step 1" in i for i in texts(at.info))
     at.button(key="open_parent").click().run()
     assert ok(at).query_params == {"run": spiral, "file": "spiral.jsonl"}
-    assert any(fork.run in b.label for b in at.button)  # the parent lists its new fork
+    assert any(fork.run in unescape(b.label) for b in at.button)  # its new fork is listed
 
 
 def test_a_failed_fork_says_why_in_one_line_with_the_log_below(

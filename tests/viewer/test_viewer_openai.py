@@ -25,6 +25,7 @@ from recorder.testing.server import StubServer
 from viewer import queries
 from viewer.content import searchable_text
 from viewer.index import RunIndex
+from viewer.safe import unescape
 
 MODEL = "gpt-4.1"  # a model the openai SDK knows and does not warn about
 KEY = "test-key-0123456789abcdef"  # conftest's key: the run verifies in every test
@@ -191,7 +192,8 @@ def test_the_step_page_shows_an_openai_conversation(run: Path,
     markdown = [str(m.value) for m in at.markdown]
     assert any("tool call** `weather`" in m for m in markdown)
     assert any("tool result** of `weather`" in m for m in markdown)
-    assert ANSWER in markdown
+    assert ANSWER in [str(t.value) for t in at.text]  # a run's words: text, not markup
     assert "東京: sunny, 22°C" in [str(c.value) for c in at.code]
-    assert any("streamed" in str(c.value) and "stop: completed" in str(c.value)
-               and "tokens in/out: 40/6" in str(c.value) for c in at.caption)
+    captions = [unescape(str(c.value)) for c in at.caption]  # as they read
+    assert any("streamed" in c and "stop: completed" in c and "tokens in/out: 40/6" in c
+               for c in captions)

@@ -40,6 +40,7 @@ from runs import config, engine, schedules
 from runs.service import Runs
 from runs.store import Store
 from viewer import submitted, submitted_page
+from viewer.safe import unescape
 
 APP = Path(__file__).resolve().parents[2] / "viewer" / "app.py"
 QUESTION = "Pay invoice INV-7 twice?"
@@ -138,7 +139,8 @@ def ok(at: AppTest) -> AppTest:
 
 
 def texts(elements: Any) -> list[str]:
-    return [str(e.value) for e in elements]
+    """The elements' text as it reads (a run's words are escaped in their Markdown)."""
+    return [unescape(str(e.value)) for e in elements]
 
 
 # Each table by a column only it has: the active runs, the ended ones, the schedules.
