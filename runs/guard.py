@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["MAX_DEPTH", "ApiError", "Guard", "bad_text", "parse_json", "require_json"]
+__all__ = ["MAX_DEPTH", "ApiError", "Guard", "bad_text", "depth", "parse_json", "require_json",
+           "safe_headers", "split_host"]
 
 MAX_DEPTH = 32  # a submission nests 2 deep; the cassette reader allows 200
 _STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
