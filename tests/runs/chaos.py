@@ -58,6 +58,7 @@ from chaos_cells import (
     Settings,
 )
 from chaos_faults import Faults
+from chaos_table import row
 from chaos_world import AGENT, PYTHON, World
 from runs_helpers import base_env, complete_lines, line_count, load_run
 
@@ -146,8 +147,8 @@ def measure(world: World, runs: list[str], ref: Reference, faults: Faults,
     if listed_done.exit_code == 0:
         listed = {r["run_id"]: r["status"] for r in json.loads(listed_done.stdout)["runs"]}
     ledger = collections.defaultdict(list)
-    for row in ledger_lines(world.ledger):
-        ledger[row.get("run")].append(row)
+    for payment in ledger_lines(world.ledger):
+        ledger[payment.get("run")].append(payment)
     out = []
     for run in runs:
         notes: list[str] = []
@@ -236,12 +237,17 @@ def run_cell(cell: Cell, base: Path, settings: Settings, ref: Reference,
             result.notes.append(f"not all runs ended within {settings.limit:.0f} s of the "
                                 "last fault")
         result.notes += [f"{what} x{n}" for what, n in sorted(world.restarts.items())]
-        traces = world.services["worker"].log().count("Traceback")
-        if traces:
-            result.notes.append(f"{traces} tracebacks in the worker's log")
+        log = world.services["worker"].log()
+        if log.count("Traceback"):
+            result.notes.append(f"{log.count('Traceback')} tracebacks in the worker's log")
+        if log.count(": heartbeat"):
+            result.notes.append(f"{log.count(': heartbeat')} failed heartbeats in the "
+                                "worker's log")
     finally:
         world.teardown()
         result.seconds = time.monotonic() - started
+        (world.folder / "result.txt").write_text(
+            "\n".join([row(result), *result.faults, *result.problems()]) + "\n")
     return result
 
 

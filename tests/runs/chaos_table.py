@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import os
+import subprocess
 from pathlib import Path
 
 from chaos_cells import SETTLE, CellResult, Settings
@@ -90,6 +91,22 @@ COLUMNS_TEXT = """\
   line: `failed`), once the run's status has held for {settle:.0f} s."""
 
 
+def _revision() -> str:
+    """The commit the table ran on, and whether files differed from it."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                              capture_output=True, timeout=30).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                 cwd=root, text=True, capture_output=True,
+                                 timeout=30).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    changed = [line for line in changed if line.strip() and "docs/chaos.md" not in line]
+    return f"commit {head or 'unknown'}" + (f" with {len(changed)} files changed" if changed
+                                             else "")
+
+
 def document(results: list[CellResult], settings: Settings, seconds: float,
              load: str) -> str:
     from datetime import UTC, datetime
@@ -100,6 +117,7 @@ def document(results: list[CellResult], settings: Settings, seconds: float,
                 Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown CPU")
     held = sum(r.holds for r in ran)
+    revision = _revision()
     out = [
         "# The chaos table",
         "",
@@ -110,6 +128,7 @@ def document(results: list[CellResult], settings: Settings, seconds: float,
         "",
         f"- generated {datetime.now(UTC):%Y-%m-%d %H:%M} UTC in {seconds / 60:.1f} min on "
         f"{os.cpu_count()} cores ({cpu}; load average {load} at the start)",
+        f"- code: {revision}",
         f"- seeds: table seed {settings.seed}; a cell's seed is crc32(cell name) + "
         f"{settings.seed}",
         f"- per cell: {settings.runs} runs, {settings.jobs} at a time on one worker, "
