@@ -203,6 +203,15 @@ class RunLock:
         self.store = store
         self.dir = cassettes / ".locks"
         self.dir.mkdir(parents=True, exist_ok=True)
+        # An advisory lock is held by a session for the whole run: each run holds a
+        # connection of its own, outside the store's small pool, which the bookkeeping of
+        # every other run (and the heartbeat) shares; closing it releases the lock.
+        self.lock_engine: sa.Engine | None = None
+        if not is_sqlite(store.url):
+            from runs.config import sqlalchemy_url
+
+            self.lock_engine = sa.create_engine(sqlalchemy_url(store.url),
+                                                poolclass=sa.pool.NullPool)
 
     @contextlib.contextmanager
     def hold(self, run_id: str, stopping: threading.Event) -> Iterator[None]:
@@ -216,8 +225,8 @@ class RunLock:
                 except BlockingIOError:
                     if stopping.wait(0.2):
                         raise WorkerStopping from None
-            if not is_sqlite(self.store.url):
-                conn = self.store.engine.connect()
+            if self.lock_engine is not None:
+                conn = self._connect(stopping)
                 key = sa.text("select pg_try_advisory_lock(hashtextextended(:run, 0))")
                 while not conn.execute(key, {"run": run_id}).scalar():
                     conn.rollback()
@@ -232,6 +241,16 @@ class RunLock:
                     conn.commit()
                 conn.close()
             os.close(fd)
+
+    def _connect(self, stopping: threading.Event) -> sa.Connection:
+        """A connection for the run's advisory lock, waiting out a database outage."""
+        assert self.lock_engine is not None
+        while True:
+            try:
+                return self.lock_engine.connect()
+            except sa.exc.OperationalError:
+                if stopping.wait(1.0):
+                    raise WorkerStopping from None
 
 
 class WorkerStopping(BaseException):
