@@ -31,6 +31,7 @@ stays at WARNING (no migration chatter, no sign-up banner).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import time
@@ -168,8 +169,15 @@ def prepare(url: str) -> None:
                 raise DatabaseUnavailable(_unreachable(url, exc)) from None
             time.sleep(0.05 * (attempt + 1))
     if is_sqlite(url):
-        with sqlite3.connect(sqlite_path(url), timeout=30) as conn:
-            conn.execute("PRAGMA journal_mode=WAL")
+        for attempt in range(MIGRATE_ATTEMPTS):
+            try:
+                with contextlib.closing(sqlite3.connect(sqlite_path(url), timeout=30)) as conn:
+                    conn.execute("PRAGMA journal_mode=WAL")
+                break
+            except sqlite3.OperationalError as exc:  # another process holds it this instant
+                if "locked" not in str(exc) or attempt == MIGRATE_ATTEMPTS - 1:
+                    raise DatabaseUnavailable(_unreachable(url, exc)) from None
+                time.sleep(0.05 * (attempt + 1))
 
 
 def _unreachable(url: str, exc: BaseException) -> str:
