@@ -380,6 +380,7 @@ def test_every_step_of_a_hostile_run_renders_no_markup(
 # ---------------------------------------------------------------------- in a real browser
 
 
+REBIND = "rebind.attacker.example"  # an attacker's name, made to resolve to 127.0.0.1
 ASK_AGENT = '''
 import sys
 import recorder
@@ -404,74 +405,20 @@ def browser(*args: str) -> Iterator[Page]:
 
 
 def settled(page: Page, canary: Canary) -> None:
-    """Every expander open, Streamlit done running and the network quiet: by then the
-    page has asked for every image it shows, and the canary has had no request."""
-    for summary in page.get_by_test_id("stExpander").locator("summary").all():
-        if summary.get_attribute("aria-expanded") != "true":
-            summary.click()
+    """Streamlit done drawing, then every expander open and the network quiet: by then
+    the page has asked for every image it shows, and the canary must have had no request."""
+    for _ in range(2):
+        page.wait_for_load_state("networkidle")
+        expect(page.get_by_test_id("stStatusWidget")).to_have_count(0)
+        for summary in page.get_by_test_id("stExpander").locator("summary").all():
+            if not summary.evaluate("s => s.parentElement.open"):
+                summary.click()
     page.wait_for_load_state("networkidle")
-    expect(page.get_by_test_id("stStatusWidget")).to_have_count(0)
     assert canary.hits == [], f"{page.url} made the browser fetch {canary.hits}"
 
 
 def visible(page: Page, text: str) -> None:
     expect(page.get_by_text(text, exact=False).filter(visible=True).first).to_be_visible()
-
-
-def test_a_hostile_run_in_chromium_fetches_nothing_and_reads_as_text(
-        tmp_path: Path, canary: Canary) -> None:
-    missing = chromium_missing()
-    if missing:
-        pytest.fail(missing)
-    folder = tmp_path / "cassettes"
-    folder.mkdir()
-    path = record_hostile_run(folder, canary.url)
-    rid, question = run_id(path), bait("ask-question", canary.url)
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "ask_agent.py").write_text(ASK_AGENT)
-    url = config.database_url()
-    service = Runs(Store(url), engine.Client(url))
-    log = tmp_path / "worker.log"
-    try:
-        with worker(log), serve_viewer(folder, tmp_path / "view.log") as base, \
-                browser() as page:
-            asked = service.submit({"command": [sys.executable, "ask_agent.py", question],
-                                    "cwd": str(project),
-                                    "labels": {"note": bait("label", canary.url)}})["run_id"]
-            # The runs page: labels in the table, tool names among the filters.
-            open_page(page, base + "/")
-            visible(page, "1 run(s)")
-            page.get_by_role("combobox", name="Tool used").click()
-            expect(page.get_by_role("option").first).to_be_visible()
-            settled(page, canary)
-            # The run, then each of its steps, with every expander open.
-            open_page(page, f"{base}/?run={rid}&file={path.name}")
-            visible(page, f"Run {rid}")
-            settled(page, canary)
-            for step in range(steps(path)):
-                open_page(page, f"{base}/?run={rid}&file={path.name}&step={step}")
-                visible(page, f"Step {step}:")
-                settled(page, canary)
-                if step == 0:  # the model call: what everyone said, as it was said
-                    for place in ("model-text", "thinking", "user-text", "system"):
-                        visible(page, bait(place, canary.url))
-                    visible(page, closing("image-url", canary.url))
-                    visible(page, closing("tool-name", canary.url))
-                    expect(page.get_by_test_id("stImage")).to_have_count(1)  # from its bytes
-                elif step == 1:
-                    visible(page, bait("tool-result", canary.url))
-                elif step == 2:
-                    visible(page, bait("tool-error", canary.url))
-            visible(page, bait("model-error", canary.url))  # the last step: a 400
-            # The question of a waiting run, on the Submitted runs page.
-            wait_status(service, asked, "input_required", log)
-            open_page(page, base + "/?page=submitted")
-            visible(page, question)
-            settled(page, canary)
-    finally:
-        submitted.close(service)
-    assert canary.hits == []
 
 
 def handshake(port: int, host: str, origin: str | None = None) -> str:
@@ -497,46 +444,87 @@ def http_get(port: int, path: str, **headers: str) -> tuple[int, bytes, dict[str
         conn.close()
 
 
-def test_a_foreign_host_or_origin_is_refused(tmp_path: Path, canary: Canary) -> None:
+def refuses_other_sites(page: Page, port: int, canary: Canary) -> None:
+    """Another Host or Origin: refused over HTTP, at the websocket, and in Chromium, where
+    the attacker's name resolves to 127.0.0.1 as DNS rebinding makes it."""
+    own = f"127.0.0.1:{port}"
+    for path in ("/", "/_stcore/health", "/media/x.png"):
+        status, body, _ = http_get(port, path, Host=f"{REBIND}:{port}")
+        assert status == 421 and b"--allow-host" in body, (path, status, body)
+    assert http_get(port, "/_stcore/health", Host=f"localhost:{port}")[0] == 200
+    assert http_get(port, "/_stcore/health", Host=own, Origin=f"http://{REBIND}:{port}")[0] == 403
+    assert http_get(port, "/_stcore/health", Host=own, **{
+        "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"})[0] == 403
+    status, _, headers = http_get(port, "/", Host=own)  # images from itself only, no framing
+    assert status == 200 and headers["content-security-policy"] == \
+        "img-src 'self' data: blob:; frame-ancestors 'none'"
+    # The websocket: a foreign Host, a foreign Origin, then the viewer's own page.
+    assert " 101 " not in handshake(port, f"{REBIND}:{port}", f"http://{REBIND}:{port}")
+    assert " 101 " not in handshake(port, f"{REBIND}:{port}")
+    assert " 101 " not in handshake(port, own, canary.url)
+    assert " 101 " not in handshake(port, own, "null")
+    assert " 101 " in handshake(port, own, f"http://{own}")
+    response = page.goto(f"http://{REBIND}:{port}/")
+    assert response is not None and response.status == 421
+    expect(page.get_by_test_id("stApp")).to_have_count(0)
+    visible(page, "deja view answers only on this machine's own names")
+    # Pages of another site try the viewer's websocket, by its address and by the name.
+    canary_port = canary.url.rsplit(":", 1)[1]
+    for target in (own, f"{REBIND}:{port}"):
+        page.goto(f"http://{REBIND}:{canary_port}/attack?ws=ws://{target}/_stcore/stream")
+        expect(page).to_have_title("refused")
+
+
+def test_the_viewer_in_chromium_fetches_nothing_a_run_names_and_answers_only_itself(
+        tmp_path: Path, canary: Canary) -> None:
     missing = chromium_missing()
     if missing:
         pytest.fail(missing)
     folder = tmp_path / "cassettes"
     folder.mkdir()
-    rebind = "rebind.attacker.example"
-    with serve_viewer(folder, tmp_path / "view.log") as base:
-        port = int(base.rsplit(":", 1)[1])
-        own = f"127.0.0.1:{port}"
-        # Plain HTTP: the page, the health check, a media path.
-        for path in ("/", "/_stcore/health", "/media/x.png"):
-            status, body, _ = http_get(port, path, Host=f"{rebind}:{port}")
-            assert status == 421 and b"--allow-host" in body, (path, status, body)
-        assert http_get(port, "/_stcore/health", Host=f"localhost:{port}")[0] == 200
-        assert http_get(port, "/_stcore/health", Host=own,
-                        Origin=f"http://{rebind}:{port}")[0] == 403
-        assert http_get(port, "/_stcore/health", Host=own, **{
-            "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"})[0] == 403
-        # The viewer's own page: served, with images from itself only and no framing.
-        status, _, headers = http_get(port, "/", Host=own)
-        assert status == 200 and headers["content-security-policy"] == \
-            "img-src 'self' data: blob:; frame-ancestors 'none'"
-        # The websocket: a foreign Host, a foreign Origin, then the viewer's own page.
-        assert " 101 " not in handshake(port, f"{rebind}:{port}", f"http://{rebind}:{port}")
-        assert " 101 " not in handshake(port, f"{rebind}:{port}")
-        assert " 101 " not in handshake(port, own, canary.url)
-        assert " 101 " not in handshake(port, own, "null")
-        assert " 101 " in handshake(port, own, f"http://{own}")
-        # Chromium, with the attacker's name resolving to 127.0.0.1 (DNS rebinding).
-        with browser(f"--host-resolver-rules=MAP {rebind} 127.0.0.1") as page:
-            response = page.goto(f"http://{rebind}:{port}/")
-            assert response is not None and response.status == 421
-            expect(page.get_by_test_id("stApp")).to_have_count(0)
-            visible(page, "deja view answers only on this machine's own names")
-            # Pages of other origins try the viewer's websocket: by its own address, and
-            # by the rebound name.
-            canary_port = canary.url.rsplit(":", 1)[1]
-            for target in (own, f"{rebind}:{port}"):
-                page.goto(f"http://{rebind}:{canary_port}/attack?ws=ws://{target}/_stcore/stream")
-                expect(page).to_have_title("refused")
-    assert host_name(f"{rebind}:{port}") == rebind and host_name("[::1]:80") == "::1"
+    path = record_hostile_run(folder, canary.url)
+    rid, question = run_id(path), bait("ask-question", canary.url)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "ask_agent.py").write_text(ASK_AGENT)
+    url = config.database_url()
+    service = Runs(Store(url), engine.Client(url))
+    log = tmp_path / "worker.log"
+    try:
+        with worker(log), serve_viewer(folder, tmp_path / "view.log") as base, \
+                browser(f"--host-resolver-rules=MAP {REBIND} 127.0.0.1") as page:
+            asked = service.submit({"command": [sys.executable, "ask_agent.py", question],
+                                    "cwd": str(project),
+                                    "labels": {"note": bait("label", canary.url)}})["run_id"]
+            # The runs page: labels in the table, tool names among the filters.
+            open_page(page, base + "/")
+            visible(page, "1 run(s)")
+            page.get_by_role("combobox", name="Tool used").click()
+            expect(page.get_by_role("option").first).to_be_visible()
+            settled(page, canary)
+            # Each step of the run (under the run's totals, timeline and charts), with
+            # every expander open: what everyone said reads as it was said.
+            shown = {0: ("model-text", "thinking", "user-text", "system"), 1: ("tool-result",),
+                     2: ("tool-error",), steps(path) - 1: ("model-error",)}
+            for step in range(steps(path)):
+                open_page(page, f"{base}/?run={rid}&file={path.name}&step={step}")
+                visible(page, f"Step {step}:")
+                settled(page, canary)
+                for place in shown.get(step, ()):
+                    visible(page, bait(place, canary.url))
+                if step == 0:
+                    visible(page, f"Run {rid}")
+                    visible(page, closing("image-url", canary.url))
+                    visible(page, closing("tool-name", canary.url))
+                    expect(page.get_by_test_id("stImage")).to_have_count(1)  # from its bytes
+            # The question of a waiting run, on the Submitted runs page.
+            wait_status(service, asked, "input_required", log)
+            open_page(page, base + "/?page=submitted")
+            visible(page, question)
+            settled(page, canary)
+            refuses_other_sites(page, int(base.rsplit(":", 1)[1]), canary)
+    finally:
+        submitted.close(service)
+    assert canary.hits == []
+    assert host_name(f"{REBIND}:80") == REBIND and host_name("[::1]:80") == "::1"
     assert host_name("a@b:1") is None and host_name("h:port") is None
