@@ -11,7 +11,8 @@ server (every HTTP route and the websocket), refuses:
 - a request whose ``Host`` is not a loopback name (``localhost``, ``127.0.0.1``,
   ``[::1]``) or one the user allowed (``deja view --allow-host NAME``): HTTP 421, and
   the websocket handshake refused;
-- a request with an ``Origin`` other than the viewer's own (``http://`` + its Host):
+- a request with an ``Origin`` other than the viewer's own (``http://`` or, behind a
+  TLS proxy, ``https://``, then its Host):
   HTTP 403, the websocket refused. Browsers send ``Origin`` on every websocket, every
   POST and every cross-origin fetch, so a page elsewhere cannot talk to the viewer;
 - a cross-site request for a resource (``Sec-Fetch-Site: cross-site`` for anything but a
@@ -73,7 +74,8 @@ def refusal(headers: dict[str, str], hosts: frozenset[str]) -> tuple[int, str] |
                      f"({', '.join(sorted(hosts))}), not on Host {host!r}; to use another "
                      "name, start it with --allow-host NAME")
     origin = headers.get("origin")
-    if origin is not None and origin.lower() != f"http://{host}".lower():
+    if origin is not None and origin.lower() not in (f"http://{host}".lower(),
+                                                     f"https://{host}".lower()):
         return 403, (f"deja view answers only its own pages, not a page of origin {origin!r}")
     if headers.get("sec-fetch-site") == "cross-site" \
             and headers.get("sec-fetch-mode") not in (None, "navigate"):

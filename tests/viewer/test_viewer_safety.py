@@ -52,7 +52,7 @@ from runs import config, engine
 from runs.service import Runs
 from runs.store import Store
 from viewer import submitted
-from viewer.guard import host_name
+from viewer.guard import allowed_hosts, host_name, refusal
 from viewer.safe import code, escape, md, unescape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -334,6 +334,27 @@ def test_every_markdown_string_of_the_viewer_is_a_literal_or_made_by_md() -> Non
     assert bad == [], "Markdown made from a value without md():\n" + "\n".join(bad)
 
 
+def test_the_guard_lets_through_only_the_viewers_own_names_and_pages() -> None:
+    hosts = allowed_hosts(["viewer.example"])
+    for host in ("127.0.0.1:8501", "localhost:8501", "[::1]:8501", "LOCALHOST.", "viewer.example"):
+        assert refusal({"host": host}, hosts) is None, host
+        assert refusal({"host": host, "origin": f"http://{host}"}, hosts) is None, host
+    assert refusal({"host": "viewer.example", "origin": "https://viewer.example"}, hosts) is None
+    for host in (None, "", "rebind.attacker.example:8501", "127.0.0.1.attacker.example",
+                 "a@127.0.0.1", "127.0.0.1:port", "127.0.0.1/x"):
+        assert refusal({"host": host} if host is not None else {}, hosts) is not None, host
+    for origin in ("null", "http://127.0.0.1:8502", "http://rebind.attacker.example:8501",
+                   "file://", "http://localhost:8501"):
+        refused = refusal({"host": "127.0.0.1:8501", "origin": origin}, hosts)
+        assert refused is not None and refused[0] == 403, origin
+    assert refusal({"host": "127.0.0.1:1", "sec-fetch-site": "cross-site",
+                    "sec-fetch-mode": "no-cors"}, hosts) == (
+        403, "deja view does not serve its content to other sites' pages")
+    assert refusal({"host": "127.0.0.1:1", "sec-fetch-site": "cross-site",
+                    "sec-fetch-mode": "navigate"}, hosts) is None  # a link from elsewhere
+    assert host_name("[::1]:80") == "::1" and host_name("h:port") is None
+
+
 # ---------------------------------------------------------------------- the run, in AppTest
 
 
@@ -526,5 +547,3 @@ def test_the_viewer_in_chromium_fetches_nothing_a_run_names_and_answers_only_its
     finally:
         submitted.close(service)
     assert canary.hits == []
-    assert host_name(f"{REBIND}:80") == REBIND and host_name("[::1]:80") == "::1"
-    assert host_name("a@b:1") is None and host_name("h:port") is None
