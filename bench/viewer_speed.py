@@ -10,8 +10,9 @@ animation frame, until the timeline is drawn: its canvas (Glide Data Grid) has t
 its first data row. The grid fills the table it keeps beside the canvas for screen
 readers later, once the charts below are drawn; the time until that table holds all the
 rows (``aria-rowcount`` = steps + 1) is kept too, and confirms that the grid drawn is the
-whole timeline. Each load is a new browser context (empty cache, new Streamlit session);
-one untimed load comes first (the server's first session).
+whole timeline. Each load is a new browser context (empty cache, new Streamlit session)
+holding the viewer's cookie, as after opening the address ``deja view`` printed; one
+untimed load comes first (the server's first session).
 
 Filter: ``runs`` small signed cassettes (a model step with its request and response, a
 tool step, an end line) are written with ``recorder.cassette.CassetteWriter`` directly,
@@ -29,6 +30,7 @@ import http.client
 import itertools
 import multiprocessing
 import os
+import re
 import socket
 import statistics
 import subprocess
@@ -49,6 +51,7 @@ from recorder.cassette import CassetteWriter, load
 from recorder.cassette.keys import load_keyring, require_signing_key
 from recorder.record import new_run_id
 from viewer import queries
+from viewer.guard import COOKIE, cookie_value
 from viewer.index import RunIndex
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -102,8 +105,9 @@ def _healthy(port: int) -> bool:
 
 
 @contextmanager
-def viewer(folder: Path, log: Path) -> Iterator[str]:
-    """``deja view FOLDER`` on a free port until the block ends."""
+def viewer(folder: Path, log: Path) -> Iterator[tuple[str, str]]:
+    """``deja view FOLDER`` on a free port until the block ends: its base URL and the
+    token of the address it printed."""
     port = _free_port()
     with log.open("wb") as sink:
         process = subprocess.Popen([sys.executable, "-m", "deja", "view", str(folder),
@@ -115,7 +119,10 @@ def viewer(folder: Path, log: Path) -> Iterator[str]:
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"deja view did not start: {log.read_text()}")
                 time.sleep(0.2)
-            yield f"http://127.0.0.1:{port}"
+            printed = re.search(r"/\?token=(\S+) ", log.read_text())
+            if printed is None:
+                raise RuntimeError(f"deja view printed no token: {log.read_text()}")
+            yield f"http://127.0.0.1:{port}", printed.group(1)
         finally:
             process.terminate()
             try:
@@ -181,12 +188,14 @@ def first_paint(steps: int, loads: int, timeout_ms: int = 60_000) -> dict[str, A
         url = f"/?run={run}"
         painted: list[float] = []
         grids: list[float] = []
-        with viewer(folder, d / "view.log") as base, sync_playwright() as p:
+        with viewer(folder, d / "view.log") as (base, token), sync_playwright() as p:
             browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
                                         args=CHROMIUM_ARGS)
             try:
                 for i in range(loads + 1):  # the first load is untimed: the server's first
                     context = browser.new_context(viewport={"width": 1280, "height": 800})
+                    context.add_cookies([{"name": COOKIE, "value": cookie_value(token),
+                                          "url": base}])
                     try:
                         paint, grid = _load(context.new_page(), base + url, steps + 1,
                                             timeout_ms)

@@ -408,8 +408,11 @@ def ls_(directory: Path, as_json: bool, allow_unverified: bool) -> None:
 @click.option("--allow-host", "allow_hosts", multiple=True, metavar="NAME",
               help="Also answer requests made to this host name (repeatable; by default only "
                    "localhost, 127.0.0.1 and [::1]), e.g. a name that a tunnel forwards here.")
+@click.option("--token", envvar="DEJA_TOKEN", metavar="TOKEN",
+              help="The token the printed address carries (also DEJA_TOKEN). Default: this "
+                   "install's, $DEJA_HOME/serve.token, made on first use.")
 @_allow_unverified_option
-def view(directory: Path, port: int, allow_hosts: tuple[str, ...],
+def view(directory: Path, port: int, allow_hosts: tuple[str, ...], token: str | None,
          allow_unverified: bool) -> None:
     """Browse the runs of a cassette directory in the browser (default: cassettes).
 
@@ -422,14 +425,18 @@ def view(directory: Path, port: int, allow_hosts: tuple[str, ...],
     A run's content is shown as text, never as markup, and the page fetches nothing
     from elsewhere. The server answers only requests made to a loopback name (or an
     --allow-host name) from its own pages: another site's page, even one whose name
-    resolves to 127.0.0.1, cannot read the viewer or press its buttons.
+    resolves to 127.0.0.1, cannot read the viewer or press its buttons. The address it
+    prints carries a token (?token=...): opening it gives the browser a cookie, which every
+    request needs, so another user of the machine cannot drive the viewer either.
     """
     import importlib.util
     import signal
+    from urllib.parse import quote
 
     import viewer
+    from runs.auth import server_token
     from viewer.console import indexing_progress
-    from viewer.guard import HOSTS_ENV, host_name
+    from viewer.guard import HOSTS_ENV, TOKEN_ENV, host_name
     from viewer.index import RunIndex
 
     if not directory.is_dir():
@@ -441,6 +448,7 @@ def view(directory: Path, port: int, allow_hosts: tuple[str, ...],
     if importlib.util.find_spec("streamlit.starlette") is None:
         raise BadInput("deja view needs Streamlit 1.53 or newer (its Starlette server "
                        "runs the viewer's host checks): pip install -U 'streamlit>=1.53'")
+    secret = server_token(token)
     # Indexed here first, with a progress bar on a terminal, so the first page is quick.
     with RunIndex(directory, allow_unverified=allow_unverified or None) as index, \
             indexing_progress() as progress:
@@ -457,12 +465,16 @@ def view(directory: Path, port: int, allow_hosts: tuple[str, ...],
     if "server.allowedHosts" in streamlit_config.get_config_options():  # its own check too
         for name in ("localhost", "127.0.0.1", "::1", *allow_hosts):
             argv += ["--server.allowedHosts", name.strip("[]")]
+    if "logger.hideWelcomeMessage" in streamlit_config.get_config_options():
+        argv += ["--logger.hideWelcomeMessage", "true"]  # its address lacks the token
     argv += ["--", str(directory)]
     # A SIGTERM from here on stops the viewer with us, even one that comes while it starts.
     terminated: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _: terminated.append(signum))
-    click.echo(f"deja view: {directory} at http://127.0.0.1:{port} (Ctrl-C stops it)", err=True)
+    click.echo(f"deja view: {directory} at http://127.0.0.1:{port}/?token="
+               f"{quote(secret, safe='')} (Ctrl-C stops it)", err=True)
     env = dict(os.environ)
+    env[TOKEN_ENV] = secret
     env["DEJA_VIEW_DIR"] = str(directory)
     env[HOSTS_ENV] = ",".join(name.strip("[]") for name in allow_hosts)
     if allow_unverified:

@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             chromium_page,
             serve_viewer,
             shot,
+            sign_in,
         )
         from test_viewer_queries import AFTER_FORK, GOOD, build_corpus
 
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             # A tall window: the page scrolls inside itself, so a full-page screenshot
             # would stop at the window's height; each picture is a clip of it.
             with chromium_page({"width": WIDTH, "height": 2600}) as page:
+                sign_in(page, base)  # the address deja view printed: its cookie
                 page.goto(f"{base}/?run={rich}&file=rich.jsonl")
                 page.screenshot(path=str(work / "warm-up.png"))  # the first can be blank
                 expect(page.get_by_test_id("stVegaLiteChart")).to_have_count(3)
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 shot(page, out["viewer-step.png"],
                      clip=_clip(top["y"] - 24, bottom["y"] + bottom["height"] + 24))
             with chromium_page({"width": WIDTH, "height": 4000}) as page:
+                sign_in(page, base)
                 page.goto(f"{base}/?run={spiral}&file=spiral.jsonl&step=1")
                 editor = page.get_by_label("Edited document (JSON)")
                 editor.fill(json.dumps({"result": GOOD}))
@@ -124,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 shot(page, out["viewer-fork.png"],
                      clip=_clip(top["y"] - 24, bottom["y"] + bottom["height"] + 24))
             with chromium_page({"width": WIDTH, "height": 1000}) as page:
+                sign_in(page, base)
                 page.goto(f"{base}/?a={spiral}&a_file=spiral.jsonl&b={fixed}&b_file=fixed.jsonl")
                 expect(page.get_by_text("First divergence: step 1", exact=True)).to_be_visible()
                 expect(page.get_by_test_id("stExpander").filter(has_text="▶ first divergence")

@@ -19,6 +19,19 @@ server (every HTTP route and the websocket), refuses:
   page navigation: an ``<img>`` or ``<script>`` of another site pointing here): HTTP 403.
   A link from elsewhere to a run's page still opens it.
 
+Then the token, as Jupyter does it: another user of the machine can reach 127.0.0.1 too.
+``deja view`` prints its address with this install's token (:mod:`runs.auth`, the token
+of ``deja serve``, or ``--token``/``DEJA_TOKEN``) as ``?token=``. A request whose
+``token`` matches (compared in constant time) is answered with a cookie, ``deja_view``,
+holding not the token but an HMAC of it (``HttpOnly; SameSite=Strict; Path=/``), and a
+redirect to the same address without the token, so it stays out of the history, the
+page's query parameters and any ``Referer``. Every other request needs that cookie: the
+page, Streamlit's scripts and styles, its media and upload routes and the websocket
+(which carries every run's content and every Fork, Cancel and Answer); without it, HTTP
+401 with a line saying to open the address ``deja view`` printed, and the websocket
+handshake answered 401. Only Streamlit's health check (``/_stcore/health``, which says
+``ok`` and nothing else) needs no cookie. A wrong ``?token=`` is refused the same way.
+
 Every answer also says ``Content-Security-Policy: img-src 'self' data: blob:;
 frame-ancestors 'none'``: the page loads images only from the viewer itself (so even a
 run's text that slipped through as markup could not make the browser fetch a remote
@@ -27,10 +40,12 @@ address), and no other site can frame it to steer a click.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -41,6 +56,48 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 LOOPBACK = ("localhost", "127.0.0.1", "::1")
 HOSTS_ENV = "DEJA_VIEW_ALLOWED_HOSTS"  # more names, comma-separated (deja view --allow-host)
 POLICY = "img-src 'self' data: blob:; frame-ancestors 'none'"
+COOKIE = "deja_view"
+TOKEN_ENV = "DEJA_VIEW_TOKEN"  # the token, from deja view to the server it starts
+OPEN_PATHS = frozenset({"/_stcore/health"})  # says "ok", nothing else: no cookie needed
+UNAUTHORIZED = ("deja view needs its token: open the address deja view printed when it "
+                "started (http://127.0.0.1:PORT/?token=...); it gives this browser a "
+                "cookie that lets it in.")
+
+
+def cookie_value(token: str) -> str:
+    """What the cookie holds: an HMAC of the token, never the token itself (a cookie
+    goes to every port of the host, and the token also lets one submit to deja serve)."""
+    return hmac.new(token.encode(), b"deja view cookie", hashlib.sha256).hexdigest()
+
+
+def cookies(header: str | None) -> dict[str, str]:
+    """The name=value pairs of a ``Cookie`` header (the first of a name wins)."""
+    found: dict[str, str] = {}
+    for part in (header or "").split(";"):
+        name, sep, value = part.strip().partition("=")
+        if sep and name not in found:
+            found[name] = value.strip().strip('"')
+    return found
+
+
+def signed_in(headers: dict[str, str], token: str) -> bool:
+    """Whether the request carries the viewer's cookie for ``token``."""
+    given = cookies(headers.get("cookie")).get(COOKIE, "")
+    return hmac.compare_digest(given.encode(), cookie_value(token).encode())
+
+
+def token_in(query: str) -> str | None:
+    """The ``token`` of a query string, or None when it has none."""
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if name == "token":
+            return value
+    return None
+
+
+def without_token(path: str, query: str) -> str:
+    """``path`` with ``query`` minus its ``token``: where the sign-in redirects."""
+    rest = [(n, v) for n, v in parse_qsl(query, keep_blank_values=True) if n != "token"]
+    return quote(path or "/", safe="/") + (f"?{urlencode(rest)}" if rest else "")
 
 
 def allowed_hosts(extra: Iterable[str] = ()) -> frozenset[str]:
@@ -83,12 +140,27 @@ def refusal(headers: dict[str, str], hosts: frozenset[str]) -> tuple[int, str] |
     return None
 
 
-class HostGuard:
-    """ASGI middleware: :func:`refusal` for every HTTP request and websocket handshake."""
+async def _plain(send: Send, status: int, text: str, kind: str = "http",
+                 headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
+    """A short plain-text answer; on a websocket, its handshake's answer."""
+    body = (text + "\n").encode()
+    prefix = "websocket.http" if kind == "websocket" else "http"
+    await send({"type": f"{prefix}.response.start", "status": status, "headers": [
+        (b"content-type", b"text/plain; charset=utf-8"),
+        (b"content-length", str(len(body)).encode()),
+        (b"cache-control", b"no-store"),
+        (b"content-security-policy", POLICY.encode()), *headers]})
+    await send({"type": f"{prefix}.response.body", "body": body})
 
-    def __init__(self, app: ASGIApp, hosts: Iterable[str] = ()) -> None:
+
+class HostGuard:
+    """ASGI middleware: :func:`refusal` for every HTTP request and websocket handshake,
+    then, when there is a ``token``, the cookie (or the sign-in with ``?token=``)."""
+
+    def __init__(self, app: ASGIApp, hosts: Iterable[str] = (), token: str | None = None) -> None:
         self.app = app
         self.hosts = allowed_hosts(hosts)
+        self.token = token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope.get("type")
@@ -103,13 +175,27 @@ class HostGuard:
             if kind == "websocket":  # closed before it is accepted: the handshake gets 403
                 await send({"type": "websocket.close", "code": 1008, "reason": reason[:120]})
                 return
-            body = (reason + "\n").encode()
-            await send({"type": "http.response.start", "status": status, "headers": [
-                (b"content-type", b"text/plain; charset=utf-8"),
-                (b"content-length", str(len(body)).encode()),
-                (b"content-security-policy", POLICY.encode())]})
-            await send({"type": "http.response.body", "body": body})
+            await _plain(send, status, reason)
             return
+        if self.token is not None:
+            query = (scope.get("query_string") or b"").decode("latin-1")
+            given = token_in(query)
+            if kind == "http" and given is not None and scope.get("method") in ("GET", "HEAD") \
+                    and hmac.compare_digest(given.encode(), self.token.encode()):
+                cookie = f"{COOKIE}={cookie_value(self.token)}; HttpOnly; SameSite=Strict; Path=/"
+                await _plain(send, 303, "signed in", headers=[
+                    (b"location", without_token(scope.get("path", "/"), query).encode()),
+                    (b"set-cookie", cookie.encode()), (b"referrer-policy", b"no-referrer")])
+                return
+            if (given is not None or not signed_in(headers, self.token)) \
+                    and (scope.get("path") not in OPEN_PATHS or kind != "http"):
+                if kind == "websocket" and "websocket.http.response" not in \
+                        (scope.get("extensions") or {}):
+                    await send({"type": "websocket.close", "code": 1008,
+                                "reason": "deja view needs its token"})
+                    return
+                await _plain(send, 401, UNAUTHORIZED, kind)
+                return
         if kind == "websocket":
             await self.app(scope, receive, send)
             return

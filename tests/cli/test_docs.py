@@ -161,9 +161,13 @@ def block_script(commands: list[tuple[str, list[str]]], marks: Path) -> str:
         out = marks / f"{n}.out"
         if command.startswith("deja view"):  # runs until stopped: serve, answer, stop
             steps.append(f"{command.split('#')[0].rstrip()} >{out} 2>&1 &")
+            # the address it printed, with its token: a cookie, then the page
             steps.append(f"VIEW=$!; wait_port {port_of(command)} && "
-                         f"python -c \"import urllib.request as u; u.urlopen('http://127.0.0.1:"
-                         f"{port_of(command)}/', timeout=30)\" >>{out} || "
+                         "python -c \"import re, urllib.request as u, http.cookiejar as c; "
+                         "url = re.search(r'http://127[.]0[.]0[.]1:[0-9]+/[?]token=[^ ]+', "
+                         f"open('{out}').read()).group(0); "
+                         "u.build_opener(u.HTTPCookieProcessor(c.CookieJar())).open(url, "
+                         f"timeout=30)\" >>{out} || "
                          f"{{ echo 'FAILED {n}: no viewer'; exit 1; }}; kill $VIEW")
             continue
         background = command.split("#")[0].rstrip().endswith("&")

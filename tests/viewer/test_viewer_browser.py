@@ -9,8 +9,8 @@ on the page's text, never on pixels. Another runs ``docs/make_screenshots.py``, 
 takes the README's pictures of the run, step, diff and fork pages the same way. Nothing is
 mocked: `deja record`, `deja view`, `deja fork`, the index and the signatures are real.
 
-The helpers (:func:`serve_viewer`, :func:`chromium_page`, :func:`shot`) are used by
-``docs/make_screenshots.py`` too.
+The helpers (:func:`serve_viewer`, :func:`sign_in`, :func:`chromium_page`, :func:`shot`) are
+used by ``docs/make_screenshots.py`` too.
 """
 
 from __future__ import annotations
@@ -98,11 +98,30 @@ def _health(port: int) -> bytes | None:
         conn.close()
 
 
+SIGN_IN: dict[str, str] = {}  # a served viewer's base URL -> the address it printed
+
+
+def printed_address(log: str) -> str:
+    """The address with the token that ``deja view`` printed in ``log``."""
+    found = re.search(r"at (http://127\.0\.0\.1:\d+/\?token=\S+) ", log)
+    assert found, f"deja view printed no address with a token:\n{log}"
+    return found.group(1)
+
+
+def sign_in(page: Page, base: str) -> None:
+    """Open the address ``deja view`` printed: the viewer sets its cookie and sends the
+    browser on to the same page without the token."""
+    response = page.goto(SIGN_IN[base])
+    assert response is not None and response.ok and page.url == base + "/", page.url
+    assert any(c["name"] == "deja_view" and c["httpOnly"] and c["sameSite"] == "Strict"
+               for c in page.context.cookies(base))
+
+
 @contextmanager
 def serve_viewer(folder: Path, log_path: Path, *, timeout: float = 40.0,
                  env: dict[str, str] | None = None, cwd: Path | None = None) -> Iterator[str]:
     """``deja view FOLDER`` (run in ``cwd``) on a free port; yields its base URL, stops it
-    on exit."""
+    on exit. :func:`open_page` signs in with the address it printed first."""
     port = free_port()
     environ = dict(os.environ if env is None else env)
     environ.pop("ANTHROPIC_BASE_URL", None)  # the fork's live target is set in the page
@@ -117,8 +136,11 @@ def serve_viewer(folder: Path, log_path: Path, *, timeout: float = 40.0,
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"deja view did not start:\n{log_path.read_text()}")
                 time.sleep(0.2)
-            yield f"http://127.0.0.1:{port}"
+            base = f"http://127.0.0.1:{port}"
+            SIGN_IN[base] = printed_address(log_path.read_text())
+            yield base
         finally:
+            SIGN_IN.pop(f"http://127.0.0.1:{port}", None)
             process.terminate()  # deja view stops the Streamlit server with it
             try:
                 process.wait(timeout=20)
@@ -170,6 +192,10 @@ def button(page: Page, name: str | re.Pattern[str]) -> Locator:
 
 
 def open_page(page: Page, url: str) -> None:
+    """Open a viewer's page, signing in first when the browser has no cookie yet."""
+    base = next((b for b in SIGN_IN if url.startswith(b + "/")), None)
+    if base is not None and all(c["name"] != "deja_view" for c in page.context.cookies(base)):
+        sign_in(page, base)
     page.goto(url)
     expect(page.get_by_test_id("stApp")).to_be_visible()
 

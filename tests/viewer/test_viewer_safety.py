@@ -442,12 +442,13 @@ def visible(page: Page, text: str) -> None:
     expect(page.get_by_text(text, exact=False).filter(visible=True).first).to_be_visible()
 
 
-def handshake(port: int, host: str, origin: str | None = None) -> str:
+def handshake(port: int, host: str, origin: str | None = None, cookie: str | None = None) -> str:
     """The status line the viewer answers a websocket handshake with."""
     request = (f"GET /_stcore/stream HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\n"
                "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
                "Sec-WebSocket-Version: 13\r\nSec-WebSocket-Protocol: streamlit\r\n"
-               + (f"Origin: {origin}\r\n" if origin else "") + "\r\n")
+               + (f"Origin: {origin}\r\n" if origin else "")
+               + (f"Cookie: {cookie}\r\n" if cookie else "") + "\r\n")
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(request.encode())
         return sock.recv(4096).split(b"\r\n", 1)[0].decode()
@@ -469,6 +470,7 @@ def refuses_other_sites(page: Page, port: int, canary: Canary) -> None:
     """Another Host or Origin: refused over HTTP, at the websocket, and in Chromium, where
     the attacker's name resolves to 127.0.0.1 as DNS rebinding makes it."""
     own = f"127.0.0.1:{port}"
+    signed = "; ".join(f"{c['name']}={c['value']}" for c in page.context.cookies(f"http://{own}"))
     for path in ("/", "/_stcore/health", "/media/x.png"):
         status, body, _ = http_get(port, path, Host=f"{REBIND}:{port}")
         assert status == 421 and b"--allow-host" in body, (path, status, body)
@@ -476,15 +478,16 @@ def refuses_other_sites(page: Page, port: int, canary: Canary) -> None:
     assert http_get(port, "/_stcore/health", Host=own, Origin=f"http://{REBIND}:{port}")[0] == 403
     assert http_get(port, "/_stcore/health", Host=own, **{
         "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors"})[0] == 403
-    status, _, headers = http_get(port, "/", Host=own)  # images from itself only, no framing
+    status, _, headers = http_get(port, "/", Host=own, Cookie=signed)  # images: its own
     assert status == 200 and headers["content-security-policy"] == \
         "img-src 'self' data: blob:; frame-ancestors 'none'"
     # The websocket: a foreign Host, a foreign Origin, then the viewer's own page.
-    assert " 101 " not in handshake(port, f"{REBIND}:{port}", f"http://{REBIND}:{port}")
-    assert " 101 " not in handshake(port, f"{REBIND}:{port}")
-    assert " 101 " not in handshake(port, own, canary.url)
-    assert " 101 " not in handshake(port, own, "null")
-    assert " 101 " in handshake(port, own, f"http://{own}")
+    # (with the viewer's cookie: these are refused for their Host or Origin alone)
+    assert " 101 " not in handshake(port, f"{REBIND}:{port}", f"http://{REBIND}:{port}", signed)
+    assert " 101 " not in handshake(port, f"{REBIND}:{port}", cookie=signed)
+    assert " 101 " not in handshake(port, own, canary.url, signed)
+    assert " 101 " not in handshake(port, own, "null", signed)
+    assert " 101 " in handshake(port, own, f"http://{own}", signed)
     response = page.goto(f"http://{REBIND}:{port}/")
     assert response is not None and response.status == 421
     expect(page.get_by_test_id("stApp")).to_have_count(0)
