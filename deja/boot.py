@@ -8,6 +8,14 @@ cannot start, the program does not run (exit status 3) and stderr says why.
 
 The variables are removed from the environment once read, so programs that the agent
 starts are not recorded into the same file.
+
+A stop signal (SIGTERM, SIGHUP, SIGINT) that comes while the bootstrap runs is held until
+the session has started: an exception raised inside ``sitecustomize`` would end Python
+with "Fatal Python error" and leave the run without an end line. The launcher starts the
+interpreter with those signals blocked (``DEJA_SIGNALS_HELD``), so none lands before this
+module can take it either; the boot unblocks them once its own handler is in place. A
+signal held so is acted on as soon as the session has started: the run ends
+``interrupted``, with its end line, and the program exits 128 + N without running.
 """
 
 from __future__ import annotations
@@ -15,9 +23,10 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 BOOT_DIR = Path(__file__).parent / "_bootstrap"
 BOOT_FAILED = 3
@@ -26,7 +35,10 @@ _ENV = ("DEJA_MODE", "DEJA_CASSETTE", "DEJA_RUN_ID", "DEJA_ARGV", "DEJA_FSYNC", 
         "DEJA_REPORT", "DEJA_ALLOW_TORN", "DEJA_ALLOW_INCOMPLETE",
         "DEJA_REQUIRE_SIGNATURE", "DEJA_OVERWRITE", "DEJA_PLAN", "DEJA_BUDGETS", "DEJA_LOOP",
         "DEJA_BREAKER", "DEJA_ALLOW_UNVERIFIED", "DEJA_LAUNCHER_PID", "DEJA_LOCK_FD",
-        "DEJA_LOCK_CASSETTE")
+        "DEJA_LOCK_CASSETTE", "DEJA_SIGNALS_HELD")
+# The signals that stop a run (the launcher passes them on), held while the boot runs.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+SIGNALS_HELD_ENV = "DEJA_SIGNALS_HELD"
 
 
 def child_env(mode: str, **values: Any) -> dict[str, str]:
@@ -54,7 +66,7 @@ def _take_env() -> dict[str, str]:
     return values
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     sys.stderr.write(f"deja: {message}\n")
     sys.stderr.flush()
     os._exit(BOOT_FAILED)
@@ -66,20 +78,59 @@ def start_from_env() -> None:
     if mode is None:
         _chain_sitecustomize()
         return
+    held = _hold_signals(env)
     try:
         _adopt_lock(env)
-        _stop_on_signals()
         if mode == "record":
-            _start_record(env)
+            watch = _start_record(env)
         elif mode == "replay":
-            _start_replay(env)
+            watch = _start_replay(env)
         elif mode in ("fork", "resume"):
-            _start_continuation(mode, env)
+            watch = _start_continuation(mode, env)
         else:
             _fail(f"unknown DEJA_MODE {mode!r} (expected record, replay, fork or resume)")
     except Exception as exc:  # noqa: BLE001 - reported and fatal, never swallowed
         _fail(f"could not start {mode}: {type(exc).__name__}: {exc}")
     _chain_sitecustomize()
+    _stop_on_signals()
+    if held:  # the run has started: it ends here, interrupted, before the program runs
+        _stop_now(watch, held[0])
+
+
+def _hold_signals(env: dict[str, str]) -> list[int]:
+    """Until :func:`_stop_on_signals` takes over, a stop signal is noted, not raised; the
+    list returned holds it. Signals the launcher blocked for us are let in now."""
+    held: list[int] = []
+
+    def note(signum: int, frame: Any) -> None:
+        if not held:
+            held.append(signum)
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, note)
+    if env.get(SIGNALS_HELD_ENV) == "1":
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    return held
+
+
+def _stop_now(watch: _ExitWatch, signum: int) -> NoReturn:
+    """End the run that just started, as a signal to it would: ``interrupted``, its end
+    line written (or handed over) by the usual exit handlers; exit 128 + N."""
+    from recorder.capture.session import mark_stopping
+    from recorder.errors import Interrupted
+
+    mark_stopping()
+    error = Interrupted(signum)
+    watch.stopped(error)
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(128 + signum)
 
 
 def _adopt_lock(env: dict[str, str]) -> None:
@@ -94,8 +145,6 @@ def _stop_on_signals() -> None:
     """SIGTERM, SIGHUP and SIGINT (as the launcher passes them on) end the run at once,
     as ``Interrupted``, a KeyboardInterrupt: the run's end line says ``interrupted``.
     Signals that arrive while the run is already stopping are ignored."""
-    import signal
-
     from recorder.capture.session import mark_stopping
     from recorder.cassette.whole import interrupt
     from recorder.errors import Interrupted
@@ -109,7 +158,7 @@ def _stop_on_signals() -> None:
         mark_stopping()  # a response cut from here on is not logged: a resume asks again
         interrupt(Interrupted(signum))  # at once, or when the line being written is whole
 
-    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    for signum in STOP_SIGNALS:
         signal.signal(signum, stop)
 
 
@@ -137,6 +186,17 @@ class _ExitWatch:
         self._previous = sys.excepthook
         sys.excepthook = self._hook
 
+    @property
+    def signal(self) -> int | None:
+        """The signal that stopped the program (:class:`recorder.errors.Interrupted`)."""
+        from recorder.errors import Interrupted
+
+        return self.error.signum if isinstance(self.error, Interrupted) else None
+
+    def stopped(self, error: BaseException) -> None:
+        """The run stops with ``error`` before the program ran: said as the hook says it."""
+        self._hook(type(error), error, None)
+
     def _hook(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
         from recorder.errors import Divergence, Interrupted, RunStopped
 
@@ -155,7 +215,7 @@ class _ExitWatch:
             self._previous(kind, value, tb)
 
 
-def _start_record(env: dict[str, str]) -> None:
+def _start_record(env: dict[str, str]) -> _ExitWatch:
     from recorder.record import RecordSession
 
     argv = json.loads(env["DEJA_ARGV"]) if "DEJA_ARGV" in env else None
@@ -175,14 +235,16 @@ def _start_record(env: dict[str, str]) -> None:
 
     def finish() -> None:
         if report and not _orphaned(env):  # the launcher writes the end line, knowing the
-            _write_report(report, {"end": rec.hand_over(watch.error)})  # exit status
+            _write_report(report, {"end": rec.hand_over(watch.error),  # exit status
+                                   "signal": watch.signal})
         else:
             rec.close(error=watch.error)
 
     atexit.register(finish)
+    return watch
 
 
-def _start_replay(env: dict[str, str]) -> None:
+def _start_replay(env: dict[str, str]) -> _ExitWatch:
     from replayer.replay import start
 
     session = start(env["DEJA_CASSETTE"], allow_torn=env.get("DEJA_ALLOW_TORN") == "1",
@@ -190,7 +252,7 @@ def _start_replay(env: dict[str, str]) -> None:
                     require_signature=env.get("DEJA_REQUIRE_SIGNATURE") == "1",
                     allow_unverified=env.get("DEJA_ALLOW_UNVERIFIED") == "1", progress=True)
     report = env.get("DEJA_REPORT")
-    _ExitWatch("replay")
+    watch = _ExitWatch("replay")
 
     def finish() -> None:
         result = session.finish()
@@ -198,9 +260,10 @@ def _start_replay(env: dict[str, str]) -> None:
             Path(report).write_text(json.dumps(result.to_dict(), default=str))
 
     atexit.register(finish)
+    return watch
 
 
-def _start_continuation(mode: str, env: dict[str, str]) -> None:
+def _start_continuation(mode: str, env: dict[str, str]) -> _ExitWatch:
     from recorder.cassette import load
     from recorder.cassette.keys import load_keyring
     from replayer import continuation
@@ -239,9 +302,10 @@ def _start_continuation(mode: str, env: dict[str, str]) -> None:
         elif _orphaned(env):
             session.close(error=error)
         else:
-            _write_report(report, {"end": session.hand_over(error)})
+            _write_report(report, {"end": session.hand_over(error), "signal": watch.signal})
 
     atexit.register(finish)
+    return watch
 
 
 def _write_report(path: str, data: dict[str, Any]) -> None:

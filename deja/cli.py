@@ -283,6 +283,33 @@ def verify(cassette: Path, allow_torn: bool, allow_incomplete: bool) -> None:
 
 @main.command()
 @click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
+@click.option("--dry-run", is_flag=True, help="Say what would be cut; change nothing.")
+def repair(cassette: Path, dry_run: bool) -> None:
+    """Cut what a power loss left after a cassette's last verified line.
+
+    Keeps the header and every line after it that verifies, and cuts the rest, once a
+    copy of the file as it is has been written beside it (CASSETTE.bak). Refused (exit 2,
+    nothing written) when the cassette cannot be verified here, or when what follows its
+    verified lines looks like edited lines rather than junk. A run that keeps no end line
+    can then be resumed (deja resume). Exit 0 repaired, or nothing to cut.
+    """
+    from recorder.cassette import repair as repairs
+    from recorder.errors import DejaError
+
+    try:
+        done = repairs.plan(cassette) if dry_run else repairs.apply(cassette)
+    except DejaError as exc:
+        _fail(exc)
+    if not done.needed:
+        click.echo(done.describe())
+    elif dry_run:
+        click.echo(f"would cut: {done.describe()}")
+    else:
+        click.echo(f"repaired: {done.describe()}; the file as it was is {done.backup}")
+
+
+@main.command()
+@click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the run and its steps as JSON.")
 @_allow_unverified_option
 def show(cassette: Path, as_json: bool, allow_unverified: bool) -> None:
@@ -551,18 +578,25 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
             ended = launcher.run(_python_argv(command), env=env, cwd=cwd, lock=lock)
         except OSError as exc:
             raise BadInput(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
+        status = ended.status
         if report.exists():
-            end = json.loads(report.read_text()).get("end")
+            handed = json.loads(report.read_text())
+            end = handed.get("end")
             if end is not None and end.get("status") == "completed" and \
                     ended.received is not None and ended.code != 0:
                 # Every step was logged, but a signal stopped the program on its way out:
                 # resumable (a resume replays it all and closes the run), not a failure.
                 end = dict(end, status="interrupted",
                            reason=f"signal {ended.received} as the program exited")
+            if end is not None and end.get("status") == "interrupted" and \
+                    ended.received is None and isinstance(handed.get("signal"), int):
+                # The signal went to the program alone (not through us): as a shell
+                # reports a program stopped by signal N, 128 + N, not Python's exit 1.
+                status = 128 + handed["signal"]
             if end is not None:
                 try:
                     write_end(target, end, 0 if ended.received is not None and
-                              end.get("status") == "completed" else ended.status)
+                              end.get("status") == "completed" else status)
                 except CassetteWriteError as exc:  # still no room: the run stays open
                     click.echo(f"deja: the run's end line could not be written ({exc})",
                                err=True)
@@ -574,7 +608,7 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
         elif target.exists() and ended.code != BOOT_FAILED:
             click.echo(f"deja: the program ended (status {ended.status}) before the run could "
                        f"be closed; it can be resumed: deja resume {target}", err=True)
-    return ended.status
+    return status
 
 
 @main.command(cls=RunsCommand)

@@ -13,7 +13,17 @@ run``):
   process killed by that signal. A child killed by a signal gives the same status.
 - **The writer lock travels with the program.** The cassette's writer lock, taken by the
   launcher before anything is read or written, is inherited by the child
-  (``DEJA_LOCK_FD``), so it is held while either of them lives.
+  (``DEJA_LOCK_FD``), so it is held while either of them lives. The child is told the
+  cassette's absolute path: it may run in another directory (the recorded one, or
+  ``--cwd``), where a relative path would name another file and its lock.
+- **No signal lands while the interpreter starts.** A Python program is started with
+  SIGTERM, SIGINT and SIGHUP blocked (``DEJA_SIGNALS_HELD``; the launcher blocks them in
+  itself around the start, so the child has them blocked from its first instruction, and
+  takes its own in once it forwards them); deja's bootstrap unblocks them once its handler
+  is in place, and a signal that came meanwhile ends the run ``interrupted`` as soon as it
+  has started. Unblocked, a Ctrl-C during Python's start-up is a "Fatal Python error" and
+  a run left without its end line. Other programs (and ``python -I``, ``-E`` or ``-S``,
+  which skip the bootstrap) start with no signal blocked.
 """
 
 from __future__ import annotations
@@ -22,7 +32,8 @@ import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -31,6 +42,7 @@ from recorder.cassette.lock import WriterLock
 from recorder.harness.child import preexec
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SIGNALS_HELD_ENV = "DEJA_SIGNALS_HELD"  # read by deja.boot
 
 
 @dataclass(frozen=True)
@@ -47,13 +59,40 @@ class Exit:
         return 128 + self.received if self.received is not None else self.code
 
 
+def boots(argv: list[str]) -> bool:
+    """``argv`` runs this interpreter in a way that imports deja's bootstrap (which lets
+    blocked signals in): not ``-I``, ``-E`` or ``-S``, which skip ``PYTHONPATH`` or
+    ``site``."""
+    if not argv or argv[0] != sys.executable:
+        return False
+    args = iter(argv[1:])
+    for arg in args:
+        if arg in ("-c", "-m", "-", "--") or not arg.startswith("-"):
+            return True  # the program starts here: the rest are its own arguments
+        if arg.startswith("--"):
+            continue
+        if arg in ("-X", "-W"):
+            next(args, None)
+            continue
+        if arg.startswith(("-X", "-W")):
+            continue
+        if any(flag in arg for flag in "IES"):
+            return False
+        if "c" in arg or "m" in arg:  # e.g. -uc CODE: the program starts here too
+            return True
+    return True
+
+
 def shell_status(returncode: int) -> int:
     """``subprocess``'s -N for a child killed by signal N becomes 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
 
 
 @contextlib.contextmanager
-def _forwarding(child: subprocess.Popen[bytes], received: list[int]) -> Iterator[None]:
+def _forwarding(child: subprocess.Popen[bytes], received: list[int],
+                mask: Iterable[int] | None) -> Iterator[None]:
+    """Our signals passed on to ``child`` while it runs; ``mask``, the signal mask to go
+    back to once the handlers are in place (what was blocked while the child started)."""
     def forward(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
         with contextlib.suppress(ProcessLookupError):
@@ -63,6 +102,8 @@ def _forwarding(child: subprocess.Popen[bytes], received: list[int]) -> Iterator
     for signum in FORWARDED:
         with contextlib.suppress(ValueError, OSError):  # not the main thread: no handlers
             previous[signum] = signal.signal(signum, forward)
+    if mask is not None:  # a signal that came meanwhile is forwarded now
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     try:
         yield
     finally:
@@ -81,14 +122,23 @@ def run(argv: list[str], *, env: dict[str, str], cwd: Path | None = None,
     pass_fds: tuple[int, ...] = ()
     if lock is not None:
         env["DEJA_LOCK_FD"] = str(lock.fd)
-        env["DEJA_LOCK_CASSETTE"] = str(lock.cassette)
+        env["DEJA_LOCK_CASSETTE"] = str(Path(lock.cassette).resolve())
         pass_fds = (lock.fd,)
-    child = subprocess.Popen(argv, env=env, cwd=cwd, pass_fds=pass_fds, stdout=stdout,
-                             preexec_fn=preexec())
+    mask = None
+    if boots(argv):  # blocked here, the child starts with them blocked (see above)
+        env[SIGNALS_HELD_ENV] = "1"
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    try:
+        child = subprocess.Popen(argv, env=env, cwd=cwd, pass_fds=pass_fds, stdout=stdout,
+                                 preexec_fn=preexec())
+    except BaseException:
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        raise
     if lock is not None:
         lock.note(child=child.pid)
     received: list[int] = []
-    with _forwarding(child, received):
+    with _forwarding(child, received, mask):
         while True:
             try:
                 code = child.wait()

@@ -13,7 +13,8 @@
     │   ├── CannotLaunch         the recorded command cannot be started from here
     │   └── VcrImportError       a vcrpy cassette that cannot be imported as it is
     │       ├── NotAVcrCassette  not YAML, no interactions, or none in it
-    │       └── CannotConvert    one interaction (named by its index) cannot become a line
+    │       ├── CannotConvert    one interaction (named by its index) cannot become a line
+    │       └── YamlExpansion    its aliases expand it far beyond its size ("billion laughs")
     ├── KeyMissing               no signing key where one is required
     ├── CassetteError            a cassette file that cannot be trusted or written as it is
     │   ├── CassetteNotFound     no file at that path (the closest names are suggested)
@@ -25,8 +26,10 @@
     │   │                        refused unless the user allows unverified cassettes
     │   ├── UnsupportedFormat    a format version this deja does not read
     │   ├── CassetteLocked       another process is writing this cassette
-    │   └── CassetteWriteError   a line could not be written (disk full, read-only, I/O
-    │                            error); the run stops, the file keeps its whole lines
+    │   ├── CassetteWriteError   a line could not be written (disk full, read-only, I/O
+    │   │                        error); the run stops, the file keeps its whole lines
+    │   └── NotRepairable        deja repair will not cut it: what follows its verified
+    │                            lines looks like edited lines, not what a power loss leaves
     ├── UnserializableValue      a tool result or effect value that cannot be stored
     ├── SessionError             record/replay used wrongly (nested, not active, a closed
     │                            cassette written to)
@@ -112,6 +115,11 @@ class CannotConvert(VcrImportError):
     """One interaction of the cassette cannot become a deja line (named by its index)."""
 
 
+class YamlExpansion(VcrImportError):
+    """The YAML's aliases (``*name`` for an ``&name`` anchor) would expand it to far more
+    than its own size: a "billion laughs" file, refused before anything is built."""
+
+
 class KeyMissing(DejaError):
     """A signing key is required and none is available."""
 
@@ -169,6 +177,11 @@ class CassetteLocked(CassetteError):
 
 class CassetteWriteError(CassetteError):
     """Writing a line failed; the file was cut back to its last whole line."""
+
+
+class NotRepairable(CassetteError):
+    """``deja repair`` refuses to cut a cassette: after the lines that verify comes
+    something that looks like lines deja wrote (the file was edited), not junk."""
 
 
 class UnserializableValue(DejaError):

@@ -24,6 +24,15 @@ vcrpy's own loader reads the file (its safe YAML loader, its request and respons
 so every cassette vcrpy itself can play back is read the same way here, the older httpx
 form (``status_code`` and ``content``) included. vcrpy is imported only when a cassette is
 read: ``import recorder`` stays light.
+
+YAML aliases (``*name``, a reference to an ``&name`` anchor) let a file of a kilobyte
+stand for gigabytes: nine levels of lists of nine references each (a "billion laughs")
+build nothing big in memory, but every reference becomes bytes of its own once written to
+a cassette. Before vcrpy's loader builds anything, the file's node graph is measured with
+every alias expanded (:func:`expanded_size`); a file that would grow past
+:data:`MAX_EXPANSION` times its own size (plus :data:`EXPANSION_ALLOWANCE`) is refused with
+:class:`YamlExpansion`. Anchors that vcrpy's own dumper writes for a shared list or mapping
+stay well within that.
 """
 
 from __future__ import annotations
@@ -39,13 +48,25 @@ from recorder.capture.exchange import HttpRequest, HttpResponse, Redaction
 from recorder.capture.session import Timing
 from recorder.cassette import Fsync
 from recorder.cassette.keys import Keyring
-from recorder.errors import CannotConvert, DejaError, NotAVcrCassette, VcrImportError
+from recorder.errors import (
+    CannotConvert,
+    DejaError,
+    NotAVcrCassette,
+    VcrImportError,
+    YamlExpansion,
+)
 from recorder.harness.guards import Budgets
 from recorder.harness.settings import resolve as resolve_settings
 from recorder.record import RecordSession
 
-__all__ = ["CannotConvert", "ImportResult", "Interaction", "NotAVcrCassette", "VcrImportError",
-           "import_vcr", "read_vcr"]
+__all__ = ["EXPANSION_ALLOWANCE", "MAX_EXPANSION", "CannotConvert", "ImportResult",
+           "Interaction", "NotAVcrCassette", "VcrImportError", "YamlExpansion",
+           "expanded_size", "import_vcr", "read_vcr"]
+
+# A file's content with its aliases expanded may be this many times its own size, plus
+# the allowance; a vcrpy cassette without aliases is smaller expanded than on disk.
+MAX_EXPANSION = 10
+EXPANSION_ALLOWANCE = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +185,9 @@ def read_vcr(path: str | Path, redaction: Redaction | None = None) -> list[Inter
     path = Path(path)
     shown = redaction or Redaction.of()
     try:
-        data = yamlserializer.deserialize(path.read_text(encoding="utf-8"))
+        text = path.read_text(encoding="utf-8")
+        _check_expansion(path, text, yamlserializer.yaml)
+        data = yamlserializer.deserialize(text)
     except UnicodeDecodeError:
         raise NotAVcrCassette(f"{path} is not text (a vcrpy cassette is YAML)") from None
     except OSError as exc:
@@ -200,6 +223,67 @@ def read_vcr(path: str | Path, redaction: Redaction | None = None) -> list[Inter
                                 "remove that interaction and import again") from None
         out.append(Interaction(index, request, response, _date(response.headers)))
     return out
+
+
+def _check_expansion(path: Path, text: str, yaml: Any) -> None:
+    """Refuse ``text`` when its aliases expand it past the limit (see the module's notes);
+    composing the node graph builds no Python value, so no tag runs here."""
+    limit = MAX_EXPANSION * len(text) + EXPANSION_ALLOWANCE
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    for node in yaml.compose_all(text, Loader=loader):
+        size = expanded_size(node, limit)
+        if size > limit:
+            raise YamlExpansion(
+                f"{path} is refused: its YAML aliases (*name, references to &name anchors) "
+                f"expand its {len(text):,} characters to more than {limit:,} (a \"billion "
+                "laughs\" file, which would fill the disk). Nothing was written; if it is a "
+                "cassette you trust, write it out again without anchors and aliases and "
+                "import that")
+
+
+def expanded_size(root: Any, limit: int | None = None) -> int:
+    """The characters of a composed YAML node graph with every alias expanded (each
+    scalar's text, one for each collection), counted once per node and summed along
+    references, so a bomb is measured without being built; stops early past ``limit``.
+    A node that contains itself expands without end: ``limit + 1`` (or -1 without one)."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()  # collections whose members are being counted
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    endless = (limit + 1) if limit is not None else -1
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        members = _members(node)
+        if done:
+            total = 1
+            for member in members or ():
+                total += sizes[id(member)]
+            sizes[key] = total
+            open_.discard(key)
+            if limit is not None and total > limit:
+                return total
+            continue
+        if key in sizes:
+            continue
+        if key in open_:
+            return endless
+        if members is None:
+            sizes[key] = len(str(node.value)) + 1
+            continue
+        open_.add(key)
+        stack.append((node, True))
+        stack.extend((m, False) for m in members if id(m) not in sizes)
+    return sizes[id(root)]
+
+
+def _members(node: Any) -> list[Any] | None:
+    """A collection node's members (a mapping's keys and values), None for a scalar."""
+    value = node.value
+    if not isinstance(value, list):
+        return None
+    if value and isinstance(value[0], tuple):
+        return [part for pair in value for part in pair]
+    return value
 
 
 # -------------------------------------------------------------------------------- writing

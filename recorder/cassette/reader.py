@@ -6,6 +6,11 @@
 (:func:`_verified`), checked in its place (:func:`_checked`), and restored with its model
 request (:func:`_restore`); last, an unfinished file is refused unless allowed
 (:func:`_report_unfinished`).
+
+What a power loss leaves after the last whole line (zeros, a fragment of a line, bytes
+that are no line at all) is refused like any fault, with the remedy named: ``deja repair``
+cuts it (:mod:`recorder.cassette.repair`), keeping :func:`verified_prefix`, the lines from
+the start that verify.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -25,6 +30,7 @@ from recorder.cassette.keys import Keyring, load_keyring
 from recorder.cassette.schema import EndLine, Header, Kind, Line, ModelLine, Observation
 from recorder.cassette.signing import check_bytes, check_sig, line_bytes, split_signed
 from recorder.errors import (
+    CassetteError,
     CassetteNotFound,
     CorruptCassette,
     SignatureError,
@@ -228,13 +234,61 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
     _verify_header(key, header, header_sig, lines[0][1], v1, path)
     with _no_cycle_collection():
         body = _body(lines, key, header_sig, v1, path)
-    _report_unfinished(path, body, len(lines), torn, verified=key is not None,
+    _report_unfinished(path, body, len(lines), torn, size, verified=key is not None,
                        allow_torn=allow_torn, allow_incomplete=allow_incomplete)
     return Cassette(path=path, header=cast(Header, header), observations=tuple(body.observations),
                     end=body.end, verified=key is not None, verify_note=verdict.note,
                     torn_offset=torn, requests=body.requests, replies=body.replies,
                     sigs=tuple(body.sigs), size=size,
                     end_offset=body.end_offset)
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """The lines of a cassette that verify, from its start, and what follows them: what
+    ``deja repair`` keeps and what it cuts (:mod:`recorder.cassette.repair`)."""
+
+    path: Path
+    size: int  # bytes in the file
+    keep: int  # bytes of the header and the lines that verify after it
+    lines: int  # those lines, the header's included
+    end: EndLine | None  # the end line among them
+    fault: CassetteError | None  # why the next whole line is not kept (None: no such line)
+    junk: bool  # the whole lines after them are junk (see :func:`junk`), not edited lines
+
+    @property
+    def last_seq(self) -> int | None:
+        """The seq of the last line kept (None: only the header)."""
+        return self.lines - 2 if self.lines > 1 else None
+
+
+def verified_prefix(path: str | Path, *, keyring: Keyring | None = None) -> Prefix:
+    """How much of ``path`` verifies from its start, with the key its header names (a
+    cassette that cannot be verified here is refused, as by ``load(require_signature=True)``;
+    so is one whose header does not verify)."""
+    path = Path(path)
+    if keyring is None:
+        keyring = load_keyring(create=False)
+    lines, torn, size = _read(path)
+    header, header_sig = _header(lines[0][1], path)
+    v1 = header["format"] == V1
+    key = trust.decide(path, header, header_sig, lambda: _chain(lines, path, header_sig, v1),
+                       keyring, check_sig if v1 else _check_v2, allow_unverified=False,
+                       require_signature=True).key
+    _verify_header(key, header, header_sig, lines[0][1], v1, path)
+    body = _Body(sigs=[header_sig if isinstance(header_sig, str) else ""])
+    kept, fault = 1, None
+    with _no_cycle_collection():
+        for index, (offset, raw) in enumerate(lines[1:], start=1):
+            try:
+                _take(raw, offset, index, key, v1, body, path)
+            except (CorruptCassette, SignatureError) as exc:
+                fault = exc
+                break
+            kept += 1
+    keep = lines[kept][0] if kept < len(lines) else torn if torn is not None else size
+    return Prefix(path=path, size=size, keep=keep, lines=kept, end=body.end, fault=fault,
+                  junk=junk(raw for _, raw in lines[kept:]))
 
 
 @contextlib.contextmanager
@@ -326,15 +380,59 @@ def _body(lines: list[tuple[int, bytes]], key: bytes | None, header_sig: object,
     types deja writes (:func:`_checked`), its compact fields restored (:func:`_restore`)."""
     body = _Body(sigs=[header_sig if isinstance(header_sig, str) else ""])
     for index, (offset, raw) in enumerate(lines[1:], start=1):
-        number, seq = index + 1, index - 1
-        if v1:
-            line, sig = _parsed(raw, number, seq, path)
-            _verified(line, sig, key, body.sigs, number, seq, path)
-        else:
-            line = _parsed_v2(raw, key, body.sigs, number, seq, path)
-        _checked(line, body, number, seq, path, fields=key is None)
-        _restore(cast(Line, line), offset, body, path)
+        try:
+            _take(raw, offset, index, key, v1, body, path)
+        except (CorruptCassette, SignatureError) as exc:
+            if not junk(raw for _, raw in lines[index:]):
+                raise
+            raise _junk_error(exc, path, body, offset) from None
     return body
+
+
+def _take(raw: bytes, offset: int, index: int, key: bytes | None, v1: bool, body: _Body,
+          path: Path) -> None:
+    """Line ``index`` (the header is 0) through the four steps, into ``body``."""
+    number, seq = index + 1, index - 1
+    if v1:
+        line, sig = _parsed(raw, number, seq, path)
+        _verified(line, sig, key, body.sigs, number, seq, path)
+    else:
+        line = _parsed_v2(raw, key, body.sigs, number, seq, path)
+    _checked(line, body, number, seq, path, fields=key is None)
+    _restore(cast(Line, line), offset, body, path)
+
+
+def junk(lines: Iterable[bytes]) -> bool:
+    """None of ``lines`` looks like a line deja wrote (a ``seq`` or a ``sig`` in it, or a
+    JSON object with either): they are what a power loss or a crash leaves (zeros, a
+    fragment of a line), not lines of the run that were edited, which are never cut as
+    junk."""
+    for raw in lines:
+        if b'"seq":' in raw or b'"sig":' in raw:
+            return False
+        try:
+            doc = json.loads(raw)
+        except RecursionError:  # nested past reading: hostile, not an accident
+            return False
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and ("seq" in doc or "sig" in doc):
+            return False
+    return True
+
+
+def _junk_error(exc: CassetteError, path: Path, body: _Body, offset: int) -> CorruptCassette:
+    """The fault at byte ``offset`` with its remedy: everything from there is junk."""
+    if body.end is not None:
+        return CorruptCassette(
+            f"{path}: after the end line (seq {body.end['seq']}) the file holds bytes that are "
+            f"no cassette line (from byte {offset}): what a power loss or a crash while the "
+            "file grew leaves. The run itself is whole. Cut them with deja repair "
+            f"{path} (it keeps a copy of the file as it is)", path=path, seq=exc.seq)
+    return CorruptCassette(
+        f"{exc}. Everything from byte {offset} on is no cassette line (what a power loss "
+        f"leaves): deja repair {path} cuts it (keeping a copy), then deja resume {path} "
+        "continues the run", path=path, seq=exc.seq)
 
 
 def _parsed(raw: bytes, number: int, seq: int, path: Path) -> tuple[Any, object]:
@@ -431,10 +529,17 @@ def _restore_model(line: ModelLine, body: _Body, path: Path) -> None:
                               f"missing or different ({exc!r})", path=path, seq=seq) from None
 
 
-def _report_unfinished(path: Path, body: _Body, count: int, torn: int | None, *,
+def _report_unfinished(path: Path, body: _Body, count: int, torn: int | None, size: int, *,
                        verified: bool, allow_torn: bool, allow_incomplete: bool) -> None:
     """Step 5: refuse a torn last line, or a missing end line, unless allowed. ``count``
     is the number of whole lines, the header's included."""
+    if torn is not None and not allow_torn and body.end is not None:
+        raise TornCassette(
+            f"{path}: after the end line (seq {body.end['seq']}) the file ends in "
+            f"{size - torn} bytes that are no whole line (from byte {torn}): what a power "
+            "loss or a crash while the file grew leaves. The run itself is whole. Cut them "
+            f"with deja repair {path} (it keeps a copy of the file as it is), or read the "
+            "run as it is (--allow-torn)", path=path, seq=count - 1, offset=torn)
     if torn is not None and not allow_torn:
         seq = count - 1
         checked = "verified" if verified else "well-formed (not verified)"

@@ -172,7 +172,10 @@ class Provider(ABC):
         else the parsed JSON. Raises ``ValueError`` when the body is neither."""
         if self.is_stream(headers):
             return self.assemble(text)
-        return json.loads(text)
+        try:
+            return json.loads(text)
+        except RecursionError:  # stored raw, as received: it has no message to show
+            raise ValueError("the body is nested too deeply to read as JSON") from None
 
     @abstractmethod
     def usage(self, message: Any) -> dict[str, int]:

@@ -24,7 +24,7 @@ def assemble(text: str) -> dict[str, Any]:
     for event, data in sse_events(text):
         try:
             doc = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         kind = doc.get("type", event) if isinstance(doc, dict) else event
         if kind == "message_start":

@@ -60,7 +60,7 @@ def assemble_chat(text: str) -> dict[str, Any]:
             break
         try:
             doc = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if not isinstance(doc, dict):
             continue
@@ -169,7 +169,7 @@ def assemble_responses(text: str) -> dict[str, Any]:
     for event, data in sse_events(text):
         try:
             doc = json.loads(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if not isinstance(doc, dict):
             continue

@@ -62,7 +62,7 @@ class AnthropicProvider(Provider):
             if self.is_stream(headers):
                 return self._from_stream(text)
             doc = json.loads(text) if text else None
-        except ValueError:
+        except (ValueError, RecursionError):  # nested too deep: says nothing
             return {}
         return self._from_json(status, doc)
 
@@ -89,7 +89,7 @@ class AnthropicProvider(Provider):
                 continue  # content: nothing the summary reads (and cheaper not to parse)
             try:
                 doc = json.loads(data)
-            except ValueError:
+            except (ValueError, RecursionError):  # nested too deep: says nothing
                 continue
             if not isinstance(doc, dict):
                 continue

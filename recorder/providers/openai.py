@@ -159,7 +159,7 @@ class OpenAIProvider(Provider):
             if self.is_stream(headers):
                 return self._from_stream(text)
             doc = json.loads(text) if text else None
-        except ValueError:
+        except (ValueError, RecursionError):  # nested too deep: says nothing
             return {}
         return self._from_json(status, doc)
 
@@ -192,7 +192,7 @@ class OpenAIProvider(Provider):
                 continue  # content: nothing the summary reads (and cheaper not to parse)
             try:
                 doc = json.loads(data)
-            except ValueError:
+            except (ValueError, RecursionError):  # nested too deep: says nothing
                 continue
             if not isinstance(doc, dict):
                 continue
@@ -216,7 +216,7 @@ class OpenAIProvider(Provider):
                 continue
             try:
                 doc = json.loads(data)
-            except ValueError:
+            except (ValueError, RecursionError):  # nested too deep: says nothing
                 continue
             if not isinstance(doc, dict):
                 continue
