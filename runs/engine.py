@@ -97,14 +97,21 @@ class _EngineNoise(logging.Filter):
     - An execution that lost its workflow to another (a peer recovered it while this
       worker could not reach the database) waits for the owner's outcome: expected after
       an outage, not news.
-    - Anything else is kept, in one line (no traceback), and the same line at most once a
-      minute (a database that is down makes the engine say so at every poll).
+    - A database that cannot be reached is said once by the worker when the outage starts
+      and once when it ends (``runs.store``); the engine's own complaints at every poll in
+      between are left out.
+    - Anything else is kept in one line (no traceback), the same line at most once a
+      minute.
     """
 
     QUIET = (dbos_error.DBOSWorkflowCancelledError,
              dbos_error.DBOSAwaitedWorkflowCancelledError, RunFailed)
     EXPECTED = ("no longer owned by this execution", "was cancelled during execution",
                 "outcome was not recorded")
+    OUTAGE = ("OperationalError", "InterfaceError", "connection failed", "Connection refused",
+              "server closed the connection", "could not connect", "database is locked",
+              "terminating connection", "the database system is", "Database connection",
+              "Notification listener error", "connection is closed")
     REPEAT_AFTER = 60.0
 
     def __init__(self) -> None:
@@ -113,22 +120,20 @@ class _EngineNoise(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, self.QUIET) or (exc is not None and
-                                           _caused_by(exc, self.QUIET)):
+        if exc is not None and _caused_by(exc, self.QUIET):
             return False
         text = record.getMessage()
-        if any(phrase in text for phrase in self.EXPECTED):
-            return False
         if exc is not None:
-            first = (str(exc).strip().splitlines() or [""])[0]
-            record.msg, record.args = f"{text.rstrip(': ')}: {type(exc).__name__}: {first}", None
-            record.exc_info, record.exc_text = None, None
-            text = record.msg
-        key = text[:80]
-        now = time.monotonic()
-        if now - self._said.get(key, -self.REPEAT_AFTER) < self.REPEAT_AFTER:
+            text = f"{text.rstrip(': ')}: {type(exc).__name__}: {exc}"
+        if any(phrase in text for phrase in self.EXPECTED + self.OUTAGE):
             return False
-        self._said[key] = now
+        first = (text.strip().splitlines() or [""])[0]
+        record.msg, record.args = first, None
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        now = time.monotonic()
+        if now - self._said.get(first[:80], -self.REPEAT_AFTER) < self.REPEAT_AFTER:
+            return False
+        self._said[first[:80]] = now
         return True
 
 

@@ -173,7 +173,9 @@ def disk_trouble(directory: Path) -> str | None:
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, b"\0" * PROBE_BYTES)
+            left = memoryview(b"\0" * PROBE_BYTES)
+            while left:  # a short write is how a full disk answers first
+                left = left[os.write(fd, left):]
             os.fsync(fd)
         finally:
             os.close(fd)
