@@ -54,7 +54,13 @@ from recorder.cassette.lock import describe, holder_of
 from recorder.cassette.schema import run_status
 from recorder.errors import ConfigError
 from recorder.harness.child import preexec
-from recorder.harness.progress import cassette_end, read_status, request_cancel, valid_run_id
+from recorder.harness.progress import (
+    cassette_end,
+    close_record,
+    read_status,
+    request_cancel,
+    valid_run_id,
+)
 from runs import schedules
 from runs.config import cassette_dir, database_url, is_sqlite
 from runs.errors import CassettesNotShared, DatabaseUnavailable, WorkerIdTaken
@@ -352,10 +358,14 @@ class AgentStep:
                 if self.cancelled(workflow):
                     return {"status": "cancelled"}
             if len(deaths) > len(self.delays):
-                return {"status": "failed",
-                        "error": f"the agent died {len(deaths)} times without closing its run "
-                                 f"({'; '.join(deaths)}); {len(self.delays)} retries are "
-                                 f"spent. It can be resumed by hand: deja resume {cassette}"}
+                spent = (f"{len(self.delays)} retries are spent" if self.delays else
+                         f"no retries ({RETRIES_ENV}=none)")
+                times = "once" if len(deaths) == 1 else f"{len(deaths)} times"
+                error = (f"the agent died {times} without closing its run "
+                         f"({'; '.join(deaths)}); {spent}. It can be resumed by hand: "
+                         f"deja resume {cassette}")
+                close_record(run_id, "failed", error)  # what the open cassette cannot say
+                return {"status": "failed", "error": error}
             delay = self.delays[len(deaths) - 1]
             log.warning("run %s: %s before its run ended; resumed in %g s (retry %d of %d)",
                         run_id, deaths[-1], delay, len(deaths), len(self.delays))

@@ -141,16 +141,19 @@ def writer_state(path: str | Path, run: str | None) -> str | None:
     """What became of a run without an end line: ``running`` while a process writes it
     (it holds the cassette's writer lock, or its status record says running and names a
     live process here; a record whose artefacts name other files is another copy's),
-    ``crashed`` when the record says running but that process is gone; None when
-    nothing says either (a copied or cut file: it stays ``incomplete``).
+    ``crashed`` when the record says running but that process is gone, ``failed`` when a
+    worker gave up on it (its record says so); None when nothing says either (a copied or
+    cut file: it stays ``incomplete``).
     """
     if lock.holder_of(path) is not None:
         return "running"
     record = read_status(run) if run else None
+    if record is not None and record.get("ended") and record.get("status") == "failed" and \
+            _names(record, path):
+        return "failed"  # a worker gave up on it (its agent kept dying); resumable by hand
     if record is None or record.get("ended") or record.get("status") != "running":
         return None
-    artefacts = [Path(str(a)).name for a in record.get("artefacts") or []]
-    if artefacts and Path(path).name not in artefacts:  # a copy: another file is written
+    if not _names(record, path):  # a copy: another file is written
         return None
     alive = _alive(record)
     return "running" if alive else "crashed" if alive is False else None
@@ -173,6 +176,12 @@ def current_status(header: dict[str, Any]) -> str:
     if status in UNFINISHED:
         return writer_state(header["path"], header.get("run")) or status
     return status
+
+
+def _names(record: dict[str, Any], path: str | Path) -> bool:
+    """The record is of this file (not of another copy of the run)."""
+    artefacts = [Path(str(a)).name for a in record.get("artefacts") or []]
+    return not artefacts or Path(path).name in artefacts
 
 
 _RUN_SELECT = """

@@ -137,6 +137,19 @@ def request_cancel(run: str, reason: str = "") -> Path:
     return path
 
 
+def close_record(run: str, status: str, error: str) -> None:
+    """Say in ``run``'s status record that it ended ``status`` although its cassette has
+    no end line (a worker gave up on an agent that kept dying: the cassette stays open, to
+    be resumed by hand). Best effort, like every write of a record."""
+    record = read_status(run) or {"run_id": run}
+    record.update(status=status, ended=True, error=DEFAULT.text(error),
+                  step=f"ended: {status}", updated=_now_iso())
+    try:
+        _write_private(status_path(run), json.dumps(record, default=str))
+    except OSError as exc:
+        log.warning("run %s: cannot write its status record (%s)", run, exc.strerror or exc)
+
+
 def leave_answer(run: str, text: str) -> Path:
     """Leave ``text`` for a run waiting in ``recorder.ask`` outside a worker."""
     path = answer_path(run)
