@@ -330,6 +330,10 @@ def show(cassette: Path, as_json: bool, allow_unverified: bool) -> None:
     c = _load(cassette, allow_torn=True, allow_unverified=allow_unverified)
     _warn_unverified(c)
     summary, rows = run_summary(c), step_rows(c)
+    if summary["status"] in ("incomplete", "torn"):  # who writes it, or who gave up on it
+        from viewer.queries import writer_state
+
+        summary["status"] = writer_state(c.path, c.run) or summary["status"]
     children = children_of(c.run, cassette.parent)
     if as_json:
         click.echo(json.dumps({"run": summary, "children": children, "steps": rows}, indent=2,
