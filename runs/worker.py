@@ -18,16 +18,36 @@ it dequeues, its agent step (:func:`AgentStep.__call__`):
 3. watches the child: its progress record is copied to the runs database every half
    second, and a cancel asked through ``deja serve`` becomes the run's cancel flag, so the
    agent stops at its next boundary;
-4. reads how the run ended from its cassette: ``completed`` (with the artefacts the
-   verified cassette vouches for), ``exhausted``, ``stopped``, ``cancelled``,
-   ``interrupted``, ``input_required`` (exit 75: the run's part ends; the answer
-   enqueues the next part, which resumes the cassette with it), or ``failed``.
+4. reads how the run ended from its cassette's end line
+   (:func:`recorder.cassette.schema.run_status`): ``completed`` (with the artefacts the
+   verified cassette vouches for), ``failed`` (the end line's ``error``), ``exhausted``,
+   ``stopped``, ``cancelled``, or ``input_required`` (exit 75: the run's part ends; the
+   answer enqueues the next part, which resumes the cassette with it);
+5. an agent that dies alone (the out-of-memory killer, a SIGKILL of the agent or of its
+   ``deja record``: its child ends without a final end line, or with an ``interrupted``
+   one the worker did not ask for) is a crash: after 1, 4 and 16 s (``DEJA_AGENT_RETRIES``)
+   the step resumes the cassette, as for a dead worker's run; one more death and the run
+   fails, saying how the agent died each time (its cassette stays open, for ``deja
+   resume`` by hand, and its status record says ``failed``). The count starts again on
+   each dispatch of the run;
+6. a run stopped by its cassette directory (full, read-only, failing: the end line's
+   ``CassetteWriteError``, or no end line and a probe of the directory that fails) ends
+   ``interrupted`` with that error; :func:`reconcile` dispatches it again, as its next
+   part, once a probe writes there.
 
 Every worker beats every 2 s in ``deja_workers``. A worker whose beat is older than 10 s is
 dead: the first live peer to claim it asks the engine to recover its pending runs (they
-are dispatched again, exactly once, and resumed as above). A worker stopped with SIGTERM
-or SIGINT stops its agents (they end ``interrupted``, resumable) and exits without
-finishing their runs, which the next worker with its id, or a peer, picks up again.
+are dispatched again, exactly once, and resumed as above). After the database was
+unreachable, a worker claims nobody for 10 s (every beat is old then). A worker stopped
+with SIGTERM or SIGINT stops its agents (they end ``interrupted``, resumable) and exits
+without finishing their runs, which the next worker with its id, or a peer, picks up again.
+
+The worker's bookkeeping waits for a database that cannot be reached (a Postgres
+restart) instead of failing the run: the outage is said once when it starts and once when
+it ends. Its output is one line per event (a failed run, a retry, a takeover): the
+engine's tracebacks and its complaints at every poll of a database that is away are left
+out (``runs.engine``). Every 5 s, and at start, :func:`reconcile` brings the database and
+the engine's queue back into agreement.
 """
 
 from __future__ import annotations
