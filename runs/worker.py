@@ -349,7 +349,7 @@ class AgentStep:
             state, end = cassette_state(cassette)
             if state == "ended" and end is not None and end.get("status") != "interrupted":
                 return self._ended(spec, end)  # dispatched again after it ended: report it
-            code = self._child(spec, answer if not deaths else None, workflow, state)
+            code = self._child(spec, answer, workflow, state)  # an unused answer: again
             if isinstance(code, dict):
                 return code
             if self.stopping.is_set():
