@@ -54,13 +54,18 @@ class Service:
         self.env = base_env(self.home, DEJA_AGENT_RETRIES="none")  # a death fails at once
         self.procs: list[subprocess.Popen[bytes]] = []
         ready = folder / "serve.json"
-        self._start("serve", ["serve", "--port", "0", "--quiet", "--ready-file", str(ready)])
-        self._until("deja serve to listen", lambda: ready.exists())
-        self.url = json.loads(ready.read_text())["url"]
-        self.env["DEJA_SERVER"] = self.url
-        self._start("worker", ["worker", "--id", "w1"])
-        self._until("the worker to be up", lambda: "is up" in self.log("worker"))
-        self.token = (self.home / "serve.token").read_text().strip()
+        try:
+            self._start("serve", ["serve", "--port", "0", "--quiet", "--ready-file",
+                                  str(ready)])
+            self._until("deja serve to listen", lambda: ready.exists())
+            self.url = json.loads(ready.read_text())["url"]
+            self.env["DEJA_SERVER"] = self.url
+            self._start("worker", ["worker", "--id", "w1"])
+            self._until("the worker to be up", lambda: "is up" in self.log("worker"))
+            self.token = (self.home / "serve.token").read_text().strip()
+        except BaseException:
+            self.stop()
+            raise
 
     def _start(self, name: str, args: list[str]) -> None:
         with (self.folder / f"{name}.log").open("wb") as log:
