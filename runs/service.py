@@ -54,6 +54,17 @@ def _queued_state(row: dict[str, Any], engine: dict[str, Any] | None) -> str:
     return str(status)
 
 
+def _with_artefacts(row: dict[str, Any]) -> dict[str, Any]:
+    """The row with the artefacts its run's record shows (:func:`record_of`): a run whose
+    end line says completed while its worker is still writing the row already has them."""
+    if row.get("artefacts") or row["status"] not in ("queued", "working"):
+        return row
+    end = end_of(row)
+    if end is None or run_status(end, row["status"]) != "completed":
+        return row
+    return {**row, "artefacts": schedules.verified_artefacts(row["spec"])}
+
+
 def end_of(row: dict[str, Any]) -> dict[str, Any] | None:
     """The end line of the run's cassette, if it has one (read from the file's tail)."""
     cassette = (row.get("spec") or {}).get("cassette")
@@ -267,8 +278,8 @@ class Runs:
         row = self.store.schedule(name)
         if row is None:
             raise NoSuchSchedule(f"no schedule {name!r}; `deja schedule ls` lists them")
-        last = next((r for r in self.store.list_runs(schedule=name, limit=20)
-                     if r.get("artefacts")), None)
+        last = next((r for r in map(_with_artefacts, self.store.list_runs(
+            schedule=name, limit=20)) if r.get("artefacts")), None)
         alerts = self.store.alerts(schedule=name, limit=5)
         return {"name": name, "cron": row["cron"], "tz": row["tz"],
                 "deadline": row["deadline"], "alert": row["alert"],
