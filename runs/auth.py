@@ -107,28 +107,28 @@ def ensure_token(path: Path | None = None) -> str:
 
 def _create(path: Path, token: str) -> None:
     """Put ``token`` at ``path`` unless a token is already there (whoever wins, one)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        os.write(fd, f"{token}\n".encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_new(tmp, token)
     try:
         os.link(tmp, path)  # atomic, and refused when the name exists
     except FileExistsError:
         pass  # another process made it first: its token is the one
     except OSError:  # no hard links here (some network or FUSE file systems)
         with contextlib.suppress(FileExistsError):
-            fd = os.open(path, flags, 0o600)
-            try:
-                os.write(fd, f"{token}\n".encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_new(path, token)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _write_new(path: Path, token: str) -> None:
+    """Write ``token`` to a file that must not exist yet (0600, no symlink followed)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        os.write(fd, f"{token}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def server_token(given: str | None) -> str:
