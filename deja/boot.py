@@ -66,10 +66,10 @@ def _take_env() -> dict[str, str]:
     return values
 
 
-def _fail(message: str) -> NoReturn:
+def _fail(message: str, code: int = BOOT_FAILED) -> NoReturn:
     sys.stderr.write(f"deja: {message}\n")
     sys.stderr.flush()
-    os._exit(BOOT_FAILED)
+    os._exit(code)
 
 
 def start_from_env() -> None:
@@ -90,7 +90,10 @@ def start_from_env() -> None:
         else:
             _fail(f"unknown DEJA_MODE {mode!r} (expected record, replay, fork or resume)")
     except Exception as exc:  # noqa: BLE001 - reported and fatal, never swallowed
-        _fail(f"could not start {mode}: {type(exc).__name__}: {exc}")
+        from recorder.errors import EXIT_CASSETTE_UNWRITABLE, CassetteWriteError
+
+        _fail(f"could not start {mode}: {type(exc).__name__}: {exc}",
+              EXIT_CASSETTE_UNWRITABLE if isinstance(exc, CassetteWriteError) else BOOT_FAILED)
     _chain_sitecustomize()
     _stop_on_signals()
     if held:  # the run has started: it ends here, interrupted, before the program runs

@@ -7,6 +7,7 @@ start inside the program.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -81,7 +82,7 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
     """
     from deja.boot import BOOT_FAILED
     from recorder.cassette.schema import run_file
-    from recorder.errors import ConfigError
+    from recorder.errors import EXIT_CASSETTE_UNWRITABLE, ConfigError
     from recorder.harness.progress import valid_run_id
     from recorder.harness.settings import resolve as resolve_settings
     from recorder.record import new_run_id
@@ -120,6 +121,11 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
     finally:
         lock.release()
     started = _header_run(path) == run_id
+    if code == EXIT_CASSETTE_UNWRITABLE and not started:
+        with contextlib.suppress(OSError):  # the empty file the writer could not fill
+            if path.stat().st_size == 0:
+                path.unlink()
+        sys.exit(code)  # the message above says why; a worker dispatches the run again
     if code == BOOT_FAILED and not started:
         raise BadInput("the program did not start recording (see the message above)")
     if started:
@@ -572,7 +578,7 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
     from deja import launcher
     from deja.boot import BOOT_FAILED, child_env
     from recorder.ask import EXIT_INPUT_REQUIRED, WORKER_ENV
-    from recorder.errors import CassetteWriteError, DejaError
+    from recorder.errors import EXIT_CASSETTE_UNWRITABLE, CassetteWriteError, DejaError
     from recorder.record import write_end
 
     with tempfile.TemporaryDirectory(prefix="deja-") as tmp:
@@ -586,12 +592,16 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
         if report.exists():
             handed = json.loads(report.read_text())
             end = handed.get("end")
+            handed_status = end.get("status") if end is not None else None
+            killed_by = ended.received if ended.received is not None else \
+                ended.code - 128 if ended.code > 128 else None
             if end is not None and end.get("status") == "completed" and \
-                    ended.received is not None and ended.code != 0:
-                # Every step was logged, but a signal stopped the program on its way out:
+                    killed_by is not None and ended.code != 0:
+                # Every step was logged, but a signal stopped the program on its way out
+                # (through us, or sent to the program alone: the out-of-memory killer):
                 # resumable (a resume replays it all and closes the run), not a failure.
                 end = dict(end, status="interrupted",
-                           reason=f"signal {ended.received} as the program exited")
+                           reason=f"signal {killed_by} as the program exited")
             if end is not None and end.get("status") == "interrupted" and \
                     ended.received is None and isinstance(handed.get("signal"), int):
                 # The signal went to the program alone (not through us): as a shell
@@ -600,7 +610,8 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
             if end is not None:
                 try:
                     write_end(target, end, 0 if ended.received is not None and
-                              end.get("status") == "completed" else status)
+                              end.get("status") == "completed" else status,
+                              handed=handed_status)
                 except CassetteWriteError as exc:  # still no room: the run stays open
                     click.echo(f"deja: the run's end line could not be written ({exc})",
                                err=True)
@@ -609,7 +620,7 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
         elif ended.code == EXIT_INPUT_REQUIRED and os.environ.get(WORKER_ENV) == "1":
             click.echo("deja: the run waits for an answer (recorder.ask); it is resumed with "
                        "it", err=True)
-        elif target.exists() and ended.code != BOOT_FAILED:
+        elif target.exists() and ended.code not in (BOOT_FAILED, EXIT_CASSETTE_UNWRITABLE):
             click.echo(f"deja: the program ended (status {ended.status}) before the run could "
                        f"be closed; it can be resumed: deja resume {target}", err=True)
     return status

@@ -179,6 +179,12 @@ class CassetteWriteError(CassetteError):
     """Writing a line failed; the file was cut back to its last whole line."""
 
 
+# ``deja record``/``resume`` exits with this (sysexits' EX_IOERR) when its cassette could
+# not be written as the run started: nothing ran; a worker dispatches the run again once
+# the directory takes a write.
+EXIT_CASSETTE_UNWRITABLE = 74
+
+
 class NotRepairable(CassetteError):
     """``deja repair`` refuses to cut a cassette: after the lines that verify comes
     something that looks like lines deja wrote (the file was edited), not junk."""

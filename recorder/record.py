@@ -52,6 +52,7 @@ from recorder.cassette.schema import (
     Totals,
     add_step,
     run_file,
+    run_status,
     utc_stamp,
     zero_totals,
 )
@@ -752,20 +753,30 @@ def record(path: str | Path = "cassettes", *, labels: dict[str, Any] | None = No
 
 
 def write_end(path: str | Path, end: dict[str, Any], exit_code: int,
-              keyring: Keyring | None = None) -> dict[str, Any]:
+              keyring: Keyring | None = None, *,
+              handed: str | None = None) -> dict[str, Any]:
     """Close a cassette a program left open, with the end line it handed over and its exit
-    status (``deja record`` does this once the program has exited)."""
+    status (``deja record`` does this once the program has exited). ``handed`` is the
+    status the program handed over (and wrote in its status record), when the launcher
+    has changed it: the record then says the status written."""
     from recorder.cassette import load
 
     ring = keyring or load_keyring(create=False)
     loaded = load(path, keyring=ring, require_signature=True, allow_incomplete=True)
+    handed = handed or end.get("status")
     end = dict(end, exit_code=exit_code)
     if exit_code != 0 and end.get("status") == EndStatus.COMPLETED:
         end["status"] = EndStatus.ERROR
         end.setdefault("reason", f"exit status {exit_code}")
     key = ring.get(str(loaded.header.get("key_id")))
     assert key is not None  # load() verified with it
-    return CassetteWriter.reopen(loaded, key, Fsync.SYNC).close(end)
+    written = CassetteWriter.reopen(loaded, key, Fsync.SYNC).close(end)
+    if written.get("status") != handed:  # the record said what the program handed over
+        from recorder.harness.progress import close_record
+
+        close_record(str(loaded.header.get("run")), run_status(written),
+                     str(written.get("reason") or ""))
+    return written
 
 
 def start(path: str | Path, **kwargs: Any) -> RecordSession:

@@ -72,7 +72,7 @@ import sqlalchemy as sa
 from recorder.ask import ANSWER_ENV, EXIT_INPUT_REQUIRED, WORKER_ENV
 from recorder.cassette.lock import describe, holder_of
 from recorder.cassette.schema import run_status
-from recorder.errors import ConfigError
+from recorder.errors import EXIT_CASSETTE_UNWRITABLE, ConfigError
 from recorder.harness.child import preexec
 from recorder.harness.progress import (
     cassette_end,
@@ -143,12 +143,17 @@ def check_shared(store: Store, cassettes: Path) -> None:
     created = False
     if found is None:  # the first worker here: create it whole, or read the winner's
         draft = cassettes / f"{SHARE_MARKER}.{os.getpid()}"
-        draft.write_text(os.urandom(12).hex() + "\n")
         try:
+            draft.write_text(os.urandom(12).hex() + "\n")
             os.link(draft, marker)
             created = True
         except FileExistsError:
             pass
+        except OSError as exc:
+            raise CassettesNotShared(
+                f"the cassette directory {cassettes} cannot be written ({exc.strerror or exc}): "
+                "its first worker leaves a marker there. Free the disk (or fix its "
+                "permissions) and start the worker again") from None
         finally:
             draft.unlink(missing_ok=True)
         found = _read_marker(marker)
@@ -362,8 +367,10 @@ class AgentStep:
             if state == "open" and code == EXIT_INPUT_REQUIRED and \
                     record.get("status") == "input_required":
                 return {"status": "input_required", "question": record.get("question")}
-            full = _write_error(end) or (disk_trouble(cassette.parent) if state != "ended"
-                                         or end is None else None)
+            full = _write_error(end) or (
+                f"{cassette} could not be written as the run started (deja exited {code})"
+                if code == EXIT_CASSETTE_UNWRITABLE else None) or (
+                disk_trouble(cassette.parent) if state != "ended" or end is None else None)
             if full is not None:
                 return {"status": "interrupted",
                         "error": f"{DISK_ERROR}: {full}; the run is dispatched again once "

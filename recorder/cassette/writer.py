@@ -316,11 +316,17 @@ class CassetteWriter:
         with contextlib.suppress(OSError):
             os.ftruncate(self._fd, self._size)
         seq = self._seq
-        error = CassetteWriteError(
-            f"{self.path}: {doing} seq {seq} failed: {exc.strerror or exc}. The run stops "
-            f"here; the cassette keeps its {seq} whole observation line(s) and still "
-            "verifies. Free the disk (or fix its permissions), then `deja resume` it",
-            path=self.path, seq=seq)
+        if self._size == 0:  # not even the header: nothing was recorded
+            error = CassetteWriteError(
+                f"{self.path}: {doing} its header failed: {exc.strerror or exc}. Nothing "
+                "was recorded; free the disk (or fix its permissions) and run it again",
+                path=self.path, seq=seq)
+        else:
+            error = CassetteWriteError(
+                f"{self.path}: {doing} seq {seq} failed: {exc.strerror or exc}. The run "
+                f"stops here; the cassette keeps its {seq} whole observation line(s) and "
+                "still verifies. Free the disk (or fix its permissions), then `deja "
+                "resume` it", path=self.path, seq=seq)
         self.failed = error
         raise error
 

@@ -59,6 +59,19 @@ if os.environ.get("AGENT_HOLD"):  # the recording waits here for its signal
     while time.monotonic() < deadline:
         time.sleep(0.02)
 print(reply.content[0].text, search("session"), flush=True)
+
+if os.environ.get("AGENT_KILLED_AT_EXIT"):
+    # The out-of-memory killer picks the program as it exits, once deja's bootstrap has
+    # handed over the run's end line: SIGKILL while the interpreter tears its modules down.
+    report = dict(item.split("=", 1) for item in
+                  open("/proc/self/environ").read().split("\\0") if "=" in item)["DEJA_REPORT"]
+
+    class KilledAtExit:
+        def __del__(self) -> None:
+            if os.path.exists(report):
+                os.kill(os.getpid(), 9)
+
+    killed_at_exit = KilledAtExit()
 '''
 
 # Run by deja's bootstrap (it chains the sitecustomize it shadows) while the session
@@ -247,6 +260,25 @@ def test_a_signal_to_the_program_alone_exits_128_plus_n(
     end = end_of(cassette)
     assert (end["kind"], end["status"], end["exit_code"]) == ("end", "interrupted", 128 + signum)
     assert status_record(deja_home, cassette)["status"] == "interrupted"
+
+
+def test_a_program_killed_as_it_exits_is_resumable_not_failed(
+        project: Path, env: dict[str, str], deja_home: Path) -> None:
+    """Every step logged, then SIGKILL on the way out (sent to the program alone): the run
+    is interrupted, which a worker retries, and a resume closes it completed."""
+    done = deja("record", "-o", "cassettes/run.jsonl", "--", "python", "agent.py",
+                env={**env, "AGENT_KILLED_AT_EXIT": "1"}, cwd=project)
+    assert done.returncode == 128 + signal.SIGKILL, done.stderr
+    assert "ok results for session" in done.stdout
+    cassette = project / "cassettes" / "run.jsonl"
+    end = end_of(cassette)
+    assert (end["kind"], end["status"], end["exit_code"]) == \
+        ("end", "interrupted", 128 + signal.SIGKILL)
+    assert end["reason"] == "signal 9 as the program exited"
+    assert status_record(deja_home, cassette)["status"] == "interrupted"
+    resumed = deja("resume", "cassettes/run.jsonl", env=env, cwd=project)
+    assert resumed.returncode == 0, resumed.stderr
+    assert load(cassette, allow_incomplete=False).end["status"] == "completed"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

@@ -25,7 +25,7 @@ def test_tools_replay_recorded_results_without_running(tmp_path: Path) -> None:
     @recorder.tool
     def lookup(city: str, *, units: str = "C") -> dict:
         calls.append(("lookup", city, units))
-        return {"city": city, "temp": 21.5 if units == "C" else 70.7, "token": uuid.uuid4().hex}
+        return {"city": city, "temp": 21.5 if units == "C" else 70.7, "nonce": uuid.uuid4().hex}
 
     @recorder.tool(name="fetch_page")
     async def fetch(url: str) -> str:

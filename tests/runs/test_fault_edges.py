@@ -3,7 +3,7 @@
 - a cassette directory that fills up mid-run (a small tmpfs, filled by the test): the run
   ends ``interrupted`` with the reason, ``CassetteWriteError``, and once there is room
   again the worker dispatches it again on its own; it resumes and completes, each payment
-  once;
+  once; a run launched while the directory is already full waits for room the same way;
 - a submission the engine's queue cannot take (its database refuses the write) is
   answered 503 and leaves no row behind: no run waits ``queued`` for ever, and no worker
   runs a command its caller was told failed;
@@ -148,6 +148,72 @@ def test_a_full_cassette_directory_names_the_error_and_the_run_resumes_once_ther
             assert not TRACEBACK.search(worker.log()), where
         finally:
             worker.reap()
+
+
+def test_a_run_launched_on_a_full_cassette_directory_waits_for_room(
+        small_disk: Path, tmp_path: Path) -> None:
+    """Not even the cassette's header fits: ``deja record`` says so (exit 74), the run is
+    interrupted, not failed, whatever the directory holds by the time the worker looks,
+    and runs once there is room."""
+    cassettes, ledger = small_disk / "cassettes", tmp_path / "ledger.sqlite"
+    cassettes.mkdir()
+    home = tmp_path / "home"
+    filler = small_disk / "filler"
+    with StubServer(SCRIPT) as model, open_runs(sqlite_url(home)) as runs:
+        env = base_env(home, DEJA_CASSETTE_DIR=str(cassettes), RECON_LEDGER=str(ledger),
+                       ANTHROPIC_BASE_URL=model.url)
+        worker = start_worker("w1", env, tmp_path / "logs")
+        try:
+            wait_up(worker)  # its marker written: the directory fills up afterwards
+            _fill(filler)
+            run_id = submit(runs, cassettes, reconciliation())
+            cassette = cassettes / f"{run_id}.jsonl"
+
+            def stopped() -> dict[str, Any] | None:
+                record = runs.get(run_id)
+                return record if record["status"] in ENDED else None
+
+            record = _wait("the run to stop", stopped, worker.log)
+            where = f"run {run_id}\n{worker.log()}"
+            assert record["status"] == "interrupted", f"{record}\n{where}"
+            assert record["error"].startswith(f"CassetteWriteError: {cassette} could not be "
+                                              "written as the run started (deja exited 74)"), \
+                where
+            assert "writing its header failed: No space left on device. Nothing was " \
+                   "recorded" in worker.log(), where
+            assert not cassette.exists(), where  # no empty file left for a resume to refuse
+
+            filler.unlink()
+
+            def completed() -> dict[str, Any] | None:
+                record = runs.get(run_id)
+                row = runs.store.get_run(run_id)
+                return record if record["status"] == "completed" and row and \
+                    row["status"] == "completed" else None
+
+            _wait("the run to complete", completed,
+                  lambda: f"{runs.get(run_id)}\n{story(cassette)}\n{worker.log()}")
+            worker.stop()
+            assert not TRACEBACK.search(worker.log()), worker.log()
+        finally:
+            worker.reap()
+
+
+def test_a_first_worker_on_a_full_cassette_directory_says_so(small_disk: Path,
+                                                              tmp_path: Path) -> None:
+    cassettes, home = small_disk / "cassettes", tmp_path / "home"
+    cassettes.mkdir()
+    _fill(small_disk / "filler")
+    with open_runs(sqlite_url(home)):
+        worker = start_worker("w1", base_env(home, DEJA_CASSETTE_DIR=str(cassettes)),
+                              tmp_path / "logs")
+        try:
+            assert worker.process.wait(timeout=TIMEOUT) != 0, worker.log()
+        finally:
+            worker.reap()
+    assert f"the cassette directory {cassettes} cannot be written (No space left on " \
+           "device)" in worker.log(), worker.log()
+    assert "Traceback" not in worker.log(), worker.log()
 
 
 # ------------------------------------------------------------------------ submissions
