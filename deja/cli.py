@@ -281,8 +281,12 @@ def verify(cassette: Path, allow_torn: bool, allow_incomplete: bool) -> None:
     c = _load(cassette, require_signature=True, allow_torn=allow_torn,
               allow_incomplete=allow_incomplete)
     from recorder.cassette.rows import step_count
+    from recorder.cassette.schema import run_status
+    from recorder.harness.progress import read_status
 
-    end = c.end["status"] if c.end else "no end line (incomplete run)"
+    # Without an end line the run's status record says more (a worker failed it).
+    end = run_status(c.end) if c.end else \
+        f"{run_status(None, (read_status(c.run) or {}).get('status'))} (no end line)"
     click.echo(f"ok: {cassette}: run {c.run}, {step_count(c)} steps, {c.verify_note}, "
                f"end: {end}")
 
@@ -764,13 +768,13 @@ def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
                        plan={"cassette": str(cassette.resolve())})
     finally:
         lock.release()
-    end = cassette.read_bytes().rstrip(b"\n").rsplit(b"\n", 1)[-1]
-    try:
-        status = json.loads(end).get("status") if b'"kind":"end"' in end else None
-    except ValueError:
-        status = None
+    from recorder.cassette.schema import run_status
+    from recorder.harness.progress import cassette_end
+
+    _, end = cassette_end(cassette)
     click.echo(f"deja: resumed run {loaded.run}: replayed {len(loaded.observations)} steps; "
-               f"end status {status or 'none (still unfinished)'}", err=True)
+               f"end status {run_status(end) if end else 'none (still unfinished)'}",
+               err=True)
     _echo_split(cassette)
     sys.exit(code)
 

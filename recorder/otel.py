@@ -61,8 +61,9 @@ from recorder import providers, values
 from recorder.canonical import content_decoded, decode_body
 from recorder.capture.redact import DEFAULT, Redaction
 from recorder.cassette import Cassette
-from recorder.cassette.schema import Kind
+from recorder.cassette.schema import Kind, run_status
 from recorder.errors import ConfigError, ExportFailed
+from recorder.harness.progress import read_status
 
 __all__ = ["root_span_id", "send", "to_json", "to_spans", "trace_id"]
 
@@ -570,9 +571,13 @@ def _match(pending: list[tuple[str, str, Any]], name: str, args: Any) -> str | N
 
 
 def _run_status(cassette: Cassette) -> str:
+    """The run's one status as deja shows it: the end line (``failed`` for ``error``),
+    else what its status record says (a worker failed it), else torn or incomplete."""
     if cassette.end is not None:
-        return str(cassette.end.get("status"))
-    return "torn" if cassette.torn_offset is not None else "incomplete"
+        return run_status(cassette.end)
+    state = (read_status(cassette.run) or {}).get("status")
+    return run_status(None, state if isinstance(state, str) else None) if state else \
+        "torn" if cassette.torn_offset is not None else "incomplete"
 
 
 # ---------------------------------------------------------------------- out

@@ -18,6 +18,7 @@ from recorder.record import new_run_id
 from runs import schedules
 from runs.config import cassette_dir
 from runs.errors import BadRunRequest, DatabaseUnavailable, NoSuchSchedule
+from runs.guard import bad_text
 from runs.spec import validate, workflow_id
 from runs.store import ENDED, Store
 
@@ -237,6 +238,9 @@ class Runs:
     def answer(self, run_id: str, text: str) -> dict[str, Any]:
         if not isinstance(text, str):
             raise BadRunRequest("an answer is a string")
+        why = bad_text(text)  # what the API refuses in its body, refused from the viewer too
+        if why is not None:
+            raise BadRunRequest(f"an answer cannot hold {why}")
         row = self._row(run_id)
         record = record_of(row, self._engine([row]).get(run_id))
         if record["status"] != "input_required":

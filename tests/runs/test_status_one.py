@@ -1,7 +1,8 @@
 """One status everywhere: for a run that completed, one whose program exited 1 after its
 last step, one cancelled while it worked, and one that failed (its agent died) and was
 then resumed by hand, ``deja status --json``, ``deja runs --json``, ``GET /runs/{id}``, ``deja show
---json`` and ``deja ls --json`` say the same word (:func:`recorder.cassette.schema.run_status`:
+--json``, ``deja ls --json``, ``deja verify``, ``deja export`` and the run's status record say
+the same word (:func:`recorder.cassette.schema.run_status`:
 the end line first; an end line's ``error`` is ``failed``).
 
 Real processes: ``deja serve``, one ``deja worker``, the CLI as a user runs it, and ``deja
@@ -130,7 +131,17 @@ class Service:
         assert show.returncode == 0, show.stderr
         listing = self.deja("ls", str(cassette.parent), "--json")
         assert listing.returncode == 0, listing.stderr
-        return {"deja status": json.loads(status.stdout)["status"],
+        verify = self.deja("verify", str(cassette), "--allow-incomplete")
+        assert verify.returncode == 0, verify.stderr
+        spans = self.deja("export", str(cassette), "--format", "otlp-json", "-o", "-")
+        assert spans.returncode == 0, spans.stderr
+        root = json.loads(spans.stdout)["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+        record = json.loads((self.home / "runs" / f"{run_id}.json").read_text())
+        return {"status record": record["status"],
+                "deja verify": verify.stdout.rsplit("end: ", 1)[-1].split(" (")[0].strip(),
+                "deja export": next(a["value"]["stringValue"] for a in root["attributes"]
+                                    if a["key"] == "deja.run.status"),
+"deja status": json.loads(status.stdout)["status"],
                 "deja runs": self.listed(run_id)["status"],
                 "GET /runs/{id}": self.get(run_id)["status"],
                 "deja show": json.loads(show.stdout)["run"]["status"],
@@ -171,7 +182,7 @@ def test_completed_exit_1_cancelled_and_resumed_runs_have_one_status_everywhere(
 
     ended = service.settled(exit1)
     assert ended["status"] == "failed", ended
-    _agree(service, exit1, "failed")  # the program's own record said completed
+    _agree(service, exit1, "failed")  # the program handed over completed
 
     # Failed (its agent died, no retries here), then fixed and resumed by hand: the end
     # line it ends with now is the truth.

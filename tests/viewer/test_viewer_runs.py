@@ -269,6 +269,10 @@ def test_a_waiting_run_is_answered_from_the_page_and_completes(
         assert f"**Run `{run}` asks:** {QUESTION}" in texts(at.markdown)
         at.button(key=f"answer_btn:{run}").click().run()  # nothing typed yet
         assert f"Type an answer for run {run} first." in texts(ok(at).error)
+        at.text_input(key=f"answer_text:{run}").input("yes\x00, once")  # the API's 400
+        at.button(key=f"answer_btn:{run}").click().run()
+        assert any("an answer cannot hold a NUL character" in t for t in texts(ok(at).error))
+        assert runs.get(run)["status"] == "input_required"
         at.text_input(key=f"answer_text:{run}").input("yes, once")
         at.button(key=f"answer_btn:{run}").click().run()
         assert any(s.startswith(f"Answer sent to run {run}") for s in texts(ok(at).success))
