@@ -61,6 +61,10 @@ from deja._common import (
               help="Largest upstream response passed on and recorded, in bytes, as received "
                    "and as a gzip or deflate body inflates: a whole response over it is a "
                    "502, a stream is cut there with an error event (ResponseTooLarge).")
+@click.option("--body-timeout", type=click.FloatRange(min=0.1), default=60.0,
+              show_default=True,
+              help="Seconds a request's body may stall (no byte arrives) before the proxy "
+                   "answers 408 and closes the connection.")
 @click.option("--header-timeout", type=click.FloatRange(min=0.1), default=10.0,
               show_default=True,
               help="Seconds a client gets to send a request's headers; slower connections "
@@ -81,7 +85,8 @@ from deja._common import (
 def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | None,
           fork: Path | None, at: int | None, sets: tuple[str, ...], patch_file: Path | None,
           replace_file: Path | None, output: Path | None, token: str | None, idle: float,
-          grace: float, max_body: int, max_response: int, header_timeout: float,
+          grace: float, max_body: int, max_response: int, body_timeout: float,
+          header_timeout: float,
           allowed_hosts: tuple[str, ...], ready_file: Path | None, fsync: str | None,
           max_turns: int | None, max_tokens_total: int | None,
           max_tokens_per_turn: int | None, clamp_max_tokens: bool,
@@ -140,7 +145,8 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
                         logging.INFO if name == "deja.proxy" else logging.WARNING)
     options = ProxyOptions(host=host, port=port, upstream=upstream, directory=directory,
                            token=token, max_body=max_body, max_response=max_response,
-                           header_timeout=header_timeout, allowed_hosts=allowed_hosts,
+                           body_timeout=body_timeout, header_timeout=header_timeout,
+                           allowed_hosts=allowed_hosts,
                            idle=idle, grace=grace,
                            ready_file=ready_file, record=record, labels=label_map,
                            replay=replay, allow_unverified=allow_unverified or None,

@@ -31,10 +31,11 @@ from collections.abc import Sequence
 from recorder.capture.session import Timing
 from recorder.errors import ResponseTooLarge
 
-__all__ = ["MAX_RESPONSE", "OFFLOAD_BYTES", "STEP", "Inflation", "Passing", "coding_of", "cut_tail",
-           "decoded_within", "event_end", "is_stream", "said", "too_large"]
+__all__ = ["BODY_TIMEOUT", "MAX_RESPONSE", "OFFLOAD_BYTES", "STEP", "Inflation", "Passing",
+           "coding_of", "cut_tail", "decoded_within", "event_end", "is_stream", "said", "too_large"]
 
 MAX_RESPONSE = 64 * 1024 * 1024  # bytes of a response, as received and as inflated
+BODY_TIMEOUT = 60.0  # seconds a request body may stall between two of its pieces
 OFFLOAD_BYTES = 256 * 1024  # bodies above this are worked on in a thread
 STEP = 1024 * 1024  # inflated bytes produced (and dropped) at a time
 INLINE_INFLATE = 16 * 1024  # compressed bytes inflated on the loop (at most ~16 MiB out)

@@ -36,6 +36,7 @@ import aiohttp
 import yarl
 
 from proxy._bounds import (
+    BODY_TIMEOUT,
     MAX_RESPONSE,
     OFFLOAD_BYTES,
     Passing,
@@ -114,7 +115,8 @@ class Proxy:
     def __init__(self, *, upstream: str, new_run: Callable[[str | None, dict[str, str]],
                                                            ProxyRun] | None = None,
                  single: ProxyRun | None = None, token: str | None = None,
-                 max_body: int = 32 * 1024 * 1024, idle: float = 300.0,
+                 max_body: int = 32 * 1024 * 1024, body_timeout: float = BODY_TIMEOUT,
+                 idle: float = 300.0,
                  timeout: float = 600.0, mode: str = "record",
                  max_response: int = MAX_RESPONSE, callers: Callers | None = None) -> None:
         if (new_run is None) == (single is None):
@@ -124,6 +126,7 @@ class Proxy:
         self._new_run, self.single = new_run, single
         self.token = token
         self.max_body = max_body
+        self.body_timeout = body_timeout
         self.max_response = max_response
         self.callers = callers or Callers.of("127.0.0.1")
         self.idle = idle
@@ -319,7 +322,13 @@ class Proxy:
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            try:  # a body that stops coming would hold its connection for ever
+                message = await asyncio.wait_for(receive(), self.body_timeout)
+            except TimeoutError:
+                raise ProxyError(408, "request_timeout",
+                                 f"deja proxy: the request body stalled: nothing came for "
+                                 f"{self.body_timeout:g} s (deja proxy --body-timeout)"
+                                 ) from None
             if message["type"] == "http.disconnect":
                 raise ClientGone("the client went away while sending its request")
             chunk = message.get("body", b"")

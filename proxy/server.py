@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proxy._bounds import MAX_RESPONSE
+from proxy._bounds import BODY_TIMEOUT, MAX_RESPONSE
 from proxy._wire import Callers, is_loopback
 from proxy.app import Proxy
 from proxy.runs import ProxyRun
@@ -52,6 +52,7 @@ class ProxyOptions:
     directory: Path = Path("cassettes")
     token: str | None = None
     max_body: int = 32 * 1024 * 1024
+    body_timeout: float = BODY_TIMEOUT  # seconds a request body may stall between pieces
     max_response: int = MAX_RESPONSE  # bytes of a response, as received and as inflated
     header_timeout: float = HEADER_TIMEOUT  # seconds a client gets to send its headers
     max_waiting: int = MAX_WAITING  # connections waiting for their headers at once
@@ -97,7 +98,8 @@ def build(options: ProxyOptions) -> Proxy:
     if not upstream.startswith(("http://", "https://")):
         raise ConfigError(f"--upstream must be an http:// or https:// URL, not {upstream!r}")
     common: dict[str, Any] = {"token": options.token, "max_body": options.max_body,
-                              "idle": options.idle, "mode": options.mode,
+                              "body_timeout": options.body_timeout, "idle": options.idle,
+                              "mode": options.mode,
                               "max_response": options.max_response,
                               "callers": Callers.of(options.host, options.allowed_hosts)}
     if options.replay is not None:

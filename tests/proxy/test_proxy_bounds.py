@@ -350,6 +350,33 @@ def test_slowloris_connections_are_dropped_after_the_header_timeout(
     assert code == 0 and "Traceback" not in log, log
 
 
+def test_a_request_body_that_stalls_is_answered_408_after_the_body_timeout(
+        proxy: Proxy, upstream: Upstream, tmp_path: Path) -> None:
+    p = proxy("--upstream", upstream.url, "--dir", str(tmp_path / "c"), "--body-timeout", "1")
+    host, port = p.url.removeprefix("http://").split(":")
+    stalled = socket.create_connection((host, int(port)), timeout=30)
+    try:  # whole headers, then a tenth of the body it announces, then nothing
+        stalled.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+                        + b"{" * 100)
+        t0 = time.monotonic()
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            piece = stalled.recv(65536)
+            if not piece:
+                break
+            answer += piece
+        assert answer.startswith(b"HTTP/1.1 408 "), answer
+        assert b"the request body stalled: nothing came for 1 s" in answer, answer
+        assert time.monotonic() - t0 > 0.5  # by the timeout, not at once
+        status, _, body = call(p.url, timeout=10)  # a real client is served meanwhile
+        assert status == 200, body
+    finally:
+        stalled.close()
+    code, log = p.stop()
+    assert code == 0 and "Traceback" not in log, log
+
+
 def test_deja_serve_drops_the_oldest_idle_connections_past_its_cap(tmp_path: Path) -> None:
     from recorder.serving import MAX_WAITING
 
