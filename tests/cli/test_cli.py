@@ -18,6 +18,7 @@ from viewer.index import index_path
 ROOT = Path(__file__).resolve().parents[2]
 SPIRAL = ROOT / "examples" / "retry_spiral.py"
 SPIRAL_SCRIPT = json.loads((ROOT / "examples" / "retry_spiral.stub.json").read_text())
+KEY = "test-key-0123456789abcdef"  # conftest's DEJA_KEY
 COMMANDS = ["record", "replay", "verify", "show", "ls", "stub", "fork", "resume", "diff",
             "status", "cancel"]
 
@@ -28,16 +29,27 @@ def deja(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.Co
                           text=True, env={**os.environ, **(env or {})}, cwd=cwd, timeout=120)
 
 
-@pytest.fixture
-def spiral_cassette(tmp_path: Path) -> Path:
-    """The retry-spiral example recorded through `deja record`, unmodified."""
-    out = tmp_path / "spiral.jsonl"
+@pytest.fixture(scope="module")
+def spiral_recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The retry-spiral example recorded through `deja record`, unmodified, once a module
+    (with the suite's signing key)."""
+    out = tmp_path_factory.mktemp("spiral") / "spiral.jsonl"
     with StubServer(SPIRAL_SCRIPT) as server:
         proc = deja("record", "-o", str(out), "--label", "case=spiral", "--no-loop-guard",
-                    "--", "python", str(SPIRAL), env={"ANTHROPIC_BASE_URL": server.url})
+                    "--", "python", str(SPIRAL),
+                    env={"ANTHROPIC_BASE_URL": server.url, "DEJA_KEY": KEY,
+                         "DEJA_HOME": str(out.parent / "home")})
         assert len(server.requests) == 5
     assert proc.returncode == 0, proc.stderr
     assert "turn 5: end_turn" in proc.stdout
+    return out
+
+
+@pytest.fixture
+def spiral_cassette(spiral_recorded: Path, tmp_path: Path) -> Path:
+    """A test's own copy of the recording, to change as it likes."""
+    out = tmp_path / "spiral.jsonl"
+    out.write_bytes(spiral_recorded.read_bytes())
     return out
 
 

@@ -25,9 +25,9 @@ starts only once its intent is on disk). When ``seed % 6 == 5`` the first resume
 too, inside its first live ``pay`` (before or after the ledger write), and a second resume
 finishes the run (one ``resumed`` line per resume).
 
-``DEJA_CRASH_SEEDS`` sets the number of seeds (30; ``make stress`` runs 200). Seeds run
-two at a time in background threads (every step is a subprocess); each seed's test waits
-for its own and checks it.
+``DEJA_CRASH_SEEDS`` sets the number of seeds (12: every way of crashing twice, two double
+kills; ``make stress`` runs 200). Seeds run two at a time in background threads (every step
+is a subprocess); each seed's test waits for its own and checks it.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ AGENT = "examples/reconciliation.py"
 SCRIPT = ROOT / "examples" / "reconciliation.stub.json"
 TINY = "tests/intent_agent.py"
 KEY = "test-key-0123456789abcdef"  # conftest's DEJA_KEY, given explicitly to subprocesses
-SEEDS = range(int(os.environ.get("DEJA_CRASH_SEEDS", 30)))
+SEEDS = range(int(os.environ.get("DEJA_CRASH_SEEDS", 12)))
 WORKERS = 2
 KILLS = ("before_ledger", "after_ledger", "harness", "harness", "harness_torn")
 PAYS = 20
