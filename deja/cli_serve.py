@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -467,7 +468,7 @@ def schedule_ls(as_json: bool, db: str | None) -> None:
         click.echo("deja: no schedules (deja schedule add NAME --cron ... -- CMD)")
         return
     rows = [{"name": s["name"], "cron": s["cron"], "tz": s["tz"], "deadline": s["deadline"],
-             "next": s["next"], "command": " ".join(s["command"]),
+             "next": s["next"], "command": shlex.join(s["command"]),
              "last artefact": (s["last_verified_artefact"] or {}).get("occurrence"),
              "alerts": len(s["alerts"])} for s in found]
     _print_table(rows, ["name", "cron", "tz", "deadline", "next", "command", "last artefact",

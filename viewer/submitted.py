@@ -14,6 +14,7 @@ only, so the other pages of the viewer never pay for it.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,4 +152,4 @@ def schedule_row(schedule: dict[str, Any]) -> dict[str, Any]:
             "next": schedule["next"], "deadline": schedule.get("deadline"),
             "last verified artefact": artefact_text(schedule.get("last_verified_artefact")),
             "latest alert": alert_text(alerts[0]) if alerts else None,
-            "command": " ".join(schedule.get("command") or [])}
+            "command": shlex.join(schedule.get("command") or [])}

@@ -183,8 +183,9 @@ def _not_found(path: Path) -> CassetteNotFound:
     if not folder.is_dir():
         return CassetteNotFound(f"no cassette at {path}: the directory {folder} does not "
                                 "exist", path=path)
-    try:
-        names = sorted(p.name for p in folder.iterdir() if p.suffix == ".jsonl")
+    try:  # an empty file is no cassette to suggest
+        names = sorted(p.name for p in folder.iterdir()
+                       if p.suffix == ".jsonl" and p.is_file() and p.stat().st_size > 0)
     except OSError:
         names = []
     stems = {Path(name).stem: name for name in names}

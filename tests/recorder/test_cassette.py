@@ -281,6 +281,7 @@ def test_a_missing_file_is_not_found_and_names_the_closest_files(tmp_path: Path)
         load(tmp_path / "nowhere.jsonl")
     write_cassette(tmp_path / "spiral.jsonl")
     write_cassette(tmp_path / "other.jsonl")
+    (tmp_path / "spirals.jsonl").touch()  # an empty file: no cassette to suggest
     with pytest.raises(CassetteNotFound) as info:
         load(tmp_path / "spirl.jsonl")
     assert f"did you mean {tmp_path / 'spiral.jsonl'}?" in str(info.value)

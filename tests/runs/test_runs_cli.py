@@ -51,6 +51,12 @@ def test_a_schedule_is_added_listed_alerted_on_by_check_and_removed(deja: Deja) 
     assert listed[0]["next"] == occurrence.isoformat() and listed[0]["alerts"] == []
     table = deja("schedule", "ls")
     assert table.returncode == 0 and "weekly-report" in table.stdout
+    spaced = deja("schedule", "add", "spaced", "--cron", "0 7 * * 1", "--", "python",
+                  "my agent.py", "--note", "it's")
+    assert spaced.returncode == 0, spaced.stderr
+    table = deja("schedule", "ls")  # a command as a shell would take it
+    assert """python 'my agent.py' --note 'it'"'"'s'""" in table.stdout, table.stdout
+    assert deja("schedule", "rm", "spaced").returncode == 0
 
     server = deja.serve()
     status, body = api("GET", f"{server.url}/schedules")
