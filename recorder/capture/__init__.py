@@ -5,7 +5,8 @@
 - :mod:`.vcr`: vcrpy's patchers, driven by the active session; :mod:`._httpx` is deja's
   own stub for the httpx transports;
 - :mod:`.exchange`: one HTTP exchange as deja sees it, whichever client made it;
-- :mod:`.redact`: what never reaches disk.
+- :mod:`.redact`: what never reaches disk: the rules of a run and how they are applied;
+  :mod:`._secrets` holds the built-in ones, what looks like a secret.
 """
 
 __all__: list[str] = []

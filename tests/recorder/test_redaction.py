@@ -25,8 +25,9 @@ import recorder
 import replayer
 from deja.cli import main
 from recorder.canonical import fingerprint
+from recorder.capture._secrets import _Scanner
 from recorder.capture.exchange import classify
-from recorder.capture.redact import REDACTED, RULES, Redaction, _Scanner
+from recorder.capture.redact import REDACTED, RULES, Redaction
 from recorder.cassette import load
 from recorder.errors import ConfigError
 from recorder.harness.progress import Progress, request_cancel, runs_dir, status_path
