@@ -329,24 +329,26 @@ def test_the_command_needs_one_destination(tmp_path: Path) -> None:
 def test_the_attribute_names_are_the_conventions() -> None:
     from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as semconv
 
+    from recorder import _otel_genai as genai
+
     for ours, theirs in [
-        (otel.OPERATION, "GEN_AI_OPERATION_NAME"), (otel.PROVIDER, "GEN_AI_PROVIDER_NAME"),
-        (otel.AGENT_NAME, "GEN_AI_AGENT_NAME"), (otel.CONVERSATION, "GEN_AI_CONVERSATION_ID"),
-        (otel.REQUEST_MODEL, "GEN_AI_REQUEST_MODEL"),
-        (otel.REQUEST_MAX_TOKENS, "GEN_AI_REQUEST_MAX_TOKENS"),
-        (otel.RESPONSE_MODEL, "GEN_AI_RESPONSE_MODEL"), (otel.RESPONSE_ID, "GEN_AI_RESPONSE_ID"),
-        (otel.FINISH_REASONS, "GEN_AI_RESPONSE_FINISH_REASONS"),
-        (otel.TIME_TO_FIRST_CHUNK, "GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK"),
-        (otel.INPUT_TOKENS, "GEN_AI_USAGE_INPUT_TOKENS"),
-        (otel.OUTPUT_TOKENS, "GEN_AI_USAGE_OUTPUT_TOKENS"),
-        (otel.CACHE_READ, "GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS"),
-        (otel.CACHE_CREATION, "GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS"),
-        (otel.INPUT_MESSAGES, "GEN_AI_INPUT_MESSAGES"),
-        (otel.OUTPUT_MESSAGES, "GEN_AI_OUTPUT_MESSAGES"),
-        (otel.SYSTEM_INSTRUCTIONS, "GEN_AI_SYSTEM_INSTRUCTIONS"),
-        (otel.TOOL_NAME, "GEN_AI_TOOL_NAME"), (otel.TOOL_CALL_ID, "GEN_AI_TOOL_CALL_ID"),
-        (otel.TOOL_TYPE, "GEN_AI_TOOL_TYPE"), (otel.TOOL_ARGUMENTS, "GEN_AI_TOOL_CALL_ARGUMENTS"),
-        (otel.TOOL_RESULT, "GEN_AI_TOOL_CALL_RESULT")]:
+        (genai.OPERATION, "GEN_AI_OPERATION_NAME"), (genai.PROVIDER, "GEN_AI_PROVIDER_NAME"),
+        (genai.AGENT_NAME, "GEN_AI_AGENT_NAME"), (genai.CONVERSATION, "GEN_AI_CONVERSATION_ID"),
+        (genai.REQUEST_MODEL, "GEN_AI_REQUEST_MODEL"),
+        (genai.REQUEST_MAX_TOKENS, "GEN_AI_REQUEST_MAX_TOKENS"),
+        (genai.RESPONSE_MODEL, "GEN_AI_RESPONSE_MODEL"), (genai.RESPONSE_ID, "GEN_AI_RESPONSE_ID"),
+        (genai.FINISH_REASONS, "GEN_AI_RESPONSE_FINISH_REASONS"),
+        (genai.TIME_TO_FIRST_CHUNK, "GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK"),
+        (genai.INPUT_TOKENS, "GEN_AI_USAGE_INPUT_TOKENS"),
+        (genai.OUTPUT_TOKENS, "GEN_AI_USAGE_OUTPUT_TOKENS"),
+        (genai.CACHE_READ, "GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS"),
+        (genai.CACHE_CREATION, "GEN_AI_USAGE_CACHE_CREATION_INPUT_TOKENS"),
+        (genai.INPUT_MESSAGES, "GEN_AI_INPUT_MESSAGES"),
+        (genai.OUTPUT_MESSAGES, "GEN_AI_OUTPUT_MESSAGES"),
+        (genai.SYSTEM_INSTRUCTIONS, "GEN_AI_SYSTEM_INSTRUCTIONS"),
+        (genai.TOOL_NAME, "GEN_AI_TOOL_NAME"), (genai.TOOL_CALL_ID, "GEN_AI_TOOL_CALL_ID"),
+        (genai.TOOL_TYPE, "GEN_AI_TOOL_TYPE"), (genai.TOOL_ARGUMENTS, "GEN_AI_TOOL_CALL_ARGUMENTS"),
+        (genai.TOOL_RESULT, "GEN_AI_TOOL_CALL_RESULT")]:
         assert ours == getattr(semconv, theirs)
     values = [m.value for m in vars(semconv)["GenAiOperationNameValues"]]
     assert {"chat", "invoke_agent", "execute_tool"} <= set(values)
