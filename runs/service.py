@@ -187,7 +187,7 @@ class Runs:
         stopping = [row for row in rows if row["status"] == "working" and
                     (states.get(row["run_id"]) or {}).get("status") == "CANCELLED"]
         if stopping:
-            from runs.worker import DEAD_AFTER
+            from runs.locks import DEAD_AFTER
 
             now = time.time()
             alive = {w["worker_id"] for w in self.store.workers()

@@ -3,14 +3,13 @@
 A worker is one executor of the engine (``runs.engine``) with a stable id. For each run
 it dequeues, its agent step (:func:`AgentStep.__call__`):
 
-1. takes the run's lock, so that two agents never run one run at once: a ``flock`` next to
-   the cassette on one machine and, on Postgres, an advisory lock as well (both die with
-   their holder; a run dispatched again waits for the old holder to be gone). That lock
-   dies with the worker, but a dead worker's agent lives on until its parent-death signal
-   has ended it (it writes an ``interrupted`` end line; a tool stuck in a C call sees the
-   signal only when the call returns), holding the cassette's writer lock: the step then
-   waits for that writer to be gone too, so that the resume reads the cassette as the
-   agent left it and is not refused;
+1. takes the run's lock (:class:`runs.locks.RunLock`), so that two agents never run one
+   run at once: it dies with its holder, and a run dispatched again waits for the old
+   holder to be gone. That lock dies with the worker, but a dead worker's agent lives on
+   until its parent-death signal has ended it (it writes an ``interrupted`` end line; a
+   tool stuck in a C call sees the signal only when the call returns), holding the
+   cassette's writer lock: the step then waits for that writer to be gone too, so that
+   the resume reads the cassette as the agent left it and is not refused;
 2. runs ``deja record`` the first time, ``deja resume`` once the cassette holds a
    recorded prefix (a worker died mid-run, or the run asked a question): recorded turns
    replay, a trailing intent is settled, then the run goes on live. The child dies with
@@ -31,16 +30,19 @@ it dequeues, its agent step (:func:`AgentStep.__call__`):
    resume`` by hand, and its status record says ``failed``). The count starts again on
    each dispatch of the run;
 6. a run stopped by its cassette directory (full, read-only, failing: the end line's
-   ``CassetteWriteError``, or no end line and a probe of the directory that fails) ends
-   ``interrupted`` with that error; :func:`reconcile` dispatches it again, as its next
-   part, once a probe writes there.
+   ``CassetteWriteError``, or no end line and a probe of the directory that fails,
+   :func:`runs.cassettes.disk_trouble`) ends ``interrupted`` with that error;
+   :func:`reconcile` dispatches it again, as its next part, once a probe writes there.
 
-Every worker beats every 2 s in ``deja_workers``. A worker whose beat is older than 10 s is
-dead: the first live peer to claim it asks the engine to recover its pending runs (they
-are dispatched again, exactly once, and resumed as above). After the database was
-unreachable, a worker claims nobody for 10 s (every beat is old then). A worker stopped
-with SIGTERM or SIGINT stops its agents (they end ``interrupted``, resumable) and exits
-without finishing their runs, which the next worker with its id, or a peer, picks up again.
+A worker starts by taking its id (:class:`runs.locks.WorkerIdLock`: one live worker per
+id) and by checking that its cassette directory is the one its peers write to
+(:func:`runs.cassettes.check_shared`). Every worker beats every 2 s in ``deja_workers``. A
+worker whose beat is older than 10 s is dead: the first live peer to claim it asks the
+engine to recover its pending runs (they are dispatched again, exactly once, and resumed
+as above). After the database was unreachable, a worker claims nobody for 10 s (every beat
+is old then). A worker stopped with SIGTERM or SIGINT stops its agents (they end
+``interrupted``, resumable) and exits without finishing their runs, which the next worker
+with its id, or a peer, picks up again.
 
 The worker's bookkeeping waits for a database that cannot be reached (a Postgres
 restart) instead of failing the run: the outage is said once when it starts and once when
@@ -53,7 +55,6 @@ the engine's queue back into agreement.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -63,7 +64,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,28 +74,21 @@ from recorder.cassette.lock import describe, holder_of
 from recorder.cassette.schema import run_status
 from recorder.errors import EXIT_CASSETTE_UNWRITABLE, ConfigError
 from recorder.harness.child import preexec
-from recorder.harness.progress import (
-    cassette_end,
-    close_record,
-    read_status,
-    request_cancel,
-    valid_run_id,
-)
+from recorder.harness.progress import close_record, read_status, request_cancel, valid_run_id
 from runs import schedules
+from runs.cassettes import _write_error, cassette_state, check_shared, disk_trouble
 from runs.config import cassette_dir, database_url, is_sqlite
-from runs.errors import CassettesNotShared, DatabaseUnavailable, WorkerIdTaken
+from runs.errors import DatabaseUnavailable
+from runs.locks import DEAD_AFTER, RunLock, WorkerIdLock, WorkerStopping
 from runs.spec import record_argv, resume_argv, workflow_id
 from runs.store import DISK_ERROR, Store
 
 log = logging.getLogger("deja.runs")
 
 BEAT = 2.0  # seconds between heartbeats
-DEAD_AFTER = 10.0  # a worker whose last beat is older than this is dead
 WATCH = 0.5  # seconds between looks at a running child
-SHARE_MARKER = ".deja-share"
 RETRY_DELAYS = (1.0, 4.0, 16.0)  # an agent that dies is resumed after each; then it fails
 RETRIES_ENV = "DEJA_AGENT_RETRIES"  # another list of delays, in seconds: "1,4,16"; "none"
-PROBE_BYTES = 256 * 1024  # written to a cassette directory to tell whether it takes lines
 RECONCILE_EVERY = 5.0  # seconds between reconciliations of the database and the engine
 RECONCILE_ROWS = 1000  # rows looked at per reconciliation
 SUBMIT_GRACE = 30.0  # a submission older than this that the engine does not hold failed
@@ -125,99 +118,6 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-1"
 
 
-def check_shared(store: Store, cassettes: Path) -> None:
-    """The cassette directory must be the one every worker of this database writes to.
-
-    The first worker leaves a marker with a random token in it and the token in the
-    database; a worker that finds another token (or none) where the database expects one
-    is looking at a different directory: a share that is not mounted, or another path.
-    """
-    try:
-        cassettes.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CassettesNotShared(f"the cassette directory {cassettes} cannot be created "
-                                 f"({exc.strerror or exc}); set DEJA_CASSETTE_DIR to a "
-                                 "writable directory every worker reaches") from None
-    marker = cassettes / SHARE_MARKER
-    found = _read_marker(marker)
-    created = False
-    if found is None:  # the first worker here: create it whole, or read the winner's
-        draft = cassettes / f"{SHARE_MARKER}.{os.getpid()}"
-        try:
-            draft.write_text(os.urandom(12).hex() + "\n")
-            os.link(draft, marker)
-            created = True
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise CassettesNotShared(
-                f"the cassette directory {cassettes} cannot be written ({exc.strerror or exc}): "
-                "its first worker leaves a marker there. Free the disk (or fix its "
-                "permissions) and start the worker again") from None
-        finally:
-            draft.unlink(missing_ok=True)
-        found = _read_marker(marker)
-    expected = store.get_meta("cassette_share")
-    if expected is None and found is not None:
-        if store.set_meta("cassette_share", found):
-            store.set_meta("cassette_dir", str(cassettes))
-            return
-        expected = store.get_meta("cassette_share")
-    if found != expected:
-        if created:  # not the directory the database knows: leave it as it was
-            marker.unlink(missing_ok=True)
-            found = None
-        where = store.get_meta("cassette_dir") or "the shared directory"
-        raise CassettesNotShared(
-            f"the cassette directory {cassettes} is not the one the other workers of this "
-            f"database write to ({where}: its marker {SHARE_MARKER} is "
-            f"{'missing' if found is None else 'different'} here). Mount that shared "
-            "directory at the same path on every worker (NFS or the like, with working "
-            "flock and rename) and point DEJA_CASSETTE_DIR at it")
-
-
-def _write_error(end: dict[str, Any] | None) -> str | None:
-    """The message of an end line that says a cassette write failed (a full disk)."""
-    error = (end or {}).get("error")
-    if isinstance(error, dict) and error.get("type") == DISK_ERROR:
-        return str(error.get("message") or "a cassette write failed")
-    return None
-
-
-def _read_marker(marker: Path) -> str | None:
-    try:
-        return marker.read_text().strip() or None
-    except OSError:
-        return None
-
-
-def cassette_state(path: Path) -> tuple[str, dict[str, Any] | None]:
-    """``("none", None)`` when no header is on disk, ``("open", None)`` for a recorded
-    prefix, ``("ended", end_line)`` for a run that ended."""
-    return cassette_end(path)
-
-
-def disk_trouble(directory: Path) -> str | None:
-    """Why ``directory`` cannot take a cassette's lines now (full, read-only, failing), or
-    None when a probe of :data:`PROBE_BYTES` is written and synced there."""
-    probe = directory / f".deja-probe-{os.getpid()}-{threading.get_ident()}"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            left = memoryview(b"\0" * PROBE_BYTES)
-            while left:  # a short write is how a full disk answers first
-                left = left[os.write(fd, left):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        return f"{directory}: {exc.strerror or exc}"
-    finally:
-        with contextlib.suppress(OSError):
-            probe.unlink()
-    return None
-
-
 def _died(code: int) -> str | None:
     """How a ``deja record``/``resume`` exit status says its program was killed (a
     signal to the launcher, or one its program died of), else None."""
@@ -226,68 +126,6 @@ def _died(code: int) -> str | None:
     if code > 128 and code - 128 < 65:
         return f"the agent was killed by signal {code - 128}"
     return None
-
-
-class RunLock:
-    """A lock per run that dies with its holder: flock on one machine, plus a Postgres
-    advisory lock when the runs database is Postgres (across machines)."""
-
-    def __init__(self, store: Store, cassettes: Path) -> None:
-        self.store = store
-        self.dir = cassettes / ".locks"
-        self.dir.mkdir(parents=True, exist_ok=True)
-        # An advisory lock is held by a session for the whole run: each run holds a
-        # connection of its own, outside the store's small pool, which the bookkeeping of
-        # every other run (and the heartbeat) shares; closing it releases the lock.
-        self.lock_engine: sa.Engine | None = None
-        if not is_sqlite(store.url):
-            from runs.config import sqlalchemy_url
-
-            self.lock_engine = sa.create_engine(sqlalchemy_url(store.url),
-                                                poolclass=sa.pool.NullPool)
-
-    @contextlib.contextmanager
-    def hold(self, run_id: str, stopping: threading.Event) -> Iterator[None]:
-        fd = os.open(self.dir / f"{run_id}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        conn: sa.Connection | None = None
-        try:
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if stopping.wait(0.2):
-                        raise WorkerStopping from None
-            if self.lock_engine is not None:
-                conn = self._connect(stopping)
-                key = sa.text("select pg_try_advisory_lock(hashtextextended(:run, 0))")
-                while not conn.execute(key, {"run": run_id}).scalar():
-                    conn.rollback()
-                    if stopping.wait(0.5):
-                        raise WorkerStopping
-                conn.commit()
-            yield
-        finally:
-            if conn is not None:
-                with contextlib.suppress(sa.exc.SQLAlchemyError):
-                    conn.execute(sa.text("select pg_advisory_unlock_all()"))
-                    conn.commit()
-                conn.close()
-            os.close(fd)
-
-    def _connect(self, stopping: threading.Event) -> sa.Connection:
-        """A connection for the run's advisory lock, waiting out a database outage."""
-        assert self.lock_engine is not None
-        while True:
-            try:
-                return self.lock_engine.connect()
-            except sa.exc.OperationalError:
-                if stopping.wait(1.0):
-                    raise WorkerStopping from None
-
-
-class WorkerStopping(BaseException):
-    """The worker is stopping: the run's step must not finish (it is picked up again)."""
 
 
 class AgentStep:
@@ -474,31 +312,6 @@ class AgentStep:
         for child in children:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.wait(max(0.1, deadline - time.monotonic()))
-
-
-class WorkerIdLock:
-    """One live worker per id: a flock on this machine, a fresh heartbeat elsewhere."""
-
-    def __init__(self, store: Store, worker_id: str) -> None:
-        from recorder.cassette.keys import deja_home
-
-        folder = deja_home() / "workers"
-        folder.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(folder / f"{worker_id}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                          0o600)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            raise WorkerIdTaken(f"worker id {worker_id!r} is in use by a live worker on this "
-                                "machine; give each worker its own --id") from None
-        row = store.worker(worker_id)
-        host = socket.gethostname()
-        if row is not None and row["host"] != host and time.time() - row["beat"] < DEAD_AFTER:
-            os.close(self.fd)
-            raise WorkerIdTaken(f"worker id {worker_id!r} is in use by a live worker on "
-                                f"{row['host']} (last beat {time.time() - row['beat']:.0f} s "
-                                "ago); give each worker its own --id")
 
 
 def reconcile(store: Store, worker: Any, now: float | None = None) -> list[str]:

@@ -30,9 +30,10 @@ from lifecycle_helpers import (  # noqa: F401 (fixtures)
 
 from recorder.errors import NoSuchRun
 from runs import config, engine, service
+from runs.cassettes import check_shared
 from runs.errors import CassettesNotShared, DatabaseUnavailable, WorkerIdTaken
+from runs.locks import WorkerIdLock
 from runs.store import Store
-from runs.worker import WorkerIdLock, check_shared
 
 
 def status_of_row(runs: service.Runs, run_id: str, status: str) -> dict[str, Any] | None:
