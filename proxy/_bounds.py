@@ -26,13 +26,17 @@ import asyncio
 import json
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from recorder.capture.session import Timing
 from recorder.errors import ResponseTooLarge
 
 __all__ = ["BODY_TIMEOUT", "MAX_RESPONSE", "OFFLOAD_BYTES", "STEP", "Inflation", "Passing",
-           "coding_of", "cut_tail", "decoded_within", "event_end", "is_stream", "said", "too_large"]
+           "coding_of", "cut_tail", "decoded_within", "event_end", "is_stream", "off_loop",
+           "said", "too_large"]
+
+T = TypeVar("T")
 
 MAX_RESPONSE = 64 * 1024 * 1024  # bytes of a response, as received and as inflated
 BODY_TIMEOUT = 60.0  # seconds a request body may stall between two of its pieces
@@ -252,3 +256,11 @@ class Passing:
         now = time.perf_counter()
         return Timing(start, (now - t0) * 1000,
                       (self.first - t0) * 1000 if self.first is not None else None)
+
+
+async def off_loop(size: int, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)``, in a worker thread when it works on more than
+    :data:`OFFLOAD_BYTES` (the other clients are served meanwhile)."""
+    if size > OFFLOAD_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)

@@ -1,0 +1,290 @@
+"""How the proxy answers a request its run has taken: from a cassette or from the upstream.
+
+A served run (a replay, a fork's prefix) is answered from its cassette
+(:meth:`Responder.serve`): the recorded status, headers and bytes. Any other request goes
+to the upstream (:meth:`Responder.forward`) through one aiohttp client that passes bytes
+through as they come (no decompression, no headers of its own): a stream's response goes
+back to the client chunk by chunk as it arrives and is teed; a whole (JSON) response is
+passed on once complete; both within ``max_response`` bytes (:mod:`proxy._bounds`).
+``end_http`` logs the exchange once it is complete, after its last byte is sent, so the
+client does not wait for the write (a large one is logged in a worker thread, the run's
+next request waiting for it). Either way the run is told how its call went (failed, when
+it was answered, the calls a Responses reply asks for: :mod:`proxy._tool_steps`), and
+every response carries the run's id (``x-deja-run-id``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import yarl
+
+from proxy._bounds import (
+    OFFLOAD_BYTES,
+    Passing,
+    cut_tail,
+    decoded_within,
+    off_loop,
+    said,
+    too_large,
+)
+from proxy._tool_steps import is_responses, read_reply
+from proxy._wire import ProxyError, served_headers
+from proxy.runs import ProxyRun, Registry
+from recorder import providers
+from recorder.capture.exchange import HttpRequest, HttpResponse
+from recorder.capture.session import Timing
+from recorder.errors import ResponseTooLarge
+
+__all__ = ["RUN_ID_HEADER", "ClientGone", "Exchange", "Receive", "Responder", "Send"]
+
+log = logging.getLogger("deja.proxy")
+
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+RUN_ID_HEADER = b"x-deja-run-id"
+
+# What the upstream client raises when the upstream is unreachable, times out or cuts a
+# response short.
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+class ClientGone(ConnectionError):
+    """The client disconnected before its response was complete."""
+
+
+@dataclass
+class Exchange:
+    """One request's state, for its log line and for the error it may end with."""
+
+    method: str
+    path: str
+    t0: float = field(default_factory=time.perf_counter)
+    status: int | None = None
+    started: bool = False
+    run: str | None = None
+    note: str = ""
+
+
+class Responder:
+    """The answers to the requests the runs take, from a cassette (:meth:`serve`) or from
+    ``upstream`` (:meth:`forward`), through the client :meth:`open` makes."""
+
+    def __init__(self, upstream: str, registry: Registry, *, timeout: float,
+                 max_response: int) -> None:
+        self.upstream = upstream
+        self.registry = registry
+        self.timeout = timeout
+        self.max_response = max_response
+        self.client: aiohttp.ClientSession | None = None
+
+    def open(self) -> None:
+        # Bytes pass through as they come: no decompression, no headers of its own added
+        # (the client's own user-agent, accept and content-type go upstream as sent).
+        self.client = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30,
+                                          sock_read=self.timeout),
+            auto_decompress=False, trust_env=False,
+            skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+
+    async def serve(self, run: ProxyRun, served: HttpResponse, send: Send,
+                    ex: Exchange) -> None:
+        """Answer from a cassette: the recorded status, headers and bytes (a stream the
+        proxy cut while recording ends as it ended then, with its error event)."""
+        error: dict[str, Any] = served.extra.get("error") or {}
+        refused = error.get("type") == ResponseTooLarge.__name__
+        if error and not served.extra.get("has_response"):
+            raise ProxyError(502, "api_error",
+                             f"deja replay: the recorded call failed before any response: "
+                             f"{error.get('type')}: {error.get('message')}",
+                             retry=not refused)
+        seam = providers.for_url(ex.method, self.upstream + ex.path)
+        stream = seam is not None and seam.is_stream(served.headers)
+        body = served.body
+        if refused and stream:
+            body += cut_tail(served.headers, f"deja proxy: {error.get('type')}: "
+                                             f"{error.get('message')}")
+        headers = served_headers(served.headers, None if stream else len(body))
+        headers.append((RUN_ID_HEADER, run.run_id.encode()))
+        ex.status, ex.started, ex.note = served.status, True, "replayed"
+        await send({"type": "http.response.start", "status": served.status,
+                    "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        run.last_failed = served.status >= 400 or refused
+        run.answered = time.time()
+        if seam is not None and served.status < 400:
+            try:
+                plain = await off_loop(len(served.body), decoded_within, served.body,
+                                       served.headers, self.max_response)
+            except ResponseTooLarge as exc:  # a cassette is untrusted input too
+                log.warning("run %s: a recorded response is not read: %s", run.run_id, exc)
+                return
+            summary = seam.summarize(served.status, served.headers, plain)
+            run.last_stop_reason = summary.get("stop_reason")
+            run.awaiting_tools = False
+            if is_responses(ex.path):
+                await off_loop(len(plain), read_reply, self.registry, run, seam,
+                               served.headers, plain)
+
+    async def forward(self, run: ProxyRun, rec: Any, request: HttpRequest, receive: Receive,
+                      send: Send, ex: Exchange) -> None:
+        """Send the request upstream and pass its response back within ``max_response``
+        bytes, teed into the log: a stream event by event as it arrives, a whole body
+        once complete (so that one over the limit can still be answered with a 502)."""
+        client = self.client
+        assert client is not None
+        start, t0 = time.time(), time.perf_counter()
+
+        def failed(error: BaseException) -> None:
+            run.last_failed = True
+            if rec is not None:
+                rec.end_http(request, None, Timing(start, (time.perf_counter() - t0) * 1000),
+                             error)
+
+        async def opened() -> aiohttp.ClientResponse:
+            return await client.request(request.method, yarl.URL(request.url, encoded=True),
+                                        headers=request.headers, data=request.body,
+                                        allow_redirects=False)
+
+        gone = asyncio.ensure_future(receive())  # an http.disconnect, if the client leaves
+        sending = asyncio.ensure_future(opened())
+        try:
+            await asyncio.wait((sending, gone), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            sending.cancel()
+            gone.cancel()
+            raise
+        if not sending.done():  # the client left before the upstream answered
+            sending.cancel()
+            failed(ClientGone("the client went away before the upstream answered"))
+            raise ClientGone("the client went away before the upstream answered")
+        try:
+            response = sending.result()
+        except UPSTREAM_ERRORS as exc:
+            gone.cancel()
+            failed(exc)
+            raise ProxyError(502, "api_error",
+                             f"deja proxy: the upstream {self.upstream} could not be reached "
+                             f"({type(exc).__name__}: {exc})", retry=True) from None
+        meta = HttpResponse(status=response.status,
+                            headers=[(k.decode("latin-1"), v.decode("latin-1"))
+                                     for k, v in response.raw_headers],
+                            body=b"", reason=response.reason or "")
+        passing = Passing(meta.headers, self.max_response, f"{request.method} {ex.path}")
+        length = response.headers.get("content-length")
+        chunked = "chunked" in response.headers.get("transfer-encoding", "").lower()
+        declared = int(length) if length and length.isdigit() and not chunked else None
+        start_message = {"type": "http.response.start", "status": response.status}
+
+        async def started(body_length: int | None) -> None:
+            headers = served_headers(meta.headers, body_length)
+            headers.append((RUN_ID_HEADER, run.run_id.encode()))
+            ex.status, ex.started = response.status, True
+            await send({**start_message, "headers": headers})
+
+        error: BaseException | None = None
+        held = False  # run.logging, taken before the last byte goes out when the line is large
+        try:
+            if declared is not None and declared > self.max_response:
+                error = too_large(self.max_response, where=passing.where)
+            else:
+                if passing.stream:  # a compressed one may be cut short of its length
+                    await started(declared if passing.inflation is None else None)
+                async for chunk in response.content.iter_any():
+                    out = await passing.take(chunk)
+                    if gone.done():
+                        error = ClientGone("the client disconnected before the response ended")
+                        break
+                    if out:
+                        await send({"type": "http.response.body", "body": out,
+                                    "more_body": True})
+                    if passing.refused is not None:
+                        error = passing.refused
+                        break
+                if error is None or (passing.refused is not None and ex.started):
+                    if passing.size + len(request.body) > OFFLOAD_BYTES:
+                        await run.logging.acquire()  # the run's next request waits for it
+                        held = True
+                    if not passing.stream and error is None:
+                        body = passing.body()
+                        await started(declared if declared is not None else len(body))
+                    else:  # the rest of a stream, or the error event of one that was cut
+                        body = passing.tail()
+                    await send({"type": "http.response.body", "body": body,
+                                "more_body": False})
+        except UPSTREAM_ERRORS as exc:  # the upstream cut the response short
+            error = exc
+        except BaseException as exc:  # the grace period of a shutdown ran out, say
+            if isinstance(exc, asyncio.CancelledError):
+                run.cut = True
+                exc = ClientGone("cut short: the proxy shut down before the response ended")
+            try:
+                self._ended(run, response, gone, ex, passing, meta, exc)
+                if rec is not None:  # written here and now: the task is going away
+                    rec.end_http(request, meta if ex.started else None,
+                                 passing.timing(start, t0), exc)
+            finally:
+                if held:
+                    run.logging.release()
+            raise
+        self._ended(run, response, gone, ex, passing, meta, error)
+        seam = providers.for_url(request.method, request.url) \
+            if error is None and meta.status < 400 and is_responses(ex.path) else None
+        timing = passing.timing(start, t0)
+
+        def log_it() -> None:
+            if rec is not None:
+                obs = rec.end_http(request, meta if ex.started else None, timing, error)
+                run.last_stop_reason = (obs or {}).get("stop_reason")
+            if seam is not None:
+                read_reply(self.registry, run, seam, meta.headers,
+                           decoded_within(meta.body, meta.headers, self.max_response))
+
+        try:
+            if not held and len(meta.body) + len(request.body) > OFFLOAD_BYTES:
+                await run.logging.acquire()
+                held = True
+            if held:  # in a thread: the other clients are served meanwhile
+                await asyncio.to_thread(log_it)
+            else:
+                log_it()
+        finally:
+            if held:
+                run.logging.release()
+        if not ex.started and error is not None:  # the client has been sent nothing yet
+            if isinstance(error, ResponseTooLarge):
+                raise ProxyError(502, "api_error", said(error))
+            if not isinstance(error, ClientGone):
+                raise ProxyError(502, "api_error",
+                                 f"deja proxy: the upstream {self.upstream} cut its response "
+                                 f"short ({type(error).__name__}: {error})", retry=True)
+
+    def _ended(self, run: ProxyRun, response: aiohttp.ClientResponse, gone: asyncio.Future[Any],
+               ex: Exchange, passing: Passing, meta: HttpResponse,
+               error: BaseException | None) -> None:
+        """A forwarded response is over: its connection released (or closed, after an
+        error), what the log keeps of it in ``meta``, and the run told."""
+        gone.cancel()
+        if error is None:
+            response.release()  # the connection goes back to the pool
+        else:
+            response.close()
+        meta.body = passing.recorded()
+        if error is not None:
+            ex.note = str(error) or type(error).__name__
+        run.last_failed = error is not None or meta.status >= 400
+        run.answered = time.time()
+        run.awaiting_tools = False
