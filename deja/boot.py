@@ -45,6 +45,10 @@ def child_env(mode: str, **values: Any) -> dict[str, str]:
     """The environment for a program to be recorded or replayed (used by the CLI)."""
     env = {k: v for k, v in os.environ.items() if k not in _ENV}
     env["DEJA_MODE"] = mode
+    if mode == "replay":  # nothing reaches the network: a client needs no real key
+        from recorder.providers import placeholder_keys
+
+        env.update(placeholder_keys(env))
     for key, value in values.items():
         if value is None:
             continue
@@ -174,13 +178,16 @@ def _orphaned(env: dict[str, str]) -> bool:
 class _ExitWatch:
     """Remembers an uncaught exception so the end line can say the run failed.
 
-    Under a replay (``replay``, ``fork`` and ``resume`` modes) deja's own verdicts are
-    not the program's bugs and get no traceback, which would be mostly SDK frames: an
-    uncaught :class:`recorder.Divergence` is reported once, by ``deja replay`` (its
-    report holds the divergence and its diff), or here as deja's message for a fork or a
-    resume; a harness stop (:class:`recorder.errors.RunStopped`) is one line. So is a
-    signal passed on by the launcher (:class:`recorder.errors.Interrupted`), in any mode.
-    Any other exception is the program's own and prints its traceback as usual.
+    deja's own verdicts are not the program's bugs and get no traceback, which would be
+    mostly SDK frames: in any mode a harness stop (:class:`recorder.errors.RunStopped`:
+    a budget, a cancel, the loop guard, the breaker) and a cassette that could not be
+    written (:class:`recorder.errors.CassetteWriteError`: a full disk) are one line, also
+    when the SDK raised them wrapped in its own error; so is a signal passed on by the
+    launcher (:class:`recorder.errors.Interrupted`). Under a replay (``replay``, ``fork``
+    and ``resume`` modes) an uncaught :class:`recorder.Divergence` is reported once, by
+    ``deja replay`` (its report holds the divergence and its diff), or here as deja's
+    message for a fork or a resume. Any other exception is the program's own and prints
+    its traceback as usual.
     """
 
     def __init__(self, mode: str = "record") -> None:
@@ -201,21 +208,36 @@ class _ExitWatch:
         self._hook(type(error), error, None)
 
     def _hook(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        from recorder.errors import Divergence, Interrupted, RunStopped
+        from recorder.errors import CassetteWriteError, Divergence, Interrupted, RunStopped
 
         self.error = value
+        stop = _in_chain(value, (RunStopped, CassetteWriteError))
         if isinstance(value, Interrupted):  # a signal deja passed on: not the program's bug
             sys.stderr.write(f"deja: {value}" + ("\n" if self._mode == "replay" else
                              "; the run ends interrupted (deja resume continues it)\n"))
+        elif stop is not None:
+            sys.stderr.write(f"deja: {type(stop).__name__}: {stop}\n")
         elif self._mode == "record":
             self._previous(kind, value, tb)
         elif isinstance(value, Divergence):
             if self._mode != "replay":  # deja replay prints it in its report
                 sys.stderr.write(f"deja: {type(value).__name__}: {value}\n")
-        elif isinstance(value, RunStopped):
-            sys.stderr.write(f"deja: {type(value).__name__}: {value}\n")
         else:
             self._previous(kind, value, tb)
+
+
+def _in_chain(error: BaseException,
+              kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """``error``, or the exception it was raised from or during (an SDK wraps what its
+    transport raised), that is one of ``kinds``."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kinds):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _start_record(env: dict[str, str]) -> _ExitWatch:

@@ -200,9 +200,13 @@ def through_proxy(proxy_args: list[str], command: list[str], cwd: Path | None) -
                 time.sleep(0.02)
             url = json.loads(ready.read_text())["url"]
             click.echo(f"deja: {command[0]} talks to the proxy at {url}", err=True)
+            env = {**os.environ, "ANTHROPIC_BASE_URL": url}
+            if "--replay" in proxy_args:  # offline: a client needs no real key
+                from recorder.providers import placeholder_keys
+
+                env.update(placeholder_keys(env))
             try:
-                code = subprocess.call(command, cwd=cwd,
-                                       env={**os.environ, "ANTHROPIC_BASE_URL": url})
+                code = subprocess.call(command, cwd=cwd, env=env)
             except OSError as exc:
                 raise BadInput(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
         finally:

@@ -186,15 +186,22 @@ def _deja_marked(request: pytest.FixtureRequest) -> Iterator[None]:
             context.__exit__(None, None, None)
 
 
-def _finish_replay(context: Any, exc: BaseException | None) -> None:
+def _finish_replay(item: pytest.Item, context: Any, exc: BaseException | None) -> None:
     """End the replay; a divergence fails the test with deja's report as its message
-    (no traceback: its frames would be the SDK's), the diff shown once."""
+    (no traceback: its frames would be the SDK's), the diff shown once. A test that failed
+    before its first recorded call fails with its own error: the steps it never asked for
+    say nothing about a change."""
     try:
         context.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
     except Divergence:
         pass  # the result holds it
     result = context.result
     if result is None or result.divergence is None:
+        return
+    if exc is not None and not isinstance(exc, Divergence) and result.steps_served == 0:
+        item.add_report_section("call", "deja", (
+            f"the test failed before its first recorded call ({type(exc).__name__}), so "
+            f"nothing of {result.path} was served: its error is below"))
         return
     message = result.report()
     if exc is not None and not isinstance(exc, Divergence):
@@ -230,7 +237,7 @@ def _end_of_call(item: pytest.Item, error: BaseException | None) -> None:
     if context is not None:
         del item.stash[_CONTEXT]
         item.stash[_REPORTED] = True
-        _finish_replay(context, error)
+        _finish_replay(item, context, error)
 
 
 @pytest.hookimpl(wrapper=True)

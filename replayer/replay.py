@@ -22,14 +22,16 @@ import enum
 import importlib
 import json
 import logging
+import os
 import threading
 import time
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from recorder import providers
 from recorder import values as _values
 from recorder.canonical import Parts
 from recorder.capture import session
@@ -180,6 +182,21 @@ def _no_retry_sleep():
 
 
 @contextlib.contextmanager
+def _placeholder_keys() -> Iterator[None]:
+    """A placeholder in each provider's API key variable left unset, for the duration of
+    the replay (``anthropic.Anthropic()`` refuses to start without a key, and a replay sends
+    nothing); taken out again unless the program set its own meanwhile."""
+    added = providers.placeholder_keys(os.environ)
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for var in added:
+            if os.environ.get(var) == providers.PLACEHOLDER_KEY:
+                del os.environ[var]
+
+
+@contextlib.contextmanager
 def _setattr(obj: Any, name: str, value: Any):
     old = getattr(obj, name)
     setattr(obj, name, value)
@@ -249,6 +266,7 @@ class ReplaySession(session.Session):
             stack = contextlib.ExitStack()
             stack.enter_context(capture.install(self))
             stack.enter_context(_no_retry_sleep())
+            stack.enter_context(_placeholder_keys())
             self._patches = stack
         except BaseException:
             session.deactivate(self)

@@ -30,11 +30,11 @@ from recorder.canonical import Parts, Texts, model_fingerprint
 from recorder.errors import ConfigError
 from recorder.providers.pricing import CACHE_WRITE_1H, PriceTable
 
-__all__ = ["BUILT_IN", "CACHE_WRITE_1H", "USAGE_KEYS", "VOLATILE_HEADERS",
+__all__ = ["BUILT_IN", "CACHE_WRITE_1H", "PLACEHOLDER_KEY", "USAGE_KEYS", "VOLATILE_HEADERS",
            "VOLATILE_HEADER_PREFIXES", "Conversation", "Headers", "Provider", "Summary",
            "data_lines", "default", "endpoints", "for_line", "for_url", "get", "model_provider",
-           "names", "register", "sse_events", "string_spans", "token_counts", "unregister",
-           "volatile_header"]
+           "names", "placeholder_keys", "register", "sse_events", "string_spans",
+           "token_counts", "unregister", "volatile_header"]
 
 Headers = Iterable[Sequence[str]]  # (name, value) pairs, as received or as stored
 
@@ -97,6 +97,9 @@ class Provider(ABC):
 
     name: str = ""
     endpoints: tuple[str, ...] = ()  # path suffixes of the POST requests that are model calls
+    # The environment variables its SDKs read their API key from; an offline replay sets
+    # a placeholder in each one left unset (:func:`placeholder_keys`).
+    key_env: tuple[str, ...] = ()
     volatile_headers: frozenset[str] = VOLATILE_HEADERS
     volatile_header_prefixes: tuple[str, ...] = VOLATILE_HEADER_PREFIXES
     # Response message fields that differ between any two runs of the same behaviour.
@@ -332,6 +335,19 @@ def unregister(name: str) -> None:
     with _lock:
         _providers.pop(name, None)
         _by_url.clear()
+
+
+# What an offline replay puts in an API key variable left unset: the SDKs refuse to build a
+# client without a key, though a replay sends nothing to the network.
+PLACEHOLDER_KEY = "deja-replay-placeholder-key"
+
+
+def placeholder_keys(environ: Mapping[str, str]) -> dict[str, str]:
+    """:data:`PLACEHOLDER_KEY` for each API key variable of a registered provider that
+    ``environ`` leaves unset or empty, so that an agent that builds its client the usual
+    way (``anthropic.Anthropic()``) replays in CI, where no key is set."""
+    return {var: PLACEHOLDER_KEY for provider in list(_providers.values())
+            for var in provider.key_env if not environ.get(var)}
 
 
 def names() -> tuple[str, ...]:

@@ -31,6 +31,7 @@ __all__ = ["AnthropicProvider"]
 class AnthropicProvider(Provider):
     name: str = "anthropic"
     endpoints: tuple[str, ...] = ("/v1/messages",)
+    key_env: tuple[str, ...] = ("ANTHROPIC_API_KEY",)
 
     def stream_pieces(self, body: bytes) -> list[list[tuple[int, int]]]:
         """Text, thinking and tool input deltas, per content block."""

@@ -91,6 +91,7 @@ def _is_response(message: Any) -> bool:
 class OpenAIProvider(Provider):
     name: str = "openai"
     endpoints: tuple[str, ...] = ("/v1/chat/completions", "/v1/responses")
+    key_env: tuple[str, ...] = ("OPENAI_API_KEY",)
     # a completion's creation time differs between any two runs, like its id
     volatile_message_keys: tuple[str, ...] = ("id", "created", "created_at")
 

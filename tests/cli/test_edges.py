@@ -281,6 +281,25 @@ def test_a_program_killed_as_it_exits_is_resumable_not_failed(
     assert load(cassette, allow_incomplete=False).end["status"] == "completed"
 
 
+def test_a_harness_stop_the_program_does_not_catch_is_one_line(
+        project: Path, env: dict[str, str]) -> None:
+    """A budget stops the run inside the SDK's call: deja's message, not fifty lines of
+    SDK frames, in the program's output (and so in a worker's log)."""
+    (project / "twice.py").write_text(
+        "import anthropic\n"
+        "client = anthropic.Anthropic(max_retries=0)\n"
+        "for _ in range(2):\n"
+        "    client.messages.create(model='claude-sonnet-4-6', max_tokens=32,\n"
+        "                           messages=[{'role': 'user', 'content': 'hi'}])\n")
+    done = deja("record", "--max-turns", "1", "-o", "cassettes/run.jsonl", "--", "python",
+                "twice.py", env=env, cwd=project)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "deja: BudgetExhausted: " in done.stderr and "turns budget exhausted" in \
+        done.stderr, done.stderr
+    assert end_of(project / "cassettes" / "run.jsonl")["status"] == "exhausted"
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_the_bootstrap_runs_ends_the_run_interrupted(
         project: Path, env: dict[str, str], deja_home: Path, tmp_path: Path,

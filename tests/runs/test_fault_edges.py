@@ -146,6 +146,9 @@ def test_a_full_cassette_directory_names_the_error_and_the_run_resumes_once_ther
                    "again" in worker.log(), where
             worker.stop()
             assert not TRACEBACK.search(worker.log()), where
+            # the agent's CassetteWriteError is deja's one line, not the agent's traceback
+            assert "Traceback" not in worker.log(), where
+            assert "deja: CassetteWriteError: " in worker.log(), where
         finally:
             worker.reap()
 
