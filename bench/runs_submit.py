@@ -94,7 +94,7 @@ def _engine_floor(env: dict[str, str], n: int) -> list[float]:
     code = (
         "import json, sys, time\n"
         "from runs import engine, config\n"
-        "from recorder.record import new_run_id\n"
+        "from recorder.launch import new_run_id\n"
         "client = engine.Client(config.database_url())\n"
         f"body = {BODY!r}\n"
         "out = []\n"

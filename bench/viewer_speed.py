@@ -49,7 +49,7 @@ import recorder
 from recorder.canonical import digest
 from recorder.cassette import CassetteWriter, load
 from recorder.cassette.keys import load_keyring, require_signing_key
-from recorder.record import new_run_id
+from recorder.launch import new_run_id
 from viewer import queries
 from viewer.guard import COOKIE, cookie_value
 from viewer.index import RunIndex

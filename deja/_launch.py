@@ -58,7 +58,7 @@ def _where_to_run(cassette: Path, header: Mapping[str, Any], argv: list[str], *,
     """The directory to run a recorded (or given) command in; a command that cannot start
     there exits 2 (it is not a divergence), naming the directory and what to do."""
     from recorder.errors import CannotLaunch
-    from recorder.record import launch_dir, startable
+    from recorder.launch import launch_dir, startable
 
     advice = (f"give the project directory with --cwd DIR, or the command after --: "
               f"deja {click.get_current_context().info_name} {cassette} -- {' '.join(argv)}")
@@ -85,7 +85,7 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
     from deja.boot import BOOT_FAILED, child_env
     from recorder.ask import EXIT_INPUT_REQUIRED, WORKER_ENV
     from recorder.errors import EXIT_CASSETTE_UNWRITABLE, CassetteWriteError, DejaError
-    from recorder.record import write_end
+    from recorder.launch import write_end
 
     with tempfile.TemporaryDirectory(prefix="deja-") as tmp:
         report = Path(tmp) / "report.json"

@@ -83,7 +83,7 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
     from recorder.errors import EXIT_CASSETTE_UNWRITABLE, ConfigError
     from recorder.harness.progress import valid_run_id
     from recorder.harness.settings import resolve as resolve_settings
-    from recorder.record import new_run_id
+    from recorder.launch import new_run_id
 
     label_map = _labels(labels)
     if given_run_id is not None and not valid_run_id(given_run_id):

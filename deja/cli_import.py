@@ -28,7 +28,7 @@ def import_(cassette: Path, output: Path, labels: tuple[str, ...], force: bool) 
     """
     from recorder.cassette.schema import run_file
     from recorder.errors import DejaError
-    from recorder.record import new_run_id
+    from recorder.launch import new_run_id
     from recorder.vcr_import import import_vcr
 
     label_map = _labels(labels)

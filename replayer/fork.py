@@ -29,7 +29,7 @@ from recorder.cassette import Cassette, CassetteWriter, load
 from recorder.cassette.keys import Keyring, load_keyring
 from recorder.cassette.schema import Control, Kind, Observation, run_file, utc_stamp
 from recorder.errors import CannotLaunch, EditError, NoSuchStep, PathTaken
-from recorder.record import launch_dir, new_run_id, portable_launch
+from recorder.launch import launch_dir, new_run_id, portable_launch
 from replayer import continuation
 from replayer import edit as _edit
 from replayer.continuation import ContinuationSession

@@ -14,7 +14,7 @@ from recorder.ask import seal_answer
 from recorder.cassette.schema import run_status
 from recorder.errors import NoSuchRun
 from recorder.harness.progress import cassette_end, valid_run_id
-from recorder.record import new_run_id
+from recorder.launch import new_run_id
 from runs import schedules
 from runs.config import cassette_dir
 from runs.errors import BadRunRequest, DatabaseUnavailable, NoSuchSchedule

@@ -37,7 +37,8 @@ LAYER_OF = {name: rank for rank, layer in enumerate(LAYERS) for name in layer}
 TEST_FAKE = "recorder.testing"
 # What the cassette format and the providers must not know about.
 FORMAT_PACKAGES = ("recorder.cassette", "recorder.providers")
-ABOVE_FORMAT = ("recorder.capture", "recorder.harness", "recorder.record")
+ABOVE_FORMAT = ("recorder.capture", "recorder.harness", "recorder.record", "recorder.launch",
+                "recorder.step_lines")
 MAX_TEST_LINES = 800
 
 

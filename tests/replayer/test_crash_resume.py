@@ -53,7 +53,7 @@ from deja.boot import child_env
 from deja.cli import main as cli_main
 from recorder.cassette import Cassette, load
 from recorder.cassette.keys import Keyring
-from recorder.record import new_run_id
+from recorder.launch import new_run_id
 from recorder.testing.server import StubServer
 from replayer.diff import compare, render
 
