@@ -26,8 +26,8 @@ chromium:
 	  echo "installing Debian's chromium for the browser test"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
-# The proxy's tests drive the official TypeScript SDK and curl: Node.js, npm and curl from
-# Debian when they are missing, then the example agent's locked packages.
+# The proxy's tests drive the official TypeScript SDK, the Vercel AI SDK and curl: Node.js,
+# npm and curl from Debian when they are missing, then the example agents' locked packages.
 node:
 	@command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 \
 	  && command -v curl >/dev/null 2>&1 || { \
@@ -35,6 +35,9 @@ node:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm curl; }
 	@test -f examples/node-agent/node_modules/@anthropic-ai/sdk/package.json || \
 	  (cd examples/node-agent && npm ci --no-audit --no-fund)
+	@test -f examples/vercel-agent/node_modules/@ai-sdk/anthropic/package.json \
+	  && test -f examples/vercel-agent/node_modules/ai/package.json || \
+	  (cd examples/vercel-agent && npm ci --no-audit --no-fund)
 
 # The durable-runs tests start a throwaway PostgreSQL server of their own (tests/pg_server.py)
 # from Debian's binaries; a cluster the package itself starts on port 5432 is never used.

@@ -1,5 +1,6 @@
 """What the proxy says on the wire besides what it forwards: error responses in the
-provider's own shape, which headers pass a hop, and whom it answers.
+provider's own shape, which headers pass a hop, where a path goes upstream, and whom it
+answers.
 
 An error the proxy answers itself is an Anthropic error object
 (``{"type": "error", "error": {"type": ..., "message": ...}}``), so that every SDK raises
@@ -9,6 +10,13 @@ both read first: ``false`` is never retried, whatever the status; without it the
 408, 409, 429 and 5xx. A stopped run and a divergence are answered with a 4xx and
 ``x-should-retry: false``: retrying cannot help, and a retry storm is what a guard exists
 to prevent.
+
+Where a path goes (:func:`upstream_path`): where the client sent it, except the Messages
+API asked for without its version. An SDK whose base URL ends in ``/v1`` (the Vercel AI
+SDK's ``@ai-sdk/anthropic``: ``https://api.anthropic.com/v1``, and it posts to
+``BASE/messages``) and is given the proxy's bare URL posts to ``/messages``; that is
+``/v1/messages`` upstream, recorded, replayed and forked as the official SDKs' call is.
+An upstream whose URL ends in ``/v1`` gets either path with its own ``/v1`` only.
 
 Whom it answers (:class:`Callers`): an SDK, ``curl`` or any program on the machine sends
 a loopback ``Host`` and no ``Origin``. A web page the developer opens must not use the
@@ -27,7 +35,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 __all__ = ["HOP_BY_HOP", "Callers", "ProxyError", "error_body", "forwardable", "hop_by_hop",
-           "is_loopback", "served_headers"]
+           "is_loopback", "served_headers", "upstream_path"]
 
 # Headers that describe one hop, not the message (RFC 9110 7.6.1), and the ones the
 # upstream client sets itself from the URL and the body it sends.
@@ -36,6 +44,9 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "proxy-a
                         "upgrade", "host", "content-length"})
 
 DEJA_PREFIX = "x-deja-"  # deja's own request headers: read by the proxy, never forwarded
+
+API_VERSION = "/v1"  # the version the Messages API's paths start with
+UNVERSIONED = "/messages"  # the Messages API (and what is under it) asked for without it
 
 
 @dataclass
@@ -87,6 +98,20 @@ def served_headers(headers: Sequence[tuple[str, str]], body_length: int | None
     if body_length is not None:
         out.append((b"content-length", str(body_length).encode("ascii")))
     return out
+
+
+def upstream_path(upstream: str, path: str) -> str:
+    """The path a request for ``path`` goes to on ``upstream`` (and is recorded with): the
+    client's, except the Messages API's (``/messages``, ``/messages/count_tokens``), which
+    has ``/v1`` before it exactly once, asked for with it or without: under ``upstream``'s
+    own ``/v1`` when its URL ends in one, else as ``/v1/messages``."""
+    versioned = path.startswith(API_VERSION + UNVERSIONED)
+    bare = path[len(API_VERSION):] if versioned else path
+    if bare != UNVERSIONED and not bare.startswith(UNVERSIONED + "/"):
+        return path
+    if urlsplit(upstream).path.rstrip("/").endswith(API_VERSION):
+        return bare
+    return API_VERSION + bare
 
 
 def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

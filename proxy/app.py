@@ -2,16 +2,18 @@
 exchange at a time.
 
 A request is checked for whom it comes from (:class:`proxy._wire.Callers`), read whole (up
-to ``max_body``), routed to its run (:mod:`proxy.runs`), and handed to the run's session
-exactly as the in-process capture hands an exchange over: the tool results it brings are
-logged as the run's tool steps (:mod:`proxy._tool_steps`), ``begin_http`` runs the guards
-and answers from a cassette when the run is served (replay, a fork's prefix); otherwise
-the request goes to the upstream. Both answers are :mod:`proxy._respond`'s: a stream's
-response goes back to the client chunk by chunk as it arrives and is teed; a whole (JSON)
-response is passed on once complete; both within ``max_response`` bytes
-(:mod:`proxy._bounds`). ``end_http`` logs the exchange once it is complete, after its last
-byte is sent, so the client does not wait for the write (a large one is logged in a worker
-thread, the run's next request waiting for it). Runs left idle are closed by a reaper.
+to ``max_body``), given the path it has upstream (``/messages`` is ``/v1/messages``:
+:func:`proxy._wire.upstream_path`), routed to its run (:mod:`proxy.runs`), and handed to
+the run's session exactly as the in-process capture hands an exchange over: the tool
+results it brings are logged as the run's tool steps (:mod:`proxy._tool_steps`),
+``begin_http`` runs the guards and answers from a cassette when the run is served (replay,
+a fork's prefix); otherwise the request goes to the upstream. Both answers are
+:mod:`proxy._respond`'s: a stream's response goes back to the client chunk by chunk as it
+arrives and is teed; a whole (JSON) response is passed on once complete; both within
+``max_response`` bytes (:mod:`proxy._bounds`). ``end_http`` logs the exchange once it is
+complete, after its last byte is sent, so the client does not wait for the write (a large
+one is logged in a worker thread, the run's next request waiting for it). Runs left idle
+are closed by a reaper.
 
 Errors the proxy answers itself are in the provider's shape (:mod:`proxy._wire`), never a
 traceback: a malformed body (400), a body over the limit (413), a wrong token (401), a
@@ -36,7 +38,7 @@ from typing import Any
 from proxy._bounds import BODY_TIMEOUT, MAX_RESPONSE, off_loop
 from proxy._respond import RUN_ID_HEADER, ClientGone, Exchange, Receive, Responder, Send
 from proxy._tool_steps import boundary, check_results, substitute
-from proxy._wire import Callers, ProxyError, error_body, forwardable
+from proxy._wire import Callers, ProxyError, error_body, forwardable, upstream_path
 from proxy.runs import (
     RUN_NAME,
     ProxyRun,
@@ -234,6 +236,7 @@ class Proxy:
                              f"deja proxy: no such endpoint {ex.path}; the proxy serves "
                              "/_deja/health and forwards everything else")
         body = await self._body(receive, named)
+        ex.path = upstream_path(self.upstream, ex.path)  # /messages is /v1/messages
         query = scope.get("query_string") or b""
         url = self.upstream + ex.path + (f"?{query.decode('latin-1')}" if query else "")
         request = HttpRequest(ex.method, url, forwardable(headers), body)

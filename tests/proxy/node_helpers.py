@@ -1,9 +1,12 @@
-"""Running the Node.js example agent (examples/node-agent) from the proxy tests.
+"""Running the Node.js example agents from the proxy tests.
 
-The agent drives the official TypeScript SDK ``@anthropic-ai/sdk``. :func:`ensure_node_modules`
-installs it from the lockfile once; :func:`node_agent` runs ``node agent.mjs`` with an
-environment that holds no real credentials; :func:`read_dump` decodes the file its ``--dump``
-option writes (one line per HTTP response the SDK received).
+examples/node-agent drives the official TypeScript SDK ``@anthropic-ai/sdk``;
+examples/vercel-agent the Vercel AI SDK (``ai`` with ``@ai-sdk/anthropic``), whose base URL
+ends in ``/v1``. :func:`ensure_node_modules` installs an agent's packages from its lockfile
+once; :func:`node_agent` runs ``node agent.mjs`` (the official SDK's, or ``agent=``
+:data:`VERCEL_AGENT`) with an environment that holds no real credentials; :func:`read_dump`
+decodes the file the official SDK agent's ``--dump`` option writes (one line per HTTP
+response the SDK received).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 AGENT_DIR = ROOT / "examples" / "node-agent"
 AGENT = AGENT_DIR / "agent.mjs"
-SDK_DIR = AGENT_DIR / "node_modules" / "@anthropic-ai" / "sdk"
+VERCEL_DIR = ROOT / "examples" / "vercel-agent"
+VERCEL_AGENT = VERCEL_DIR / "agent.mjs"
 
 # What agent.mjs prints for examples/node-agent/stub.json, and for the same run with a
 # weather tool result that mentions snow.
@@ -41,13 +45,16 @@ def node_missing() -> str | None:
     return None
 
 
-def ensure_node_modules() -> None:
-    """Install the agent's dependencies from its lockfile if the SDK is not there yet."""
-    if (SDK_DIR / "package.json").is_file():
+def ensure_node_modules(directory: Path = AGENT_DIR) -> None:
+    """Install the dependencies of the agent in ``directory`` from its lockfile, unless
+    every package its ``package.json`` names is there already."""
+    wanted = json.loads((directory / "package.json").read_text(encoding="utf-8"))
+    if all((directory / "node_modules" / name / "package.json").is_file()
+           for name in wanted.get("dependencies", {})):
         return
     subprocess.run(
         ["npm", "ci", "--no-audit", "--no-fund"],
-        cwd=AGENT_DIR,
+        cwd=directory,
         check=True,
         capture_output=True,
         text=True,
@@ -55,13 +62,26 @@ def ensure_node_modules() -> None:
     )
 
 
+def agent_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The caller's environment for an agent: every ``ANTHROPIC_*`` variable and
+    ``DEJA_RUN`` taken out, ``ANTHROPIC_API_KEY=sk-test`` put in, ``env`` laid over it."""
+    run_env = {
+        key: value for key, value in os.environ.items() if not key.startswith(_SCRUBBED_PREFIXES)
+    }
+    run_env["ANTHROPIC_API_KEY"] = "sk-test"
+    run_env.update(env or {})
+    return run_env
+
+
 def node_agent(
     *args: str,
     env: dict[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
     timeout: float = 120,
+    agent: Path = AGENT,
 ) -> subprocess.CompletedProcess[str]:
-    """Run ``node examples/node-agent/agent.mjs ARGS...`` and return what it did.
+    """Run ``node examples/node-agent/agent.mjs ARGS...`` (or the ``agent`` given) and
+    return what it did.
 
     ``env`` is laid over the caller's environment with every ``ANTHROPIC_*`` variable and
     ``DEJA_RUN`` taken out and ``ANTHROPIC_API_KEY=sk-test`` put in; pass
@@ -69,15 +89,10 @@ def node_agent(
     ``cwd`` (default: the agent's folder) is where a relative ``--dump FILE`` lands. Output is
     text; the exit code is not checked (0: answered, 2: an API or connection error).
     """
-    run_env = {
-        key: value for key, value in os.environ.items() if not key.startswith(_SCRUBBED_PREFIXES)
-    }
-    run_env["ANTHROPIC_API_KEY"] = "sk-test"
-    run_env.update(env or {})
     return subprocess.run(
-        ["node", str(AGENT), *args],
-        cwd=cwd if cwd is not None else AGENT_DIR,
-        env=run_env,
+        ["node", str(agent), *args],
+        cwd=cwd if cwd is not None else agent.parent,
+        env=agent_env(env),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -4,7 +4,9 @@
 test's environment (its key home and signing key), waits until the proxy listens, and
 returns a :class:`ProxyProcess`: its URL, and :meth:`ProxyProcess.stop`, which sends a
 signal and returns the exit status and everything the proxy logged. The ``proxy``
-fixture of ``conftest.py`` stops every proxy a test started.
+fixture of ``conftest.py`` stops every proxy a test started. What it recorded:
+:func:`cassettes` in a ``--dir``, :func:`load_verified` one of them, checked against the
+test's keys, and :func:`lines` its observations.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from recorder.cassette import Cassette, load
+from recorder.cassette.keys import load_keyring
 
 
 @dataclass
@@ -86,3 +91,15 @@ def run_proxy(workdir: Path, *args: str, env: dict[str, str] | None = None,
 
 def cassettes(directory: Path) -> list[Path]:
     return sorted(directory.glob("r_*.jsonl"))
+
+
+def load_verified(path: Path) -> Cassette:
+    """The cassette at ``path``, whose signature must verify with the test's keys."""
+    cassette = load(path, keyring=load_keyring(create=False), allow_unverified=False)
+    assert cassette.verified, cassette.verify_note
+    return cassette
+
+
+def lines(cassette: Cassette) -> list[dict[str, Any]]:
+    """The cassette's observations, as plain dicts."""
+    return [dict(o) for o in cassette.observations]

@@ -38,11 +38,10 @@ from node_helpers import (
     node_missing,
     read_dump,
 )
-from proxy_helpers import ProxyProcess, cassettes
+from proxy_helpers import ProxyProcess, cassettes, lines, load_verified
 
 from deja.cli import main
-from recorder.cassette import Cassette, load
-from recorder.cassette.keys import load_keyring
+from recorder.cassette import Cassette
 from recorder.testing.server import StubServer
 
 MODEL = "claude-sonnet-4-6"
@@ -89,12 +88,6 @@ def weather_stub(stub: Stub) -> StubServer:
     return stub(json.loads(STUB_SCRIPT.read_text(encoding="utf-8")))
 
 
-def load_verified(path: Path) -> Cassette:
-    cassette = load(path, keyring=load_keyring(create=False), allow_unverified=False)
-    assert cassette.verified, cassette.verify_note
-    return cassette
-
-
 def record_node_run(proxy: Proxy, upstream: StubServer, tmp_path: Path,
                     *flags: str) -> tuple[Path, list[dict]]:
     """Record the Node agent through a proxy in front of ``upstream``; the proxy is stopped
@@ -132,11 +125,6 @@ def streamed_text(raw: bytes, index: int = 0) -> str:
     return "".join(data["delta"]["text"] for name, data in sse_events(raw)
                    if name == "content_block_delta" and data["index"] == index
                    and data["delta"]["type"] == "text_delta")
-
-
-def lines(cassette: Cassette) -> list[dict[str, Any]]:
-    """The cassette's observations, as plain dicts."""
-    return [dict(o) for o in cassette.observations]
 
 
 def tool_steps(cassette: Cassette) -> list[dict[str, Any]]:
