@@ -137,22 +137,32 @@ def _replay_report(result: dict[str, Any], code: int) -> str:
     this is where the user reads it (and its diff), once."""
     from recorder.cassette.rows import describe_split, describe_totals
 
-    verdict = "identical" if result["identical"] else "DIVERGED"
+    d = result.get("divergence")
+    failed_early = bool(d) and not result["steps_served"] and code != 0 and \
+        bool(result.get("program_error"))
+    verdict = "identical" if result["identical"] else \
+        "FAILED BEFORE ITS FIRST CALL" if failed_early else "DIVERGED"
     if not result.get("verified"):
         verdict += " (NOT VERIFIED: what was served is unchecked)"
+    recorded_exit = result.get("recorded_exit_code")
     lines = [f"replay of {result['run']}: {verdict}",
              f"  cassette:   {result['path']}",
              f"  steps:      {result['steps_served']}/{result['steps_recorded']} served "
              f"in {result['seconds']:.3f}s",
              f"  signature:  {result['verify_note']}",
-             f"  recorded:   {result['recorded_status'] or 'no end line'}; "
-             f"program exit status {code}"]
+             f"  recorded:   {result['recorded_status'] or 'no end line'}"
+             + (f", exit status {recorded_exit}" if recorded_exit is not None else ""),
+             f"  replayed:   exit status {code}"
+             + (f" ({result['program_error']})" if result.get("program_error") else "")]
     totals = result.get("totals")
     if totals:
         lines.append(f"  totals:     {describe_totals(totals['all'])}")
         lines.extend(f"              {line}" for line in describe_split(totals))
-    d = result.get("divergence")
-    if d:
+    if failed_early:
+        lines.append("  next:       the program stopped before it asked for anything, so "
+                     "nothing was compared: fix what its error says (a missing setting, "
+                     "file or dependency) and replay again")
+    elif d:
         step = d["step"] if d["step"] is not None else "end"
         lines.append(f"  divergence: step {step} ({d['kind']}): {d['reason']}")
         lines.extend("    " + line for line in (d.get("diff") or "").splitlines())

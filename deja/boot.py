@@ -280,9 +280,14 @@ def _start_replay(env: dict[str, str]) -> _ExitWatch:
     watch = _ExitWatch("replay")
 
     def finish() -> None:
-        result = session.finish()
+        from recorder.errors import Divergence
+
+        result = session.finish().to_dict()
+        error = watch.error
+        if error is not None and not isinstance(error, Divergence):  # the program's own
+            result["program_error"] = f"{type(error).__name__}: {error}"[:500]
         if report:
-            Path(report).write_text(json.dumps(result.to_dict(), default=str))
+            Path(report).write_text(json.dumps(result, default=str))
 
     atexit.register(finish)
     return watch

@@ -96,6 +96,7 @@ class ReplayResult:
     # What was served but deserves a look, e.g. an effect served from another call site.
     notes: tuple[str, ...] = ()
     totals: dict[str, Any] | None = None
+    recorded_exit_code: int | None = None  # the recorded program's exit status, if known
 
     @property
     def complete(self) -> bool:
@@ -330,7 +331,9 @@ class ReplaySession(session.Session):
             divergence=self.divergence, unused=unused, verified=self.cassette.verified,
             verify_note=self.cassette.verify_note, recorded_status=end.get("status"),
             seconds=round(serving, 6), notes=tuple(self.notes),
-            totals=run_totals(self.cassette))
+            totals=run_totals(self.cassette),
+            recorded_exit_code=end.get("exit_code") if isinstance(end.get("exit_code"), int)
+            else None)
         return self.result
 
     # -- divergence

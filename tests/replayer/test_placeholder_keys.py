@@ -132,3 +132,26 @@ def test_recording_is_left_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
             anthropic.Anthropic(base_url="http://127.0.0.1:9").messages.create(
                 model="claude-sonnet-4-6", max_tokens=32,
                 messages=[{"role": "user", "content": "hi"}])
+
+
+def test_deja_replay_names_a_program_that_fails_before_its_first_call(
+        tmp_path: Path) -> None:
+    """Not a divergence of the agent's code: the program stopped before it asked for
+    anything (here a setting the recording had and CI has not)."""
+    (tmp_path / "agent.py").write_text('import os\nos.environ["AGENT_CONFIG"]\n' + AGENT)
+    with StubServer({"default": {"text": "hello"}}) as server:
+        env = {**_without_keys(), "ANTHROPIC_BASE_URL": server.url}
+        done = subprocess.run(
+            [sys.executable, "-m", "deja", "record", "-o", "run.jsonl", "--", "python",
+             "agent.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+            env={**env, "ANTHROPIC_API_KEY": "sk-test", "AGENT_CONFIG": "prod"})
+        assert done.returncode == 0, done.stderr
+    replayed = subprocess.run([sys.executable, "-m", "deja", "replay", "run.jsonl"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                              env=env)
+    assert replayed.returncode == 1, replayed.stdout + replayed.stderr
+    report = replayed.stdout
+    assert ": FAILED BEFORE ITS FIRST CALL" in report, report
+    assert "  recorded:   completed, exit status 0" in report, report
+    assert "  replayed:   exit status 1 (KeyError: 'AGENT_CONFIG')" in report, report
+    assert "nothing was compared" in report and "code or inputs changed" not in report, report
