@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -83,7 +84,7 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
     from recorder.errors import EXIT_CASSETTE_UNWRITABLE, ConfigError
     from recorder.harness.progress import valid_run_id
     from recorder.harness.settings import resolve as resolve_settings
-    from recorder.launch import new_run_id
+    from recorder.launch import new_run_id, startable
 
     label_map = _labels(labels)
     if given_run_id is not None and not valid_run_id(given_run_id):
@@ -107,6 +108,10 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
                          redact_query=redact_query)
     except ConfigError as exc:
         _fail(exc)
+    why = startable(argv, Path.cwd())  # nothing recorded for a program that cannot start
+    if why is not None:
+        raise BadInput(f"the command ({shlex.join(argv)}) cannot start in {Path.cwd()}: {why}. "
+                       "Nothing was recorded")
     lock = _writer_lock(path, run_id, "deja record")  # --force never tramples a live run
     try:
         code = _launch("record", argv, path, None, lock=lock, cassette=str(path.resolve()),

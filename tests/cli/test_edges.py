@@ -281,6 +281,18 @@ def test_a_program_killed_as_it_exits_is_resumable_not_failed(
     assert load(cassette, allow_incomplete=False).end["status"] == "completed"
 
 
+@pytest.mark.parametrize("command", [["python", "missing.py"], ["no-such-program-here"],
+                                     ["python", "-m", "no_such_module_here"]],
+                         ids=["script", "program", "module"])
+def test_a_program_that_cannot_start_is_not_recorded(
+        project: Path, env: dict[str, str], command: list[str]) -> None:
+    done = deja("record", "-o", "cassettes/run.jsonl", "--", *command, env=env, cwd=project)
+    assert done.returncode == 2, done.stderr
+    assert "cannot start in" in done.stderr and "Nothing was recorded" in done.stderr
+    assert "recorded run" not in done.stderr and "Traceback" not in done.stderr
+    assert not (project / "cassettes").exists()
+
+
 def test_a_harness_stop_the_program_does_not_catch_is_one_line(
         project: Path, env: dict[str, str]) -> None:
     """A budget stops the run inside the SDK's call: deja's message, not fifty lines of
