@@ -53,8 +53,10 @@ def _cwd_option(func: Any) -> Any:
              "in, found from where the cassette lies; with -- CMD, this one).")(func)
 
 
-def _load(cassette: Path, **options: Any) -> Any:
-    """Load (and check) a cassette for a command; a bad one exits 2 with a named error."""
+def _load(cassette: Path, *, as_json: bool = False, **options: Any) -> Any:
+    """Load (and check) a cassette for a command; a bad one exits 2 with a named error
+    (with ``as_json``, for a command asked for ``--json``, also as JSON on stdout:
+    ``{"ok": false, "error": NAME, "message": ..., "path": ...}``)."""
     from recorder.cassette import load
     from recorder.errors import DejaError
 
@@ -63,6 +65,9 @@ def _load(cassette: Path, **options: Any) -> Any:
     try:
         return load(cassette, **options)
     except DejaError as exc:
+        if as_json:
+            click.echo(json.dumps({"ok": False, "error": type(exc).__name__,
+                                   "message": str(exc), "path": str(cassette)}, indent=2))
         _fail(exc)
 
 

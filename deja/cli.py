@@ -167,7 +167,7 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
     from deja import launcher
     from deja.boot import child_env
 
-    loaded = _load(cassette, require_signature=require_signature,
+    loaded = _load(cassette, as_json=as_json, require_signature=require_signature,
                    allow_unverified=allow_unverified, allow_torn=allow_torn,
                    allow_incomplete=allow_incomplete)
     recorded = list(loaded.header.get("argv") or [])

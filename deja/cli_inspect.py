@@ -29,7 +29,10 @@ from deja._common import (
 @click.option("--allow-torn", is_flag=True, help="Check the intact part of a torn cassette.")
 @click.option("--allow-incomplete", is_flag=True,
               help="Accept a cassette without an end line (a run still going, or crashed).")
-def verify(cassette: Path, allow_torn: bool, allow_incomplete: bool) -> None:
+@click.option("--json", "as_json", is_flag=True,
+              help='Print the verdict as JSON: {"ok": true, "run", "steps", "verified", '
+                   '"verify_note", "status", ...}, or {"ok": false, "error", "message"}.')
+def verify(cassette: Path, allow_torn: bool, allow_incomplete: bool, as_json: bool) -> None:
     """Check a cassette's format and signature chain; name the first bad line.
 
     Needs the key it was signed with (DEJA_KEY, the key file, or DEJA_OLD_KEYS). A
@@ -38,14 +41,21 @@ def verify(cassette: Path, allow_torn: bool, allow_incomplete: bool) -> None:
     Exit 0 ok, 2 refused.
     """
     c = _load(cassette, require_signature=True, allow_torn=allow_torn,
-              allow_incomplete=allow_incomplete)
+              allow_incomplete=allow_incomplete, as_json=as_json)
     from recorder.cassette.rows import step_count
     from recorder.cassette.schema import run_status
     from recorder.harness.progress import read_status
 
     # Without an end line the run's status record says more (a worker failed it).
-    end = run_status(c.end) if c.end else \
-        f"{run_status(None, (read_status(c.run) or {}).get('status'))} (no end line)"
+    status = run_status(c.end, None if c.end else (read_status(c.run) or {}).get("status"))
+    if as_json:
+        click.echo(json.dumps({"ok": True, "path": str(cassette), "run": c.run,
+                               "steps": step_count(c), "verified": c.verified,
+                               "verify_note": c.verify_note, "status": status,
+                               "end_line": c.end is not None,
+                               "torn": c.torn_offset is not None}, indent=2))
+        return
+    end = status if c.end else f"{status} (no end line)"
     click.echo(f"ok: {cassette}: run {c.run}, {step_count(c)} steps, {c.verify_note}, "
                f"end: {end}")
 
@@ -96,7 +106,7 @@ def show(cassette: Path, as_json: bool, allow_unverified: bool) -> None:
         step_rows,
     )
 
-    c = _load(cassette, allow_torn=True, allow_unverified=allow_unverified)
+    c = _load(cassette, allow_torn=True, allow_unverified=allow_unverified, as_json=as_json)
     _warn_unverified(c)
     summary, rows = run_summary(c), step_rows(c)
     if summary["status"] in ("incomplete", "torn"):  # who writes it, or who gave up on it
@@ -216,7 +226,8 @@ def diff(cassette_a: Path, cassette_b: Path, as_json: bool, allow_unverified: bo
     from replayer.diff import compare, render
 
     a, b = (_load(c, allow_torn=True, allow_incomplete=True,
-                  allow_unverified=allow_unverified) for c in (cassette_a, cassette_b))
+                  allow_unverified=allow_unverified, as_json=as_json)
+            for c in (cassette_a, cassette_b))
     for c in (a, b):
         _warn_unverified(c)
     result = compare(a, b)

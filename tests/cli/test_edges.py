@@ -462,3 +462,28 @@ def test_import_refuses_a_billion_laughs(tmp_path: Path, env: dict[str, str]) ->
     imported = deja("import", str(shared), "-o", str(out), env=env, cwd=tmp_path)
     assert imported.returncode == 0, imported.stderr
     assert load(out, allow_incomplete=False).observations[0]["kind"] == "model"
+
+
+# ------------------------------------------------------------------ --json, also on errors
+
+
+def test_verify_json_and_json_errors_on_stdout(project: Path, env: dict[str, str]) -> None:
+    cassette = recorded(project, env)
+    ok = deja("verify", "--json", str(cassette), env=env, cwd=project)
+    assert ok.returncode == 0, ok.stderr
+    said = json.loads(ok.stdout)
+    assert said["ok"] is True and said["status"] == "completed" and said["verified"] is True
+    assert said["steps"] == len(load(cassette).observations) and said["end_line"] is True
+
+    lines = cassette.read_bytes().split(b"\n")
+    lines[1] = lines[1].replace(b'"seq":0', b'"seq":0 ')  # an edit the chain catches
+    cassette.write_bytes(b"\n".join(lines))
+    for args in (["verify", "--json", str(cassette)], ["replay", "--json", str(cassette)],
+                 ["show", "--json", str(cassette)],
+                 ["replay", "--json", str(project / "cassettes" / "missing.jsonl")]):
+        done = deja(*args, env=env, cwd=project)
+        assert done.returncode == 2, (args, done.stderr)
+        error = json.loads(done.stdout)  # JSON on stdout, the message on stderr as always
+        assert error["ok"] is False and error["error"] in (
+            "SignatureError", "CorruptCassette", "CassetteNotFound"), (args, error)
+        assert error["message"] in done.stderr, (args, done.stderr)
