@@ -82,6 +82,7 @@ def start_from_env() -> None:
     if mode is None:
         _chain_sitecustomize()
         return
+    os.environ["DEJA_MODE"] = mode  # the program may ask (recorder.mode() in Python)
     held = _hold_signals(env)
     try:
         _adopt_lock(env)

@@ -42,6 +42,11 @@ from deja._common import (
 )
 from deja._launch import _echo_split, _launch, _replay_report, _where_to_run, _writer_lock
 
+# What deja cannot do for an agent it sees only through the proxy.
+PROXY_TOOLS_WARNING = ("deja: WARNING: this run was recorded through deja proxy: deja serves "
+                       "the model's answers, but the agent's own tools run in its process, "
+                       "for real, as they did when it was recorded")
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="deja")
@@ -184,6 +189,7 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
         raise _no_command(cassette, loaded.header, "replay")
     cwd = _where_to_run(cassette, loaded.header, argv, given=bool(command), cwd=cwd)
     if isinstance(loaded.header.get("proxy"), dict):  # an agent in any language
+        click.secho(PROXY_TOOLS_WARNING, err=True, fg="yellow")
         sys.exit(cli_proxy.through_proxy(
             ["--replay", str(cassette.resolve()),
              *([] if loaded.verified else ["--allow-unverified"])], argv, cwd))
@@ -274,7 +280,11 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
     if not argv:
         raise _no_command(cassette, plan.parent.header, "fork")
     cwd = _where_to_run(cassette, plan.parent.header, argv, given=bool(command), cwd=cwd)
+    warning = plan.side_effect_warning() if then_replay is None else None
+    if warning is not None:  # said before anything runs
+        click.secho(f"deja: WARNING: {warning}", err=True, fg="yellow")
     if isinstance(plan.parent.header.get("proxy"), dict):  # an agent in any language
+        click.secho(PROXY_TOOLS_WARNING, err=True, fg="yellow")
         if then_replay is not None:
             raise BadInput("--then-replay is for runs deja launched; a run recorded through "
                            "deja proxy forks live (--upstream of deja proxy --fork)")

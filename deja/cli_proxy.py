@@ -200,7 +200,9 @@ def through_proxy(proxy_args: list[str], command: list[str], cwd: Path | None) -
                 time.sleep(0.02)
             url = json.loads(ready.read_text())["url"]
             click.echo(f"deja: {command[0]} talks to the proxy at {url}", err=True)
-            env = {**os.environ, "ANTHROPIC_BASE_URL": url}
+            env = {**os.environ, "ANTHROPIC_BASE_URL": url, "DEJA_MODE":
+                   "replay" if "--replay" in proxy_args else
+                   "fork" if "--fork" in proxy_args else "record"}
             if "--replay" in proxy_args:  # offline: a client needs no real key
                 from recorder.providers import placeholder_keys
 

@@ -5,7 +5,7 @@ patchers load when a session starts.
 """
 
 from recorder.ask import artefact, ask
-from recorder.capture.session import Session, active
+from recorder.capture.session import Session, active, mode
 from recorder.cassette import FORMAT, Cassette, CassetteWriter, Fsync, load
 from recorder.cassette.keys import Keyring, load_keyring
 from recorder.effects import now, randint, random, utcnow, uuid4, value
@@ -106,6 +106,7 @@ __all__ = [
     "idempotency_key",
     "load",
     "load_keyring",
+    "mode",
     "now",
     "randint",
     "random",

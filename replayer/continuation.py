@@ -63,7 +63,8 @@ class ContinuationSession(RecordSession):
 
     def __init__(self, prefix: Cassette, writer: CassetteWriter, *,
                  on_live: Callable[[ContinuationSession], None] | None = None,
-                 then_replay: Cassette | None = None, **kwargs: Any) -> None:
+                 then_replay: Cassette | None = None, mode: str = "fork",
+                 **kwargs: Any) -> None:
         # The run keeps the guards it was recorded with (its header); counters carry over
         # from the prefix once the guard exists (start).
         recorded = prefix.header
@@ -76,6 +77,7 @@ class ContinuationSession(RecordSession):
         # recorded ones did, and as a replay of the whole run will.
         kwargs.setdefault("redaction", Redaction.from_header(recorded.get("redact")))
         super().__init__(writer.path, run_id=writer.header["run"], writer=writer, **kwargs)
+        self.mode = mode  # "fork" or "resume" (recorder.mode())
         self.prefix = ReplaySession(prefix)
         self.then = ReplaySession(then_replay) if then_replay is not None else None
         self.live = False

@@ -47,6 +47,31 @@ class ForkPlan:
     out: Path
     run_id: str
 
+    def side_effect_warning(self) -> str | None:
+        """What to say before running the fork (:func:`side_effect_warning`)."""
+        return side_effect_warning(self.parent, self.at)
+
+
+def side_effects_after(parent: Cassette, at: int) -> list[tuple[int, str]]:
+    """(seq, name) of each side-effecting tool call (``side_effect=True``: its intent
+    line) the recorded run made after step ``at``: the live part of a fork at ``at`` runs
+    whatever the program calls then, for real, and may call these again."""
+    return [(o["seq"], str(o.get("name") or "?")) for o in parent.observations
+            if o["seq"] > at and o.get("kind") == Kind.INTENT]
+
+
+def side_effect_warning(parent: Cassette, at: int) -> str | None:
+    """What to say before a fork at ``at`` runs about those calls (None: there are none)."""
+    found = side_effects_after(parent, at)
+    if not found:
+        return None
+    named = ", ".join(f"{name} (step {seq})" for seq, name in found[:8])
+    more = f" and {len(found) - 8} more" if len(found) > 8 else ""
+    return (f"after step {at} the recorded run called {len(found)} side-effecting "
+            f"tool(s): {named}{more}. The fork goes live after the edited step: whatever "
+            "its program calls then runs for real, these included (a program can check "
+            "recorder.mode() or DEJA_MODE, which say 'fork')")
+
 
 def plan_fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | None = None,
               replace: Any = None, sets: list[str] | tuple[str, ...] = (),

@@ -67,4 +67,5 @@ def start_resume(loaded: Cassette, *, keyring: Keyring | None = None,
     def on_live(session: ContinuationSession) -> None:
         session.log_control(Control.RESUMED, detail)
 
-    return ContinuationSession(loaded, writer, on_live=on_live, fsync=fsync, keyring=ring)
+    return ContinuationSession(loaded, writer, on_live=on_live, fsync=fsync, keyring=ring,
+                               mode="resume")

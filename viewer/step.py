@@ -32,7 +32,7 @@ from recorder.cassette.schema import Observation
 from recorder.errors import DejaError, EditError, NoSuchStep
 from recorder.harness.progress import read_status
 from replayer import edit
-from replayer.fork import plan_fork
+from replayer.fork import plan_fork, side_effect_warning
 from viewer import content
 
 # ---------------------------------------------------------------------- cassettes
@@ -180,6 +180,18 @@ def step_detail(path: str | Path, seq: int, *, full: bool = False,
 def fork_document(path: str | Path, seq: int) -> Any:
     """The editable document of step ``seq`` (what ``deja fork --show-document`` prints)."""
     return edit.view(_observation(load_cassette(path), seq))
+
+
+def fork_warnings(path: str | Path, seq: int) -> list[str]:
+    """What to say before a fork at ``seq`` runs: the side-effecting tools the recorded
+    run called after it (the live part may call them again, for real), and, for a run
+    recorded through the proxy, that the agent's own tools run for real."""
+    parent = load_cassette(path)
+    said = [w for w in (side_effect_warning(parent, seq),) if w]
+    if isinstance(parent.header.get("proxy"), dict):
+        said.append("this run was recorded through deja proxy: deja serves the model's "
+                    "answers, but the agent's own tools run in its process, for real")
+    return said
 
 
 def document_text(document: Any) -> str:

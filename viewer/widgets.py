@@ -335,6 +335,12 @@ def fork_editor(header: dict[str, Any], detail: queries.StepDetail) -> None:
         st.info("The document is unchanged: a fork would serve the recorded value.")
     else:
         st.success("The edit is valid.")
+    try:
+        warnings = queries.fork_warnings(header["path"], detail.seq)
+    except DejaError:
+        warnings = []
+    for warning in warnings:  # before the button: what the live part may do for real
+        st.warning(md("Before you fork: {}.", warning.rstrip(".")))
     if st.button("Fork", key="fork_btn", type="primary", disabled=bool(error)):
         try:
             launched = queries.launch_fork(header["path"], detail.seq, text,

@@ -87,6 +87,14 @@ def active() -> Session | None:
     return _active
 
 
+def mode() -> str | None:
+    """What deja is doing with this process: ``"record"``, ``"replay"``, ``"fork"`` (its
+    replayed prefix and its live part alike) or ``"resume"``; None when no session is
+    active. A tool with side effects can ask it before acting; a program ``deja`` launched
+    also finds it in ``DEJA_MODE``."""
+    return _active.mode if _active is not None else None
+
+
 _stopping = threading.Event()
 
 

@@ -199,11 +199,12 @@ def test_record_refuses_to_overwrite_and_bootstrap_fails_loudly(spiral_cassette:
 def test_recording_is_not_inherited_by_child_processes(tmp_path: Path) -> None:
     out = tmp_path / "parent.jsonl"
     code = ("import os, subprocess, sys; "
-            "print(sorted(k for k in os.environ if k.startswith('DEJA_MODE'))); "
+            "print('mode', os.environ.get('DEJA_MODE')); "
             "subprocess.run([sys.executable, '-c', 'print(\"child ok\")'], check=True)")
     proc = deja("record", "-o", str(out), "--", "python", "-c", code)
     assert proc.returncode == 0, proc.stderr
-    assert "[]" in proc.stdout and "child ok" in proc.stdout
+    # the program may see what deja does with it; its child is still not recorded
+    assert "mode record" in proc.stdout and "child ok" in proc.stdout
     assert len(out.read_text().splitlines()) == 2  # header and end: the child added nothing
 
 
