@@ -7,7 +7,8 @@ BIN="${BIN:-.venv/bin}"
 OUT=cassettes/demo
 mkdir -p "$OUT"
 READY="$(mktemp -u)"
-export DEJA_HOME="${DEJA_HOME:-$PWD/.deja}"   # the demo's signing key stays in the repo dir
+# The signing key is yours, as for every deja command: $DEJA_HOME/key (~/.deja/key),
+# made on first use; the commands you type after the demo verify its cassettes with it.
 
 echo "== 1. start the stub model server (scripted Anthropic Messages API on 127.0.0.1)"
 "$BIN/deja" stub --script examples/retry_spiral.stub.json --port 0 --ready-file "$READY" &

@@ -262,6 +262,7 @@ def test_make_demo_runs_offline_on_a_fresh_copy(fresh_copy: Path) -> None:
     installed again): record, replay offline, verify, show."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DEJA_", "ANTHROPIC_"))}
     env["VENV"] = str(Path(sys.executable).parent.parent)
+    env["HOME"] = str(fresh_copy / "user-home")  # the demo signs with the user's own key
     stamp = Path(env["VENV"]) / ".deja-installed"  # -o: never remade, whatever its age
     proc = subprocess.run(["make", "-o", str(stamp), "demo"], cwd=fresh_copy, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -271,7 +272,14 @@ def test_make_demo_runs_offline_on_a_fresh_copy(fresh_copy: Path) -> None:
     assert "verified with key" in proc.stdout
     assert "stopped by the harness" in proc.stdout  # the loop guard ended the spiral
     assert "loop_detected" in proc.stdout
-    assert (fresh_copy / ".deja" / "key").exists()  # the demo's own key, in the copy
+    assert (fresh_copy / "user-home" / ".deja" / "key").exists()  # ~/.deja/key
+    # ... so what the user types next (the README's commands) trusts the demo's cassettes
+    listed = subprocess.run([sys.executable, "-m", "deja", "ls", "cassettes/demo"],
+                            cwd=fresh_copy, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert "retry_spiral" in listed.stdout and "NOT VERIFIED" not in listed.stdout + \
+        listed.stderr and "without your key" not in listed.stdout + listed.stderr, listed
 
 
 def test_help_texts_name_the_exit_statuses() -> None:
