@@ -76,7 +76,14 @@ def _fail(message: str, code: int = BOOT_FAILED) -> NoReturn:
     os._exit(code)
 
 
+_booted = False  # once a process: a second copy of deja's bootstrap on sys.path is inert
+
+
 def start_from_env() -> None:
+    global _booted
+    if _booted:
+        return
+    _booted = True
     env = _take_env()
     mode = env.get("DEJA_MODE")
     if mode is None:
@@ -345,12 +352,21 @@ def _write_report(path: str, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+def _is_bootstrap(folder: Path) -> bool:
+    """Is ``folder`` deja's bootstrap, this installation's or another copy's (a checkout
+    next to an installed deja)?"""
+    folder = folder.resolve()
+    return folder == BOOT_DIR.resolve() or (
+        folder.name == BOOT_DIR.name and (folder.parent / "boot.py").is_file()
+        and (folder / "sitecustomize.py").is_file())
+
+
 def _chain_sitecustomize() -> None:
     """Run the sitecustomize this one shadows, if the environment has one."""
     from importlib.machinery import PathFinder
     from importlib.util import module_from_spec
 
-    path = [p for p in sys.path if Path(p or ".").resolve() != BOOT_DIR.resolve()]
+    path = [p for p in sys.path if not _is_bootstrap(Path(p or "."))]
     spec = PathFinder.find_spec("sitecustomize", path)
     if spec is None or spec.loader is None:
         return

@@ -21,7 +21,16 @@ from pathlib import Path
 
 import click
 
-from deja import cli_export, cli_import, cli_inspect, cli_proxy, cli_runs, cli_serve, cli_stub
+from deja import (
+    cli_export,
+    cli_import,
+    cli_inspect,
+    cli_proxy,
+    cli_runs,
+    cli_serve,
+    cli_stub,
+    cli_wait,
+)
 from deja._common import (
     EXIT_DIVERGED,
     BadInput,
@@ -363,7 +372,7 @@ for command in (record, replay, cli_inspect.verify, cli_inspect.repair, cli_insp
                 cli_runs.status, cli_runs.cancel, cli_stub.stub, cli_proxy.proxy,
                 cli_export.export, cli_import.import_, cli_serve.worker, cli_serve.serve,
                 cli_serve.submit, cli_serve.runs_, cli_serve.answer, cli_serve.schedule,
-                cli_serve.check):
+                cli_serve.check, cli_wait.wait):
     main.add_command(command)
 
 

@@ -20,7 +20,7 @@ SPIRAL = ROOT / "examples" / "retry_spiral.py"
 SPIRAL_SCRIPT = json.loads((ROOT / "examples" / "retry_spiral.stub.json").read_text())
 KEY = "test-key-0123456789abcdef"  # conftest's DEJA_KEY
 COMMANDS = ["record", "replay", "verify", "show", "ls", "stub", "fork", "resume", "diff",
-            "status", "cancel"]
+            "status", "cancel", "wait"]
 
 
 def deja(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:

@@ -487,3 +487,38 @@ def test_verify_json_and_json_errors_on_stdout(project: Path, env: dict[str, str
         assert error["ok"] is False and error["error"] in (
             "SignatureError", "CorruptCassette", "CassetteNotFound"), (args, error)
         assert error["message"] in done.stderr, (args, done.stderr)
+
+
+# ------------------------------------------------------------------ deja wait
+
+
+def test_deja_wait_for_a_port_and_for_steps(project: Path, env: dict[str, str]) -> None:
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        for target in (str(port), f"127.0.0.1:{port}", f"http://127.0.0.1:{port}/v1"):
+            done = deja("wait", target, "--timeout", "30", env=env, cwd=project)
+            assert done.returncode == 0, (target, done.stderr)
+    gone = deja("wait", str(port), "--timeout", "0.3", env=env, cwd=project)
+    assert gone.returncode == 1 and f"something to listen on 127.0.0.1:{port}" in gone.stderr
+    bad = deja("wait", "nowhere", env=env, cwd=project)
+    assert bad.returncode == 2 and "--steps N" in bad.stderr
+
+    cassette = recorded(project, env)  # 2 steps and an end line
+    steps = len(load(cassette).observations)
+    assert deja("wait", str(cassette), "--steps", str(steps), "--timeout", "5", env=env,
+                cwd=project).returncode == 0
+    assert deja("wait", str(cassette), "--steps", "1000", "--timeout", "5", env=env,
+                cwd=project).returncode == 0  # it has ended: nothing more will come
+    assert deja("wait", str(cassette), "--timeout", "5", env=env,
+                cwd=project).returncode == 0  # without --steps: until it has ended
+    open_run = project / "open.jsonl"
+    open_run.write_bytes(b"".join(cassette.read_bytes().splitlines(keepends=True)[:2]))
+    short = deja("wait", str(open_run), "--steps", "2", "--timeout", "0.3", env=env,
+                 cwd=project)
+    assert short.returncode == 1 and "to hold 2 steps" in short.stderr
+    unended = deja("wait", str(open_run), "--timeout", "0.3", env=env, cwd=project)
+    assert unended.returncode == 1 and "open.jsonl to end" in unended.stderr
