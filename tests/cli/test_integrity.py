@@ -52,7 +52,12 @@ def payments(ledger: Path) -> list[str]:
     if not ledger.exists():
         return []
     with contextlib.closing(sqlite3.connect(ledger)) as db:
-        return [r[0] for r in db.execute("SELECT invoice FROM payments ORDER BY invoice")]
+        try:
+            return [r[0] for r in db.execute("SELECT invoice FROM payments ORDER BY invoice")]
+        except sqlite3.OperationalError as exc:  # the agent made the file, not yet its table
+            if "no such table" not in str(exc):
+                raise
+            return []
 
 
 def wait_for(predicate, timeout: float = 60.0, what: str = "") -> None:

@@ -253,12 +253,15 @@ def run_cell(cell: Cell, base: Path, settings: Settings, ref: Reference,
 
 def wait_final(world: World, runs: list[str], deadline: float) -> bool:
     """Until every run has ended and its status held for SETTLE seconds; False at the
-    deadline."""
+    deadline. ``interrupted`` is not an end here: nobody in a cell interrupts a run on
+    purpose, and the service resumes every interrupted run by itself (a worker's SIGTERM,
+    a full disk once it has room again, after the next reconciliation)."""
     since: float | None = None
     seen: dict[str, str] | None = None
+    final = ENDED - {"interrupted"}
     while time.monotonic() < deadline:
         found = world.statuses()
-        if found is not None and all(found.get(r) in ENDED for r in runs):
+        if found is not None and all(found.get(r) in final for r in runs):
             if since is None or found != seen:
                 since, seen = time.monotonic(), found
             elif time.monotonic() - since >= SETTLE:
