@@ -132,13 +132,13 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
     return status
 
 
-def _replay_report(result: dict[str, Any], code: int) -> str:
+def _replay_report(result: dict[str, Any], code: int | None) -> str:
     """The one report of a replay: the child printed no traceback for a divergence, so
     this is where the user reads it (and its diff), once."""
     from recorder.cassette.rows import describe_split, describe_totals
 
     d = result.get("divergence")
-    failed_early = bool(d) and not result["steps_served"] and code != 0 and \
+    failed_early = bool(d) and not result["steps_served"] and code not in (0, None) and \
         bool(result.get("program_error"))
     verdict = "identical" if result["identical"] else \
         "FAILED BEFORE ITS FIRST CALL" if failed_early else "DIVERGED"
@@ -151,9 +151,11 @@ def _replay_report(result: dict[str, Any], code: int) -> str:
              f"in {result['seconds']:.3f}s",
              f"  signature:  {result['verify_note']}",
              f"  recorded:   {result['recorded_status'] or 'no end line'}"
-             + (f", exit status {recorded_exit}" if recorded_exit is not None else ""),
-             f"  replayed:   exit status {code}"
-             + (f" ({result['program_error']})" if result.get("program_error") else "")]
+             + (f", exit status {recorded_exit}" if recorded_exit is not None else "")]
+    if code is not None:  # the program's, when deja ran it
+        lines.append(f"  replayed:   exit status {code}"
+                     + (f" ({result['program_error']})" if result.get("program_error")
+                        else ""))
     totals = result.get("totals")
     if totals:
         lines.append(f"  totals:     {describe_totals(totals['all'])}")

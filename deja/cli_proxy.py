@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from deja._common import (
     guard_options,
     redaction_options,
 )
+from deja._launch import _replay_report
 
 
 @click.command()
@@ -74,6 +76,9 @@ from deja._common import (
                    "loopback names and --host are (a web page's request is refused).")
 @click.option("--ready-file", type=click.Path(path_type=Path, dir_okay=False),
               help="Write {url, port, pid, mode} as JSON here once the proxy listens.")
+@click.option("--report-file", type=click.Path(path_type=Path, dir_okay=False),
+              hidden=True, help="With --replay: write the replay's result here as JSON "
+                                "instead of printing its report (deja replay does).")
 @click.option("--fsync", type=click.Choice(["sync", "turn", "exit"]), default=None,
               help="When lines are forced to disk (default: [tool.deja] fsync, else turn).")
 @guard_options("per run")
@@ -87,7 +92,8 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
           replace_file: Path | None, output: Path | None, token: str | None, idle: float,
           grace: float, max_body: int, max_response: int, body_timeout: float,
           header_timeout: float,
-          allowed_hosts: tuple[str, ...], ready_file: Path | None, fsync: str | None,
+          allowed_hosts: tuple[str, ...], ready_file: Path | None,
+          report_file: Path | None, fsync: str | None,
           max_turns: int | None, max_tokens_total: int | None,
           max_tokens_per_turn: int | None, clamp_max_tokens: bool,
           max_seconds: float | None, max_dollars: float | None, no_loop_guard: bool,
@@ -167,8 +173,11 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
         result = serve(options, app)
     except OSError as exc:  # the port is taken, say
         raise BadInput(f"deja proxy: cannot listen on {host}:{port}: {exc}") from None
-    if result.report is not None:
-        click.echo(result.report, err=True)
+    if result.replay is not None:  # the report of deja replay, on stdout as there
+        if report_file is not None:
+            report_file.write_text(json.dumps(result.replay, default=str))
+        else:
+            click.echo(_replay_report(result.replay, None))
     if result.fork is not None:
         click.echo(f"deja: the fork was written to {result.fork}; compare it with: deja diff "
                    f"{fork} {result.fork}", err=True)
@@ -182,7 +191,6 @@ def through_proxy(proxy_args: list[str], command: list[str], cwd: Path | None) -
     ``deja fork`` take a run recorded through the proxy, whatever language its agent is
     in. Returns the proxy's exit status when it failed (1: the replay diverged), else the
     command's."""
-    import json
     import os
     import signal
     import subprocess
@@ -190,9 +198,10 @@ def through_proxy(proxy_args: list[str], command: list[str], cwd: Path | None) -
     import time
 
     with tempfile.TemporaryDirectory(prefix="deja-through-proxy-") as tmp:
-        ready = Path(tmp) / "ready.json"
+        ready, report = Path(tmp) / "ready.json", Path(tmp) / "report.json"
+        extra = ["--report-file", str(report)] if "--replay" in proxy_args else []
         server = subprocess.Popen([sys.executable, "-m", "deja", "proxy", "--port", "0",
-                                   "--ready-file", str(ready), "-q", *proxy_args])
+                                   "--ready-file", str(ready), "-q", *extra, *proxy_args])
         try:
             while not ready.is_file():
                 if server.poll() is not None:
@@ -215,4 +224,6 @@ def through_proxy(proxy_args: list[str], command: list[str], cwd: Path | None) -
             if server.poll() is None:
                 server.send_signal(signal.SIGTERM)
             served = server.wait()
+        if report.is_file():  # one report, as deja replay prints it for a Python program
+            click.echo(_replay_report(json.loads(report.read_text()), code))
     return served or code

@@ -83,7 +83,7 @@ class ServeResult:
 
     mode: str
     requests: int
-    report: str | None = None  # a replay's report
+    replay: dict[str, Any] | None = None  # a replay's result (ReplayResult.to_dict())
     identical: bool | None = None  # a replay: no divergence, every step asked for
     fork: str | None = None  # a fork's new cassette
 
@@ -239,7 +239,7 @@ def _result(app: Proxy, options: ProxyOptions) -> ServeResult:
     run = app.single
     if run is not None and isinstance(run.session, ReplaySession):
         replayed = run.session.finish()
-        result.report, result.identical = replayed.report(), replayed.identical
+        result.replay, result.identical = replayed.to_dict(), replayed.identical
     elif run is not None and isinstance(run.session, ContinuationSession):
         result.fork = str(run.session.path)
     return result

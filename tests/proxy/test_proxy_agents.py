@@ -193,7 +193,7 @@ def test_node_agent_records_replays_byte_for_byte_and_refuses_a_changed_prompt(
     assert [d["status"] for d in replayed] == [200, 200, 200]
     status, log = replaying.stop()
     assert status == 0, log
-    assert ": identical" in log and "steps served: 5/5" in log, log
+    assert ": identical" in log and "steps:      5/5 served" in log, log
     assert len(upstream.requests) == 3  # nothing went to the stub
 
     # a changed prompt: one attempt, an API error naming the step, exit 1 with the diff
@@ -211,7 +211,7 @@ def test_node_agent_records_replays_byte_for_byte_and_refuses_a_changed_prompt(
     assert json.loads(attempt["body"])["error"]["type"] == "invalid_request_error"
     status, log = replaying.stop()
     assert status == 1, log
-    assert "DIVERGED" in log and "first divergence at step 0" in log, log
+    assert "DIVERGED" in log and "divergence: step 0 (model)" in log, log
     assert "--- recorded" in log and "+++ replayed" in log
     assert f'+      "content": "{CHANGED_PROMPT}",' in log, log
     assert "-      \"content\": \"What's the weather in Paris, in Fahrenheit?\"," in log, log
@@ -371,7 +371,7 @@ def test_python_sdk_tool_loop_records_and_replays_the_same_bytes(
     replayed_bodies, replayed_finals = python_tool_loop(replaying.url, how)
     status, log = replaying.stop()
     assert status == 0, log
-    assert ": identical" in log and "steps served: 3/3" in log, log
+    assert ": identical" in log and "steps:      3/3 served" in log, log
     assert replayed_bodies == bodies
     assert replayed_finals == finals
 
@@ -402,7 +402,7 @@ def test_python_sdk_changed_tool_result_diverges_at_the_tool_step(
     assert status == 1, log
     assert log.count("POST /v1/messages 400") == 1, log  # one attempt, no retry
     assert log.count("POST /v1/messages 200") == 1, log  # step 0 was served
-    assert "first divergence at step 1 (tool)" in log
+    assert "divergence: step 1 (tool)" in log
     assert '-  "result": "deja: French for \'already\'"' in log, log
     assert '+  "result": "deja: no idea"' in log, log
 

@@ -199,7 +199,7 @@ def test_a_responses_tool_loop_that_resends_its_items_records_tool_steps_and_rep
     replayed_bodies, replayed_finals = resend_loop(f"{replaying.url}/v1")
     status, log = replaying.stop()
     assert status == 0, log
-    assert ": identical" in log and "steps served: 3/3" in log, log
+    assert ": identical" in log and "steps:      3/3 served" in log, log
     assert replayed_bodies == bodies
     assert replayed_finals == finals
 
@@ -227,7 +227,7 @@ def test_a_streamed_responses_loop_by_previous_response_id_records_tool_steps_an
     replayed = chained_loop(f"{replaying.url}/v1")
     status, log = replaying.stop()
     assert status == 0, log
-    assert ": identical" in log and "steps served: 3/3" in log, log
+    assert ": identical" in log and "steps:      3/3 served" in log, log
     assert replayed == finals
 
 

@@ -100,9 +100,11 @@ def test_vercel_ai_sdk_agent_records_model_steps_and_replays_identically(
          str(VERCEL_AGENT), *flags], cwd=VERCEL_DIR, env=agent_env(),
         capture_output=True, text=True, timeout=120)
     assert replay.returncode == 0, replay.stderr
-    assert replay.stdout.strip() == STUB_ANSWER
-    assert ": identical" in replay.stderr and "steps served: 5/5" in replay.stderr, \
-        replay.stderr
+    assert replay.stdout.splitlines()[0] == STUB_ANSWER
+    # the report of deja replay, on stdout after the agent's own output
+    assert ": identical" in replay.stdout and "steps:      5/5 served" in replay.stdout, \
+        replay.stdout
+    assert "replayed:   exit status 0" in replay.stdout, replay.stdout
     assert len(upstream.requests) == 3  # nothing went to the model
 
 
