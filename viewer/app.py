@@ -211,7 +211,7 @@ def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | N
         st.warning(md("{}", header["error"]))
     if not header.get("verified"):
         st.error(md("{}. What this page shows is the file as it is, unchecked.",
-                    header.get("verify_note") or "NOT VERIFIED"), icon="⚠️")
+                    header.get("verify_note") or "NOT VERIFIED"), icon=":material/warning:")
     panels = st.container()
     frame, labels = timeline(index.file_state(header["path"]), index)
     st.subheader("Timeline")

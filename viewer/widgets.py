@@ -70,12 +70,12 @@ def image(block: Block) -> None:
         st.image(bytes(data), width=THUMBNAIL_WIDTH,
                  caption=md("{}, {:,} bytes", image_type(bytes(data)), len(data)))
     elif data is not None:
-        st.warning(md("🖼 {:,} bytes that are not a PNG, JPEG, GIF or WebP image (not shown)",
-                      len(data)))
+        st.warning(md(":material/image: {:,} bytes that are not a PNG, JPEG, GIF or WebP "
+                      "image (not shown)", len(data)))
     elif block.get("url"):
-        st.markdown(md("🖼 image at {:code} (not fetched)", block["url"]))
+        st.markdown(md(":material/image: image at {:code} (not fetched)", block["url"]))
     else:
-        st.warning(md("🖼 {}", block.get("error", "image")))
+        st.warning(md(":material/broken_image: {}", block.get("error", "image")))
 
 
 def blocks(items: list[Block], *, result: bool = False) -> None:
@@ -88,17 +88,17 @@ def blocks(items: list[Block], *, result: bool = False) -> None:
             else:
                 st.text(block["text"])
         elif kind == "thinking":
-            with st.expander("💭 Thinking", expanded=False):
+            with st.expander(":material/psychology: Thinking", expanded=False):
                 st.text(block["text"])
         elif kind == "tool_use":
-            st.markdown(md("🔧 **tool call** {:code} · id {:code}", block.get("name"),
+            st.markdown(md(":material/build: **tool call** {:code} · id {:code}", block.get("name"),
                            block.get("id")))
             st.json(block.get("input"), expanded=True)
         elif kind == "tool_result":
             st.markdown("↩ **tool result**"
                         + (md(" of {:code}", block["name"]) if block.get("name") else "")
                         + md(" for {:code}", block.get("tool_use_id"))
-                        + (" · ❌ **error**" if block.get("is_error") else ""))
+                        + (" · :material/error: **error**" if block.get("is_error") else ""))
             blocks(block.get("blocks") or [], result=True)
         elif kind == "image":
             image(block)
@@ -108,8 +108,9 @@ def blocks(items: list[Block], *, result: bool = False) -> None:
 
 
 def _avatar(role: str) -> str | None:
-    return {"user": None, "assistant": None, "system": "⚙️", "developer": "⚙️",
-            "tool": "🔧"}.get(role, "💬")
+    return {"user": None, "assistant": None, "system": ":material/settings:",
+            "developer": ":material/settings:", "tool": ":material/build:"}.get(
+        role, ":material/chat:")
 
 
 def message(msg: dict[str, Any]) -> None:
@@ -120,7 +121,7 @@ def message(msg: dict[str, Any]) -> None:
 def conversation(conv: dict[str, Any]) -> None:
     """A model call: system prompt, earlier messages folded, new messages, the response."""
     if conv["system"]:
-        with st.chat_message("system", avatar="⚙️"):
+        with st.chat_message("system", avatar=":material/settings:"):
             blocks(conv["system"])
     earlier = [m for m in conv["messages"] if not m["new"]]
     if earlier:
@@ -150,7 +151,7 @@ def conversation(conv: dict[str, Any]) -> None:
 
 def tool(detail: StepDetail) -> None:
     call = detail.tool or {}
-    with st.chat_message("tool", avatar="🔧"):
+    with st.chat_message("tool", avatar=":material/build:"):
         label = "effect" if detail.kind == "effect" else detail.kind
         st.markdown(md("**{}** {:code}", label, call.get("name")))
         if call.get("args") is not None:
@@ -171,7 +172,7 @@ def tool(detail: StepDetail) -> None:
 
 def control(detail: StepDetail) -> None:
     info = detail.control or {}
-    st.warning(md("⚑ control line: **{}**", info.get("event")))
+    st.warning(md(":material/flag: control line: **{}**", info.get("event")))
     st.json(info.get("detail"), expanded=True)
 
 
@@ -369,7 +370,8 @@ def forks_panel(header: dict[str, Any]) -> None:
                        progress.get("step", "starting")))
             continue
         if state["reason"] is None:
-            st.success(md("✔ Fork of step {} finished: run {}", launched.seq, name))
+            st.success(md(":material/check_circle: Fork of step {} finished: run {}",
+                          launched.seq, name))
         else:
             st.error(md("Fork of step {} failed: {}", launched.seq, state["reason"]))
             with st.expander(md("Full log (exit status {})", state["returncode"])):

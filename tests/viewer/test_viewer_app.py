@@ -152,7 +152,7 @@ def test_opening_a_step_renders_its_conversation(corpus: Corpus,
     markdown, text = texts(at.markdown), texts(at.text)  # a run's words: text, not markup
     assert GREETING in text and "Let me look that up for you." in text
     assert any("tool call** `weather`" in m for m in markdown)
-    assert "💭 Thinking" in [e.label for e in at.expander]
+    assert ":material/psychology: Thinking" in [e.label for e in at.expander]
     assert len(at.get("image")) == 1  # the user's image, as a thumbnail
     assert any("streamed" in c and "stop: tool_use" in c for c in texts(at.caption))
     # Another step, picked in the page: the URL follows, so a reload shows it again.
