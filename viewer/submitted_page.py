@@ -30,6 +30,7 @@ EMPTY = "—"
 REFRESH_S = 2  # seconds between refreshes while runs are active
 IDLE_REFRESH_S = 10  # and otherwise (a run submitted meanwhile shows)
 FLASH = "submitted_flash"  # what the last Answer or Cancel did, shown once
+CONFIRM = "submitted_confirm_cancel"  # the run whose Cancel waits for a second click
 
 
 @st.cache_resource(show_spinner=False, on_release=submitted.close)
@@ -67,7 +68,13 @@ def _answer(runs: Runs, run_id: str, question: str | None) -> None:
     _say("success", "Answer sent to run {}; it goes on when a worker takes it up.", run_id)
 
 
+def _ask_cancel(run_id: str | None) -> None:
+    """First click: ask again before cancelling (None: keep the run)."""
+    st.session_state[CONFIRM] = run_id
+
+
 def _cancel(runs: Runs, run_id: str) -> None:
+    st.session_state.pop(CONFIRM, None)
     try:
         done = runs.cancel(run_id)
     except _action_errors() as exc:
@@ -137,13 +144,22 @@ def board_body(runs: Runs, view: submitted.Board) -> None:
     if cancellable:
         st.markdown("**Cancel a run**")
         for record in cancellable:
-            left, right = st.columns([5, 1], vertical_alignment="center")
-            left.markdown(md("{:code} · {}", record["run_id"], record["status"])
+            run_id = record["run_id"]
+            left, right = st.columns([4, 2], vertical_alignment="center")
+            left.markdown(md("{:code} · {}", run_id, record["status"])
                           + (md(" · {}", record["step"]) if record.get("step") else ""))
-            right.button("Cancel", key=f"cancel_btn:{record['run_id']}", on_click=_cancel,
-                         args=(runs, record["run_id"]),
-                         help="A queued run never starts; a working one stops at its next "
-                              "boundary.")
+            if st.session_state.get(CONFIRM) != run_id:
+                right.button("Cancel", key=f"cancel_btn:{run_id}", on_click=_ask_cancel,
+                             args=(run_id,),
+                             help="A queued run never starts; a working one stops at its "
+                                  "next boundary. Asks once more first.")
+                continue
+            yes, keep = right.columns(2)
+            yes.button("Cancel it", key=f"cancel_yes:{run_id}", type="primary",
+                       on_click=_cancel, args=(runs, run_id),
+                       help=f"Cancel run {run_id} now.")
+            keep.button("Keep", key=f"cancel_keep:{run_id}", on_click=_ask_cancel,
+                        args=(None,))
     st.subheader("Recently ended")
     if view.ended:
         runs_table(view.ended, submitted.ENDED_COLUMNS, "ended_runs")

@@ -221,7 +221,13 @@ def test_a_queued_run_is_cancelled_from_the_page(
     queued = row(at, "active_runs", run)
     assert queued["status"] == "queued" and queued["labels"] == "team=billing"
     assert any(str(config.database_url()) in c for c in texts(at.caption))
+    at.button(key=f"cancel_btn:{run}").click().run()  # asks once more; nothing yet
+    assert runs.get(run)["status"] == "queued" and not texts(ok(at).success)
+    at.button(key=f"cancel_keep:{run}").click().run()  # kept
+    assert runs.get(run)["status"] == "queued"
+    assert [b for b in at.button if b.key == f"cancel_btn:{run}"]
     at.button(key=f"cancel_btn:{run}").click().run()
+    at.button(key=f"cancel_yes:{run}").click().run()
     assert runs.get(run)["status"] == "cancelled"
     assert f"Run {run} is cancelled (it was queued)." in texts(ok(at).success)
     assert row(at, "ended_runs", run)["status"] == "cancelled"
