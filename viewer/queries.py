@@ -332,12 +332,40 @@ def _timeline(index: RunIndex, run: str) -> dict[str, list[Any]]:
     if rows:
         columns = {name: list(values)
                    for name, values in zip(names, zip(*rows, strict=True), strict=True)}
-    starts = columns.pop("t")
-    timed = [t for t in starts if t is not None]
-    origin = min(timed) if timed else None
-    columns["start_ms"] = [None if t is None or origin is None else round((t - origin) * 1000, 3)
-                           for t in starts]
+    columns["start_ms"] = _part_times(columns.pop("t"), columns["kind"], columns["name"],
+                                      columns["latency_ms"])
     return columns
+
+
+# Control lines after which a run's steps were made at another time: a fork's live part
+# (its prefix was copied from the parent, recorded earlier), a resume's.
+_NEW_PART = frozenset({"fork_edit", "resumed"})
+
+
+def _part_times(starts: list[Any], kinds: list[Any], names: list[Any],
+                latencies: list[Any]) -> list[float | None]:
+    """Each step's start in ms since the run began, each part of the run (a fork's copied
+    prefix and its live part, the parts of a resumed run) drawn from where the part before
+    it ended: the hours between recording and forking are not the run's time."""
+    parts: list[list[int]] = [[]]
+    for i, (kind, name) in enumerate(zip(kinds, names, strict=True)):
+        if kind == "control" and name in _NEW_PART and parts[-1]:
+            parts.append([])
+        parts[-1].append(i)
+    out: list[float | None] = [None] * len(starts)
+    base = 0.0  # ms at which the current part starts on the drawn axis
+    for part in parts:
+        timed = [starts[i] for i in part if starts[i] is not None]
+        if not timed:
+            continue
+        origin, end = min(timed), base
+        for i in part:
+            if starts[i] is not None:
+                start = round(base + (starts[i] - origin) * 1000, 3)
+                out[i] = start
+                end = max(end, start + (latencies[i] or 0.0))
+        base = end
+    return out
 
 
 def run_steps(index: RunIndex, run: str) -> list[dict[str, Any]]:

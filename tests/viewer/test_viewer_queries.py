@@ -620,3 +620,16 @@ def test_the_live_target_defaults_to_where_the_run_went(corpus: Corpus) -> None:
     assert url.startswith("http://127.0.0.1:") and url.endswith("/v1/messages")
     assert queries.recorded_base_url(corpus.path("spiral")) == url.removesuffix("/v1/messages")
     assert queries.recorded_base_url(corpus.path("big")) is None  # no model call
+
+
+def test_a_fork_or_a_resume_is_drawn_from_its_own_start_not_across_the_gap() -> None:
+    """A fork's prefix was recorded hours before its live part: each part is drawn from
+    where the one before it ended, the boundary being the fork_edit (or resumed) line."""
+    starts = [1000.0, 1000.5, 1000.9, 9000.0, 9000.1, None]
+    kinds = ["model", "tool", "model", "control", "model", "control"]
+    names = ["m", "search", "m", "fork_edit", "m", "loop_detected"]
+    latencies = [100.0, 2.0, 300.0, None, 50.0, None]
+    drawn = queries._part_times(starts, kinds, names, latencies)
+    assert drawn == [0.0, 500.0, 900.0, 1200.0, 1300.0, None]
+    whole = queries._part_times(starts[:3], kinds[:3], names[:3], latencies[:3])
+    assert whole == [0.0, 500.0, 900.0]  # a run of one part: as recorded
