@@ -238,14 +238,27 @@ def _message(kind: str, schedule: dict[str, Any], occ: str, run: dict[str, Any] 
     return f"no verified artefact for {name} ({occ}) by {when}: {why}"
 
 
+def _failure_detail(run: dict[str, Any]) -> dict[str, Any]:
+    """A failed run's exit status (its end line's) and the last lines its launcher wrote
+    to stderr (kept, redacted, in its record)."""
+    cassette = (run.get("spec") or {}).get("cassette")
+    end = cassette_end(cassette)[1] if cassette else None
+    progress = run.get("progress")
+    progress = progress if isinstance(progress, dict) else {}
+    return {"exit_status": end.get("exit_code") if end else None,
+            "stderr_tail": progress.get("stderr_tail")}
+
+
 def _raise(store: Store, schedule: dict[str, Any], occ: str, kind: str,
            run: dict[str, Any] | None, due: datetime | None = None) -> dict[str, Any] | None:
     message = _message(kind, schedule, occ, run, due)
     run_id = run["run_id"] if run else None
     if not store.add_alert(schedule["name"], occ, kind, message, run_id):
         return None
-    alert = {"kind": kind, "schedule": schedule["name"], "occurrence": occ, "run_id": run_id,
-             "message": message}
+    alert: dict[str, Any] = {"kind": kind, "schedule": schedule["name"], "occurrence": occ,
+                             "run_id": run_id, "message": message}
+    if kind == "failure" and run is not None:  # why, without a login on the worker
+        alert.update(_failure_detail(run))
     store.set_delivery(schedule["name"], occ, kind, deliver(schedule.get("alert"), alert))
     return alert
 

@@ -110,6 +110,8 @@ def record_of(row: dict[str, Any], engine: dict[str, Any] | None) -> dict[str, A
         error = _end_error(end)  # the end line says more than the row, not updated yet
     if error and status != "completed":  # a completed run's error is an earlier part's
         out["error"] = error
+        if progress.get("stderr_tail"):  # the last lines its launcher wrote (redacted)
+            out["stderr_tail"] = progress["stderr_tail"]
     if row.get("schedule"):
         out["schedule"] = row["schedule"]
         out["occurrence"] = row["occurrence"]

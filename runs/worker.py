@@ -80,6 +80,7 @@ from runs.cassettes import _write_error, cassette_state, check_shared, disk_trou
 from runs.config import cassette_dir, database_url, is_sqlite
 from runs.errors import DatabaseUnavailable
 from runs.locks import DEAD_AFTER, RunLock, WorkerIdLock, WorkerStopping
+from runs.output import StderrTail
 from runs.spec import record_argv, resume_argv, workflow_id
 from runs.store import DISK_ERROR, Store
 
@@ -140,6 +141,7 @@ class AgentStep:
         self.children: set[subprocess.Popen[bytes]] = set()
         self._lock = threading.Lock()
         self.delays = retry_delays()
+        self._tails: dict[str, str] = {}  # run id: the last lines its launcher wrote
 
     def __call__(self, spec: dict[str, Any], answer: str | None,
                  workflow: str) -> dict[str, Any]:
@@ -159,6 +161,9 @@ class AgentStep:
         if "artefacts" in outcome:
             fields["artefacts"] = outcome["artefacts"]
         progress = read_status(run_id)
+        tail = self._tails.pop(run_id, None)
+        if outcome["status"] == "failed" and tail:  # why, for its record and its alert
+            progress = {**(progress or {}), "stderr_tail": tail}
         if progress is not None:
             fields["progress"] = progress
         self.store.update_run(run_id, **fields)
@@ -253,9 +258,12 @@ class AgentStep:
         if self.stopping.is_set():
             raise WorkerStopping
         try:
-            child = subprocess.Popen(argv, cwd=spec["cwd"], env=env, preexec_fn=preexec())
+            child = subprocess.Popen(argv, cwd=spec["cwd"], env=env, preexec_fn=preexec(),
+                                     stderr=subprocess.PIPE)
         except OSError as exc:
             return {"status": "failed", "error": f"the worker cannot start deja ({exc})"}
+        assert child.stderr is not None
+        tail = StderrTail(child.stderr)
         with self._lock:
             self.children.add(child)
         try:
@@ -263,6 +271,7 @@ class AgentStep:
         finally:
             with self._lock:
                 self.children.discard(child)
+            self._tails[spec["run_id"]] = tail.text()
 
     def _watch(self, run_id: str, workflow: str, child: subprocess.Popen[bytes]) -> int:
         asked = False

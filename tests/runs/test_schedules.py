@@ -230,9 +230,13 @@ def test_a_failed_scheduled_run_alerts_a_command_and_a_url(
     [posted] = alert_sink.received
     sent = json.loads(inbox.read_text())
     for got, name in ((posted, "pay-url"), (sent, "pay-cmd")):
+        tail = got.pop("stderr_tail")  # why it failed, without a login on the worker
+        assert "the ledger is locked" in tail and "Traceback" in tail, tail
         assert got == {"kind": "failure", "schedule": name,
                        "occurrence": alerts[name]["occurrence"],
-                       "run_id": alerts[name]["run_id"], "message": alerts[name]["message"]}
+                       "run_id": alerts[name]["run_id"], "message": alerts[name]["message"],
+                       "exit_status": 1}
+        assert runs.get(alerts[name]["run_id"])["stderr_tail"] == tail  # and in its record
     assert schedules.check(runs.store) == []  # each alert fires once
     assert len(alert_sink.received) == 1
 
