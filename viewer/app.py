@@ -363,15 +363,15 @@ def diff_page(index: RunIndex, a: str, b: str) -> None:
     st.dataframe(frame.style.apply(
         lambda row: ["background-color: rgba(255, 75, 75, 0.25)" if row["first"] else ""
                      for _ in row], axis=1), hide_index=True, key="diff_table",
-                 placeholder=EMPTY)
+                 placeholder=EMPTY, column_order=[c for c in frame.columns if c != "first"])
     for row in rest:
         changes = view.changes.get(row["step"])
         if not changes:
             continue
         with st.expander(("▶ first divergence · " if row["first"] else "")
-                         + md("Step {}: A seq {} {} · B seq {} {}", row["step"], row["seq_a"],
-                              row["kind_a"] or "(absent)", row["seq_b"],
-                              row["kind_b"] or "(absent)"),
+                         + md("Step {}: A {} · B {}", row["step"],
+                              _side(row["seq_a"], row["kind_a"]),
+                              _side(row["seq_b"], row["kind_b"])),
                          expanded=row["first"]):
             st.dataframe(pd.DataFrame(widgets.changes_table(changes)), hide_index=True,
                          placeholder=EMPTY)
@@ -379,11 +379,24 @@ def diff_page(index: RunIndex, a: str, b: str) -> None:
         st.code(view.text, language=None)
 
 
+def _side(seq: Any, kind: Any) -> str:
+    """One run's side of an aligned step: its seq and kind, or that it has none."""
+    return f"seq {seq} {kind}" if seq is not None else "has no such step"
+
+
+# The aligned table's columns as a reader reads them: A's side, B's side, the verdict.
+_ALIGNED = {"step": "step", "seq_a": "A seq", "kind_a": "A kind", "name_a": "A name",
+            "status_a": "A status", "seq_b": "B seq", "kind_b": "B kind",
+            "name_b": "B name", "status_b": "B status", "verdict": "verdict",
+            "changed": "changed", "first": "first"}
+
+
 def _aligned_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    columns = ["step", "seq_a", "kind_a", "name_a", "status_a", "seq_b", "kind_b", "name_b",
-               "status_b", "same", "first", "changed"]
-    frame = pd.DataFrame([{c: r[c] for c in columns} for r in rows], columns=columns)
-    return frame.astype({"seq_a": "Int64", "seq_b": "Int64"})  # absent: <NA>, not 1.0
+    frame = pd.DataFrame([{**{c: r.get(c) for c in _ALIGNED},
+                           "verdict": "same" if r["same"] else "differs"} for r in rows],
+                         columns=list(_ALIGNED))
+    frame = frame.astype({"seq_a": "Int64", "seq_b": "Int64"})  # absent: <NA>, not 1.0
+    return frame.rename(columns=_ALIGNED)
 
 
 # ---------------------------------------------------------------------- main

@@ -157,7 +157,7 @@ def board_body(runs: Runs, view: submitted.Board) -> None:
             yes, keep = right.columns(2)
             yes.button("Cancel it", key=f"cancel_yes:{run_id}", type="primary",
                        on_click=_cancel, args=(runs, run_id),
-                       help=f"Cancel run {run_id} now.")
+                       help=md("Cancel run {} now.", run_id))
             keep.button("Keep", key=f"cancel_keep:{run_id}", on_click=_ask_cancel,
                         args=(None,))
     st.subheader("Recently ended")

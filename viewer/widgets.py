@@ -212,9 +212,46 @@ def step(detail: StepDetail) -> None:
     raw(detail)
 
 
+# What a side of a change shows when the field is not there.
+_NOT_THERE = {"add": ("(not there)", None), "added": ("(no such step)", None),
+              "remove": (None, "(removed)"), "missing": (None, "(no such step)")}
+CONTEXT = 60  # characters kept each side of what changed in a long value
+
+
 def changes_table(changes: Any) -> list[dict[str, str]]:
-    return [{"field": c.path or "/", "change": c.op, "A": _short(c.a), "B": _short(c.b)}
-            for c in changes]
+    """One row per changed field: both sides as text, a long value cut around what
+    changed (the shared start and end left out), a side without the field saying so."""
+    rows = []
+    for c in changes:
+        a, b = _text(c.a), _text(c.b)
+        if c.op not in _NOT_THERE and max(len(a), len(b)) > 2 * CONTEXT + 40:
+            a, b = _around_change(a, b)
+        gone_a, gone_b = _NOT_THERE.get(c.op, (None, None))
+        rows.append({"field": c.path or "/", "change": c.op, "A": gone_a or _short(a),
+                     "B": gone_b or _short(b)})
+    return rows
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
+                                                           default=str)
+
+
+def _around_change(a: str, b: str) -> tuple[str, str]:
+    """``a`` and ``b`` cut to what differs, with CONTEXT characters each side."""
+    start = 0
+    while start < min(len(a), len(b)) and a[start] == b[start]:
+        start += 1
+    end = 0
+    while end < min(len(a), len(b)) - start and a[-1 - end] == b[-1 - end]:
+        end += 1
+    lo = max(0, start - CONTEXT)
+
+    def cut(text: str) -> str:
+        hi = min(len(text), len(text) - end + CONTEXT)
+        return ("…" if lo else "") + text[lo:hi] + ("…" if hi < len(text) else "")
+
+    return cut(a), cut(b)
 
 
 # ---------------------------------------------------------------------- lineage, live

@@ -184,6 +184,8 @@ def test_diff_page_highlights_the_first_divergence(corpus: Corpus,
     rows = table(at, "changed", nth=1)  # after the collapsed identical prefix
     first = rows[rows["first"]]
     assert list(first["step"]) == [1] and "/result" in first.iloc[0]["changed"]
+    assert list(rows.columns[:6]) == ["step", "A seq", "A kind", "A name", "A status", "B seq"]
+    assert first.iloc[0]["verdict"] == "differs"  # words, not a checkbox
     opened = [e for e in at.expander if e.label.startswith("▶ first divergence")]
     assert opened and opened[0].proto.expanded
 
@@ -410,3 +412,20 @@ def test_a_long_runs_charts_are_drawn_on_request(tmp_path: Path,
     at.toggle(key="charts").set_value(True).run()
     charts = [json.loads(c.proto.spec) for c in ok(at).get("vega_lite_chart")]
     assert charts and charts[-1]["encoding"]["y"]["field"] == "seq"
+
+
+def test_a_change_shows_what_changed_in_a_long_value_and_says_what_is_missing() -> None:
+    from replayer.diff import FieldChange
+    from viewer import widgets
+
+    before = "x" * 500 + " the search failed: malformed response " + "y" * 500
+    after = "x" * 500 + " the search found auth/session.py " + "y" * 500
+    [long] = widgets.changes_table([FieldChange("/result", "replace", before, after)])
+    assert "the search failed: malformed response" in long["A"]
+    assert "the search found auth/session.py" in long["B"]
+    assert long["A"].startswith("…x") and long["A"].endswith("y…")  # cut around the change
+    assert len(long["A"]) < 300 and len(long["B"]) < 300
+    removed, added = widgets.changes_table([FieldChange("/usage", "remove", {"n": 1}, None),
+                                            FieldChange("/note", "add", None, "new")])
+    assert (removed["A"], removed["B"]) == ('{"n": 1}', "(removed)")  # not "null"
+    assert (added["A"], added["B"]) == ("(not there)", "new")
