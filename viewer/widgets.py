@@ -215,7 +215,7 @@ def step(detail: StepDetail) -> None:
 # What a side of a change shows when the field is not there.
 _NOT_THERE = {"add": ("(not there)", None), "added": ("(no such step)", None),
               "remove": (None, "(removed)"), "missing": (None, "(no such step)")}
-CONTEXT = 60  # characters kept each side of what changed in a long value
+CONTEXT = 24  # characters kept each side of what changed in a long value
 
 
 def changes_table(changes: Any) -> list[dict[str, str]]:
@@ -224,7 +224,7 @@ def changes_table(changes: Any) -> list[dict[str, str]]:
     rows = []
     for c in changes:
         a, b = _text(c.a), _text(c.b)
-        if c.op not in _NOT_THERE and max(len(a), len(b)) > 2 * CONTEXT + 40:
+        if c.op not in _NOT_THERE and max(len(a), len(b)) > 2 * CONTEXT + 12:
             a, b = _around_change(a, b)
         gone_a, gone_b = _NOT_THERE.get(c.op, (None, None))
         rows.append({"field": c.path or "/", "change": c.op, "A": gone_a or _short(a),
