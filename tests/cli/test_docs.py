@@ -283,3 +283,19 @@ def test_make_demo_runs_offline_on_a_fresh_copy(fresh_copy: Path) -> None:
 def test_help_texts_name_the_exit_statuses() -> None:
     result = CliRunner().invoke(main, ["replay", "--help"])
     assert "Exit 0 identical, 1 diverged, 2 bad cassette" in " ".join(result.output.split())
+
+
+def test_the_ci_recipe_replays_with_the_key_as_a_secret() -> None:
+    """examples/ci/replay-incidents.yml: a workflow GitHub can read, that runs the marked
+    tests with the signing key from the repository's secrets and no model API key."""
+    import yaml
+
+    recipe = ROOT / "examples" / "ci" / "replay-incidents.yml"
+    flow = yaml.safe_load(recipe.read_text())
+    [job] = flow["jobs"].values()
+    steps = {s.get("name") or s.get("uses"): s for s in job["steps"]}
+    replay = steps["Replay the incidents"]
+    assert replay["run"].startswith("pytest ")
+    assert replay["env"]["DEJA_KEY"] == "${{ secrets.DEJA_KEY }}"
+    assert not [k for k in replay["env"] if k.endswith("_API_KEY")]
+    assert "examples/ci/replay-incidents.yml" in README
