@@ -86,6 +86,20 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def _ended(runs: Any, run_id: str) -> dict[str, Any] | None:
+    """The run's record once it has ended (interrupted included), else None."""
+    record = runs.get(run_id)
+    return record if record["status"] in ENDED else None
+
+
+def _completed(runs: Any, run_id: str) -> dict[str, Any] | None:
+    """The run's record once it and its row say completed, else None."""
+    record = runs.get(run_id)
+    row = runs.store.get_run(run_id)
+    return record if record["status"] == "completed" and row and \
+        row["status"] == "completed" else None
+
+
 def _fill(path: Path) -> None:
     """Write ``path`` until its file system has no room left."""
     with path.open("wb", buffering=0) as f:
@@ -115,11 +129,7 @@ def test_a_full_cassette_directory_names_the_error_and_the_run_resumes_once_ther
             filler = small_disk / "filler"
             _fill(filler)
 
-            def stopped() -> dict[str, Any] | None:
-                record = runs.get(run_id)
-                return record if record["status"] in ENDED else None
-
-            record = _wait("the run to stop", stopped, worker.log)
+            record = _wait("the run to stop", lambda: _ended(runs, run_id), worker.log)
             where = f"run {run_id}\n{story(cassette)}\n{worker.log()}"
             assert record["status"] == "interrupted", f"{record}\n{where}"
             assert record["error"].startswith("CassetteWriteError: "), where
@@ -130,13 +140,8 @@ def test_a_full_cassette_directory_names_the_error_and_the_run_resumes_once_ther
 
             filler.unlink()  # room again: the worker dispatches it again by itself
 
-            def completed() -> dict[str, Any] | None:
-                record = runs.get(run_id)
-                row = runs.store.get_run(run_id)
-                return record if record["status"] == "completed" and row and \
-                    row["status"] == "completed" else None
 
-            final = _wait("the run to complete", completed,
+            final = _wait("the run to complete", lambda: _completed(runs, run_id),
                           lambda: f"{runs.get(run_id)}\n{story(cassette)}\n{worker.log()}")
             where = f"run {run_id}\n{story(cassette)}\n{worker.log()}"
             assert "error" not in final, where
@@ -172,11 +177,7 @@ def test_a_run_launched_on_a_full_cassette_directory_waits_for_room(
             run_id = submit(runs, cassettes, reconciliation())
             cassette = cassettes / f"{run_id}.jsonl"
 
-            def stopped() -> dict[str, Any] | None:
-                record = runs.get(run_id)
-                return record if record["status"] in ENDED else None
-
-            record = _wait("the run to stop", stopped, worker.log)
+            record = _wait("the run to stop", lambda: _ended(runs, run_id), worker.log)
             where = f"run {run_id}\n{worker.log()}"
             assert record["status"] == "interrupted", f"{record}\n{where}"
             assert record["error"].startswith(f"CassetteWriteError: {cassette} could not be "
@@ -188,13 +189,8 @@ def test_a_run_launched_on_a_full_cassette_directory_waits_for_room(
 
             filler.unlink()
 
-            def completed() -> dict[str, Any] | None:
-                record = runs.get(run_id)
-                row = runs.store.get_run(run_id)
-                return record if record["status"] == "completed" and row and \
-                    row["status"] == "completed" else None
 
-            _wait("the run to complete", completed,
+            _wait("the run to complete", lambda: _completed(runs, run_id),
                   lambda: f"{runs.get(run_id)}\n{story(cassette)}\n{worker.log()}")
             worker.stop()
             assert not TRACEBACK.search(worker.log()), worker.log()
