@@ -530,7 +530,7 @@ def rows_runs(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     notes = [
         "runs: `python -m deja serve --port 0` in its own process, no worker (the submission "
         f"alone); {r['n']} POST /runs over one kept-alive connection after 5 untimed, request "
-        "start -> parsed {run_id, status}; engine floor = runs.engine.Client.submit "
+        "start -> parsed {run_id, status}; engine floor = deja.runs.engine.Client.submit "
         "(DBOSClient.enqueue) of the same submission in a process of its own, on the same "
         "database; Postgres = a throwaway local server (tests/pg_server.py, fsync off). "
         "deja submit = a fresh `python -m deja submit -- python agent.py` to the same server."]

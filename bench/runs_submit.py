@@ -6,7 +6,7 @@ from request start to the parsed ``{"run_id", "status": "queued"}``: with the em
 SQLite default and with Postgres (a throwaway server, ``tests/pg_server.py``). No worker
 runs, so the queue only grows: the figure is the submission alone. Anchor, in the same
 run and on the same database: the engine's own enqueue of the same submission from a
-connected client (``DBOSClient.enqueue`` through ``runs.engine.Client.submit``), the floor
+connected client (``DBOSClient.enqueue`` through ``deja.runs.engine.Client.submit``), the floor
 the API adds its validation, its own row and HTTP to.
 
 ``deja submit -- CMD`` is timed as a user runs it: a fresh ``python -m deja submit``
@@ -93,7 +93,7 @@ def _engine_floor(env: dict[str, str], n: int) -> list[float]:
     """The engine's enqueue alone, in a process of its own on the same database."""
     code = (
         "import json, sys, time\n"
-        "from runs import engine, config\n"
+        "from deja.runs import engine, config\n"
         "from recorder.launch import new_run_id\n"
         "client = engine.Client(config.database_url())\n"
         f"body = {BODY!r}\n"

@@ -58,7 +58,7 @@ PROXY_TOOLS_WARNING = ("deja: WARNING: this run was recorded through deja proxy:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="deja")
+@click.version_option(package_name="deja-replay")
 def main() -> None:
     """deja: record, replay and inspect LLM agent runs.
 

@@ -277,7 +277,7 @@ def view(directory: Path, port: int, allow_hosts: tuple[str, ...], token: str | 
     from urllib.parse import quote
 
     import viewer
-    from runs.auth import server_token
+    from deja.runs.auth import server_token
     from viewer.console import indexing_progress
     from viewer.guard import HOSTS_ENV, TOKEN_ENV, host_name
     from viewer.index import RunIndex

@@ -111,7 +111,7 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
     before N, the edited step, then goes live into a new cassette. Stop with SIGTERM or
     Ctrl-C: in-flight streams finish (--grace) and every open run gets its end line.
     """
-    from proxy.server import ProxyOptions, serve
+    from deja.proxy.server import ProxyOptions, serve
     from recorder.errors import DejaError
     from recorder.harness.settings import resolve as resolve_settings
 
@@ -162,7 +162,7 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
                          breaker=record["breaker"], redact_headers=redact_headers,
                          redact_body=redact_body, redact_patterns=redact_patterns,
                          redact_query=redact_query)
-        from proxy.server import build
+        from deja.proxy.server import build
 
         app = build(options)
     except DejaError as exc:

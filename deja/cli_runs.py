@@ -174,8 +174,8 @@ def _from_server(method: str, run: str) -> tuple[dict[str, Any] | None, str]:
     """What ``deja serve`` says of ``run`` (``POST``: cancels it), or None and why not
     (to add to the message of a run not found here)."""
     from deja.cli_serve import ServerSaid, _api, _said
+    from deja.runs.errors import ServerUnreachable
     from recorder.harness.progress import valid_run_id
-    from runs.errors import ServerUnreachable
 
     if not valid_run_id(run):
         return None, ""
@@ -186,7 +186,7 @@ def _from_server(method: str, run: str) -> tuple[dict[str, Any] | None, str]:
         return None, f"; not asked of deja serve either: {exc}"
     except ServerSaid as exc:
         if exc.type == "NoSuchRun":
-            from runs.config import server_url
+            from deja.runs.config import server_url
 
             return None, f"; nor does deja serve at {server_url()} hold it (NoSuchRun)"
         _said(exc)

@@ -52,10 +52,10 @@ def _api(method: str, path: str, body: Any = None) -> Any:
     import urllib.request
     from urllib.parse import urlsplit
 
+    from deja.runs.auth import client_token
+    from deja.runs.config import server_url
+    from deja.runs.errors import ServerUnreachable
     from recorder.errors import ConfigError
-    from runs.auth import client_token
-    from runs.config import server_url
-    from runs.errors import ServerUnreachable
 
     base = server_url()
     if not base.startswith(("http://", "https://")):
@@ -110,7 +110,7 @@ def _loopback(host: str | None) -> bool:
 
 def _ask(method: str, path: str, body: Any = None) -> Any:
     """:func:`_api` for a command: every error is the command's named error (exit 2)."""
-    from runs.errors import ServerUnreachable
+    from deja.runs.errors import ServerUnreachable
 
     try:
         return _api(method, path, body)
@@ -205,10 +205,10 @@ def serve(host: str, port: int, token: str | None, allowed_hosts: tuple[str, ...
     """
     import logging
 
+    from deja.runs import api
+    from deja.runs.auth import server_token
+    from deja.runs.config import database_url
     from recorder.errors import DejaError
-    from runs import api
-    from runs.auth import server_token
-    from runs.config import database_url
 
     try:
         if print_token:
@@ -242,8 +242,8 @@ def worker(worker_id: str | None, db: str | None, jobs: int) -> None:
     turns replay; nothing is paid twice). Stop with SIGTERM or Ctrl-C: runs in flight
     are picked up again by the next worker with this id, or by a live peer.
     """
+    from deja.runs import worker as runs_worker
     from recorder.errors import DejaError
-    from runs import worker as runs_worker
 
     try:
         runs_worker.serve(worker_id or runs_worker.default_worker_id(), db, jobs)
@@ -319,8 +319,8 @@ def answer(run: str, text: str) -> None:
     is up. A run recorded here with `deja record` that waits in recorder.ask gets its
     answer left under $DEJA_HOME/runs.
     """
+    from deja.runs.errors import ServerUnreachable
     from recorder.errors import DejaError
-    from runs.errors import ServerUnreachable
 
     path = _run_path(run, "/input")
     try:
@@ -372,7 +372,7 @@ class _EngineClient:
         self.client: Any = None
 
     def __getattr__(self, name: str) -> Any:
-        from runs.engine import ENGINE_ERRORS, Client
+        from deja.runs.engine import ENGINE_ERRORS, Client
 
         if self.client is None:
             self.client = Client(self.url)
@@ -393,12 +393,12 @@ class _EngineClient:
 
 
 def _with_service(db: str | None, work: Callable[[Any], Any]) -> Any:
-    """``work(runs)`` on a :class:`runs.service.Runs` of the database; every error is the
+    """``work(runs)`` on a :class:`deja.runs.service.Runs` of the database; every error is the
     command's named error."""
+    from deja.runs.config import database_url
+    from deja.runs.service import Runs
+    from deja.runs.store import Store
     from recorder.errors import DejaError
-    from runs.config import database_url
-    from runs.service import Runs
-    from runs.store import Store
 
     url = db or database_url()
     try:
@@ -438,8 +438,8 @@ def schedule() -> None:
 def schedule_add(name: str, cron: str, tz: str, deadline: str | None, alert: str | None,
                  db: str | None, **given: Any) -> None:
     """Add a schedule: deja schedule add NAME --cron "0 6 * * 1" [OPTIONS] -- CMD ..."""
+    from deja.runs import schedules
     from recorder.errors import DejaError
-    from runs import schedules
 
     try:  # checked before the database is opened
         schedules.check_name(name)
@@ -510,10 +510,10 @@ def check(db: str | None, at: str | None, as_json: bool) -> None:
     """
     from datetime import UTC, datetime, timedelta
 
+    from deja.runs import schedules
+    from deja.runs.config import database_url
+    from deja.runs.store import Store
     from recorder.errors import DejaError
-    from runs import schedules
-    from runs.config import database_url
-    from runs.store import Store
 
     when = None
     ahead = re.fullmatch(r"\+(\d+)([smhd])", at or "")

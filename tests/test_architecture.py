@@ -3,10 +3,12 @@
 Every rule here reads the modules' imports with ``ast`` (imports inside functions and under
 ``TYPE_CHECKING`` included), so a rule holds without anything being imported or run:
 
-- the top-level packages form layers, each importing only from the layers below it;
+- the packages form layers, each importing only from the layers below it (``deja.proxy`` and
+  ``deja.runs`` are layers of their own, below the viewer and the command line in ``deja``);
+- the wheel installs four top-level packages, no generic name a project may already use;
 - the stub server (``recorder.testing``) is a test fake that imports nothing else of deja;
 - the cassette format and the providers know nothing of capture, the harness or recording;
-- the durable-execution engine (DBOS) is imported by ``runs.engine`` alone;
+- the durable-execution engine (DBOS) is imported by ``deja.runs.engine`` alone;
 - a private module or name (``_x``) is used only inside the package that owns it;
 - a package's ``__init__`` says what it exports in ``__all__``;
 - a test file stays short enough to read.
@@ -15,6 +17,7 @@ Every rule here reads the modules' imports with ``ast`` (imports inside function
 from __future__ import annotations
 
 import ast
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("recorder",),
     ("replayer",),
-    ("proxy", "runs"),
+    ("deja.proxy", "deja.runs"),
     ("viewer",),
     ("deja",),
 )
-PACKAGES = tuple(name for layer in LAYERS for name in layer if (ROOT / name).is_dir())
+PACKAGES = tuple(name for layer in LAYERS for name in layer
+                 if ROOT.joinpath(*name.split(".")).is_dir())
 LAYER_OF = {name: rank for rank, layer in enumerate(LAYERS) for name in layer}
+TOP_LEVEL = ("recorder", "replayer", "viewer", "deja")  # what the design fixes, and deja itself
 TEST_FAKE = "recorder.testing"
 # What the cassette format and the providers must not know about.
 FORMAT_PACKAGES = ("recorder.cassette", "recorder.providers")
@@ -76,7 +81,7 @@ def is_module(dotted: str) -> bool:
 
 
 def source_files() -> list[Path]:
-    return sorted(p for name in PACKAGES for p in (ROOT / name).rglob("*.py"))
+    return sorted({p for name in PACKAGES for p in ROOT.joinpath(*name.split(".")).rglob("*.py")})
 
 
 def is_private(name: str) -> bool:
@@ -99,13 +104,13 @@ def uses(path: Path) -> Iterator[Use]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                if alias.name.split(".")[0] in LAYER_OF:
+                if alias.name.split(".")[0] in TOP_LEVEL:
                     yield Use(importer, alias.name, node.lineno)
                     if alias.asname:
                         bound[alias.asname] = alias.name
         elif isinstance(node, ast.ImportFrom):
             source = _absolute(importer, node)
-            if source.split(".")[0] not in LAYER_OF:
+            if source.split(".")[0] not in TOP_LEVEL:
                 continue
             for alias in node.names:
                 target = source if alias.name == "*" else f"{source}.{alias.name}"
@@ -121,7 +126,8 @@ ALL_USES = [use for path in source_files() for use in uses(path)]
 
 
 def top(dotted: str) -> str:
-    return dotted.split(".")[0]
+    """The layer a module belongs to: the longest of ``LAYERS``' names it is inside."""
+    return max((name for name in LAYER_OF if inside(dotted, name)), key=len)
 
 
 def inside(module: str, package: str) -> bool:
@@ -153,12 +159,23 @@ def report(found: list[str], rule: str) -> str:
 
 
 def test_the_checks_see_the_source() -> None:
-    assert {"recorder", "replayer", "proxy", "runs", "viewer", "deja"} <= set(PACKAGES)
+    assert {"recorder", "replayer", "deja.proxy", "deja.runs", "viewer", "deja"} <= set(PACKAGES)
+    assert top("deja.runs.engine") == "deja.runs" and top("deja.cli") == "deja"
     assert len(ALL_USES) > 100
     assert owner_of_private("recorder.cassette._delta.encode") == "recorder.cassette"
     assert owner_of_private("recorder.cassette.reader._x") == "recorder.cassette"
     assert owner_of_private("recorder.testing.server.StubServer._lock") == "recorder.testing"
     assert owner_of_private("recorder.cassette.reader.load") is None
+
+
+def test_the_wheel_installs_four_top_level_packages() -> None:
+    """``recorder``, ``replayer`` and ``viewer`` (the design's names) and ``deja``: nothing
+    generic such as ``proxy`` or ``runs`` that would shadow a project's own package."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert config["tool"]["hatch"]["build"]["targets"]["wheel"]["packages"] == list(TOP_LEVEL)
+    assert config["tool"]["mypy"]["packages"] == list(TOP_LEVEL)
+    beside = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert beside == set(TOP_LEVEL), f"a top-level package the wheel does not ship: {beside}"
 
 
 def test_no_package_imports_a_layer_above_it_or_a_sibling() -> None:
@@ -207,11 +224,11 @@ def engine_importers(path: Path) -> Iterator[str]:
 
 
 def test_only_the_engine_module_imports_the_engine() -> None:
-    """Every use of DBOS goes through ``runs.engine``, so its moving API is in one place."""
+    """Every use of DBOS goes through ``deja.runs.engine``, so its moving API is in one place."""
     found = [where for path in source_files() for where in engine_importers(path)]
-    assert found and all(where.startswith("runs.engine:") for where in found), \
-        report([w for w in found if not w.startswith("runs.engine:")] or ["no import at all"],
-               "imports of dbos outside runs.engine")
+    assert found and all(where.startswith("deja.runs.engine:") for where in found), \
+        report([w for w in found if not w.startswith("deja.runs.engine:")] or ["no import at all"],
+               "imports of dbos outside deja.runs.engine")
 
 
 def test_private_modules_and_names_stay_in_their_package() -> None:
@@ -234,12 +251,12 @@ def _bound_public_names(tree: ast.Module) -> tuple[set[str], set[str]]:
         elif isinstance(node, ast.Assign | ast.AnnAssign):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             defined.update(t.id for t in targets if isinstance(t, ast.Name))
-        elif isinstance(node, ast.ImportFrom) and (node.level or top(node.module or "")
-                                                   in LAYER_OF):
+        elif isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0]
+                                                   in TOP_LEVEL):
             imported.update(alias.asname or alias.name for alias in node.names)
         elif isinstance(node, ast.Import):
             imported.update(alias.asname for alias in node.names
-                            if alias.asname and top(alias.name) in LAYER_OF)
+                            if alias.asname and alias.name.split(".")[0] in TOP_LEVEL)
     # An imported name the module uses itself is its own; one it never uses is re-exported.
     used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     public = {name for name in defined | imported if not name.startswith("_")}

@@ -20,7 +20,7 @@ server (every HTTP route and the websocket), refuses:
   A link from elsewhere to a run's page still opens it.
 
 Then the token, as Jupyter does it: another user of the machine can reach 127.0.0.1 too.
-``deja view`` prints its address with this install's token (:mod:`runs.auth`, the token
+``deja view`` prints its address with this install's token (:mod:`deja.runs.auth`, the token
 of ``deja serve``, or ``--token``/``DEJA_TOKEN``) as ``?token=``. A request whose
 ``token`` matches (compared in constant time) is answered with a cookie, ``deja_view``,
 holding not the token but an HMAC of it (``HttpOnly; SameSite=Strict; Path=/``), and a

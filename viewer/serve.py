@@ -4,7 +4,7 @@
 (an ``st.App``, Streamlit's ASGI entry point) and serves it with its own server, with
 every HTTP request and websocket handshake passing :class:`viewer.guard.HostGuard` first.
 The guard wants the token ``deja view`` printed in its address: ``$DEJA_VIEW_TOKEN``,
-which ``deja view`` sets, else ``DEJA_TOKEN``, else this install's (:mod:`runs.auth`).
+which ``deja view`` sets, else ``DEJA_TOKEN``, else this install's (:mod:`deja.runs.auth`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from starlette.middleware import Middleware
 from streamlit.starlette import App
 
-from runs.auth import server_token
+from deja.runs.auth import server_token
 from viewer.guard import TOKEN_ENV, HostGuard
 
 SCRIPT = Path(__file__).resolve().with_name("app.py")

@@ -1,14 +1,14 @@
 """What the Submitted runs page asks of the runs database, as plain functions.
 
 The runs submitted with ``deja submit`` or ``POST /runs`` (and those a schedule fired) live
-in the runs database (:func:`runs.config.database_url`), not in a cassette folder. This
-module opens it through :class:`runs.service.Runs`, the service ``deja serve`` uses, and
+in the runs database (:func:`deja.runs.config.database_url`), not in a cassette folder. This
+module opens it through :class:`deja.runs.service.Runs`, the service ``deja serve`` uses, and
 turns its records into the rows the page (:mod:`viewer.submitted_page`) lays out.
 
 Viewing never creates the database: an embedded SQLite file that does not exist yet is
 reported as such (:func:`missing_database`) before anything opens it; a Postgres server
-that does not answer raises :class:`runs.errors.DatabaseUnavailable` with its fix.
-The engine's client (``runs.engine``, slow to import) is imported by :func:`connect`
+that does not answer raises :class:`deja.runs.errors.DatabaseUnavailable` with its fix.
+The engine's client (``deja.runs.engine``, slow to import) is imported by :func:`connect`
 only, so the other pages of the viewer never pay for it.
 """
 
@@ -21,10 +21,10 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from runs.config import is_sqlite, safe_url
-from runs.errors import DatabaseUnavailable
-from runs.service import Runs
-from runs.store import Store, unavailable
+from deja.runs.config import is_sqlite, safe_url
+from deja.runs.errors import DatabaseUnavailable
+from deja.runs.service import Runs
+from deja.runs.store import Store, unavailable
 from viewer.queries import labels_text
 
 ACTIVE = ("queued", "working", "input_required")
@@ -75,7 +75,7 @@ def connect(url: str) -> Runs:
     if missing is not None:
         raise DatabaseUnavailable(f"no runs database yet: {missing} does not exist (it is "
                                   "created when the first worker or `deja serve` starts)")
-    from runs import engine
+    from deja.runs import engine
 
     store = Store(url)
     try:
@@ -94,7 +94,7 @@ def close(runs: Runs) -> None:
 def board(runs: Runs, *, recent: int = RECENT) -> Board:
     """The active runs (newest first), the ``recent`` latest ended ones and the schedules;
     :class:`DatabaseUnavailable` when the database stops answering."""
-    from runs import engine
+    from deja.runs import engine
 
     failures: tuple[type[BaseException], ...] = (sa.exc.SQLAlchemyError, *engine.ENGINE_ERRORS)
     try:

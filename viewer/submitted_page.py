@@ -19,10 +19,10 @@ import pandas as pd
 import sqlalchemy as sa
 import streamlit as st
 
+from deja.runs.config import database_url
+from deja.runs.errors import DatabaseUnavailable
+from deja.runs.service import Runs
 from recorder.errors import DejaError
-from runs.config import database_url
-from runs.errors import DatabaseUnavailable
-from runs.service import Runs
 from viewer import submitted
 from viewer.safe import md
 
@@ -43,7 +43,7 @@ def connection(url: str) -> Runs:
 def _action_errors() -> tuple[type[BaseException], ...]:
     """What an Answer or a Cancel can meet: deja's named errors, or a database gone
     meanwhile (the engine is imported by then: the page has a connection)."""
-    from runs import engine
+    from deja.runs import engine
 
     return (DejaError, sa.exc.SQLAlchemyError, *engine.ENGINE_ERRORS)
 

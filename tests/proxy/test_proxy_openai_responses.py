@@ -15,7 +15,7 @@ from typing import Any
 import openai
 from proxy_helpers import ProxyProcess, cassettes
 
-from proxy.runs import ProxyRun, Registry, conversation_items, tool_calls, tool_results
+from deja.proxy.runs import ProxyRun, Registry, conversation_items, tool_calls, tool_results
 from recorder.cassette import load
 from recorder.testing.server import StubServer
 

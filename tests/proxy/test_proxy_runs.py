@@ -19,7 +19,7 @@ import httpx2
 import pytest
 from proxy_helpers import ProxyProcess, cassettes
 
-from proxy.runs import (
+from deja.proxy.runs import (
     ProxyRun,
     Registry,
     credential,

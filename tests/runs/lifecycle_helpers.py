@@ -26,8 +26,8 @@ from typing import Any, TypeVar
 
 import pytest
 
-from runs import config, engine, service
-from runs.store import Store
+from deja.runs import config, engine, service
+from deja.runs.store import Store
 
 T = TypeVar("T")
 

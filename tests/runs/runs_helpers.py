@@ -10,7 +10,7 @@ example submitted through the queue, and what an uninterrupted run of it looks l
 - :func:`session_processes` and :func:`processes_naming` find the processes a killed
   worker may have left behind: those of its session, and any that names the run.
 - :func:`open_runs` / :func:`submit` are the submitting side, as ``deja serve`` does it
-  (``runs.service.Runs``): the cassette path a submission stores comes from the
+  (``deja.runs.service.Runs``): the cassette path a submission stores comes from the
   submitting process's ``DEJA_CASSETTE_DIR``, which :func:`submit` sets for the call.
 - :func:`record_reference` records the reconciliation once, uninterrupted, with
   ``deja record``; :func:`check_like_reference` asserts a finished run against it: the run
@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from deja.runs import engine, service
+from deja.runs.store import Store
 from recorder.cassette import Cassette, load
 from recorder.cassette.keys import Keyring
 from replayer.diff import compare, render
-from runs import engine, service
-from runs.store import Store
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT = ROOT / "examples" / "reconciliation.py"
@@ -210,7 +210,7 @@ _env_guard = threading.Lock()
 
 @contextlib.contextmanager
 def open_runs(url: str) -> Iterator[service.Runs]:
-    """``runs.service.Runs`` on the database at ``url`` (what ``deja serve`` holds)."""
+    """``deja.runs.service.Runs`` on the database at ``url`` (what ``deja serve`` holds)."""
     store = Store(url)
     client = engine.Client(url)
     try:

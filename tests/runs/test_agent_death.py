@@ -52,11 +52,11 @@ from runs_helpers import (
     wait_up,
 )
 
+from deja.runs import service
+from deja.runs.store import ENDED
 from recorder.cassette import load
 from recorder.cassette.keys import Keyring
 from recorder.testing.server import StubServer
-from runs import service
-from runs.store import ENDED
 
 TIMEOUT = 300.0  # for a run to end on two busy cores
 RETRIES = "0.5,0.5,0.5"  # DEJA_AGENT_RETRIES for these tests: three, without the long waits

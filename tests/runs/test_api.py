@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from runs.auth import read_token
+from deja.runs.auth import read_token
 
 ASK_AGENT = '''\
 import pathlib, time
@@ -424,7 +424,7 @@ def test_submit_without_a_server_says_how_to_start_one_and_stays_light(deja: Dej
                 if line.startswith("import time:")}
     assert "deja.cli_serve" in imported
     heavy = {m for m in imported if m.split(".")[0] in ("dbos", "sqlalchemy", "psycopg")
-             or m in ("runs.engine", "runs.store", "runs.api")}
+             or m in ("deja.runs.engine", "deja.runs.store", "deja.runs.api")}
     assert not heavy, sorted(heavy)
     for args in (("answer", "r_000000000000deadbeef", "yes"), ("runs",)):
         done = deja(*args, env={"DEJA_SERVER": address})

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from test_api import Deja, api, deja  # noqa: F401 (the deja fixture)
 
-from runs.auth import read_token
+from deja.runs.auth import read_token
 
 RUN = {"command": ["python", "ask_agent.py"]}
 
@@ -329,7 +329,7 @@ def test_the_token_is_made_once_and_kept_from_other_users(
     home = Path(tempfile.mkdtemp(prefix="deja-home-"))
     try:
         home.chmod(0o755)
-        code = "from runs.auth import ensure_token; print(ensure_token())"
+        code = "from deja.runs.auth import ensure_token; print(ensure_token())"
         env = {**os.environ, "DEJA_HOME": str(home)}
         racers = [subprocess.Popen([sys.executable, "-c", code], env=env,
                                    stdout=subprocess.PIPE, text=True) for _ in range(4)]

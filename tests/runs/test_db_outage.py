@@ -35,9 +35,9 @@ from runs_helpers import (
     wait_up,
 )
 
+from deja.runs.store import ENDED
 from recorder.errors import DejaError
 from recorder.testing.server import StubServer
-from runs.store import ENDED
 
 OUTAGE = 8.0  # seconds the database is down: the fault itself, not a wait for a state
 TIMEOUT = 300.0  # for the run to end on two busy cores

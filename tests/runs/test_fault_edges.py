@@ -46,8 +46,8 @@ from runs_helpers import (
     wait_up,
 )
 
+from deja.runs.store import ENDED, Store
 from recorder.testing.server import StubServer
-from runs.store import ENDED, Store
 
 TIMEOUT = 300.0  # for a run to end on two busy cores
 # A traceback through the worker or the engine (an agent's own, on the output the worker

@@ -28,12 +28,12 @@ from lifecycle_helpers import (  # noqa: F401 (fixtures)
     write_agent,
 )
 
+from deja.runs import config, engine, service
+from deja.runs.cassettes import check_shared
+from deja.runs.errors import CassettesNotShared, DatabaseUnavailable, WorkerIdTaken
+from deja.runs.locks import WorkerIdLock
+from deja.runs.store import Store
 from recorder.errors import NoSuchRun
-from runs import config, engine, service
-from runs.cassettes import check_shared
-from runs.errors import CassettesNotShared, DatabaseUnavailable, WorkerIdTaken
-from runs.locks import WorkerIdLock
-from runs.store import Store
 
 
 def status_of_row(runs: service.Runs, run_id: str, status: str) -> dict[str, Any] | None:

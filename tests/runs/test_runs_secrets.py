@@ -32,9 +32,9 @@ from lifecycle_helpers import (  # noqa: F401 (fixtures)
 from secret_agent import RUNS_PLACEMENTS, OtlpReceiver, leaks, placements
 
 from deja.cli import main
+from deja.runs import config, service
 from recorder.capture.redact import REDACTED
 from recorder.cassette import load
-from runs import config, service
 
 ASKING = """\
 import hashlib

@@ -34,8 +34,8 @@ from lifecycle_helpers import (  # noqa: F401 (fixtures)
     write_agent,
 )
 
-from runs import schedules, service
-from runs.errors import BadRunRequest, BadSchedule, NoSuchSchedule
+from deja.runs import schedules, service
+from deja.runs.errors import BadRunRequest, BadSchedule, NoSuchSchedule
 
 EVERY_3S = "*/3 * * * * *"
 NEVER_IN_A_TEST = "0 0 1 1 *"  # midnight on New Year's Day: fired by run-now only
@@ -184,7 +184,7 @@ def test_an_absence_alert_with_no_worker_up_fires_once_from_the_database_alone(
     # engine is not even imported), no worker anywhere.
     later = first + STEP + timedelta(seconds=2.5)
     script = ("import json, sys\nfrom datetime import datetime\n"
-              "from runs import config, schedules\nfrom runs.store import Store\n"
+              "from deja.runs import config, schedules\nfrom deja.runs.store import Store\n"
               "alerts = schedules.check(Store(config.database_url()), "
               "now=datetime.fromisoformat(sys.argv[1]))\n"
               "print(json.dumps({'alerts': alerts, 'engine': 'dbos' in sys.modules}))\n")

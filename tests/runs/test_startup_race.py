@@ -30,8 +30,8 @@ UP_TIMEOUT = 120.0  # two interpreters and the engine on two busy cores
 # database as serve and a worker do.
 RACER = """\
 import os, sys, time
-from runs import engine
-from runs.store import Store
+from deja.runs import engine
+from deja.runs.store import Store
 url, go = sys.argv[1], sys.argv[2]
 print("ready", flush=True)
 while not os.path.exists(go):

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 from runs_helpers import base_env
 
-from runs.store import ENDED
+from deja.runs.store import ENDED
 
 TIMEOUT = 180.0  # for a run to end on two busy cores
 

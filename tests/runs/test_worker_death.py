@@ -3,7 +3,7 @@ nothing had happened; on Postgres a live peer takes a dead worker's run over.
 
 The reconciliation example (``examples/reconciliation.py``: 61 turns, 20 payments into an
 external SQLite ledger keyed by deja's idempotency key) is submitted through the queue
-(``runs.service.Runs.submit``) and run by ``python -m deja worker --id w1``, a real
+(``deja.runs.service.Runs.submit``) and run by ``python -m deja worker --id w1``, a real
 process with its own DEJA_HOME, embedded database and stub model. Each seed
 (``random.Random(seed)``) kills the worker with SIGKILL once or twice, each time either
 once the run's cassette has k lines (seed 0: the header alone; seed 1: the end line
@@ -75,10 +75,10 @@ from runs_helpers import (
 )
 
 from deja.cli import main as cli_main
+from deja.runs import service
+from deja.runs.store import ENDED
 from recorder.cassette import lock as writer_lock
 from recorder.testing.server import StubServer
-from runs import service
-from runs.store import ENDED
 
 SEEDS = range(int(os.environ.get("DEJA_WORKER_SEEDS", 8)))
 PG_SEEDS = (0, 1)

@@ -1,7 +1,7 @@
 """The Submitted runs page (viewer/submitted_page.py) over a real runs database.
 
 The runs are made the real way: small agents (``recorder.ask``, ``recorder.now``,
-``recorder.artefact``) submitted through :class:`runs.service.Runs` and run by a real
+``recorder.artefact``) submitted through :class:`deja.runs.service.Runs` and run by a real
 ``deja worker`` subprocess; a queued run is one submitted with no worker up. The page is
 driven with AppTest (``?page=submitted``), and once in headless Chromium through
 ``deja view``, where the answer is typed and sent as a person would.
@@ -36,9 +36,9 @@ from test_viewer_browser import (
     shot,
 )
 
-from runs import config, engine, schedules
-from runs.service import Runs
-from runs.store import Store
+from deja.runs import config, engine, schedules
+from deja.runs.service import Runs
+from deja.runs.store import Store
 from viewer import submitted, submitted_page
 from viewer.safe import unescape
 
@@ -200,11 +200,11 @@ import sys
 from streamlit.testing.v1 import AppTest
 at = AppTest.from_file({str(APP)!r}, default_timeout=30).run()
 assert not at.exception and at.title[0].value == "Runs", at.exception
-loaded = [m for m in ("dbos", "runs.engine") if m in sys.modules]
+loaded = [m for m in ("dbos", "deja.runs.engine") if m in sys.modules]
 at.query_params["page"] = "submitted"
 at.run()
 assert not at.exception and at.title[0].value == "Submitted runs", at.exception
-print(loaded, [m for m in ("dbos", "runs.engine") if m in sys.modules])
+print(loaded, [m for m in ("dbos", "deja.runs.engine") if m in sys.modules])
 '''
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=60, env={**os.environ,

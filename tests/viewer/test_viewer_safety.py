@@ -47,10 +47,10 @@ from test_viewer_browser import (
 from test_viewer_runs import wait_status, worker
 
 import recorder
+from deja.runs import config, engine
+from deja.runs.service import Runs
+from deja.runs.store import Store
 from recorder.testing.server import StubServer
-from runs import config, engine
-from runs.service import Runs
-from runs.store import Store
 from viewer import submitted
 from viewer.guard import allowed_hosts, host_name, refusal
 from viewer.safe import code, escape, md, unescape

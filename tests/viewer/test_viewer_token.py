@@ -30,7 +30,7 @@ import pytest
 from playwright.sync_api import expect
 from test_viewer_browser import chromium_missing, chromium_page, free_port, printed_address
 
-from runs.auth import read_token, token_path
+from deja.runs.auth import read_token, token_path
 from viewer.guard import COOKIE, HostGuard, cookie_value, cookies, token_in, without_token
 
 REFUSED = b"open the address deja view printed"

@@ -31,9 +31,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deja.runs.errors import BadRunRequest
 from recorder.capture.redact import DEFAULT
 from recorder.harness.progress import valid_run_id
-from runs.errors import BadRunRequest
 
 GUARDS = {"max_turns": int, "max_tokens": int, "max_tokens_per_turn": int,
           "clamp_max_tokens": bool, "max_seconds": float, "max_dollars": float,

@@ -1,9 +1,9 @@
 """``deja worker``: take runs from the queue and run each under the harness, durably.
 
-A worker is one executor of the engine (``runs.engine``) with a stable id. For each run
+A worker is one executor of the engine (``deja.runs.engine``) with a stable id. For each run
 it dequeues, its agent step (:func:`AgentStep.__call__`):
 
-1. takes the run's lock (:class:`runs.locks.RunLock`), so that two agents never run one
+1. takes the run's lock (:class:`deja.runs.locks.RunLock`), so that two agents never run one
    run at once: it dies with its holder, and a run dispatched again waits for the old
    holder to be gone. That lock dies with the worker, but a dead worker's agent lives on
    until its parent-death signal has ended it (it writes an ``interrupted`` end line; a
@@ -31,12 +31,12 @@ it dequeues, its agent step (:func:`AgentStep.__call__`):
    each dispatch of the run;
 6. a run stopped by its cassette directory (full, read-only, failing: the end line's
    ``CassetteWriteError``, or no end line and a probe of the directory that fails,
-   :func:`runs.cassettes.disk_trouble`) ends ``interrupted`` with that error;
+   :func:`deja.runs.cassettes.disk_trouble`) ends ``interrupted`` with that error;
    :func:`reconcile` dispatches it again, as its next part, once a probe writes there.
 
-A worker starts by taking its id (:class:`runs.locks.WorkerIdLock`: one live worker per
+A worker starts by taking its id (:class:`deja.runs.locks.WorkerIdLock`: one live worker per
 id) and by checking that its cassette directory is the one its peers write to
-(:func:`runs.cassettes.check_shared`). Every worker beats every 2 s in ``deja_workers``. A
+(:func:`deja.runs.cassettes.check_shared`). Every worker beats every 2 s in ``deja_workers``. A
 worker whose beat is older than 10 s is dead: the first live peer to claim it asks the
 engine to recover its pending runs (they are dispatched again, exactly once, and resumed
 as above). After the database was unreachable, a worker claims nobody for 10 s (every beat
@@ -48,7 +48,7 @@ The worker's bookkeeping waits for a database that cannot be reached (a Postgres
 restart) instead of failing the run: the outage is said once when it starts and once when
 it ends. Its output is one line per event (a failed run, a retry, a takeover): the
 engine's tracebacks and its complaints at every poll of a database that is away are left
-out (``runs.engine``). Every 5 s, and at start, :func:`reconcile` brings the database and
+out (``deja.runs.engine``). Every 5 s, and at start, :func:`reconcile` brings the database and
 the engine's queue back into agreement.
 """
 
@@ -69,20 +69,20 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from deja.runs import schedules
+from deja.runs.cassettes import _write_error, cassette_state, check_shared, disk_trouble
+from deja.runs.config import cassette_dir, database_url, is_sqlite
+from deja.runs.errors import DatabaseUnavailable
+from deja.runs.locks import DEAD_AFTER, RunLock, WorkerIdLock, WorkerStopping
+from deja.runs.output import StderrTail
+from deja.runs.spec import record_argv, resume_argv, workflow_id
+from deja.runs.store import DISK_ERROR, Store
 from recorder.ask import ANSWER_ENV, EXIT_INPUT_REQUIRED, WORKER_ENV
 from recorder.cassette.lock import describe, holder_of
 from recorder.cassette.schema import run_status
 from recorder.errors import EXIT_CASSETTE_UNWRITABLE, ConfigError
 from recorder.harness.child import preexec
 from recorder.harness.progress import close_record, read_status, request_cancel, valid_run_id
-from runs import schedules
-from runs.cassettes import _write_error, cassette_state, check_shared, disk_trouble
-from runs.config import cassette_dir, database_url, is_sqlite
-from runs.errors import DatabaseUnavailable
-from runs.locks import DEAD_AFTER, RunLock, WorkerIdLock, WorkerStopping
-from runs.output import StderrTail
-from runs.spec import record_argv, resume_argv, workflow_id
-from runs.store import DISK_ERROR, Store
 
 log = logging.getLogger("deja.runs")
 
@@ -413,7 +413,7 @@ def _log_to_stderr(worker_id: str) -> None:
 def serve(worker_id: str, url: str | None = None, concurrency: int = 1,
           check_every: float = 15.0) -> None:
     """Run a worker until SIGTERM or SIGINT."""
-    from runs import engine
+    from deja.runs import engine
 
     url = url or database_url()
     cassettes = cassette_dir()

@@ -5,7 +5,7 @@ writes to, whether it takes lines now, and how a run's cassette stands in it.
   of this database write to (a marker with a token, the same token in the database);
 - :func:`disk_trouble`: a probe of :data:`PROBE_BYTES` written and synced there, or why it
   cannot be (full, read-only, failing); a run stopped by its directory is dispatched again
-  once a probe writes there (``runs.worker.reconcile``);
+  once a probe writes there (``deja.runs.worker.reconcile``);
 - :func:`cassette_state` and :func:`_write_error`: a run's cassette on disk (no header, a
   recorded prefix, or ended) and whether its end line says a write failed.
 """
@@ -18,9 +18,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from deja.runs.errors import CassettesNotShared
+from deja.runs.store import DISK_ERROR, Store
 from recorder.harness.progress import cassette_end
-from runs.errors import CassettesNotShared
-from runs.store import DISK_ERROR, Store
 
 SHARE_MARKER = ".deja-share"
 PROBE_BYTES = 256 * 1024  # written to a cassette directory to tell whether it takes lines

@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
+from deja.runs.errors import BadSchedule
+from deja.runs.store import DISK_ERROR, ENDED, Store
 from recorder.cassette.schema import run_status
 from recorder.harness.progress import cassette_end
-from runs.errors import BadSchedule
-from runs.store import DISK_ERROR, ENDED, Store
 
 log = logging.getLogger("deja.runs")
 

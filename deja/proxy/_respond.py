@@ -5,11 +5,11 @@ A served run (a replay, a fork's prefix) is answered from its cassette
 to the upstream (:meth:`Responder.forward`) through one aiohttp client that passes bytes
 through as they come (no decompression, no headers of its own): a stream's response goes
 back to the client chunk by chunk as it arrives and is teed; a whole (JSON) response is
-passed on once complete; both within ``max_response`` bytes (:mod:`proxy._bounds`).
+passed on once complete; both within ``max_response`` bytes (:mod:`deja.proxy._bounds`).
 ``end_http`` logs the exchange once it is complete, after its last byte is sent, so the
 client does not wait for the write (a large one is logged in a worker thread, the run's
 next request waiting for it). Either way the run is told how its call went (failed, when
-it was answered, the calls a Responses reply asks for: :mod:`proxy._tool_steps`), and
+it was answered, the calls a Responses reply asks for: :mod:`deja.proxy._tool_steps`), and
 every response carries the run's id (``x-deja-run-id``).
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 import yarl
 
-from proxy._bounds import (
+from deja.proxy._bounds import (
     OFFLOAD_BYTES,
     Passing,
     cut_tail,
@@ -34,9 +34,9 @@ from proxy._bounds import (
     said,
     too_large,
 )
-from proxy._tool_steps import is_responses, read_reply
-from proxy._wire import ProxyError, served_headers
-from proxy.runs import ProxyRun, Registry
+from deja.proxy._tool_steps import is_responses, read_reply
+from deja.proxy._wire import ProxyError, served_headers
+from deja.proxy.runs import ProxyRun, Registry
 from recorder import providers
 from recorder.capture.exchange import HttpRequest, HttpResponse
 from recorder.capture.session import Timing

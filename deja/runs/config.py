@@ -8,7 +8,7 @@
   reaches at the same path (see README, "Many machines").
 - ``DEJA_SERVER``: the address of ``deja serve`` for the command-line clients. Default
   ``http://127.0.0.1:8977``. ``DEJA_TOKEN`` is the bearer token to send it; without it,
-  a server on this machine gets the install's token (:mod:`runs.auth`).
+  a server on this machine gets the install's token (:mod:`deja.runs.auth`).
 """
 
 from __future__ import annotations

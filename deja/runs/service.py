@@ -10,17 +10,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from deja.runs import schedules
+from deja.runs.config import cassette_dir
+from deja.runs.errors import BadRunRequest, DatabaseUnavailable, NoSuchSchedule
+from deja.runs.guard import bad_text
+from deja.runs.spec import validate, workflow_id
+from deja.runs.store import ENDED, Store
 from recorder.ask import seal_answer
 from recorder.cassette.schema import run_status
 from recorder.errors import NoSuchRun
 from recorder.harness.progress import cassette_end, valid_run_id
 from recorder.launch import new_run_id
-from runs import schedules
-from runs.config import cassette_dir
-from runs.errors import BadRunRequest, DatabaseUnavailable, NoSuchSchedule
-from runs.guard import bad_text
-from runs.spec import validate, workflow_id
-from runs.store import ENDED, Store
 
 log = logging.getLogger("deja.runs")
 
@@ -189,7 +189,7 @@ class Runs:
         stopping = [row for row in rows if row["status"] == "working" and
                     (states.get(row["run_id"]) or {}).get("status") == "CANCELLED"]
         if stopping:
-            from runs.locks import DEAD_AFTER
+            from deja.runs.locks import DEAD_AFTER
 
             now = time.time()
             alive = {w["worker_id"] for w in self.store.workers()
@@ -319,6 +319,6 @@ class Runs:
 
 
 def _where(store: Store) -> str:
-    from runs.config import safe_url
+    from deja.runs.config import safe_url
 
     return safe_url(store.url)

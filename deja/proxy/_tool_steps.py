@@ -21,7 +21,7 @@ import json
 import time
 from typing import Any
 
-from proxy.runs import ProxyRun, Registry, conversation_items, tool_calls, tool_results
+from deja.proxy.runs import ProxyRun, Registry, conversation_items, tool_calls, tool_results
 from recorder import providers
 from recorder.errors import Divergence, DivergenceInfo
 

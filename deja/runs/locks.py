@@ -9,7 +9,7 @@ run, one live worker per id.
   fresh heartbeat (:data:`DEAD_AFTER`) from another machine under the same id.
 
 The cassette directory the locks sit in is checked to be the shared one by
-:func:`runs.cassettes.check_shared`.
+:func:`deja.runs.cassettes.check_shared`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from runs.config import is_sqlite
-from runs.errors import WorkerIdTaken
-from runs.store import Store
+from deja.runs.config import is_sqlite
+from deja.runs.errors import WorkerIdTaken
+from deja.runs.store import Store
 
 DEAD_AFTER = 10.0  # a worker whose last beat is older than this is dead
 
@@ -49,7 +49,7 @@ class RunLock:
         # every other run (and the heartbeat) shares; closing it releases the lock.
         self.lock_engine: sa.Engine | None = None
         if not is_sqlite(store.url):
-            from runs.config import sqlalchemy_url
+            from deja.runs.config import sqlalchemy_url
 
             self.lock_engine = sa.create_engine(sqlalchemy_url(store.url),
                                                 poolclass=sa.pool.NullPool)

@@ -16,11 +16,11 @@ Every route speaks JSON::
     GET  /healthz              {"ok": true, ...}; 503 when the database cannot be reached
 
 The API runs commands, so it answers deja's own commands and the scripts of the user who
-owns the install, and no web page and no other user (:mod:`runs.guard` has the rules):
+owns the install, and no web page and no other user (:mod:`deja.runs.guard` has the rules):
 ``Host`` must name this server (421 ``MisdirectedRequest``), a browser's ``Origin`` must
 be this server's own (403 ``ForeignOrigin``), every request but ``/healthz`` carries the
 token as ``Authorization: Bearer TOKEN``, on loopback too (401 ``Unauthorized``; the
-per-install token of :mod:`runs.auth` unless ``--token`` names one), and a ``POST`` is
+per-install token of :mod:`deja.runs.auth` unless ``--token`` names one), and a ``POST`` is
 ``Content-Type: application/json`` (415 ``UnsupportedMediaType``). No answer carries a
 CORS header, and the preflight a browser would need is answered 405.
 
@@ -60,10 +60,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl
 
+from deja.runs.errors import BadRunRequest, BadSchedule, DatabaseUnavailable, NoSuchSchedule
+from deja.runs.guard import ApiError, Guard, bad_text, parse_json, require_json, safe_headers
+from deja.runs.store import ENDED
 from recorder.errors import ConfigError, DejaError, NoSuchRun, UsageError
-from runs.errors import BadRunRequest, BadSchedule, DatabaseUnavailable, NoSuchSchedule
-from runs.guard import ApiError, Guard, bad_text, parse_json, require_json, safe_headers
-from runs.store import ENDED
 
 __all__ = ["MAX_BODY", "Api", "ApiError", "is_loopback", "serve"]
 
@@ -125,7 +125,7 @@ def _route(method: str, path: str) -> tuple[str, str | None]:
 
 
 class Api:
-    """The ASGI app over ``runs`` (a :class:`runs.service.Runs`)."""
+    """The ASGI app over ``runs`` (a :class:`deja.runs.service.Runs`)."""
 
     def __init__(self, runs: Any, *, guard: Guard, max_body: int = MAX_BODY,
                  poll: float = EVENTS_POLL, stopping: Callable[[], bool] | None = None) -> None:
@@ -158,7 +158,7 @@ class Api:
             await self._error(sending, error_of(exc), bool(state["started"]))
         except Exception as exc:  # never a traceback to the client
             if _unreachable(exc):  # the engine's client lets its driver's errors through
-                from runs.store import unavailable
+                from deja.runs.store import unavailable
 
                 failure = error_of(unavailable(self.runs.store.url, exc))
             else:
@@ -256,7 +256,7 @@ class Api:
         return parse_json(data)
 
     async def _health(self, send: Send) -> None:
-        from runs.config import is_sqlite
+        from deja.runs.config import is_sqlite
 
         store = self.runs.store
         await asyncio.to_thread(store.get_meta, "cassette_dir")
@@ -413,7 +413,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _sqlite_folder(url: str) -> None:
     """The embedded database's folder is made on first use (a fresh ``$DEJA_HOME``)."""
-    from runs.config import is_sqlite
+    from deja.runs.config import is_sqlite
 
     if is_sqlite(url) and url.startswith("sqlite:///"):
         with contextlib.suppress(OSError):  # the store then names the problem
@@ -428,10 +428,10 @@ def serve(host: str, port: int, token: str | None, url: str,
     import uvicorn
     import uvloop
 
-    from runs import engine
-    from runs.auth import server_token
-    from runs.service import Runs
-    from runs.store import Store
+    from deja.runs import engine
+    from deja.runs.auth import server_token
+    from deja.runs.service import Runs
+    from deja.runs.store import Store
 
     check_binding(host, token)
     guard = Guard.of(server_token(token), host, allowed_hosts)

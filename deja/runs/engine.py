@@ -4,7 +4,7 @@ DBOS keeps workflows in a database (SQLite embedded by default, Postgres for man
 machines, one URL apart) and checkpoints between their steps. deja uses it this way:
 
 - **A run is one workflow** whose id is deja's run id, so a submission is idempotent. Its
-  one step runs the agent under the harness (``runs.worker.agent_step``): ``deja record``
+  one step runs the agent under the harness (``deja.runs.worker.agent_step``): ``deja record``
   the first time, ``deja resume`` of its cassette whenever the cassette already holds a
   recorded prefix. The engine's checkpoints are between steps; the cassette is the
   checkpoint inside the step. A worker that dies mid-step has its run dispatched again
@@ -42,9 +42,9 @@ from typing import Any
 from dbos import DBOS, DBOSClient, DBOSConfig, EnqueueOptions, SetWorkflowID
 from dbos import error as dbos_error
 
-from runs.config import is_sqlite, sqlite_path
-from runs.errors import DatabaseUnavailable, RunFailed
-from runs.spec import workflow_id
+from deja.runs.config import is_sqlite, sqlite_path
+from deja.runs.errors import DatabaseUnavailable, RunFailed
+from deja.runs.spec import workflow_id
 
 APP_NAME = "deja"
 APP_VERSION = "deja-runs-1"  # pinned: runs in flight survive an upgrade of deja
@@ -98,7 +98,7 @@ class _EngineNoise(logging.Filter):
       worker could not reach the database) waits for the owner's outcome: expected after
       an outage, not news.
     - A database that cannot be reached is said once by the worker when the outage starts
-      and once when it ends (``runs.store``); the engine's own complaints at every poll in
+      and once when it ends (``deja.runs.store``); the engine's own complaints at every poll in
       between are left out.
     - Anything else is kept in one line (no traceback), the same line at most once a
       minute.
@@ -186,7 +186,7 @@ def prepare(url: str) -> None:
 
 
 def _unreachable(url: str, exc: BaseException) -> str:
-    from runs.config import safe_url
+    from deja.runs.config import safe_url
 
     reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     fix = ("check that its directory exists and is writable" if is_sqlite(url) else

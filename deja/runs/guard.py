@@ -17,7 +17,7 @@ checked, in this order:
    header, so no other page can read one.
 3. The route exists (**404**, **405**); ``/healthz`` stops here.
 4. ``Authorization: Bearer TOKEN`` holds the server's token (compared in constant time),
-   on loopback too: the per-install token of :mod:`runs.auth`, or ``--token``. Else
+   on loopback too: the per-install token of :mod:`deja.runs.auth`, or ``--token``. Else
    **401** ``Unauthorized``. Another user cannot read the token file.
 5. A ``POST`` says ``Content-Type: application/json``, else **415**
    ``UnsupportedMediaType``. A browser can send only ``text/plain``, form or multipart

@@ -1,6 +1,6 @@
 """Running the proxy: its three modes put together, and the server around them.
 
-``record`` (the default) starts a recorded run per client run (:mod:`proxy.runs`) in
+``record`` (the default) starts a recorded run per client run (:mod:`deja.proxy.runs`) in
 ``directory``; ``replay`` serves one cassette offline; ``fork`` serves a cassette's steps
 up to the fork step, the edited step, then goes live into a new cassette whose header
 names its parent. The server is uvicorn: a readiness file once the socket listens, one log
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from proxy._bounds import BODY_TIMEOUT, MAX_RESPONSE
-from proxy._wire import Callers, is_loopback
-from proxy.app import Proxy
-from proxy.runs import ProxyRun
+from deja.proxy._bounds import BODY_TIMEOUT, MAX_RESPONSE
+from deja.proxy._wire import Callers, is_loopback
+from deja.proxy.app import Proxy
+from deja.proxy.runs import ProxyRun
 from recorder.capture.redact import Redaction
 from recorder.cassette import load
 from recorder.cassette.keys import load_keyring, require_signing_key

@@ -1,21 +1,21 @@
 """The recording proxy as an ASGI application: every request of every client, one
 exchange at a time.
 
-A request is checked for whom it comes from (:class:`proxy._wire.Callers`), read whole (up
+A request is checked for whom it comes from (:class:`deja.proxy._wire.Callers`), read whole (up
 to ``max_body``), given the path it has upstream (``/messages`` is ``/v1/messages``:
-:func:`proxy._wire.upstream_path`), routed to its run (:mod:`proxy.runs`), and handed to
+:func:`deja.proxy._wire.upstream_path`), routed to its run (:mod:`deja.proxy.runs`), and handed to
 the run's session exactly as the in-process capture hands an exchange over: the tool
-results it brings are logged as the run's tool steps (:mod:`proxy._tool_steps`),
+results it brings are logged as the run's tool steps (:mod:`deja.proxy._tool_steps`),
 ``begin_http`` runs the guards and answers from a cassette when the run is served (replay,
 a fork's prefix); otherwise the request goes to the upstream. Both answers are
-:mod:`proxy._respond`'s: a stream's response goes back to the client chunk by chunk as it
+:mod:`deja.proxy._respond`'s: a stream's response goes back to the client chunk by chunk as it
 arrives and is teed; a whole (JSON) response is passed on once complete; both within
-``max_response`` bytes (:mod:`proxy._bounds`). ``end_http`` logs the exchange once it is
+``max_response`` bytes (:mod:`deja.proxy._bounds`). ``end_http`` logs the exchange once it is
 complete, after its last byte is sent, so the client does not wait for the write (a large
 one is logged in a worker thread, the run's next request waiting for it). Runs left idle
 are closed by a reaper.
 
-Errors the proxy answers itself are in the provider's shape (:mod:`proxy._wire`), never a
+Errors the proxy answers itself are in the provider's shape (:mod:`deja.proxy._wire`), never a
 traceback: a malformed body (400), a body over the limit (413), a wrong token (401), a
 path under ``/_deja/`` it does not serve (404), an unreachable upstream (502, which the SDKs
 retry as they retry a connection error), a response over ``max_response`` (502, not
@@ -35,11 +35,11 @@ import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
-from proxy._bounds import BODY_TIMEOUT, MAX_RESPONSE, off_loop
-from proxy._respond import RUN_ID_HEADER, ClientGone, Exchange, Receive, Responder, Send
-from proxy._tool_steps import boundary, check_results, substitute
-from proxy._wire import Callers, ProxyError, error_body, forwardable, upstream_path
-from proxy.runs import (
+from deja.proxy._bounds import BODY_TIMEOUT, MAX_RESPONSE, off_loop
+from deja.proxy._respond import RUN_ID_HEADER, ClientGone, Exchange, Receive, Responder, Send
+from deja.proxy._tool_steps import boundary, check_results, substitute
+from deja.proxy._wire import Callers, ProxyError, error_body, forwardable, upstream_path
+from deja.proxy.runs import (
     RUN_NAME,
     ProxyRun,
     Registry,

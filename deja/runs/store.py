@@ -10,12 +10,12 @@ absence alert fires with no worker alive.
 
 SQLAlchemy Core (the engine's own dependency) speaks to SQLite and Postgres alike. Nothing
 secret is stored: a submission whose command line holds a secret is refused before it
-gets here (``runs.spec``), and progress records arrive redacted.
+gets here (``deja.runs.spec``), and progress records arrive redacted.
 
 The tables are created by whichever process comes first; one that finds another creating
 them at the same moment (``deja serve`` and ``deja worker`` started together) looks again.
 A worker's store waits for a database that cannot be reached (:meth:`Store.wait_for_database`);
-everyone else's raises :class:`runs.errors.DatabaseUnavailable` at once. A row's status
+everyone else's raises :class:`deja.runs.errors.DatabaseUnavailable` at once. A row's status
 is deja's bookkeeping: what a run's status is comes from its cassette's end line first
 (:func:`recorder.cassette.schema.run_status`).
 """
@@ -34,9 +34,9 @@ from typing import Any, TypeVar
 
 import sqlalchemy as sa
 
+from deja.runs.config import is_sqlite, safe_url, sqlalchemy_url, sqlite_path
+from deja.runs.errors import DatabaseUnavailable
 from recorder.capture.redact import DEFAULT
-from runs.config import is_sqlite, safe_url, sqlalchemy_url, sqlite_path
-from runs.errors import DatabaseUnavailable
 
 log = logging.getLogger("deja.runs")
 T = TypeVar("T")
