@@ -2,23 +2,31 @@
 #   make demo    record an example agent against the stub model, replay it offline, show it
 #   make test    ruff and mypy (make check), then the whole test suite
 #   make bench   benchmarks, side by side with vcrpy, agent-rewind and the SDK's floor
+#   make wheel   the wheel to install deja into a project from (dist/)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.deja-installed
 BENCH_STAMP := $(VENV)/.deja-bench-installed
 
-.PHONY: demo check test stress bench lint clean chromium node postgres
+.PHONY: demo check test stress bench lint clean chromium node postgres wheel
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "deja needs Python 3.11+")'
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)
 	BIN=$(BIN) bash examples/demo.sh
+
+# The wheel a project installs deja from (dist/deja_replay-VERSION-py3-none-any.whl).
+# Only pip is needed: the build backend (hatchling) is fetched into an isolated build.
+wheel: | $(BIN)/python
+	$(BIN)/python -m pip wheel -q --no-deps -w dist .
 
 # The viewer's browser test drives Debian's chromium (Playwright never downloads a browser).
 chromium:
@@ -74,4 +82,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) cassettes/demo .deja/index .pytest_cache
+	rm -rf $(VENV) cassettes/demo .deja/index .pytest_cache dist

@@ -1,8 +1,8 @@
-"""Print the README's benchmark table from the last run (``bench/results/latest.json``).
+"""Print the benchmark table of docs/benchmarks.md from the last run (bench/results).
 
 ``python bench/readme_table.py [RESULTS.json ...]`` writes Markdown to stdout, for each
 results file (default: the last run's): a line describing the machine and the run, then
-one row per figure, as ``bench/run.py`` printed it. The README's table is
+one row per figure, as ``bench/run.py`` printed it. The table in docs/benchmarks.md is
 pasted from this, so that it never says more than a run measured.
 """
 

@@ -1,4 +1,4 @@
-"""An agent that needs a person before it pays: run it with `deja submit` (see README,
+"""An agent that needs a person before it pays: run it with `deja submit` (see docs/runs.md,
 "Runs out of the request cycle").
 
 It asks with `recorder.ask`, so under a worker the run shows `input_required` with the

@@ -1,5 +1,5 @@
 """A scheduled job: it writes this week's report and declares it as the run's artefact
-(see README, "Scheduled runs and absence alerts"). The schedule's deadline is met only
+(see docs/runs.md, "Scheduled runs and absence alerts"). The schedule's deadline is met only
 by a completed run whose signed cassette holds the report's hash."""
 
 from pathlib import Path

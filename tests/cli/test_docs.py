@@ -1,4 +1,5 @@
-"""The README tells the truth: its commands exist, its example runs, its demo works."""
+"""The README and the pages under docs/ tell the truth: their commands exist, their examples
+run, the demo works, and every console block runs as written."""
 
 from __future__ import annotations
 
@@ -21,6 +22,15 @@ from recorder.testing.server import StubServer
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+# The pages under docs/, in the order the README lists them: their console blocks run after
+# the README's, in this order, in the same copy of the repository (a page may use what an
+# earlier one made, as a reader following them in order would).
+PAGES = ("replay.md", "guards.md", "fork-and-resume.md", "runs.md", "proxy.md", "viewer.md",
+         "integrations.md", "stub.md", "format.md", "trust.md", "benchmarks.md")
+DOCS = {"README.md": README} | {f"docs/{page}": (ROOT / "docs" / page).read_text()
+                                for page in PAGES}
+# Run elsewhere: the Install block builds a wheel and installs it into a new virtualenv.
+RUN_ELSEWHERE = {("README.md", "Install"): "tests/cli/test_install.py"}
 
 
 def test_every_cli_command_is_in_the_readme_and_back() -> None:
@@ -32,10 +42,34 @@ def test_every_cli_command_is_in_the_readme_and_back() -> None:
     assert mentioned <= commands, f"README mentions unknown commands {mentioned - commands}"
 
 
-def test_the_two_commands_come_first() -> None:
-    first_block = README.split("```console", 1)[1].split("```", 1)[0]
-    assert "make demo" in first_block and "make test" in first_block
-    assert README.index("make demo") < README.index("## Record and replay")
+def test_the_front_door_says_what_how_to_install_and_how_to_use() -> None:
+    """What deja is, Install, the two commands, the ten lines, then your own agent; the
+    manual lives under docs/, each page linked from the README."""
+    headings = re.findall(r"^## (.+)$", README, flags=re.M)
+    assert headings[:4] == ["Install", "Two commands", "Record and replay in ten lines",
+                            "Use it on your agent"], headings
+    two = README.split("## Two commands", 1)[1].split("```console", 1)[1].split("```", 1)[0]
+    assert "make demo" in two and "make test" in two
+    assert len(README.splitlines()) <= 300
+    for page in PAGES:
+        assert f"](docs/{page})" in README, f"docs/{page} is not linked from the README"
+
+
+def test_links_between_the_pages_land_on_a_heading() -> None:
+    def anchors(text: str) -> set[str]:
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+    for name, text in DOCS.items():
+        here = (ROOT / name).parent
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([\w-]+))?\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            path = (here / target).resolve() if target else ROOT / name
+            assert path.exists(), f"{name} links to {target}, which does not exist"
+            if anchor:
+                assert path.suffix == ".md" and anchor in anchors(path.read_text()), \
+                    f"{name} links to {target}#{anchor}: no such heading"
 
 
 def test_the_ten_line_example_is_the_example_file() -> None:
@@ -48,7 +82,8 @@ def test_the_ten_line_example_is_the_example_file() -> None:
 
 def test_the_stub_script_example_is_a_script_the_stub_serves() -> None:
     """The README's example stub script loads as written and answers the SDK over HTTP."""
-    section = README.split("## The stub model: `deja stub`", 1)[1].split("\n## ", 1)[0]
+    section = DOCS["docs/stub.md"].split("## The stub model: `deja stub`", 1)[1]
+    section = section.split("\n## ", 1)[0]
     script = load_script(section.split("```json\n", 1)[1].split("```", 1)[0])
     with StubServer(script) as server:
         client = anthropic.Anthropic(base_url=server.url, api_key="sk-stub", max_retries=0)
@@ -83,9 +118,9 @@ def png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
-def test_the_readme_embeds_the_viewer_screenshots_at_1400_px() -> None:
-    embedded = re.findall(r"!\[[^\]]*\]\((docs/viewer-[\w-]+\.png)\)", README)
-    assert sorted(embedded) == sorted(f"docs/{name}" for name in SCREENSHOTS)
+def test_the_viewer_page_embeds_the_screenshots_at_1400_px() -> None:
+    embedded = re.findall(r"!\[[^\]]*\]\((viewer-[\w-]+\.png)\)", DOCS["docs/viewer.md"])
+    assert sorted(embedded) == sorted(SCREENSHOTS)
     tracked = subprocess.run(["git", "ls-files", "docs"], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout.split()
     for name in SCREENSHOTS:
@@ -191,14 +226,12 @@ def block_script(commands: list[tuple[str, list[str]]], marks: Path) -> str:
     return prelude + "\n".join(steps) + "\n"
 
 
-@pytest.fixture(scope="module")
-def fresh_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The repository as a fresh clone has it: tracked and new files, nothing ignored;
-    only the Node example's dependencies, which `make node` installs, are linked in, so
-    a console block can run that agent."""
+def copy_repository(copy: Path) -> Path:
+    """The repository as a fresh clone has it, at ``copy``: tracked and new files, nothing
+    ignored; only the Node example's dependencies, which `make node` installs, are linked
+    in, so a console block can run that agent."""
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
                            capture_output=True, check=True).stdout.decode().split("\0")
-    copy = tmp_path_factory.mktemp("fresh") / "deja"
     for name in filter(None, files):
         source = ROOT / name
         if source.is_file():
@@ -208,6 +241,11 @@ def fresh_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if (ROOT / node_modules).is_dir() and (copy / node_modules).parent.is_dir():
         (copy / node_modules).symlink_to(ROOT / node_modules, target_is_directory=True)
     return copy
+
+
+@pytest.fixture(scope="module")
+def fresh_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return copy_repository(tmp_path_factory.mktemp("fresh") / "deja")
 
 
 def test_the_fresh_copy_can_run_the_node_example(fresh_copy: Path) -> None:
@@ -224,18 +262,29 @@ def test_the_fresh_copy_can_run_the_node_example(fresh_copy: Path) -> None:
     assert found.returncode == 0 and found.stdout.strip() == "function", found.stderr
 
 
+BLOCKS = [(name, section, commands) for name, text in DOCS.items()
+          for section, commands in console_blocks(text)
+          if (name, section) not in RUN_ELSEWHERE]
+
+
 def test_the_console_blocks_have_commands() -> None:
-    blocks = console_blocks(README)
-    assert len(blocks) >= 5
-    assert sum(len(commands) for _, commands in blocks) >= 20
+    assert len(BLOCKS) >= 14
+    assert sum(len(commands) for _, _, commands in BLOCKS) >= 60
+    for (name, section), runner in RUN_ELSEWHERE.items():
+        assert any(s == section for s, _ in console_blocks(DOCS[name])), (name, section)
+        assert (ROOT / runner).is_file()
 
 
-@pytest.mark.parametrize("index", range(len(console_blocks(README))),
-                         ids=[re.sub(r"\W+", "-", s).strip("-").lower()
-                              for s, _ in console_blocks(README)])
+def block_id(name: str, section: str) -> str:
+    return re.sub(r"\W+", "-", f"{Path(name).stem} {section}").strip("-").lower()
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)),
+                         ids=[block_id(name, section) for name, section, _ in BLOCKS])
 def test_every_console_block_runs_as_written(index: int, fresh_copy: Path,
                                              tmp_path: Path) -> None:
-    section, commands = console_blocks(README)[index]
+    name, section, commands = BLOCKS[index]
+    section = f"{name}, {section}"
     marks = tmp_path / "out"
     marks.mkdir()
     env = {k: v for k, v in os.environ.items()
