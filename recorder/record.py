@@ -30,6 +30,7 @@ from recorder.canonical import digest
 from recorder.capture import session
 from recorder.capture import vcr as capture
 from recorder.capture.exchange import HttpRequest, HttpResponse, Redaction
+from recorder.capture.sources import Interceptor
 from recorder.cassette import CassetteWriter, Fsync, compact
 from recorder.cassette.keys import Keyring, load_keyring, require_signing_key
 from recorder.cassette.schema import EndStatus, Totals, add_step, run_file, utc_stamp, zero_totals
@@ -83,7 +84,8 @@ class RecordSession(session.Session):
                  loop_guard: LoopSettings | dict[str, Any] | bool | None = None,
                  breaker: BreakerSettings | dict[str, Any] | bool | None = None,
                  clock: Clock | None = None, progress_interval: float = 0.2,
-                 header: dict[str, Any] | None = None) -> None:
+                 header: dict[str, Any] | None = None,
+                 interceptors: tuple[Interceptor, ...] = ()) -> None:
         self.run_id = run_id or new_run_id()
         self.path = run_file(path, self.run_id)
         self.settings = resolve_settings(
@@ -98,6 +100,8 @@ class RecordSession(session.Session):
         self._clock = clock
         self._progress_interval = progress_interval
         self.guard: RunGuard | None = None
+        # Who sees each live call before and after it: the run's guard first (at start).
+        self.interceptors: tuple[Interceptor, ...] = tuple(interceptors)
         self._argv = list(argv if argv is not None else [sys.executable, *sys.argv])
         self._entry = entry
         self._overwrite = overwrite
@@ -127,6 +131,7 @@ class RecordSession(session.Session):
                               artefacts=[str(self.path)],
                               progress_interval=self._progress_interval,
                               redaction=self.redaction)
+        self.interceptors = (self.guard, *self.interceptors)
         if not intercept:
             log.info("recording run %s to %s", self.run_id, self.path)
             return self
@@ -249,8 +254,10 @@ class RecordSession(session.Session):
         calls only this before forwarding, having checked the body itself, and leaves
         reading the request for the log to :meth:`end_http`, off the call's path."""
         self._check_writable()
-        if self.guard is not None:
-            self.guard.before_call(request, model_provider(request.method, request.url))
+        if self.interceptors:
+            provider = model_provider(request.method, request.url)
+            for interceptor in self.interceptors:
+                interceptor.before_call(request, provider)
 
     def end_http(self, request: HttpRequest, response: HttpResponse | None, timing: session.Timing,
                  error: BaseException | None = None) -> dict[str, Any]:
@@ -263,10 +270,10 @@ class RecordSession(session.Session):
         self._write_exchange(obs, body if is_model else None)
         with self._lock:
             add_step(self.totals, counted)
-        if self.guard is not None:
-            self.guard.after_exchange(
-                model=is_model, status=response.status if response is not None else None,
-                error=error, usage=usage or None, cost=cost, host=self.guard.host(request.url))
+        status = response.status if response is not None else None
+        for interceptor in self.interceptors:
+            interceptor.after_exchange(request, model=is_model, status=status, error=error,
+                                       usage=usage or None, cost=cost)
         return counted
 
     def _write_exchange(self, obs: dict[str, Any], request_body: Any) -> None:
@@ -306,8 +313,10 @@ class RecordSession(session.Session):
         """Called before a live tool call; the harness guards decide here. ``key`` is
         ``StepLines.args_key(args)`` when the caller has it already."""
         self._check_writable()
-        if self.guard is not None:
-            self.guard.before_tool(tool.name, self._lines.args_key(args) if key is None else key)
+        if self.interceptors:
+            key = self._lines.args_key(args) if key is None else key
+            for interceptor in self.interceptors:
+                interceptor.before_tool(tool.name, key)
 
     def _open_intent(self, tool: session.ToolSpec, args: dict[str, Any],
                      key: Any = None) -> tuple[int, str]:
@@ -396,8 +405,8 @@ class RecordSession(session.Session):
         self.append_line(obs)
         with self._lock:
             add_step(self.totals, obs)
-        if self.guard is not None:
-            self.guard.before_tool(name, obs["args"])
+        for interceptor in self.interceptors:
+            interceptor.before_tool(name, obs["args"])
 
     def effect(self, name: str, produce: Callable[[], Any]) -> Any:
         site = effects.call_site()

@@ -1,10 +1,12 @@
-"""A session that serves a recorded prefix, then goes live: what resume and fork share.
+"""A recording whose calls are first offered to sources: what fork and resume share.
 
-While the prefix lasts, every call is served from it exactly as a replay would (a miss is
-a ``Divergence``; nothing reaches the network, no tool body runs). Once every
-observation of the prefix has been served, calls go out live and are appended to the
-writer, with the harness guards of a normal recording, or, with ``then_replay``, are
-served from a second cassette and logged as if live.
+Its sources (:mod:`recorder.capture.sources`) are asked in order. A fork's or a resume's
+recorded prefix comes first: while it lasts, every call is served from it exactly as a
+replay would (a miss is a ``Divergence``; nothing reaches the network, no tool body runs).
+Once every observation of the prefix has been served the run goes live: calls go out and
+are appended to the writer, with the harness guards of a normal recording, unless a
+source that copies answers them first (a fork's ``then_replay`` cassette, served and
+logged as if live).
 
 An intent without an outcome at the end of the prefix (a crash inside a side-effecting
 tool) is settled when the agent reaches it, before anything goes live: see
@@ -15,12 +17,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from recorder import values as _values
 from recorder.capture import session
 from recorder.capture.exchange import HttpRequest, HttpResponse, Redaction
+from recorder.capture.sources import Action, Decision, Source
 from recorder.cassette import Cassette, CassetteWriter
 from recorder.cassette.keys import Keyring
 from recorder.cassette.schema import add_step, replayed_totals
@@ -29,7 +32,7 @@ from recorder.errors import Divergence, KeyMissing, NeedsAttention
 from recorder.harness.guards import Budgets
 from recorder.intents import Effect, Intent, Settled
 from recorder.record import RecordSession
-from replayer.replay import Action, Decision, ReplaySession
+from replayer.replay import ReplaySession
 
 log = logging.getLogger("deja.replayer")
 
@@ -59,12 +62,13 @@ def scope(make: Callable[[], ContinuationSession], *, abandon_on_divergence: boo
 
 
 class ContinuationSession(RecordSession):
-    """Serve ``prefix``, then record live into ``writer``."""
+    """Serve ``prefix``, then record live into ``writer`` (after ``then_replay``, if any,
+    or whatever ``sources`` answer as if live)."""
 
     def __init__(self, prefix: Cassette, writer: CassetteWriter, *,
                  on_live: Callable[[ContinuationSession], None] | None = None,
-                 then_replay: Cassette | None = None, mode: str = "fork",
-                 **kwargs: Any) -> None:
+                 then_replay: Cassette | None = None, sources: Sequence[Source] = (),
+                 mode: str = "fork", **kwargs: Any) -> None:
         # The run keeps the guards it was recorded with (its header); counters carry over
         # from the prefix once the guard exists (start).
         recorded = prefix.header
@@ -78,8 +82,10 @@ class ContinuationSession(RecordSession):
         kwargs.setdefault("redaction", Redaction.from_header(recorded.get("redact")))
         super().__init__(writer.path, run_id=writer.header["run"], writer=writer, **kwargs)
         self.mode = mode  # "fork" or "resume" (recorder.mode())
-        self.prefix = ReplaySession(prefix)
-        self.then = ReplaySession(then_replay) if then_replay is not None else None
+        self.prefix = ReplaySession(prefix, until_used_up=True)
+        after = [ReplaySession(then_replay, copies=True)] if then_replay is not None else []
+        # who answers a call, in order; what none answers goes out live
+        self.sources: tuple[Source, ...] = (self.prefix, *after, *sources)
         self.live = False
         self._on_live = on_live
         for obs in prefix.observations:
@@ -101,7 +107,7 @@ class ContinuationSession(RecordSession):
     @property
     def serving(self) -> bool:
         """Still serving the prefix (switches to live the moment it is used up)."""
-        if not self.live and self.prefix.index.remaining == 0:
+        if not self.live and not self.prefix.open:
             self.go_live()
         return not self.live
 
@@ -117,30 +123,44 @@ class ContinuationSession(RecordSession):
 
     def end_line(self, status: str | None = None,
                  error: BaseException | None = None) -> dict[str, Any]:
-        if not self.live and self.prefix.index.remaining == 0:
-            self.go_live()
+        self.serving  # noqa: B018 (a prefix used up by the last call: the run went live)
         end = super().end_line(status, error)
         end["totals"]["replayed"] = replayed_totals(self.prefix.cassette.observations)
         return end
 
+    def _asked(self) -> tuple[Source, ...]:
+        """The sources a call is offered to now: the prefix alone while it lasts, then
+        those that copy and are still open."""
+        if self.serving:
+            return (self.prefix,)
+        return tuple(s for s in self.sources if s.copies and s.open)
+
     # -- calls
 
     def begin_http(self, request: HttpRequest) -> HttpResponse | None:
-        if self.serving:
-            return self.prefix.begin_http(request)
-        super().begin_http(request)  # the guards
-        if self.then is not None:
-            obs = self.then.match_http(request)
-            self._log_copied(self.then, obs)
-            return self.then.response_of(obs)
-        return None
+        for source in self._asked():
+            # The guards see a call served as if live before it is matched, as a live one
+            # is before it is sent (a clamped max_tokens is what the source matches); a
+            # source that may pass the call on to live is asked first, so they see it once.
+            early = source.copies and not source.passes
+            if early:
+                super().begin_http(request)
+            obs = source.answer_http(request)
+            if obs is None:
+                continue
+            if source.copies:
+                if not early:
+                    super().begin_http(request)
+                self._log_copied(source, obs)
+            return source.response_of(obs)
+        return super().begin_http(request)
 
-    def _log_copied(self, source: ReplaySession, obs: Mapping[str, Any]) -> None:
+    def _log_copied(self, source: Source, obs: Mapping[str, Any]) -> None:
         """Log an observation served from ``source`` as if it had come from the network."""
         copy = {k: v for k, v in obs.items() if k not in ("seq", "sig", "request")}
         if obs["kind"] == "model":
-            self.append_line(copy, request_body=source.cassette.requests.get(obs["seq"]),
-                         has_request=True)
+            self.append_line(copy, request_body=source.request_body(obs["seq"]),
+                             has_request=True)
         else:
             if "request" in obs:
                 copy["request"] = obs["request"]
@@ -149,18 +169,23 @@ class ContinuationSession(RecordSession):
 
     def decide(self, tool: session.ToolSpec, args: dict[str, Any]) -> Decision:
         """Answer a tool call from the prefix while it lasts (settling the intent it ends
-        inside, if any), then from ``then_replay``, else run it live."""
-        if self.serving:
-            decision = self.prefix.serve_tool(tool, args)
-            if decision.action is not Action.SETTLE:
-                return decision
-            self.go_live()
-            assert decision.intent is not None
-            return self._settle(tool, args, decision.intent)
-        if self.then is not None:
-            return Decision.answer(self._then_tool(tool, args))
+        inside, if any), then from the sources that copy, else run it live."""
+        for source in self._asked():
+            early = source.copies and not source.passes  # the guards first, as for HTTP
+            if early:
+                self.before_tool(tool, args)
+            obs = source.answer_tool(tool, args)
+            if obs is None:
+                continue
+            if source.copies:
+                if not early:
+                    self.before_tool(tool, args)
+                return Decision.answer(self._copied_tool(source, tool, obs))
+            if obs["kind"] == "intent" and source.outcome_of(obs) is None:
+                self.go_live()
+                return self._settle(tool, args, obs)
+            return Decision.answer(source.tool_value(tool, obs))
         return Decision.run()
-
     def _settle(self, tool: session.ToolSpec, args: dict[str, Any],
                 obs: Mapping[str, Any]) -> Decision:
         """Ask the tool's settle function whether the intent ``obs`` took effect: its
@@ -208,22 +233,20 @@ class ContinuationSession(RecordSession):
             return decision.value
         return await self.run_tool_async(tool, args, run, intent=decision.key)
 
-    def _then_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> Any:
-        """Serve a tool call from ``then_replay`` and log it as a live call would be.
+    def _copied_tool(self, source: Source, tool: session.ToolSpec,
+                     obs: Mapping[str, Any]) -> Any:
+        """Log a tool call served from ``source`` as a live call would be; its value.
 
         A side effect is logged as a live one is: its intent, then its outcome pointing at
         this run's intent seq, both forced to disk.
         """
-        assert self.then is not None
-        self.before_tool(tool, args)
-        obs = self.then.take_tool(tool, args)
-        outcome = self.then.index.outcomes.get(obs["seq"]) if obs["kind"] == "intent" else None
+        outcome = source.outcome_of(obs) if obs["kind"] == "intent" else None
         if obs["kind"] == "intent" and outcome is None:
             # The other run stopped inside this side effect: nothing to copy, nothing known.
-            raise self.then.unsettled(tool, obs)
+            raise source.unsettled(tool, obs)
         side_effect = outcome is not None
         line = self.append_line({k: v for k, v in obs.items() if k not in ("seq", "sig")},
-                            sync=side_effect)
+                                sync=side_effect)
         if outcome is not None:
             copy = {k: v for k, v in outcome.items() if k not in ("seq", "sig")}
             copy["intent"] = line["seq"]
@@ -236,21 +259,22 @@ class ContinuationSession(RecordSession):
             self._count(outcome)
         else:
             self._count(obs)
-        return self.then.tool_value(tool, obs)  # the recorded value, or its recorded error
+        return source.tool_value(tool, obs)  # the recorded value, or its recorded error
 
     def effect(self, name: str, produce: Callable[[], Any]) -> Any:
-        if self.serving:
-            return self.prefix.effect(name, produce)
         site = call_site()
-        if self.then is None:
-            return self.log_effect(name, produce(), site)
-        # Served from the other run by call site, and logged as if live: with this run's
-        # call site, and the recorded value or refusal as stored there.
-        obs = self.then.take_effect(name, site)
-        line: dict[str, Any] = {"kind": "effect", "name": name}
-        line.update({k: obs[k] for k in ("value", "error") if k in obs})
-        if site is not None:
-            line["site"] = site.record()
-        self.append_line(line)
-        self._count(obs)
-        return self.then.effect_value(obs)
+        for source in self._asked():
+            obs = source.answer_effect(name, site)
+            if obs is None:
+                continue
+            if source.copies:
+                # Logged as if live: with this run's call site, and the recorded value or
+                # refusal as stored there.
+                line: dict[str, Any] = {"kind": "effect", "name": name}
+                line.update({k: obs[k] for k in ("value", "error") if k in obs})
+                if site is not None:
+                    line["site"] = site.record()
+                self.append_line(line)
+                self._count(obs)
+            return source.effect_value(obs)
+        return self.log_effect(name, produce(), site)

@@ -18,7 +18,6 @@ swallowed, or recorded steps the agent never asked for, raise ``Divergence`` too
 from __future__ import annotations
 
 import contextlib
-import enum
 import importlib
 import json
 import logging
@@ -45,6 +44,7 @@ from recorder.capture.exchange import (
     request_fingerprint,
     response_from_record,
 )
+from recorder.capture.sources import Decision, Source
 from recorder.cassette import Cassette, load
 from recorder.cassette.keys import Keyring, load_keyring
 from recorder.cassette.rows import describe_split, describe_totals, run_totals, step_count
@@ -207,44 +207,27 @@ def _setattr(obj: Any, name: str, value: Any):
         setattr(obj, name, old)
 
 
-class Action(enum.StrEnum):
-    """What happens to a tool call a log is asked to answer."""
+class ReplaySession(session.Session, Source):
+    """Serves a loaded cassette to the agent's calls: as the session of a replay, or as a
+    source of a continuing run (:mod:`recorder.capture.sources`).
 
-    ANSWER = "answer"  # answered from the log: the body does not run
-    RUN = "run"  # the body runs live (with ``key``: an intent's, found not done)
-    SETTLE = "settle"  # the log ends inside this side effect (``intent``): settle it first
-
-
-@dataclass(frozen=True)
-class Decision:
-    """The answer a replay (:meth:`ReplaySession.serve_tool`) or a continuation gives to a
-    tool call."""
-
-    action: Action
-    value: Any = None  # ANSWER: the tool's result
-    intent: Mapping[str, Any] | None = None  # SETTLE: the intent line with no outcome
-    key: tuple[int, str] | None = None  # RUN: the (seq, key) of the intent it settles
-
-    @classmethod
-    def answer(cls, value: Any) -> Decision:
-        return cls(Action.ANSWER, value=value)
-
-    @classmethod
-    def run(cls, key: tuple[int, str] | None = None) -> Decision:
-        return cls(Action.RUN, key=key)
-
-    @classmethod
-    def settle(cls, intent: Mapping[str, Any]) -> Decision:
-        return cls(Action.SETTLE, intent=intent)
-
-
-class ReplaySession(session.Session):
-    """Serves a loaded cassette to the agent's calls."""
+    As a source: ``until_used_up`` (a fork's or a resume's prefix) closes it once every
+    step was served; ``on_miss="pass"`` closes it at the first call it cannot answer
+    instead of raising ``Divergence`` (replay, then live); ``copies`` serves calls as if
+    live, for the continuing run to log.
+    """
 
     mode = "replay"
 
-    def __init__(self, cassette: Cassette, *, raise_on_divergence: bool = True) -> None:
+    def __init__(self, cassette: Cassette, *, raise_on_divergence: bool = True,
+                 until_used_up: bool = False, on_miss: str = "diverge",
+                 copies: bool = False) -> None:
+        if on_miss not in ("diverge", "pass"):
+            raise ValueError(f"on_miss: 'diverge' or 'pass', not {on_miss!r}")
         self.cassette = cassette
+        self.until_used_up, self.copies = until_used_up, copies
+        self.passes = on_miss == "pass"
+        self.missed = False  # a miss passed on (on_miss="pass"): closed from here on
         self.path = cassette.path
         self.raise_on_divergence = raise_on_divergence  # read by replay()'s scope
         self.index = Index(cassette)
@@ -336,6 +319,49 @@ class ReplaySession(session.Session):
             else None)
         return self.result
 
+    # -- as a source
+
+    @property
+    def open(self) -> bool:
+        if self.missed:
+            return False
+        return self.index.remaining > 0 if self.until_used_up else True
+
+    def _missed(self, miss: Divergence) -> None:
+        """A call this log cannot answer: passed on (closing it) or raised."""
+        if not self.passes:
+            raise miss
+        self.missed = True  # self.divergence keeps where: the step the run left the log
+        log.info("%s: the run asked for something else at step %s; going live", self.path,
+                 miss.info.step)
+
+    def answer_http(self, request: HttpRequest) -> Mapping[str, Any] | None:
+        try:
+            return self.match_http(request)
+        except Divergence as miss:
+            self._missed(miss)
+            return None
+
+    def answer_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> Mapping[str, Any] | None:
+        try:
+            return self.take_tool(tool, args)
+        except Divergence as miss:
+            self._missed(miss)
+            return None
+
+    def answer_effect(self, name: str, site: Site | None) -> Mapping[str, Any] | None:
+        try:
+            return self.take_effect(name, site)
+        except Divergence as miss:
+            self._missed(miss)
+            return None
+
+    def outcome_of(self, intent: Mapping[str, Any]) -> Mapping[str, Any] | None:
+        return self.index.outcomes.get(intent["seq"])
+
+    def request_body(self, seq: int) -> Any:
+        return self.cassette.requests.get(seq)
+
     # -- divergence
 
     def _diverge(self, family: str, kind: str, actual: Any, what: str) -> Divergence:
@@ -390,8 +416,7 @@ class ReplaySession(session.Session):
         self._tick()
         return obs
 
-    @staticmethod
-    def response_of(obs: Mapping[str, Any]) -> HttpResponse:
+    def response_of(self, obs: Mapping[str, Any]) -> HttpResponse:
         error = obs.get("error")
         if "response" in obs:
             served = response_from_record(obs["response"])
@@ -486,8 +511,7 @@ class ReplaySession(session.Session):
                 self.notes.append(note)
         return obs
 
-    @staticmethod
-    def effect_value(obs: Mapping[str, Any]) -> Any:
+    def effect_value(self, obs: Mapping[str, Any]) -> Any:
         """The value of a recorded effect, or the refusal it recorded, raised again."""
         if "error" in obs:
             raise _rebuild_error(f"effect {obs['name']}", obs["error"])

@@ -1,4 +1,5 @@
-"""The guards of one recorded run, applied at its boundaries.
+"""The guards of one recorded run, applied at its boundaries: the session's first
+interceptor (:class:`recorder.capture.sources.Interceptor`).
 
 A recording session calls :meth:`RunGuard.before_call` before a request goes out,
 :meth:`RunGuard.after_exchange` once it is logged, and :meth:`RunGuard.before_tool`
@@ -18,6 +19,7 @@ from typing import Any
 from recorder import providers
 from recorder.capture.exchange import HttpRequest, upstream
 from recorder.capture.redact import DEFAULT, Redaction
+from recorder.capture.sources import Interceptor
 from recorder.cassette.schema import Control
 from recorder.errors import (
     BudgetExhausted,
@@ -36,7 +38,7 @@ log = logging.getLogger("deja.recorder")
 Emit = Callable[[str, dict[str, Any]], None]
 
 
-class RunGuard:
+class RunGuard(Interceptor):
     """Budgets, cancel, loop guard, circuit breaker and progress of one run."""
 
     def __init__(self, run: str, settings: Settings, emit: Emit, *, clock: Clock | None = None,
@@ -203,11 +205,12 @@ class RunGuard:
                 return
             raise self._budget("max_tokens", asked, b.max_tokens, what)
 
-    def after_exchange(self, *, model: bool, status: int | None, error: BaseException | None,
-                       usage: dict[str, Any] | None, cost: float | None, host: str,
-                       live: bool = True) -> None:
-        if live and self.settings.breaker.enabled:
-            BREAKERS.get(host, self.settings.breaker).record(is_failure(status, error))
+    def after_exchange(self, request: HttpRequest, *, model: bool, status: int | None,
+                       error: BaseException | None, usage: dict[str, Any] | None,
+                       cost: float | None) -> None:
+        if self.settings.breaker.enabled:
+            BREAKERS.get(self.host(request.url), self.settings.breaker).record(
+                is_failure(status, error))
         with self._lock:
             if model and status is not None and 200 <= status < 300:
                 self.turns += 1
