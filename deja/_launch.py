@@ -78,8 +78,10 @@ def _where_to_run(cassette: Path, header: Mapping[str, Any], argv: list[str], *,
 
 def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
             lock: Any = None, **values: Any) -> int:
-    """Run a program under the bootstrap; write the end line it hands back, with its exit
-    status. A program killed before handing over leaves its run open: resumable.
+    """Run a program under the bootstrap, its session the launch spec ``mode`` and
+    ``values`` make (:class:`recorder.launch.LaunchSpec`); write the end line it hands
+    back, with its exit status. A program killed before handing over leaves its run open:
+    resumable.
     Returns the status to exit with (128 + N when a signal N stopped it)."""
     from deja import launcher
     from deja.boot import BOOT_FAILED, child_env

@@ -1,18 +1,21 @@
 """The bootstrap that records or replays an unmodified Python program from outside.
 
 ``deja record -- python agent.py`` runs the program with this package's ``_bootstrap``
-directory first on PYTHONPATH and the session described in ``DEJA_*`` variables, the way
-``opentelemetry-instrument`` and ``ddtrace-run`` work. At start-up Python imports
-``sitecustomize``, which calls :func:`start_from_env`. It fails loudly: if the session
-cannot start, the program does not run (exit status 3) and stderr says why.
+directory first on PYTHONPATH and the session described in one variable, ``DEJA_LAUNCH``
+(a :class:`recorder.launch.LaunchSpec`), the way ``opentelemetry-instrument`` and
+``ddtrace-run`` work. At start-up Python imports ``sitecustomize``, which calls
+:func:`start_from_env`. It fails loudly: if the session cannot start (or the spec is not
+one this deja reads), the program does not run (exit status 3) and stderr says why in one
+line.
 
-The variables are removed from the environment once read, so programs that the agent
-starts are not recorded into the same file.
+The spec is removed from the environment once read, and the bootstrap from PYTHONPATH,
+so programs that the agent starts are not recorded into the same file. ``DEJA_MODE`` stays:
+the program (and what it starts) may ask what deja does with it.
 
 A stop signal (SIGTERM, SIGHUP, SIGINT) that comes while the bootstrap runs is held until
 the session has started: an exception raised inside ``sitecustomize`` would end Python
 with "Fatal Python error" and leave the run without an end line. The launcher starts the
-interpreter with those signals blocked (``DEJA_SIGNALS_HELD``), so none lands before this
+interpreter with those signals blocked (the spec's ``signals_held``), so none lands before this
 module can take it either; the boot unblocks them once its own handler is in place. A
 signal held so is acted on as soon as the session has started: the run ends
 ``interrupted``, with its end line, and the program exits 128 + N without running.
@@ -26,48 +29,51 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from recorder.launch import LaunchSpec
 
 BOOT_DIR = Path(__file__).parent / "_bootstrap"
 BOOT_FAILED = 3
-_ENV = ("DEJA_MODE", "DEJA_CASSETTE", "DEJA_RUN_ID", "DEJA_ARGV", "DEJA_FSYNC", "DEJA_LABELS",
-        "DEJA_REDACT_HEADERS", "DEJA_REDACT_BODY", "DEJA_REDACT_PATTERNS", "DEJA_REDACT_QUERY",
-        "DEJA_REPORT", "DEJA_ALLOW_TORN", "DEJA_ALLOW_INCOMPLETE",
-        "DEJA_REQUIRE_SIGNATURE", "DEJA_OVERWRITE", "DEJA_PLAN", "DEJA_BUDGETS", "DEJA_LOOP",
-        "DEJA_BREAKER", "DEJA_ALLOW_UNVERIFIED", "DEJA_LAUNCHER_PID", "DEJA_LOCK_FD",
-        "DEJA_LOCK_CASSETTE", "DEJA_SIGNALS_HELD")
+LAUNCH_ENV = "DEJA_LAUNCH"  # the one variable the launcher tells the program its session in
+MODE_ENV = "DEJA_MODE"  # what deja does with the program, for the program to read
+ALLOW_UNVERIFIED_ENV = "DEJA_ALLOW_UNVERIFIED"  # the user's switch: the spec says it
 # The signals that stop a run (the launcher passes them on), held while the boot runs.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-SIGNALS_HELD_ENV = "DEJA_SIGNALS_HELD"
 
 
 def child_env(mode: str, **values: Any) -> dict[str, str]:
-    """The environment for a program to be recorded or replayed (used by the CLI)."""
-    env = {k: v for k, v in os.environ.items() if k not in _ENV}
-    env["DEJA_MODE"] = mode
-    if mode == "replay":  # nothing reaches the network: a client needs no real key
+    """The environment for a program to be recorded or replayed (used by the CLI): ours,
+    the bootstrap first on PYTHONPATH, ``DEJA_MODE``, and the session in ``DEJA_LAUNCH``
+    (``values`` are the fields of a :class:`recorder.launch.LaunchSpec`; None leaves a
+    field at its default)."""
+    from recorder.launch import LaunchMode, LaunchSpec
+
+    spec = LaunchSpec(mode=LaunchMode(mode),
+                      **{k: v for k, v in values.items() if v is not None})
+    env = {k: v for k, v in os.environ.items() if k != ALLOW_UNVERIFIED_ENV}
+    env[MODE_ENV] = spec.mode
+    env[LAUNCH_ENV] = spec.encode()
+    if spec.mode == "replay":  # nothing reaches the network: a client needs no real key
         from recorder.providers import placeholder_keys
 
         env.update(placeholder_keys(env))
-    for key, value in values.items():
-        if value is None:
-            continue
-        name = f"DEJA_{key.upper()}"
-        env[name] = value if isinstance(value, str) else json.dumps(value)
     path = env.get("PYTHONPATH")
     env["PYTHONPATH"] = str(BOOT_DIR) + (os.pathsep + path if path else "")
     return env
 
 
-def _take_env() -> dict[str, str]:
-    values = {k: os.environ.pop(k) for k in _ENV if k in os.environ}
+def _take_env() -> str | None:
+    """The launch spec's text, taken out of the environment with the bootstrap's folder."""
+    text = os.environ.pop(LAUNCH_ENV, None)
     parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
              if p and Path(p) != BOOT_DIR]
     if parts:
         os.environ["PYTHONPATH"] = os.pathsep.join(parts)
     else:
         os.environ.pop("PYTHONPATH", None)
-    return values
+    return text
 
 
 def _fail(message: str, code: int = BOOT_FAILED) -> NoReturn:
@@ -84,27 +90,27 @@ def start_from_env() -> None:
     if _booted:
         return
     _booted = True
-    env = _take_env()
-    mode = env.get("DEJA_MODE")
-    if mode is None:
+    text = _take_env()
+    if text is None:
         _chain_sitecustomize()
         return
-    os.environ["DEJA_MODE"] = mode  # the program may ask (recorder.mode() in Python)
-    held = _hold_signals(env)
+    held = _hold_signals()  # before anything is imported: reading the spec imports deja
+    spec = _read_spec(text)
+    if spec.signals_held:  # the launcher blocked them for us: let them in now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    os.environ[MODE_ENV] = spec.mode  # the program may ask (recorder.mode() in Python)
     try:
-        _adopt_lock(env)
-        if mode == "record":
-            watch = _start_record(env)
-        elif mode == "replay":
-            watch = _start_replay(env)
-        elif mode in ("fork", "resume"):
-            watch = _start_continuation(mode, env)
+        _adopt_lock(spec)
+        if spec.mode == "record":
+            watch = _start_record(spec)
+        elif spec.mode == "replay":
+            watch = _start_replay(spec)
         else:
-            _fail(f"unknown DEJA_MODE {mode!r} (expected record, replay, fork or resume)")
+            watch = _start_continuation(spec)
     except Exception as exc:  # noqa: BLE001 - reported and fatal, never swallowed
         from recorder.errors import EXIT_CASSETTE_UNWRITABLE, CassetteWriteError
 
-        _fail(f"could not start {mode}: {type(exc).__name__}: {exc}",
+        _fail(f"could not start {spec.mode}: {type(exc).__name__}: {exc}",
               EXIT_CASSETTE_UNWRITABLE if isinstance(exc, CassetteWriteError) else BOOT_FAILED)
     _chain_sitecustomize()
     _stop_on_signals()
@@ -112,9 +118,20 @@ def start_from_env() -> None:
         _stop_now(watch, held[0])
 
 
-def _hold_signals(env: dict[str, str]) -> list[int]:
+def _read_spec(text: str) -> LaunchSpec:
+    """The launch spec, or the program does not run: one line, exit status 3."""
+    from recorder.errors import ConfigError
+    from recorder.launch import LaunchSpec
+
+    try:
+        return LaunchSpec.decode(text)
+    except ConfigError as exc:
+        _fail(f"{LAUNCH_ENV}: {exc}")
+
+
+def _hold_signals() -> list[int]:
     """Until :func:`_stop_on_signals` takes over, a stop signal is noted, not raised; the
-    list returned holds it. Signals the launcher blocked for us are let in now."""
+    list returned holds it."""
     held: list[int] = []
 
     def note(signum: int, frame: Any) -> None:
@@ -123,8 +140,6 @@ def _hold_signals(env: dict[str, str]) -> list[int]:
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, note)
-    if env.get(SIGNALS_HELD_ENV) == "1":
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     return held
 
 
@@ -148,12 +163,12 @@ def _stop_now(watch: _ExitWatch, signum: int) -> NoReturn:
         os._exit(128 + signum)
 
 
-def _adopt_lock(env: dict[str, str]) -> None:
+def _adopt_lock(spec: LaunchSpec) -> None:
     """Hold the cassette's writer lock that the launcher took and handed down."""
-    if "DEJA_LOCK_FD" in env:
+    if spec.lock_fd is not None:
         from recorder.cassette import lock
 
-        lock.adopt(env["DEJA_LOCK_CASSETTE"], int(env["DEJA_LOCK_FD"]))
+        lock.adopt(spec.lock_cassette or spec.cassette, spec.lock_fd)
 
 
 def _stop_on_signals() -> None:
@@ -177,10 +192,9 @@ def _stop_on_signals() -> None:
         signal.signal(signum, stop)
 
 
-def _orphaned(env: dict[str, str]) -> bool:
+def _orphaned(spec: LaunchSpec) -> bool:
     """The launcher that was to write our end line is gone (it was killed)."""
-    launcher = env.get("DEJA_LAUNCHER_PID")
-    return launcher is not None and os.getppid() != int(launcher)
+    return spec.launcher_pid is not None and os.getppid() != spec.launcher_pid
 
 
 class _ExitWatch:
@@ -248,26 +262,22 @@ def _in_chain(error: BaseException,
     return None
 
 
-def _start_record(env: dict[str, str]) -> _ExitWatch:
+def _start_record(spec: LaunchSpec) -> _ExitWatch:
     from recorder.record import RecordSession
 
-    argv = json.loads(env["DEJA_ARGV"]) if "DEJA_ARGV" in env else None
     rec = RecordSession(
-        env.get("DEJA_CASSETTE", "cassettes"), run_id=env.get("DEJA_RUN_ID"), argv=argv,
-        fsync=env.get("DEJA_FSYNC"), labels=json.loads(env.get("DEJA_LABELS", "{}")),
-        redact_headers=tuple(json.loads(env.get("DEJA_REDACT_HEADERS", "[]"))),
-        redact_body=tuple(json.loads(env.get("DEJA_REDACT_BODY", "[]"))),
-        redact_patterns=tuple(json.loads(env.get("DEJA_REDACT_PATTERNS", "[]"))),
-        redact_query=tuple(json.loads(env.get("DEJA_REDACT_QUERY", "[]"))),
-        overwrite=env.get("DEJA_OVERWRITE") == "1",
-        budgets=json.loads(env["DEJA_BUDGETS"]) if "DEJA_BUDGETS" in env else None,
-        loop_guard=False if env.get("DEJA_LOOP") == "0" else None,
-        breaker=False if env.get("DEJA_BREAKER") == "0" else None).start()
+        spec.cassette, run_id=spec.run_id,
+        argv=list(spec.argv) if spec.argv is not None else None, fsync=spec.fsync,
+        labels=dict(spec.labels), redact_headers=spec.redact_headers,
+        redact_body=spec.redact_body, redact_patterns=spec.redact_patterns,
+        redact_query=spec.redact_query, overwrite=spec.overwrite, budgets=spec.budgets,
+        loop_guard=None if spec.loop_guard else False,
+        breaker=None if spec.breaker else False).start()
     watch = _ExitWatch()
-    report = env.get("DEJA_REPORT")
+    report = spec.report
 
     def finish() -> None:
-        if report and not _orphaned(env):  # the launcher writes the end line, knowing the
+        if report and not _orphaned(spec):  # the launcher writes the end line, knowing the
             _write_report(report, {"end": rec.hand_over(watch.error),  # exit status
                                    "signal": watch.signal})
         else:
@@ -277,14 +287,14 @@ def _start_record(env: dict[str, str]) -> _ExitWatch:
     return watch
 
 
-def _start_replay(env: dict[str, str]) -> _ExitWatch:
+def _start_replay(spec: LaunchSpec) -> _ExitWatch:
     from replayer.replay import start
 
-    session = start(env["DEJA_CASSETTE"], allow_torn=env.get("DEJA_ALLOW_TORN") == "1",
-                    allow_incomplete=env.get("DEJA_ALLOW_INCOMPLETE") == "1",
-                    require_signature=env.get("DEJA_REQUIRE_SIGNATURE") == "1",
-                    allow_unverified=env.get("DEJA_ALLOW_UNVERIFIED") == "1", progress=True)
-    report = env.get("DEJA_REPORT")
+    session = start(spec.cassette, allow_torn=spec.allow_torn,
+                    allow_incomplete=spec.allow_incomplete,
+                    require_signature=spec.require_signature,
+                    allow_unverified=spec.allow_unverified, progress=True)
+    report = spec.report
     watch = _ExitWatch("replay")
 
     def finish() -> None:
@@ -301,33 +311,35 @@ def _start_replay(env: dict[str, str]) -> _ExitWatch:
     return watch
 
 
-def _start_continuation(mode: str, env: dict[str, str]) -> _ExitWatch:
+def _start_continuation(spec: LaunchSpec) -> _ExitWatch:
     from recorder.cassette import load
     from recorder.cassette.keys import load_keyring
     from replayer import continuation
     from replayer.fork import plan_fork, start_fork
     from replayer.resume import plan_resume, start_resume
 
-    plan = json.loads(env["DEJA_PLAN"])
+    mode = spec.mode
     if mode == "fork":
-        fork_plan = plan_fork(plan["cassette"], plan["at"], patch=plan["patch"],
-                              out=plan["out"], run_id=plan["run_id"],
-                              allow_torn=bool(plan.get("allow_torn")))
-        then = (load(plan["then_replay"], keyring=load_keyring(create=False),
+        if spec.at is None:
+            raise ValueError("a fork's launch spec names no step (at)")
+        fork_plan = plan_fork(spec.cassette, spec.at,
+                              patch=list(spec.patch) if spec.patch is not None else None,
+                              out=spec.out, run_id=spec.run_id, allow_torn=spec.allow_torn)
+        then = (load(spec.then_replay, keyring=load_keyring(create=False),
                      require_signature=True, allow_incomplete=True)
-                if plan.get("then_replay") else None)
+                if spec.then_replay else None)
         context = continuation.scope(  # the fork's command runs here (the recorded
             lambda: start_fork(fork_plan, then_replay=then, ran_in=Path.cwd()),  # directory,
             abandon_on_divergence=False, name="deja fork")  # or --cwd)
     else:
-        loaded = plan_resume(plan["cassette"])
+        loaded = plan_resume(spec.cassette)
         context = continuation.scope(lambda: start_resume(loaded), abandon_on_divergence=True,
                                      name="deja resume")
     session = context.__enter__()
     # gone once the recorded steps are served and the run goes live
     session.prefix.show_progress(f"{mode}: replaying the recorded steps")
     watch = _ExitWatch(mode)
-    report = env["DEJA_REPORT"]
+    report = spec.report
 
     def finish() -> None:
         from recorder.errors import Divergence
@@ -336,8 +348,9 @@ def _start_continuation(mode: str, env: dict[str, str]) -> _ExitWatch:
         error = watch.error
         if isinstance(error, Divergence) and mode == "resume":
             session.abandon()  # the log stays resumable by a fixed agent
-            _write_report(report, {"end": None, "diverged": str(error)})
-        elif _orphaned(env):
+            if report:
+                _write_report(report, {"end": None, "diverged": str(error)})
+        elif not report or _orphaned(spec):
             session.close(error=error)
         else:
             _write_report(report, {"end": session.hand_over(error), "signal": watch.signal})

@@ -132,9 +132,8 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
                        run_id=run_id, argv=argv, fsync=fsync, labels=label_map,
                        redact_headers=list(redact_headers), redact_body=list(redact_body),
                        redact_patterns=list(redact_patterns), redact_query=list(redact_query),
-                       overwrite="1" if force else None,
-                       budgets=budgets or None, loop="0" if no_loop_guard else None,
-                       breaker="0" if no_breaker else None)
+                       overwrite=force, budgets=budgets or None, loop_guard=not no_loop_guard,
+                       breaker=not no_breaker)
     finally:
         lock.release()
     started = _header_run(path) == run_id
@@ -205,10 +204,9 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
     with tempfile.TemporaryDirectory(prefix="deja-replay-") as tmp:
         report = Path(tmp) / "report.json"
         env = child_env("replay", cassette=str(cassette.resolve()), report=str(report),
-                        allow_torn="1" if allow_torn else None,
-                        allow_incomplete="1" if allow_incomplete else None,
-                        require_signature="1" if require_signature else None,
-                        allow_unverified=None if loaded.verified else "1")
+                        allow_torn=allow_torn, allow_incomplete=allow_incomplete,
+                        require_signature=require_signature,
+                        allow_unverified=not loaded.verified)
         try:
             ended = launcher.run(_python_argv(argv), env=env, cwd=cwd,
                                  stdout=sys.stderr.fileno() if as_json else None)
@@ -307,10 +305,10 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
         sys.exit(code)
     lock = _writer_lock(plan.out, plan.run_id, "deja fork")
     try:
-        code = _launch("fork", argv, plan.out, cwd, lock=lock, plan={
-            "cassette": str(cassette.resolve()), "at": at, "patch": plan.patch,
-            "out": str(plan.out.resolve()), "run_id": plan.run_id, "allow_torn": allow_torn,
-            "then_replay": str(then_replay.resolve()) if then_replay else None})
+        code = _launch("fork", argv, plan.out, cwd, lock=lock,
+                       cassette=str(cassette.resolve()), at=at, patch=plan.patch,
+                       out=str(plan.out.resolve()), run_id=plan.run_id, allow_torn=allow_torn,
+                       then_replay=str(then_replay.resolve()) if then_replay else None)
     finally:
         lock.release()
     if _header_run(plan.out) == plan.run_id:
@@ -353,7 +351,7 @@ def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
             raise _no_command(cassette, loaded.header, "resume")
         cwd = _where_to_run(cassette, loaded.header, argv, given=bool(command), cwd=cwd)
         code = _launch("resume", argv, cassette, cwd, lock=lock,
-                       plan={"cassette": str(cassette.resolve())})
+                       cassette=str(cassette.resolve()))
     finally:
         lock.release()
     from recorder.cassette.schema import run_status

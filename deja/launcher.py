@@ -12,23 +12,28 @@ run``):
   launcher waits for it and exits 128 + the signal's number, as a shell reports a
   process killed by that signal. A child killed by a signal gives the same status.
 - **The writer lock travels with the program.** The cassette's writer lock, taken by the
-  launcher before anything is read or written, is inherited by the child
-  (``DEJA_LOCK_FD``), so it is held while either of them lives. The child is told the
+  launcher before anything is read or written, is inherited by the child (the launch
+  spec's ``lock_fd``), so it is held while either of them lives. The child is told the
   cassette's absolute path: it may run in another directory (the recorded one, or
   ``--cwd``), where a relative path would name another file and its lock.
 - **No signal lands while the interpreter starts.** A Python program is started with
-  SIGTERM, SIGINT and SIGHUP blocked (``DEJA_SIGNALS_HELD``; the launcher blocks them in
+  SIGTERM, SIGINT and SIGHUP blocked (the spec's ``signals_held``; the launcher blocks them in
   itself around the start, so the child has them blocked from its first instruction, and
   takes its own in once it forwards them); deja's bootstrap unblocks them once its handler
   is in place, and a signal that came meanwhile ends the run ``interrupted`` as soon as it
   has started. Unblocked, a Ctrl-C during Python's start-up is a "Fatal Python error" and
   a run left without its end line. Other programs (and ``python -I``, ``-E`` or ``-S``,
   which skip the bootstrap) start with no signal blocked.
+
+The launcher tells the child all of this in the one launch spec it is started with
+(``DEJA_LAUNCH``, a :class:`recorder.launch.LaunchSpec`): the session that
+:func:`deja.boot.child_env` put there, with the launcher's own part added.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -38,11 +43,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+from deja.boot import LAUNCH_ENV
 from recorder.cassette.lock import WriterLock
 from recorder.harness.child import preexec
+from recorder.launch import LaunchSpec
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-SIGNALS_HELD_ENV = "DEJA_SIGNALS_HELD"  # read by deja.boot
 
 
 @dataclass(frozen=True)
@@ -115,18 +121,20 @@ def run(argv: list[str], *, env: dict[str, str], cwd: Path | None = None,
         lock: WriterLock | None = None, stdout: int | None = None) -> Exit:
     """Run ``argv`` until it ends; pass it our signals; it dies if we die; it inherits
     ``lock``; its standard output goes to ``stdout`` (a file descriptor; default ours).
+    ``env`` holds the child's launch spec (:func:`deja.boot.child_env`), to which the
+    launcher adds its pid, the lock's descriptor and whether the stop signals are held.
     ``FileNotFoundError`` (and other ``OSError``) propagate when it cannot start.
     """
     env = dict(env)
-    env["DEJA_LAUNCHER_PID"] = str(os.getpid())
-    pass_fds: tuple[int, ...] = ()
-    if lock is not None:
-        env["DEJA_LOCK_FD"] = str(lock.fd)
-        env["DEJA_LOCK_CASSETTE"] = str(Path(lock.cassette).resolve())
-        pass_fds = (lock.fd,)
+    held = boots(argv)
+    spec = dataclasses.replace(
+        LaunchSpec.decode(env[LAUNCH_ENV]), launcher_pid=os.getpid(), signals_held=held,
+        lock_fd=lock.fd if lock is not None else None,
+        lock_cassette=str(Path(lock.cassette).resolve()) if lock is not None else None)
+    env[LAUNCH_ENV] = spec.encode()
+    pass_fds = (lock.fd,) if lock is not None else ()
     mask = None
-    if boots(argv):  # blocked here, the child starts with them blocked (see above)
-        env[SIGNALS_HELD_ENV] = "1"
+    if held:  # blocked here, the child starts with them blocked (see above)
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
         child = subprocess.Popen(argv, env=env, cwd=cwd, pass_fds=pass_fds, stdout=stdout,

@@ -4,28 +4,48 @@ launcher (``deja record``, ``replay``, ``fork``, ``resume``) does with it.
 A new run's id; the software it ran with; its command and directory, stored so that a
 checkout elsewhere can run it again (:func:`portable_launch`), and found again from where
 the cassette lies (:func:`launch_dir`); whether that command can start at all
-(:func:`startable`); and the end line a launcher writes for a program that has exited
-(:func:`write_end`).
+(:func:`startable`); what the launcher tells the program it starts (:class:`LaunchSpec`,
+one serialised value in ``DEJA_LAUNCH``); and the end line a launcher writes for a program
+that has exited (:func:`write_end`).
+
+The launch spec is the whole protocol between a launcher and deja's bootstrap in the
+program (``deja.boot``, which reads it from one variable, ``DEJA_LAUNCH``): one JSON
+object, its ``version`` first, so that a program started by another deja's launcher is
+refused with one line instead of half-reading a session::
+
+    DEJA_LAUNCH={"version": 1, "mode": "record", "cassette": "/abs/run.jsonl",
+                 "report": "/tmp/deja-x/report.json", "run_id": "r_...", ...}
+
+Only what a user sets or a program reads stays a variable of its own: ``DEJA_MODE`` (set
+for the program, in any language), ``DEJA_KEY``, ``DEJA_OLD_KEYS``, ``DEJA_HOME``,
+``DEJA_CONFIG`` and ``DEJA_ALLOW_UNVERIFIED`` (read by the launcher, which passes its
+decision on in the spec).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import functools
 import importlib.metadata
+import json
 import os
 import platform
 import secrets
 import sys
 import time
+import types
+import typing
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from recorder.cassette import CassetteWriter, Fsync
 from recorder.cassette.keys import Keyring, load_keyring
 from recorder.cassette.schema import EndStatus, run_status
-from recorder.errors import CannotLaunch
+from recorder.errors import CannotLaunch, ConfigError
 
 _PACKAGES = ("deja", "anthropic", "httpx2", "vcrpy")
 
@@ -144,6 +164,139 @@ def startable(argv: list[str], cwd: Path) -> str | None:
         path = Path(program) if os.path.isabs(program) else cwd / program
         return None if path.is_file() else f"the program {program} is not in {cwd}"
     return None if shutil.which(program) else f"no program {program!r} on PATH"
+
+
+LAUNCH_VERSION = 1
+
+
+class LaunchMode(enum.StrEnum):
+    """What the launched program's session does (``recorder.mode()``, ``DEJA_MODE``)."""
+
+    RECORD = "record"
+    REPLAY = "replay"
+    FORK = "fork"
+    RESUME = "resume"
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What a launcher tells the program it starts: its session, and its own part in it.
+
+    ``cassette`` is the file the mode works on: the run's file (``record``, ``resume``),
+    the cassette served (``replay``), or a fork's parent. ``report`` is where the program
+    hands over its end line (or a replay its result); without one it closes its run
+    itself. The launcher adds its own pid (a program whose launcher is gone closes its run
+    itself), the writer lock's inherited file descriptor and the cassette it locks, and
+    whether the program starts with the stop signals blocked (``signals_held``).
+    """
+
+    mode: LaunchMode
+    cassette: str
+    report: str | None = None
+    # record (run_id and allow_torn also for a fork)
+    run_id: str | None = None
+    argv: tuple[str, ...] | None = None
+    fsync: str | None = None
+    labels: dict[str, Any] = field(default_factory=dict)
+    redact_headers: tuple[str, ...] = ()
+    redact_body: tuple[str, ...] = ()
+    redact_patterns: tuple[str, ...] = ()
+    redact_query: tuple[str, ...] = ()
+    overwrite: bool = False
+    budgets: dict[str, Any] | None = None
+    loop_guard: bool = True
+    breaker: bool = True
+    # replay
+    allow_torn: bool = False
+    allow_incomplete: bool = False
+    require_signature: bool = False
+    allow_unverified: bool = False
+    # fork: the step, its edit (a JSON patch), the new file, a cassette to serve after it
+    at: int | None = None
+    patch: tuple[Any, ...] | None = None
+    out: str | None = None
+    then_replay: str | None = None
+    # the launcher's own
+    launcher_pid: int | None = None
+    lock_fd: int | None = None
+    lock_cassette: str | None = None
+    signals_held: bool = False
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__  # frozen: the values given are normalised once, here
+        set_(self, "mode", LaunchMode(self.mode))
+        for name in ("argv", "redact_headers", "redact_body", "redact_patterns",
+                     "redact_query", "patch"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                set_(self, name, tuple(value))
+
+    def encode(self) -> str:
+        """The spec as the one value of ``DEJA_LAUNCH``: JSON, its version first."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return json.dumps({"version": LAUNCH_VERSION, **fields}, separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, text: str) -> LaunchSpec:
+        """Read a spec :meth:`encode` wrote; :class:`ConfigError` for anything else (not
+        JSON, another version, a missing or unknown field, a field of the wrong type)."""
+        where = "the launch spec"
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"{where} is not JSON ({exc}): start the program with deja "
+                              "record, replay, fork or resume") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{where} is not a JSON object")
+        version = data.pop("version", None)
+        if version != LAUNCH_VERSION:
+            raise ConfigError(f"{where} is version {version!r}, and this deja reads version "
+                              f"{LAUNCH_VERSION}: the program was started by another deja; "
+                              "start it with this deja's own command")
+        hints = typing.get_type_hints(cls)
+        unknown = sorted(set(data) - set(hints))
+        if unknown:
+            raise ConfigError(f"{where} has fields this deja does not know: "
+                              f"{', '.join(unknown)}")
+        for name in ("mode", "cassette"):
+            if name not in data:
+                raise ConfigError(f"{where} has no {name}")
+        for name, value in data.items():
+            if not _fits(value, hints[name]):
+                raise ConfigError(f"{where}: {name} is {value!r}, not {_shown(hints[name])}")
+        return cls(**data)
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Does a JSON value fit a field's type (a tuple arrives as a list)?"""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_fits(value, arg) for arg in args)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if origin is tuple:
+        return isinstance(value, list) and all(_fits(item, args[0]) for item in value)
+    if origin is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) for k in value)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return value in {member.value for member in hint}
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _shown(hint: Any) -> str:
+    """A field's type as a message names it (a mode lists the valid values)."""
+    args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    inner = args[0] if len(args) == 1 else hint
+    if isinstance(inner, type) and issubclass(inner, enum.Enum):
+        return "one of " + ", ".join(member.value for member in inner)
+    origin = typing.get_origin(inner)
+    name = {tuple: "a list", dict: "an object"}.get(origin) if origin else \
+        {str: "a string", int: "an integer", bool: "true or false"}.get(inner)
+    return (name or str(inner)) + (" or null" if type(None) in typing.get_args(hint) else "")
 
 
 def write_end(path: str | Path, end: dict[str, Any], exit_code: int,

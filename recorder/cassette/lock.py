@@ -10,7 +10,7 @@ file holds who has it (pid, run, command, since when), so a second writer is ref
 
 ``deja record``, ``fork`` and ``resume`` take the lock in the launching process, before
 anything is read or written, and hand it to the program they start (an inherited file
-descriptor, ``DEJA_LOCK_FD``): the lock is held while either of them lives, so a resume
+descriptor, named in the launch spec): the lock is held while either of them lives, so a resume
 started beside an orphaned program is refused too. In one process the lock is re-entrant:
 the recording session and the launcher's end-line writer share it.
 """
@@ -29,8 +29,6 @@ from typing import Any
 
 from recorder.cassette.schema import utc_stamp
 from recorder.errors import CassetteLocked, CassetteWriteError
-
-LOCK_FD_ENV = "DEJA_LOCK_FD"
 
 _held: dict[str, WriterLock] = {}
 _guard = threading.Lock()
@@ -146,7 +144,8 @@ def acquire(cassette: str | Path, *, run: str | None, what: str) -> WriterLock:
 
 
 def adopt(cassette: str | Path, fd: int) -> WriterLock:
-    """Take over a hold inherited from the launching process (``DEJA_LOCK_FD``)."""
+    """Take over a hold inherited from the launching process (its launch spec's
+    ``lock_fd``)."""
     try:  # the same open file: flock succeeds at once when the inherited fd holds it
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:

@@ -63,8 +63,10 @@ print(reply.content[0].text, search("session"), flush=True)
 if os.environ.get("AGENT_KILLED_AT_EXIT"):
     # The out-of-memory killer picks the program as it exits, once deja's bootstrap has
     # handed over the run's end line: SIGKILL while the interpreter tears its modules down.
-    report = dict(item.split("=", 1) for item in
-                  open("/proc/self/environ").read().split("\\0") if "=" in item)["DEJA_REPORT"]
+    import json
+
+    report = json.loads(dict(item.split("=", 1) for item in open("/proc/self/environ").read()
+                             .split("\\0") if "=" in item)["DEJA_LAUNCH"])["report"]
 
     class KilledAtExit:
         def __del__(self) -> None:
