@@ -46,13 +46,14 @@ def _listening(host: str, port: int) -> bool:
 def _steps(path: Path) -> tuple[int, bool]:
     """(steps written, ended) of a cassette being written: its whole lines after the
     header, the end line not counted. Read as a status is: never trusted, only counted."""
+    from recorder.cassette.reader import peek_end
+
     try:
-        data = path.read_bytes()
+        whole = path.read_bytes().count(b"\n")
     except OSError:
         return 0, False
-    lines = data.split(b"\n")[:-1]  # whole lines only
-    ended = bool(lines) and b'"kind":"end"' in lines[-1]
-    return max(0, len(lines) - 1 - ended), ended
+    ended = peek_end(path) is not None  # an end line appended meanwhile ends the wait
+    return max(0, whole - 1 - ended), ended
 
 
 @click.command()

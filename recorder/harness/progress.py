@@ -40,6 +40,7 @@ from typing import Any
 
 from recorder.capture.redact import DEFAULT, Redaction
 from recorder.cassette.keys import deja_home
+from recorder.cassette.reader import peek_end, peek_header
 from recorder.cassette.schema import utc_stamp
 from recorder.errors import ConfigError
 
@@ -174,9 +175,6 @@ def cancel_requested(run: str, path: Path | None = None) -> dict[str, Any] | Non
         return {"reason": "cancel flag set"}
 
 
-TAIL = 65536  # bytes read from a cassette's end to find its last line
-
-
 def cassette_end(path: str | Path) -> tuple[str, dict[str, Any] | None]:
     """How a cassette stands, from its header and its last line alone (the whole file is
     never read: a status costs the same for a run of ten lines or of a million):
@@ -185,28 +183,10 @@ def cassette_end(path: str | Path) -> tuple[str, dict[str, Any] | None]:
 
     Not a verification: what it returns is shown (a status), never acted upon as trusted.
     """
-    try:
-        with open(path, "rb") as f:
-            head = f.read(1)
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - TAIL))
-            tail = f.read()
-            if size > TAIL and tail.rstrip(b"\n").find(b"\n") < 0:  # one long last line
-                f.seek(0)
-                tail = f.read()
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError):
-        return "none", None
-    if head != b"{" or b"\n" not in tail:
+    if peek_header(path) is None:
         return "none", None  # no header line written whole yet
-    last = tail.rstrip(b"\n").rsplit(b"\n", 1)[-1]
-    if b'"kind":"end"' in last:
-        try:
-            end = json.loads(last)
-        except ValueError:
-            return "open", None
-        if isinstance(end, dict) and end.get("kind") == "end":
-            return "ended", end
-    return "open", None
+    end = peek_end(path)
+    return ("ended", dict(end)) if end is not None else ("open", None)
 
 
 def read_status(run: str) -> dict[str, Any] | None:

@@ -321,3 +321,20 @@ def test_show_and_ls_show_lineage(spiral_cassette: Path) -> None:
     listed = CliRunner().invoke(main, ["ls", str(spiral_cassette.parent)])
     assert listed.exit_code == 0, listed.output
     assert "@1" in listed.output
+
+
+def test_wait_for_a_cassette_counts_its_steps_and_sees_its_end(spiral_cassette: Path,
+                                                                tmp_path: Path) -> None:
+    lines = spiral_cassette.read_bytes().splitlines(keepends=True)
+    growing = tmp_path / "growing.jsonl"
+    growing.write_bytes(b"".join(lines[:-1]) + lines[-1][:25])  # the end line torn
+
+    def wait(*args: str) -> int:
+        return CliRunner().invoke(main, ["wait", str(growing), "--timeout", "0", *args],
+                                  catch_exceptions=False).exit_code
+
+    steps = len(lines) - 2
+    assert wait("--steps", str(steps)) == 0 and wait("--steps", str(steps + 1)) == 1
+    assert wait() == 1  # a torn end line is no end
+    growing.write_bytes(b"".join(lines))
+    assert wait() == 0 and wait("--steps", "1000") == 0  # ended: nothing more to wait for

@@ -22,7 +22,7 @@ import recorder
 import replayer
 from recorder import errors
 from recorder.cassette import KINDS, RESUMABLE_ENDS, load
-from recorder.cassette.reader import peek_header
+from recorder.cassette.reader import PEEK_CHUNK, peek_end, peek_header
 from recorder.cassette.rows import live_from, run_summary, run_totals, step_error
 from recorder.cassette.schema import (
     BOOKKEEPING,
@@ -40,6 +40,7 @@ from recorder.cassette.schema import (
     utc_stamp,
     zero_totals,
 )
+from recorder.harness.progress import cassette_end
 from recorder.record import status_for
 from recorder.testing.server import StubServer
 
@@ -258,3 +259,51 @@ def test_peek_header_reads_the_first_line_only(retried: Path, tmp_path: Path) ->
     (tmp_path / "list.jsonl").write_text("[1, 2]\n")
     assert peek_header(tmp_path / "list.jsonl") is None
     assert peek_header(tmp_path / "missing.jsonl") is None
+
+
+def test_peek_end_reads_the_last_line_from_the_tail(retried: Path, tmp_path: Path) -> None:
+    whole = retried.read_bytes()
+    end = json.loads(whole.splitlines()[-1])  # as on disk, its signature too
+    assert end["kind"] == "end" and load(retried).end == {k: v for k, v in end.items()
+                                                           if k != "sig"}
+    assert peek_end(retried) == end and cassette_end(retried) == ("ended", end)
+    header_only = tmp_path / "open.jsonl"
+    header_only.write_bytes(whole.split(b"\n", 1)[0] + b"\n")
+    assert peek_end(header_only) is None and cassette_end(header_only) == ("open", None)
+    crlf = tmp_path / "crlf.jsonl"
+    crlf.write_bytes(whole.replace(b"\n", b"\r\n"))
+    assert peek_end(crlf) == end
+    assert peek_end(tmp_path / "missing.jsonl") is None and peek_end(tmp_path) is None
+    (tmp_path / "empty.jsonl").touch()
+    assert peek_end(tmp_path / "empty.jsonl") is None
+    assert cassette_end(tmp_path / "empty.jsonl") == ("none", None)
+
+
+@pytest.mark.parametrize("cut", [1, 20, "the newline"])
+def test_a_torn_end_line_is_no_end(retried: Path, tmp_path: Path, cut: int | str) -> None:
+    """An end line cut short, even one that lacks only its newline, is torn: the reader
+    refuses it and a resume cuts it, so the run is open, not ended."""
+    whole = retried.read_bytes()
+    torn = tmp_path / "torn.jsonl"
+    torn.write_bytes(whole[:-1] if cut == "the newline" else whole[:-1 - int(cut)])
+    assert peek_end(torn) is None and cassette_end(torn) == ("open", None)
+
+
+def test_a_huge_last_line_is_read_whole_and_only_it(retried: Path, tmp_path: Path) -> None:
+    lines = retried.read_bytes().splitlines(keepends=True)
+    end = json.loads(lines[-1])
+    long_end = dict(end, error={"type": "ValueError", "module": "builtins",
+                                "message": "x" * (5 * PEEK_CHUNK + 17)})
+    huge = tmp_path / "huge.jsonl"
+    huge.write_bytes(b"".join(lines[:-1]) + json.dumps(long_end).encode() + b"\n")
+    assert peek_end(huge) == long_end  # spans several chunks: read back to its start
+    big_step = tmp_path / "big-step.jsonl"  # an open run whose last step is large
+    big_step.write_bytes(b"".join(lines[:-2]) + json.dumps(
+        {"seq": 99, "kind": "tool", "result": "y" * (3 * PEEK_CHUNK)}).encode() + b"\n")
+    assert peek_end(big_step) is None
+    sparse = tmp_path / "sparse.jsonl"  # a gigabyte before the end: never read
+    with sparse.open("wb") as f:
+        f.write(lines[0])
+        f.seek(1 << 30)
+        f.write(b"\n" + lines[-1])
+    assert peek_end(sparse) == end and cassette_end(sparse) == ("ended", end)
