@@ -1,5 +1,11 @@
-"""What deja's HTTP servers (``deja proxy``, ``deja serve``) share: a guard against clients
-that connect and never finish a request's headers.
+"""What deja's HTTP servers (``deja proxy``, ``deja serve``) share: whether a host is this
+machine's loopback, the listening socket, a request body read within bounds, and a guard
+against clients that connect and never finish a request's headers.
+
+Each server answers in its own shape (the proxy as the provider would, ``deja serve`` with
+its named JSON errors), so what is shared here raises and the server says it:
+:func:`read_body` raises :class:`BodyTooLarge`, :class:`BodyStalled` or
+:class:`ClientLeft` (all :class:`BodyRefused`), and :func:`bind` an ``OSError``.
 
 uvicorn (0.55, httptools) starts no timer on a new connection: a client that sends a few
 bytes of headers and then one more every few seconds (slowloris) holds its socket for as
@@ -13,19 +19,101 @@ uvicorn's httptools protocol with two bounds:
   one that has waited longest, so a burst of idle sockets cannot keep a real client out.
 
 An idle kept-alive connection (no byte since its last response) is uvicorn's own business:
-``timeout_keep_alive`` closes it. The body of a request is not timed here (a large upload
-on a slow link is legitimate); each server bounds its size.
+``timeout_keep_alive`` closes it. The body of a request is bounded by :func:`read_body`:
+in size always, and in time when the server gives a ``timeout`` (the longest pause between
+two of its pieces: a large upload on a slow link is legitimate, a body that stops coming
+is not).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
-__all__ = ["HEADER_TIMEOUT", "MAX_WAITING", "guarded_httptools"]
+__all__ = ["HEADER_TIMEOUT", "MAX_WAITING", "BodyRefused", "BodyStalled", "BodyTooLarge",
+           "ClientLeft", "bind", "guarded_httptools", "is_loopback", "read_body"]
 
 HEADER_TIMEOUT = 10.0  # seconds a client gets to send a request's headers
 MAX_WAITING = 512  # connections waiting for their headers at once
+
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]  # an ASGI receive channel
+
+
+def is_loopback(host: str) -> bool:
+    """Is ``host`` (a name or an address, without a port) this machine's loopback?"""
+    name = host.strip().lower().strip("[]").rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (0: any free port), for the server to listen
+    on; ``OSError`` when it cannot be (a port taken, an address not this machine's)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP named outright: asyncio sets TCP_NODELAY only on sockets created so, and
+    # without it every response waits ~40 ms for the client's delayed ACK (Nagle)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class BodyRefused(Exception):
+    """A request body the server does not take whole; each server answers it its own way."""
+
+
+class BodyTooLarge(BodyRefused):
+    """Over the server's limit: as declared (``content-length``) or as it arrived."""
+
+
+class BodyStalled(BodyRefused):
+    """Nothing of the body came for longer than the server's ``timeout``."""
+
+
+class ClientLeft(BodyRefused):
+    """The client went away before its body was complete."""
+
+
+async def read_body(receive: Receive, headers: Mapping[str, str], *, limit: int,
+                    timeout: float | None = None) -> bytes:
+    """A request's body, read whole from the ASGI ``receive`` channel: at most ``limit``
+    bytes (a larger ``content-length`` among the lower-cased ``headers`` is refused before
+    anything is read), each piece within ``timeout`` seconds of the one before (None: no
+    bound in time)."""
+    declared = headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(f"the request body declares {declared} bytes, over {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        try:  # a body that stops coming would hold its connection for ever
+            message = await (receive() if timeout is None
+                             else asyncio.wait_for(receive(), timeout))
+        except TimeoutError:
+            raise BodyStalled(f"nothing of the request body came for {timeout:g} s") from None
+        if message["type"] == "http.disconnect":
+            raise ClientLeft("the client went away while sending its request body")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"the request body is over {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
 
 
 def guarded_httptools(header_timeout: float = HEADER_TIMEOUT,

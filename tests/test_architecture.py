@@ -11,6 +11,9 @@ Every rule here reads the modules' imports with ``ast`` (imports inside function
 - the durable-execution engine (DBOS) is imported by ``deja.runs.engine`` alone;
 - a private module or name (``_x``) is used only inside the package that owns it;
 - a package's ``__init__`` says what it exports in ``__all__``;
+- the two HTTP servers (``deja.proxy``, ``deja.runs``) share one serving helper
+  (``recorder.serving``): neither has a loopback check, a socket bind or a body reader of
+  its own;
 - a test file stays short enough to read.
 """
 
@@ -292,6 +295,54 @@ def test_every_package_declares_what_it_exports(init: Path) -> None:
         f"{where}: __all__ and the public names it binds differ: "
         f"only in __all__ {sorted(set(declared) - bound)}, "
         f"defined or re-exported but not in __all__ {sorted(exported - set(declared))}")
+
+
+SERVERS = ("deja.proxy", "deja.runs")
+SERVING = "recorder.serving"
+SHARED = ("bind", "guarded_httptools", "is_loopback", "read_body")  # every server uses them
+
+
+def serving_roles(path: Path) -> Iterator[str]:
+    """Where the module at ``path`` does what :mod:`recorder.serving` does for every server:
+    a function named as a loopback check or a bind, an address's ``.is_loopback`` asked, a
+    socket bound (``.bind``, ``.setsockopt``), or an ASGI message's ``more_body`` read (a
+    request body read piece by piece)."""
+    module = module_name(path)
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        role = None
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and \
+                node.name.lstrip("_") in ("is_loopback", "loopback", "bind"):
+            role = f"defines {node.name}"
+        elif isinstance(node, ast.Attribute) and node.attr in ("is_loopback", "bind",
+                                                               "setsockopt"):
+            role = f"uses .{node.attr}"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                node.func.attr == "get" and node.args and \
+                isinstance(node.args[0], ast.Constant) and node.args[0].value == "more_body":
+            role = "reads a request body"
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and \
+                isinstance(node.slice, ast.Constant) and node.slice.value == "more_body":
+            role = "reads a request body"
+        if role is not None:
+            yield f"{module}:{getattr(node, 'lineno', 0)} {role}"
+
+
+def test_the_servers_share_one_serving_helper() -> None:
+    """The proxy and the runs API check loopback, bind their socket and read a request
+    body through ``recorder.serving`` alone, each answering its refusals its own way."""
+    shared = ROOT.joinpath(*SERVING.split(".")).with_suffix(".py")
+    roles = " ".join(serving_roles(shared))
+    assert all(role in roles for role in ("defines is_loopback", "defines bind",
+                                          "reads a request body")), roles
+    found = [where for path in source_files()
+             if any(inside(module_name(path), server) for server in SERVERS)
+             for where in serving_roles(path)]
+    assert not found, report(found, f"serving done again beside {SERVING}")
+    for server in SERVERS:
+        used = {use.target.rpartition(".")[2] for use in ALL_USES
+                if inside(use.importer, server) and use.target.startswith(SERVING + ".")}
+        assert set(SHARED) <= used, f"{server} does not use {SERVING}'s " \
+                                    f"{sorted(set(SHARED) - used)}"
 
 
 def test_no_test_file_is_over_800_lines() -> None:

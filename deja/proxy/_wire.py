@@ -1,6 +1,6 @@
 """What the proxy says on the wire besides what it forwards: error responses in the
 provider's own shape, which headers pass a hop, where a path goes upstream, and whom it
-answers.
+answers (loopback by :func:`recorder.serving.is_loopback`, which ``deja serve`` shares).
 
 An error the proxy answers itself is an Anthropic error object
 (``{"type": "error", "error": {"type": ..., "message": ...}}``), so that every SDK raises
@@ -34,8 +34,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from recorder.serving import is_loopback
+
 __all__ = ["HOP_BY_HOP", "Callers", "ProxyError", "error_body", "forwardable", "hop_by_hop",
-           "is_loopback", "served_headers", "upstream_path"]
+           "served_headers", "upstream_path"]
 
 # Headers that describe one hop, not the message (RFC 9110 7.6.1), and the ones the
 # upstream client sets itself from the URL and the body it sends.
@@ -119,17 +121,6 @@ def _ip(name: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
         return ipaddress.ip_address(name)
     except ValueError:
         return None
-
-
-def is_loopback(host: str) -> bool:
-    """Is ``host`` (a name or an address, without a port) this machine's loopback?"""
-    name = host.strip().lower().strip("[]").rstrip(".")
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
-    ip = _ip(name)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip is not None and ip.is_loopback
 
 
 def host_name(value: str) -> str | None:

@@ -58,6 +58,7 @@ from recorder.errors import (
 )
 from recorder.providers import model_provider
 from recorder.record import RecordSession
+from recorder.serving import BodyStalled, BodyTooLarge, ClientLeft, read_body
 
 __all__ = ["Proxy"]
 
@@ -266,31 +267,21 @@ class Proxy:
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _body(self, receive: Receive, named: dict[str, str]) -> bytes:
-        declared = named.get("content-length", "")
-        too_big = ProxyError(413, "request_too_large",
+        """The request's body (:func:`recorder.serving.read_body`), refused in the
+        provider's shape: 413 over ``max_body``, 408 stalled for ``body_timeout``."""
+        try:
+            return await read_body(receive, named, limit=self.max_body,
+                                   timeout=self.body_timeout)
+        except BodyTooLarge:
+            raise ProxyError(413, "request_too_large",
                              f"deja proxy: the request body is over the proxy's limit of "
-                             f"{self.max_body} bytes (deja proxy --max-body)")
-        if declared.isdigit() and int(declared) > self.max_body:
-            raise too_big
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            try:  # a body that stops coming would hold its connection for ever
-                message = await asyncio.wait_for(receive(), self.body_timeout)
-            except TimeoutError:
-                raise ProxyError(408, "request_timeout",
-                                 f"deja proxy: the request body stalled: nothing came for "
-                                 f"{self.body_timeout:g} s (deja proxy --body-timeout)"
-                                 ) from None
-            if message["type"] == "http.disconnect":
-                raise ClientGone("the client went away while sending its request")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                raise too_big
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                return b"".join(chunks)
+                             f"{self.max_body} bytes (deja proxy --max-body)") from None
+        except BodyStalled:
+            raise ProxyError(408, "request_timeout",
+                             f"deja proxy: the request body stalled: nothing came for "
+                             f"{self.body_timeout:g} s (deja proxy --body-timeout)") from None
+        except ClientLeft:
+            raise ClientGone("the client went away while sending its request") from None
 
     def _read_model_request(self, body: bytes, ex: Exchange) -> tuple[Any, list[str] | None]:
         parsed, problem, texts = self._reader.read(body)

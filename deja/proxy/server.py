@@ -5,7 +5,8 @@
 up to the fork step, the edited step, then goes live into a new cassette whose header
 names its parent. The server is uvicorn: a readiness file once the socket listens, one log
 line per request, a client that does not send a request's headers within
-``header_timeout`` seconds is dropped (:mod:`recorder.serving`), and on SIGTERM or SIGINT a
+``header_timeout`` seconds is dropped (:mod:`recorder.serving`, which also binds the socket
+and reads each request body within bounds for it and ``deja serve``), and on SIGTERM or SIGINT a
 graceful stop (no new connections; in-flight streams get ``grace`` seconds to finish),
 after which every open cassette gets its end line.
 """
@@ -17,14 +18,13 @@ import json
 import logging
 import os
 import signal
-import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from deja.proxy._bounds import BODY_TIMEOUT, MAX_RESPONSE
-from deja.proxy._wire import Callers, is_loopback
+from deja.proxy._wire import Callers
 from deja.proxy.app import Proxy
 from deja.proxy.runs import ProxyRun
 from recorder.capture.redact import Redaction
@@ -32,9 +32,9 @@ from recorder.cassette import load
 from recorder.cassette.keys import load_keyring, require_signing_key
 from recorder.errors import ConfigError
 from recorder.record import RecordSession
-from recorder.serving import HEADER_TIMEOUT, MAX_WAITING, guarded_httptools
+from recorder.serving import HEADER_TIMEOUT, MAX_WAITING, bind, guarded_httptools, is_loopback
 
-__all__ = ["ProxyOptions", "ServeResult", "build", "is_loopback", "serve"]
+__all__ = ["ProxyOptions", "ServeResult", "build", "serve"]
 
 log = logging.getLogger("deja.proxy")
 
@@ -160,20 +160,6 @@ def _forking(options: ProxyOptions, upstream: str, common: dict[str, Any]) -> Pr
     return Proxy(upstream=upstream, single=run, **common)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP named outright: asyncio sets TCP_NODELAY only on sockets created so, and
-    # without it every response waits ~40 ms for the client's delayed ACK (Nagle)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def _write_ready(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data))
@@ -194,7 +180,7 @@ def serve(options: ProxyOptions, proxy: Proxy | None = None) -> ServeResult:
                             # a float is what asyncio.wait_for takes; the hint says int
                             timeout_graceful_shutdown=options.grace)  # type: ignore[arg-type]
     server = uvicorn.Server(config)
-    sock = _bind(options.host, options.port)  # here, so that a taken port is an OSError
+    sock = bind(options.host, options.port)  # here, so that a taken port is an OSError
 
     async def announce() -> None:
         while not server.started:

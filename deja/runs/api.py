@@ -47,12 +47,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import ipaddress
 import json
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
@@ -64,8 +62,16 @@ from deja.runs.errors import BadRunRequest, BadSchedule, DatabaseUnavailable, No
 from deja.runs.guard import ApiError, Guard, bad_text, parse_json, require_json, safe_headers
 from deja.runs.store import ENDED
 from recorder.errors import ConfigError, DejaError, NoSuchRun, UsageError
+from recorder.serving import (
+    BodyTooLarge,
+    ClientLeft,
+    bind,
+    guarded_httptools,
+    is_loopback,
+    read_body,
+)
 
-__all__ = ["MAX_BODY", "Api", "ApiError", "is_loopback", "serve"]
+__all__ = ["MAX_BODY", "Api", "ApiError", "serve"]
 
 log = logging.getLogger("deja.serve")
 
@@ -85,15 +91,6 @@ def error_of(exc: DejaError) -> ApiError:
     """The answer to a named error of deja's."""
     status = next((code for kind, code in STATUS_OF if isinstance(exc, kind)), 500)
     return ApiError(status, type(exc).__name__, str(exc))
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _route(method: str, path: str) -> tuple[str, str | None]:
@@ -232,25 +229,16 @@ class Api:
 
     async def _json_body(self, receive: Receive, headers: dict[str, str],
                          optional: bool = False) -> Any:
-        declared = headers.get("content-length", "")
-        too_big = ApiError(413, "BodyTooLarge", f"the request body is over the limit of "
-                           f"{self.max_body} bytes")
-        if declared.isdigit() and int(declared) > self.max_body:
-            raise too_big
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise ApiError(400, "BadJson", "the client went away while sending its body")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                raise too_big
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
-        data = b"".join(chunks)
+        """The request's body as strict JSON (:func:`recorder.serving.read_body`: at most
+        ``max_body`` bytes, else 413)."""
+        try:
+            data = await read_body(receive, headers, limit=self.max_body)
+        except BodyTooLarge:
+            raise ApiError(413, "BodyTooLarge", f"the request body is over the limit of "
+                           f"{self.max_body} bytes") from None
+        except ClientLeft:
+            raise ApiError(400, "BadJson", "the client went away while sending its body"
+                           ) from None
         if optional and not data.strip():
             return None
         return parse_json(data)
@@ -396,21 +384,6 @@ def check_binding(host: str, token: str | None) -> None:
                           "TOKEN (the deja commands send DEJA_TOKEN)")
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP named outright: asyncio sets TCP_NODELAY only on sockets created so, and
-    # without it a response can wait ~40 ms for the client's delayed ACK (Nagle)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"deja serve cannot listen on {host}:{port} ({exc.strerror or exc}); "
-                          "choose another --port or --host") from None
-    return sock
-
-
 def _sqlite_folder(url: str) -> None:
     """The embedded database's folder is made on first use (a fresh ``$DEJA_HOME``)."""
     from deja.runs.config import is_sqlite
@@ -436,7 +409,11 @@ def serve(host: str, port: int, token: str | None, url: str,
     check_binding(host, token)
     guard = Guard.of(server_token(token), host, allowed_hosts)
     _sqlite_folder(url)
-    sock = _bind(host, port)
+    try:
+        sock = bind(host, port)
+    except OSError as exc:
+        raise ConfigError(f"deja serve cannot listen on {host}:{port} ({exc.strerror or exc}); "
+                          "choose another --port or --host") from None
     try:
         store = Store(url)
         client = engine.Client(url)
@@ -446,8 +423,6 @@ def serve(host: str, port: int, token: str | None, url: str,
     server: uvicorn.Server | None = None
     app = Api(Runs(store, client), guard=guard,
               stopping=lambda: server is not None and server.should_exit)
-    from recorder.serving import guarded_httptools  # slow clients: a header timeout
-
     config = uvicorn.Config(app, lifespan="on", http=guarded_httptools(), loop="uvloop",
                             log_level="warning", access_log=False, server_header=False,
                             date_header=False, backlog=2048, timeout_keep_alive=30,

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from recorder.serving import is_loopback
+
 __all__ = ["MAX_DEPTH", "ApiError", "Guard", "bad_text", "depth", "parse_json", "require_json",
            "safe_headers", "split_host"]
 
@@ -69,15 +71,6 @@ def safe_headers() -> list[tuple[bytes, bytes]]:
     """Headers on every answer: not sniffed as a script, not readable by other origins
     (even through a ``no-cors`` request), never cached."""
     return list(_SAFE_HEADERS)
-
-
-def _loopback(host: str) -> bool:
-    if host in ("localhost", "127.0.0.1", "::1"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _is_ip(host: str) -> bool:
@@ -141,7 +134,7 @@ class Guard:
         parsed = split_host(given)
         if parsed is not None:
             name = parsed[0]
-            if _loopback(name) or name in self.hosts or (self.any_address and _is_ip(name)):
+            if is_loopback(name) or name in self.hosts or (self.any_address and _is_ip(name)):
                 return parsed
         raise ApiError(421, "MisdirectedRequest",
                        f"this is deja serve, and the request names the host {given!r}; it "
