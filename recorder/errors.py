@@ -208,6 +208,8 @@ class DivergenceInfo:
     expected: object
     actual: object
     diff: str
+    # the recorded request nearest to the one sent, ranked field by field, and how it differs
+    nearest: str | None = None
 
 
 class Divergence(DejaError):
@@ -231,6 +233,8 @@ class Divergence(DejaError):
         head = f"replay diverged at {where} ({self.info.kind}): {self.info.reason}"
         if self.path:
             head += f"\n  cassette: {self.path}"
+        if self.info.nearest:
+            head += f"\n  {self.info.nearest}"
         body = f"\n{self.info.diff}" if self.info.diff else ""
         hint = ("\n  The agent's code or inputs changed since this run was recorded. "
                 "Re-record it, or fork the run at this step to test the change.")

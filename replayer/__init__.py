@@ -5,6 +5,7 @@ from recorder.errors import Divergence, DivergenceInfo
 from replayer.continuation import ContinuationSession
 from replayer.diff import RunDiff, compare
 from replayer.fork import ForkPlan, fork, plan_fork
+from replayer.policy import ReplayPolicy
 from replayer.replay import ReplayResult, ReplaySession, replay, start
 from replayer.resume import plan_resume, resume
 
@@ -13,6 +14,7 @@ __all__ = [
     "Divergence",
     "DivergenceInfo",
     "ForkPlan",
+    "ReplayPolicy",
     "ReplayResult",
     "ReplaySession",
     "RunDiff",

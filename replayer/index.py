@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from recorder.canonical import digest
@@ -44,7 +44,10 @@ def tool_key(name: str, args_key: Any) -> tuple[str, str]:
 class Index:
     """Unused observations by key, plus the first unused one of each family."""
 
-    def __init__(self, cassette: Cassette) -> None:
+    def __init__(self, cassette: Cassette,
+                 net_key: Callable[[Mapping[str, Any]], str] | None = None) -> None:
+        """``net_key``: what a model or HTTP line is keyed by, when not its stored
+        fingerprint (a replay policy's key, :meth:`replayer.policy.ReplayPolicy.line_key`)."""
         self._lock = threading.Lock()
         self._queues: dict[tuple[str, str], deque[Mapping[str, Any]]] = {}
         # effects by (name, file, function) of their call site
@@ -79,6 +82,8 @@ class Index:
             key = key_of(obs)
             if key is None or "within" in obs:  # made inside a tool body: served with the tool
                 continue
+            if net_key is not None and key[0] == "net":
+                key = ("net", net_key(obs))
             self._queues.setdefault(key, deque()).append(obs)
             self._order[key[0]].append(obs)
             self.total += 1
@@ -148,6 +153,12 @@ class Index:
                 i += 1
             self._cursor[family] = i
             return order[i] if i < len(order) else None
+
+    def unserved(self, family: str) -> list[Mapping[str, Any]]:
+        """The recorded observations of ``family`` not served yet, in recorded order."""
+        with self._lock:
+            return [obs for obs in self._order[family][self._cursor[family]:]
+                    if obs["seq"] not in self.used]
 
     def unused(self) -> list[int]:
         with self._lock:

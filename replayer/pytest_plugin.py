@@ -18,6 +18,9 @@ Recording follows one rule: a flag never overwrites what it was not asked to.
   overwritten), except those marked ``record=False``.
 - ``@pytest.mark.deja(path, record=False)`` is a cassette no flag ever writes: an
   incident, kept as it happened. It always replays; a missing one fails the test.
+- ``@pytest.mark.deja(path, ignore=[...], normalise=[...])`` is the replay policy
+  (:class:`replayer.policy.ReplayPolicy`): JSON pointers left out of the match, and
+  ``PATTERN=REPLACEMENT`` rewrites of the request's text (a date in a prompt).
 
 A cassette recorded by the plugin stores the test itself as its command, ``python -m
 pytest <the test's node id>`` (no deja flags), and the directory pytest ran in, so
@@ -42,13 +45,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from recorder.capture import session as _session
-from recorder.errors import Divergence
+from recorder.errors import ConfigError, Divergence
 from recorder.record import RecordSession
+
+if TYPE_CHECKING:
+    from replayer.policy import ReplayPolicy
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -116,6 +122,21 @@ def _recordable(request: pytest.FixtureRequest) -> bool:
     return value
 
 
+def _policy(request: pytest.FixtureRequest, marker: pytest.Mark) -> ReplayPolicy:
+    """The marker's ``ignore=`` (JSON pointers) and ``normalise=`` (``PATTERN=REPLACEMENT``
+    items): what may differ between the recording and the test's run."""
+    from replayer.policy import ReplayPolicy
+
+    ignore, normalise = marker.kwargs.get("ignore", ()), marker.kwargs.get("normalise", ())
+    if isinstance(ignore, str) or isinstance(normalise, str):
+        raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.deja(ignore=..., "
+                                "normalise=...) take lists of strings")
+    try:
+        return ReplayPolicy.parse(ignore, normalise)
+    except ConfigError as exc:
+        raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.deja: {exc}") from None
+
+
 def _should_record(request: pytest.FixtureRequest, cassette: Path) -> bool:
     """Whether this run records ``cassette`` (see the module docstring for the rule)."""
     rerecord = request.config.getoption("deja_rerecord")
@@ -168,7 +189,8 @@ def _deja_marked(request: pytest.FixtureRequest) -> Iterator[None]:
     marker = request.node.get_closest_marker("deja")
     allowed = (bool(marker.kwargs.get("allow_unverified"))
                or request.config.getoption("deja_allow_unverified"))
-    context = replay(cassette, allow_unverified=True if allowed else None)
+    context = replay(cassette, allow_unverified=True if allowed else None,
+                     policy=_policy(request, marker))
     current = context.__enter__()
     if not current.cassette.verified:
         note = current.cassette.verify_note

@@ -62,6 +62,7 @@ from recorder.errors import (
 )
 from replayer.diff import unified
 from replayer.index import Index, tool_key
+from replayer.policy import ReplayPolicy, nearest
 
 log = logging.getLogger("deja.replayer")
 
@@ -131,6 +132,8 @@ class ReplayResult:
             d = self.divergence
             step = d.step if d.step is not None else "end"
             lines.append(f"  first divergence at step {step} ({d.kind}): {d.reason}")
+            if d.nearest:
+                lines.append(f"  {d.nearest}")
             if d.diff:
                 lines.extend("    " + line for line in d.diff.splitlines())
         elif self.unused:
@@ -218,10 +221,11 @@ class ReplaySession(session.Session, Source):
     """
 
     mode = "replay"
+    consults_log = True
 
     def __init__(self, cassette: Cassette, *, raise_on_divergence: bool = True,
                  until_used_up: bool = False, on_miss: str = "diverge",
-                 copies: bool = False) -> None:
+                 copies: bool = False, policy: ReplayPolicy | None = None) -> None:
         if on_miss not in ("diverge", "pass"):
             raise ValueError(f"on_miss: 'diverge' or 'pass', not {on_miss!r}")
         self.cassette = cassette
@@ -230,7 +234,10 @@ class ReplaySession(session.Session, Source):
         self.missed = False  # a miss passed on (on_miss="pass"): closed from here on
         self.path = cassette.path
         self.raise_on_divergence = raise_on_divergence  # read by replay()'s scope
-        self.index = Index(cassette)
+        # what a request is matched on: the stored fingerprints, or the policy's keys
+        self.policy = policy or ReplayPolicy()
+        self.index = Index(cassette, None if self.policy.exact
+                           else self.policy.line_key(cassette.requests))
         # Exactly the rules the recording used, so requests fingerprint the same way.
         self.redaction = Redaction.from_header(cassette.header.get("redact"))
         self._parts = Parts()  # the history the agent resends, hashed once
@@ -376,11 +383,28 @@ class ReplaySession(session.Session, Source):
             exp = _describe(self.cassette, expected)
             info = DivergenceInfo(step=expected["seq"], kind=expected["kind"],
                                   reason=f"{what} that does not match the recording",
-                                  expected=exp, actual=actual, diff=unified(exp, actual))
+                                  expected=exp, actual=actual, diff=unified(exp, actual),
+                                  nearest=self._nearest(family, actual))
         with self._lock:
             if self.divergence is None:
                 self.divergence = info
         return Divergence(info, path=self.path)
+
+    def _nearest(self, family: str, actual: Any) -> str | None:
+        """The unserved recorded request nearest to ``actual`` (ranked field by field, under
+        the policy), and how it differs, as a sentence."""
+        if family != "net":
+            return None
+        found = nearest(self.policy.request(actual),
+                        ((obs["seq"], self.policy.request(_describe(self.cassette, obs)))
+                         for obs in self.index.unserved(family)))
+        if found is None:
+            return None
+        seq, differ = found
+        shown = ", ".join(differ[:8]) + (f" and {len(differ) - 8} more" if len(differ) > 8
+                                         else "")
+        return (f"nearest recorded request: step {seq}, which differs in "
+                f"{shown or 'nothing the policy reads'}")
 
     # -- the capture seam
 
@@ -406,7 +430,11 @@ class ReplaySession(session.Session, Source):
                                                      request.body, self.redaction,
                                                      self._requests)
         url = self.redaction.url(request.url)
-        fp = request_fingerprint(kind, provider, request.method, url, body, self._parts, texts)
+        if self.policy.exact:
+            fp = request_fingerprint(kind, provider, request.method, url, body, self._parts,
+                                     texts)
+        else:
+            fp = self.policy.key(kind, provider, request.method, url, body)
         obs = self.index.take(("net", fp))
         if obs is None:
             actual: Any = body if kind == "model" else {
@@ -557,8 +585,8 @@ def _check_replay(replay_session: ReplaySession, result: ReplayResult,
 
 def replay(path: str | Path, *, keyring: Keyring | None = None, require_signature: bool = False,
            allow_unverified: bool | None = None, allow_torn: bool = False,
-           allow_incomplete: bool = False,
-           raise_on_divergence: bool = True) -> session.Scope[ReplaySession]:
+           allow_incomplete: bool = False, raise_on_divergence: bool = True,
+           policy: ReplayPolicy | None = None) -> session.Scope[ReplaySession]:
     """Replay the cassette at ``path`` around a block or a decorated function.
 
     The signature chain is verified with the key the cassette names (from ``keyring``,
@@ -567,13 +595,15 @@ def replay(path: str | Path, *, keyring: Keyring | None = None, require_signatur
     ``DEJA_ALLOW_UNVERIFIED`` environment variable); its result then says ``NOT
     VERIFIED``. ``require_signature`` refuses it even then. A torn last line is refused
     unless ``allow_torn``; a cassette without an end line (truncated, or a crashed run)
-    unless ``allow_incomplete``.
+    unless ``allow_incomplete``. ``policy`` says what may differ between the recording and
+    the replay (:class:`replayer.policy.ReplayPolicy`: ignored fields, normalised text).
     """
     def open_replay() -> ReplaySession:
         loaded = load(path, keyring=keyring or load_keyring(create=False),
                       require_signature=require_signature, allow_unverified=allow_unverified,
                       allow_torn=allow_torn, allow_incomplete=allow_incomplete)
-        return ReplaySession(loaded, raise_on_divergence=raise_on_divergence).start()
+        return ReplaySession(loaded, raise_on_divergence=raise_on_divergence,
+                             policy=policy).start()
 
     return session.Scope(open_replay, lambda replay_session, exc: replay_session.finish(),
                          check=_check_replay, name=f"replay({path})")

@@ -1,0 +1,182 @@
+"""How a replay matches a call to the log: one value, the replay policy.
+
+A replay matches a model or HTTP request by the fingerprint of its semantic request (see
+:func:`recorder.capture.exchange.request_fingerprint`). A :class:`ReplayPolicy` says what
+else may differ between the recording and the replay without changing what the call
+means: parts of the request body to leave out (``ignore``, JSON pointers such as
+``/metadata/user_id``; ``*`` stands for any key or list index) and rewrites of every
+string in it (``normalise``, a regular expression and its replacement, such as today's
+date in a system prompt). The index computes its keys under the policy, and the request
+the program sends is read under the same policy, so both sides agree.
+
+When a call matches nothing, :func:`nearest` ranks the unserved recorded requests field
+by field (the most fields equal first, then recorded order) and names how the nearest one
+differs: what a divergence report shows beside the diff.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from recorder import providers
+from recorder.canonical import fingerprint
+from recorder.errors import ConfigError
+
+__all__ = ["ReplayPolicy", "nearest"]
+
+
+def _pointer(text: str) -> tuple[str, ...]:
+    if not text.startswith("/"):
+        raise ConfigError(f"ignore {text!r}: a JSON pointer starts with / (such as "
+                          "/metadata/user_id, or /messages/*/content for every message)")
+    return tuple(part.replace("~1", "/").replace("~0", "~") for part in text[1:].split("/"))
+
+
+@dataclass(frozen=True)
+class ReplayPolicy:
+    """What a replay matches on: the request less ``ignore``, with ``normalise`` applied."""
+
+    ignore: tuple[str, ...] = ()
+    normalise: tuple[tuple[str, str], ...] = ()
+    _pointers: tuple[tuple[str, ...], ...] = field(default=(), init=False, repr=False,
+                                                    compare=False)
+    _patterns: tuple[tuple[re.Pattern[str], str], ...] = field(default=(), init=False,
+                                                               repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ignore", tuple(self.ignore))
+        object.__setattr__(self, "normalise", tuple((str(p), str(r)) for p, r in self.normalise))
+        object.__setattr__(self, "_pointers", tuple(_pointer(p) for p in self.ignore))
+        patterns = []
+        for pattern, replacement in self.normalise:
+            try:
+                patterns.append((re.compile(pattern), replacement))
+            except re.error as exc:
+                raise ConfigError(f"normalise {pattern!r}: not a regular expression ({exc})") \
+                    from None
+        object.__setattr__(self, "_patterns", tuple(patterns))
+
+    @classmethod
+    def parse(cls, ignore: Iterable[str] = (), normalise: Iterable[str] = ()) -> ReplayPolicy:
+        """From the command line's and the marker's form: ``normalise`` items are
+        ``PATTERN=REPLACEMENT`` (the last ``=`` splits them)."""
+        pairs = []
+        for item in normalise:
+            pattern, sep, replacement = item.rpartition("=")
+            if not sep:
+                raise ConfigError(f"normalise {item!r}: give PATTERN=REPLACEMENT, such as "
+                                  r"'\d{4}-\d{2}-\d{2}=DATE'")
+            pairs.append((pattern, replacement))
+        return cls(tuple(ignore), tuple(pairs))
+
+    @property
+    def exact(self) -> bool:
+        """Nothing declared: match on the fingerprints the cassette stores."""
+        return not self.ignore and not self.normalise
+
+    def request(self, body: Any) -> Any:
+        """``body`` as the policy reads it: a copy less the ignored parts, strings rewritten
+        (``body`` itself when the policy is exact)."""
+        if self.exact:
+            return body
+        body = copy.deepcopy(body)
+        for parts in self._pointers:
+            body = _drop(body, parts)
+        return self._rewrite(body) if self._patterns else body
+
+    def _rewrite(self, value: Any) -> Any:
+        if isinstance(value, str):
+            for pattern, replacement in self._patterns:
+                value = pattern.sub(replacement, value)
+            return value
+        if isinstance(value, list):
+            return [self._rewrite(item) for item in value]
+        if isinstance(value, dict):
+            return {key: self._rewrite(item) for key, item in value.items()}
+        return value
+
+    def key(self, kind: str, provider: str | None, method: str, url: str, body: Any) -> str:
+        """The fingerprint of a request under the policy (as the index keys it)."""
+        body = self.request(body)
+        if kind == "model" and provider is not None:
+            return providers.get(provider).fingerprint(method, url, body)
+        return fingerprint(kind, method, url, body)
+
+    def line_key(self, requests: Mapping[int, Any]) -> Callable[[Mapping[str, Any]], str]:
+        """The key of a recorded model or HTTP line under the policy (``requests``: the
+        model requests of its cassette, by seq)."""
+        def key(obs: Mapping[str, Any]) -> str:
+            if obs["kind"] == "model":
+                provider = providers.for_line(obs)
+                return provider.fingerprint("POST", obs["url"],
+                                            self.request(requests.get(obs["seq"])))
+            request = obs.get("request") or {}
+            return self.key("http", None, obs.get("method", "GET"), obs["url"],
+                            request.get("body"))
+        return key
+
+
+def _drop(value: Any, parts: tuple[str, ...]) -> Any:
+    """``value`` without what the pointer ``parts`` names (``*``: every key or index)."""
+    if not parts:
+        return value
+    head, rest = parts[0], parts[1:]
+    if isinstance(value, dict):
+        names = list(value) if head == "*" else [head] if head in value else []
+        for name in names:
+            if rest:
+                value[name] = _drop(value[name], rest)
+            else:
+                del value[name]
+    elif isinstance(value, list):
+        if head == "*":
+            indexes = range(len(value))
+        elif head.isdigit() and int(head) < len(value):
+            indexes = range(int(head), int(head) + 1)
+        else:
+            indexes = range(0)
+        if rest:
+            for i in indexes:
+                value[i] = _drop(value[i], rest)
+        else:
+            for i in reversed(indexes):
+                del value[i]
+    return value
+
+
+def _fields(request: Any) -> dict[str, Any]:
+    """A request as fields to compare: a JSON object's members, a conversation's items
+    each a field of its own (``messages[3]``), anything else one field."""
+    if not isinstance(request, dict):
+        return {"request": request}
+    out: dict[str, Any] = {}
+    for name, value in request.items():
+        if isinstance(value, list) and name in ("messages", "input", "contents"):
+            out.update({f"{name}[{i}]": item for i, item in enumerate(value)})
+            out[f"{name} (length)"] = len(value)
+        else:
+            out[name] = value
+    return out
+
+
+def nearest(actual: Any, candidates: Iterable[tuple[int, Any]]) -> tuple[int, list[str]] | None:
+    """The recorded request nearest to ``actual`` among ``candidates`` ((seq, request) in
+    recorded order): the one with the most fields equal, the earliest on a tie; with the
+    fields that differ. None when there is no candidate."""
+    mine = _fields(actual)
+    best: tuple[int, int, list[str]] | None = None
+    for seq, request in candidates:
+        theirs = _fields(request)
+        names = list(dict.fromkeys([*theirs, *mine]))
+        differ = [name for name in names if theirs.get(name, _ABSENT) != mine.get(name, _ABSENT)]
+        same = len(names) - len(differ)
+        if best is None or same > best[0]:
+            best = (same, seq, differ)
+    return None if best is None else (best[1], best[2])
+
+
+_ABSENT = object()
