@@ -118,6 +118,12 @@ class RecordSession(session.Session):
         self._compactor = compact.Compactor()
         self._lines = StepLines(self.redaction, self.prices)
 
+    def recorder(self) -> RecordSession:
+        return self
+
+    def writing_live(self) -> bool:
+        return True
+
     # -- lifecycle
 
     def start(self, *, intercept: bool = True) -> RecordSession:

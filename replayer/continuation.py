@@ -91,6 +91,11 @@ class ContinuationSession(RecordSession):
         for obs in prefix.observations:
             self._count(obs)
 
+    consults_log = True
+
+    def writing_live(self) -> bool:
+        return not self.serving  # the prefix is served, not written
+
     def start(self, *, intercept: bool = True) -> ContinuationSession:
         super().start(intercept=intercept)
         assert self.guard is not None

@@ -351,3 +351,38 @@ def test_no_test_file_is_over_800_lines() -> None:
         if (n := len(p.read_text().splitlines())) > MAX_TEST_LINES
     }
     assert not long, f"test files over {MAX_TEST_LINES} lines (split them by topic): {long}"
+
+
+SESSION_CLASSES = {"Session", "RecordSession", "ReplaySession", "ContinuationSession"}
+SESSION_PACKAGES = ("recorder", "replayer")  # where sessions are defined and composed
+
+
+def _session_type_tests(tree: ast.AST) -> Iterator[int]:
+    """Lines that test a value against a session class (``isinstance(s, RecordSession)``,
+    ``type(s) is ReplaySession``) or probe a session for a flag (``getattr(s, "serving")``)."""
+    def names(node: ast.AST) -> set[str]:
+        return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node)
+                if isinstance(n, ast.Name | ast.Attribute)}
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in ("isinstance", "issubclass") and len(node.args) == 2 \
+                    and names(node.args[1]) & SESSION_CLASSES:
+                yield node.lineno
+            if node.func.id == "getattr" and len(node.args) >= 2 \
+                    and isinstance(node.args[1], ast.Constant) and node.args[1].value == "serving":
+                yield node.lineno
+        if isinstance(node, ast.Compare) and isinstance(node.left, ast.Call) \
+                and isinstance(node.left.func, ast.Name) and node.left.func.id == "type" \
+                and any(names(c) & SESSION_CLASSES for c in node.comparators):
+            yield node.lineno
+
+
+def test_no_session_type_tests_outside_the_session_packages() -> None:
+    """Who answers a call is the session's data (its sources), not its class: the proxy, the
+    runs service, the viewer and the CLI ask a session (``consults_log``, ``recorder()``,
+    ``writing_live()``) instead of testing its type."""
+    found = [f"{module_name(path)}:{line}" for path in source_files()
+             if top(module_name(path)) not in SESSION_PACKAGES
+             for line in _session_type_tests(ast.parse(path.read_text()))]
+    assert not found, report(found, "session type tests outside recorder/ and replayer/")

@@ -57,7 +57,6 @@ from recorder.errors import (
     UnserializableValue,
 )
 from recorder.providers import model_provider
-from recorder.record import RecordSession
 from recorder.serving import BodyStalled, BodyTooLarge, ClientLeft, read_body
 
 __all__ = ["Proxy"]
@@ -353,8 +352,9 @@ class Proxy:
                 boundary(run, rec, parsed, keys)
             elif isinstance(parsed, dict) and run.recorded:
                 check_results(run, parsed)
-            if type(run.session) is RecordSession:  # the body is read for the log later
-                run.session.before_call(request)
+            writer = None if run.session.consults_log else run.session.recorder()
+            if writer is not None:  # a recording: the body is read for the log later
+                writer.before_call(request)
                 served = None
             else:
                 served = run.session.begin_http(request)
@@ -386,9 +386,7 @@ class Proxy:
 
 def _writer_of(run: ProxyRun) -> Any:
     """The session that writes ``run`` (a fork's, even while it serves its prefix)."""
-    from recorder.record import RecordSession
-
-    return run.session if isinstance(run.session, RecordSession) else None
+    return run.session.recorder()
 
 
 def _stop_error(run: ProxyRun, stop: RunStopped) -> ProxyError:

@@ -219,11 +219,7 @@ class ProxyRun:
     @property
     def recording(self) -> RecordSession | None:
         """The session that writes this run, while it writes (None: it only serves)."""
-        s = self.session
-        if isinstance(s, RecordSession):
-            serving = getattr(s, "serving", False)  # a fork's prefix is served, not written
-            return None if serving else s
-        return None
+        return self.session.recorder() if self.session.writing_live() else None
 
     def remember(self, observations: Sequence[Mapping[str, Any]]) -> None:
         """The tool calls a recorded prefix holds (a fork): logged already, and the edited

@@ -21,7 +21,7 @@ import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from deja.proxy._bounds import BODY_TIMEOUT, MAX_RESPONSE
 from deja.proxy._wire import Callers
@@ -33,6 +33,9 @@ from recorder.cassette.keys import load_keyring, require_signing_key
 from recorder.errors import ConfigError
 from recorder.record import RecordSession
 from recorder.serving import HEADER_TIMEOUT, MAX_WAITING, bind, guarded_httptools, is_loopback
+
+if TYPE_CHECKING:
+    from replayer.replay import ReplaySession
 
 __all__ = ["ProxyOptions", "ServeResult", "build", "serve"]
 
@@ -218,14 +221,11 @@ def serve(options: ProxyOptions, proxy: Proxy | None = None) -> ServeResult:
 
 
 def _result(app: Proxy, options: ProxyOptions) -> ServeResult:
-    from replayer.continuation import ContinuationSession
-    from replayer.replay import ReplaySession
-
     result = ServeResult(mode=options.mode, requests=app.requests)
     run = app.single
-    if run is not None and isinstance(run.session, ReplaySession):
-        replayed = run.session.finish()
+    if run is not None and options.mode == "replay":  # the session _replaying made
+        replayed = cast("ReplaySession", run.session).finish()
         result.replay, result.identical = replayed.to_dict(), replayed.identical
-    elif run is not None and isinstance(run.session, ContinuationSession):
+    elif run is not None and options.mode == "fork":
         result.fork = str(run.session.path)
     return result

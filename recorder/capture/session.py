@@ -18,10 +18,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
 
 from recorder.capture.exchange import HttpRequest, HttpResponse
 from recorder.errors import SessionError
+
+if TYPE_CHECKING:
+    from recorder.record import RecordSession
 
 log = logging.getLogger("deja.recorder")
 
@@ -52,6 +55,18 @@ class Session(abc.ABC):
 
     mode: str
     path: Path
+    #: A call may be answered from a log (a replay, a fork's or a resume's prefix): a
+    #: request is read whole before it is answered, never left for the log to read later.
+    consults_log: bool = False
+
+    def recorder(self) -> RecordSession | None:
+        """The recording that writes this run's log, if any (a fork's, even while it still
+        serves its prefix)."""
+        return None
+
+    def writing_live(self) -> bool:
+        """Whether a call that reaches the session now goes out live and is logged."""
+        return False
 
     @abc.abstractmethod
     def begin_http(self, request: HttpRequest) -> HttpResponse | None:
