@@ -1,5 +1,5 @@
 """The README's screenshots of the viewer, 1400 px wide: docs/viewer-run.png,
-viewer-step.png, viewer-diff.png and viewer-fork.png.
+viewer-step.png, viewer-diff.png, viewer-fork.png and viewer-submitted.png.
 
     .venv/bin/python docs/make_screenshots.py [--out docs]
 
@@ -19,7 +19,10 @@ tests/viewer/test_viewer_browser.py (which runs this script), takes the pictures
   message with its image, the thinking and the tool call of the reply;
 - viewer-diff.png: the fork against its parent, the first divergence opened;
 - viewer-fork.png: the spiral's tool step forked with a fixed search result against the
-  stub model, the fork finished, the edit kept for another try.
+  stub model, the fork finished, the edit kept for another try;
+- viewer-submitted.png: the Submitted runs page over a runs database of this temporary
+  home, two runs submitted and run by a real ``deja worker``: one waits for an answer
+  (its question and the answer box), one completed; each run's id opens its page.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import re
 import secrets
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "viewer"), str(ROOT / "tests")]  # its corpus, and conftest
 MAX_BYTES = 400_000
 WIDTH = 1400
-NAMES = ("viewer-run.png", "viewer-step.png", "viewer-diff.png", "viewer-fork.png")
+NAMES = ("viewer-run.png", "viewer-step.png", "viewer-diff.png", "viewer-fork.png",
+         "viewer-submitted.png")
 
 
 def _box(locator: Any) -> dict[str, float]:
@@ -49,6 +55,39 @@ def _box(locator: Any) -> dict[str, float]:
 
 def _clip(top: float, bottom: float) -> dict[str, float]:
     return {"x": 0, "y": max(0.0, top), "width": WIDTH, "height": bottom - max(0.0, top)}
+
+
+@contextmanager
+def submitted_runs(work: Path) -> Iterator[list[str]]:
+    """Two runs submitted to the runs database of ``$DEJA_HOME`` and run by a real
+    ``deja worker`` (as tests/viewer/test_viewer_runs.py makes them): one completed, one
+    waiting for an answer; their ids, while the worker is up."""
+    from test_viewer_runs import ASK_AGENT, REPORT_AGENT, wait_status, worker
+
+    from deja.runs import config, engine
+    from deja.runs.service import Runs
+    from deja.runs.store import Store
+    from viewer import submitted
+
+    project = work / "submitted"
+    project.mkdir()
+    (project / "ask_agent.py").write_text(ASK_AGENT)
+    (project / "report_agent.py").write_text(REPORT_AGENT)
+    url = config.database_url()
+    runs = Runs(Store(url), engine.Client(url))
+    log = work / "worker.log"
+    try:
+        with worker(log):
+            made = []
+            for agent, status in (("report_agent.py", "completed"),
+                                  ("ask_agent.py", "input_required")):
+                made.append(runs.submit({"command": [sys.executable, agent],
+                                         "cwd": str(project),
+                                         "labels": {"team": "billing"}})["run_id"])
+                wait_status(runs, made[-1], status, log)
+            yield made
+    finally:
+        submitted.close(runs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             sign_in,
         )
         from test_viewer_queries import AFTER_FORK, GOOD, build_corpus
+        from test_viewer_runs import QUESTION
 
         from recorder.testing.server import StubServer
 
@@ -133,6 +173,17 @@ def main(argv: list[str] | None = None) -> int:
                 expect(page.get_by_test_id("stExpander").filter(has_text="▶ first divergence")
                        ).to_contain_text("/result")
                 shot(page, out["viewer-diff.png"])
+            with submitted_runs(work) as run_ids, chromium_page({"width": WIDTH,
+                                                                   "height": 900}) as page:
+                sign_in(page, base)
+                page.goto(f"{base}/?page=submitted")
+                expect(page.get_by_text(QUESTION)).to_be_visible()
+                for run in run_ids:
+                    expect(page.get_by_test_id("stDataFrame").locator("table")
+                           .filter(has_text=run)).to_have_count(1)
+                bottom = _box(page.get_by_text("No schedule;"))
+                shot(page, out["viewer-submitted.png"],
+                     clip=_clip(0, bottom["y"] + bottom["height"] + 24))
     for name, path in out.items():
         size = path.stat().st_size
         sys.stdout.write(f"{path}: {size:,} bytes\n")

@@ -8,6 +8,13 @@ compares two runs, nothing lists the runs (``?q=words`` keeps the search),
 ``?page=submitted`` shows the runs database (:mod:`viewer.submitted_page`); a reload or a
 shared link restores the view. This script only lays out: every question is
 a function of :mod:`viewer.queries`.
+
+A run of the runs database is opened by its id there, ``?submitted=R`` (``a_submitted``,
+``b_submitted`` in a diff): its cassette is the file the database names, wherever it lies
+(``$DEJA_HOME/cassettes`` or ``DEJA_CASSETTE_DIR``), and its folder is indexed as a second
+source, read and verified as the viewed folder is. Nothing else outside the viewed folder
+is opened: a URL names runs, never paths. A fork of such a run is written to the viewed
+folder, where it is listed and opened as usual.
 """
 
 from __future__ import annotations
@@ -114,12 +121,27 @@ def runs_page(index: RunIndex) -> None:
 
 def runs_table(rows: list[dict[str, Any]]) -> None:
     st.caption(md("{} run(s)", len(rows)))
+    unverified = sum(r.get("signed") == "NOT VERIFIED" for r in rows)
+    if unverified:  # its column is to the right: said here too
+        st.error(md("{} run(s) NOT VERIFIED: their signatures were not checked, so what "
+                    "they say is unchecked.", unverified), icon=":material/warning:")
     frame = pd.DataFrame([{c: r.get(c) for c in queries.RUN_COLUMNS} for r in rows],
                          columns=list(queries.RUN_COLUMNS))
+    frame["started"] = pd.to_datetime(frame["started"], utc=True, errors="coerce")
+    # Widths in pixels up to the labels (a run id, a start to the second, a cost to the
+    # millionth of a dollar): 892 of the 940 the table has at 1400 px, room left for a
+    # vertical scrollbar; what is right of the labels is scrolled to.
     st.dataframe(frame, hide_index=True, key="runs_table", placeholder=EMPTY, column_config={
-        "name": st.column_config.TextColumn("run", width="medium"),
-        "cost": st.column_config.NumberColumn("cost", format="$%.6f"),
-        "duration": st.column_config.NumberColumn("duration (s)", format="%.3f"),
+        "name": st.column_config.TextColumn("run", width=170),
+        "status": st.column_config.TextColumn("status", width=80),
+        "started": st.column_config.DatetimeColumn("started (UTC)", width=132,
+                                                   format="YYYY-MM-DD HH:mm:ss"),
+        "steps": st.column_config.NumberColumn("steps", width=50),
+        "tokens": st.column_config.NumberColumn("tokens", width=60),
+        "cost": st.column_config.NumberColumn("cost", format="$%.6f", width=80),
+        "parent": st.column_config.TextColumn("parent", width=170),
+        "labels": st.column_config.TextColumn("labels", width=150),
+        "duration": st.column_config.NumberColumn("duration", format="%.3f s"),
         "error": st.column_config.TextColumn("error", width="large")})
     bad = [r for r in rows if r["status"] == "error"]
     if bad:
@@ -151,9 +173,14 @@ def runs_table(rows: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------- one run
 
 
-def run_page(index: RunIndex, run: str) -> None:
-    st.button("← All runs", on_click=widgets.go, key="back")
-    found = queries.run_header(index, run)
+def run_page(index: RunIndex, run: str, *, submitted: str | None = None,
+             fork_dir: Path | None = None) -> None:
+    """Run ``run`` of ``index``; ``submitted``: its id in the runs database, opened from
+    Submitted runs (``run`` is then the cassette the database names); ``fork_dir``: where
+    its forks are written (next to it by default)."""
+    if submitted is None:
+        st.button("← All runs", on_click=widgets.go, key="back")
+    found = run_header(index, run, submitted)
     if found is None:
         st.error(md("No run {!r} in {:code}.", run, index.directory))
         return
@@ -171,23 +198,38 @@ def run_page(index: RunIndex, run: str) -> None:
         now = state
         if state["poll"]:
             refresh(index)
-            header = queries.run_header(index, run) or header
+            header = run_header(index, run, submitted) or header
             now = live_state(header)
             if not now["poll"]:  # it ended: one full rerun, and the timer stops
                 st.rerun()
-        run_body(index, header, now["live"])
+        run_body(index, header, now["live"], fork_dir)
 
     body()
 
 
+def run_header(index: RunIndex, run: str, submitted: str | None) -> dict[str, Any] | None:
+    """:func:`queries.run_header`, marked with the run's id in the runs database when it
+    was opened from there (its links and diffs name it so)."""
+    header = queries.run_header(index, run)
+    if header is not None and submitted is not None:
+        header["submitted"] = submitted
+    return header
+
+
 def live_state(header: dict[str, Any]) -> dict[str, Any]:
     header["status"] = queries.current_status(header)  # the end line first, not the index
+    active = False
+    if header.get("submitted"):  # what the runs database says of a cassette left open
+        from viewer import submitted_page
+
+        header["status"], active = submitted_page.run_status(header["submitted"],
+                                                             header["status"])
     unfinished = header["status"] in queries.UNFINISHED
     status = queries.live(header["run"]) if unfinished and header["run"] else None
     forks = [f for f in st.session_state.get("forks", [])
              if str(f.parent) == header["path"] and f.process.poll() is None]
     return {"live": status, "poll": bool(status and status["running"]) or ending(status)
-            or bool(forks)}
+            or bool(forks) or active}
 
 
 def ending(status: dict[str, Any] | None, grace_s: float = 30.0) -> bool:
@@ -202,7 +244,8 @@ def ending(status: dict[str, Any] | None, grace_s: float = 30.0) -> bool:
     return age < timedelta(seconds=grace_s)
 
 
-def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | None) -> None:
+def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | None,
+             fork_dir: Path | None = None) -> None:
     # The timeline is sent before the totals and panels above it (filled in afterwards):
     # the browser starts drawing a long run's grid the soonest. What says the run is not
     # verified is sent before it.
@@ -239,7 +282,7 @@ def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | N
     if len(frame) <= DENSE or st.toggle(md("Charts of the {:,} steps", len(frame)),
                                         key="charts"):
         charts(queries.run_steps(index, header["path"]))
-    step_panel(index, header, labels)
+    step_panel(index, header, labels, fork_dir)
 
 
 DENSE = 200  # steps up to which the charts draw one labelled mark per step
@@ -296,7 +339,8 @@ def charts(steps: list[dict[str, Any]]) -> None:
     st.altair_chart(chart.properties(height=height), width="stretch")
 
 
-def step_panel(index: RunIndex, header: dict[str, Any], names: dict[int, str]) -> None:
+def step_panel(index: RunIndex, header: dict[str, Any], names: dict[int, str],
+               fork_dir: Path | None = None) -> None:
     seqs = list(names)
     current = _int(st.query_params.get("step"))
     current = current if current in names else None
@@ -328,13 +372,16 @@ def step_panel(index: RunIndex, header: dict[str, Any], names: dict[int, str]) -
                   args=(full_key, True))
     widgets.step(detail)
     if detail.editable:
-        widgets.fork_editor(header, detail)
+        widgets.fork_editor(header, detail, out_dir=fork_dir)
 
 
 # ---------------------------------------------------------------------- diff
 
 
-def diff_page(index: RunIndex, a: str, b: str) -> None:
+def diff_page(index: RunIndex, a: str | Path, b: str | Path,
+              submitted: dict[str, str] | None = None) -> None:
+    """Runs ``a`` and ``b`` (see :func:`queries.diff`) side by side; ``submitted`` names
+    the sides opened from the runs database (``"a"``, ``"b"``) by their id there."""
     st.button("← All runs", on_click=widgets.go, key="back")
     st.title("Diff")
     try:
@@ -342,6 +389,8 @@ def diff_page(index: RunIndex, a: str, b: str) -> None:
     except (DejaError, OSError) as exc:
         st.error(md("Cannot compare {} and {}: {}", a, b, exc))
         return
+    for tag, run_id in (submitted or {}).items():
+        (view.a if tag == "a" else view.b)["submitted"] = run_id
     left, right = st.columns(2)
     for col, side, tag in ((left, view.a, "A"), (right, view.b, "B")):
         col.markdown(md("**{}: {}** · {} steps", tag, side["name"], side["steps"]))
@@ -399,6 +448,41 @@ def _aligned_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return frame.rename(columns=_ALIGNED)
 
 
+def diff_side(tag: str) -> tuple[str | Path | None, str | None]:
+    """What side ``tag`` of a diff's URL names: a run id or file name of the folder
+    (``a``, ``a_file``), or for ``a_submitted`` the cassette the runs database names for
+    that run; and that run's id there."""
+    run_id = st.query_params.get(f"{tag}_submitted")
+    if not run_id:
+        return st.query_params.get(f"{tag}_file") or st.query_params.get(tag), None
+    from viewer import submitted_page
+
+    found = submitted_page.run_record(run_id)  # None: it says why
+    return (Path(found["cassette"]) if found else None), run_id
+
+
+# ---------------------------------------------------------------------- submitted runs
+
+
+def submitted_run_page(folder: Path, run_id: str) -> None:
+    """Run ``run_id`` of the runs database, opened from Submitted runs: the cassette the
+    database names, in the run page, its folder indexed as a second source; a fork of it
+    goes to the viewed ``folder`` (when there is one), where it can be opened."""
+    from viewer import submitted_page
+
+    st.button("← Submitted runs", on_click=widgets.go, kwargs={"page": "submitted"},
+              key="back")
+    found = submitted_page.run_record(run_id)  # None: it says why
+    if found is None:
+        return
+    path = Path(found["cassette"])
+    if not path.is_file():
+        submitted_page.not_started(found)
+        return
+    run_page(open_index(path.parent), str(path), submitted=run_id,
+             fork_dir=folder if folder.is_dir() else None)
+
+
 # ---------------------------------------------------------------------- main
 
 
@@ -416,14 +500,17 @@ def main() -> None:
 
         submitted_page.page()
         return
+    if run_id := st.query_params.get("submitted"):  # a run of the runs database
+        submitted_run_page(folder, run_id)
+        return
     if not folder.is_dir():
         st.error(md("No cassette directory {}. Start the viewer with `deja view DIR`.", folder))
         return
     index = open_index(folder)
     params = st.query_params
-    a, b = params.get("a_file") or params.get("a"), params.get("b_file") or params.get("b")
+    (a, a_id), (b, b_id) = diff_side("a"), diff_side("b")
     if a and b:
-        diff_page(index, a, b)
+        diff_page(index, a, b, {t: i for t, i in (("a", a_id), ("b", b_id)) if i})
     elif ref := params.get("file") or params.get("run"):
         run_page(index, ref)
     else:

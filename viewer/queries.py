@@ -78,8 +78,13 @@ __all__ = [
     "writer_state",
 ]
 
-RUN_COLUMNS = ("name", "file", "status", "signed", "started", "duration", "steps", "tokens",
-               "cost", "parent", "labels", "error")
+# The runs table's columns, in the order they are read: what tells the runs apart, how
+# each ended and what it cost, then its lineage and labels (at 1400 px everything up to
+# the labels shows without scrolling), then what is looked up: the signature (a run NOT
+# VERIFIED is also said above the table), the duration, the file (two copies of a run
+# share an id, never a file) and the error.
+RUN_COLUMNS = ("name", "status", "started", "steps", "tokens", "cost", "parent", "labels",
+               "signed", "duration", "file", "error")
 
 
 # ---------------------------------------------------------------------- runs
@@ -452,12 +457,16 @@ def _side(obs: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def diff(source: RunIndex | None, a: str | Path, b: str | Path) -> DiffView:
-    """Compare run ``a`` with run ``b`` (run ids or file names in the index, or paths)."""
+    """Compare run ``a`` with run ``b``: a :class:`~pathlib.Path` is a cassette file; a
+    string is a run id or file name of the index ``source`` (never a path: it may come
+    from a URL), or a path when there is no index."""
     paths = []
     for run in (a, b):
-        path = run_path(source, str(run)) if source is not None else None
-        path = path or Path(run)
-        if not path.exists():
+        if isinstance(run, Path) or source is None:
+            path: Path | None = Path(run)
+        else:
+            path = run_path(source, run)
+        if path is None or not path.exists():
             raise NoSuchRun(f"no run {run!r}" + (f" in {source.directory}" if source else ""))
         paths.append(path)
     ca, cb = load_cassette(paths[0]), load_cassette(paths[1])

@@ -91,12 +91,18 @@ def close(runs: Runs) -> None:
     runs.store.close()
 
 
+def database_errors() -> tuple[type[BaseException], ...]:
+    """What a database that stops answering raises (the engine is imported by then: the
+    page has a connection)."""
+    from deja.runs import engine
+
+    return (sa.exc.SQLAlchemyError, *engine.ENGINE_ERRORS)
+
+
 def board(runs: Runs, *, recent: int = RECENT) -> Board:
     """The active runs (newest first), the ``recent`` latest ended ones and the schedules;
     :class:`DatabaseUnavailable` when the database stops answering."""
-    from deja.runs import engine
-
-    failures: tuple[type[BaseException], ...] = (sa.exc.SQLAlchemyError, *engine.ENGINE_ERRORS)
+    failures = database_errors()
     try:
         active = runs.list_runs(status=list(ACTIVE), limit=ACTIVE_LIMIT)
         ended = [r for r in runs.list_runs(limit=recent + len(active))
@@ -105,6 +111,17 @@ def board(runs: Runs, *, recent: int = RECENT) -> Board:
     except failures as exc:
         raise unavailable(runs.store.url, exc) from None
     return Board(where=safe_url(runs.store.url), active=active, ended=ended, schedules=kept)
+
+
+def run_record(runs: Runs, run_id: str) -> dict[str, Any]:
+    """What the runs database says of run ``run_id``: its status and ``cassette``, the file
+    its worker records into, wherever that lies (the viewer opens it by this name only,
+    never by a path from its URL). :class:`recorder.errors.NoSuchRun` when it holds no such
+    run, :class:`DatabaseUnavailable` when it stops answering."""
+    try:
+        return runs.get(run_id)
+    except database_errors() as exc:
+        raise unavailable(runs.store.url, exc) from None
 
 
 def turn_text(record: dict[str, Any]) -> str | None:

@@ -5,7 +5,9 @@ turn, spend, worker and labels), the recently ended ones below them, and the sch
 with their next occurrence, last verified artefact and latest alerts. A waiting run
 shows its question with a box for the answer; a queued or working run has a Cancel
 button. While runs are active the tables refresh every two seconds (every ten when
-none is).
+none is). A run's id opens its page (``?submitted=R``, laid out by :mod:`viewer.app`),
+where the cassette the database names is shown; :func:`run_record`, :func:`run_status`
+and :func:`not_started` are what that page asks of the database.
 
 Shown by :mod:`viewer.app`, which imports this module only when the page is asked for;
 every question goes to :mod:`viewer.submitted`.
@@ -13,17 +15,17 @@ every question goes to :mod:`viewer.submitted`.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import sqlalchemy as sa
 import streamlit as st
 
 from deja.runs.config import database_url
 from deja.runs.errors import DatabaseUnavailable
 from deja.runs.service import Runs
-from recorder.errors import DejaError
-from viewer import submitted
+from recorder.errors import DejaError, NoSuchRun
+from viewer import submitted, widgets
 from viewer.safe import md
 
 EMPTY = "—"
@@ -31,6 +33,7 @@ REFRESH_S = 2  # seconds between refreshes while runs are active
 IDLE_REFRESH_S = 10  # and otherwise (a run submitted meanwhile shows)
 FLASH = "submitted_flash"  # what the last Answer or Cancel did, shown once
 CONFIRM = "submitted_confirm_cancel"  # the run whose Cancel waits for a second click
+LEFT_OPEN = ("incomplete", "crashed", "torn")  # a cassette without end line or writer
 
 
 @st.cache_resource(show_spinner=False, on_release=submitted.close)
@@ -42,10 +45,8 @@ def connection(url: str) -> Runs:
 
 def _action_errors() -> tuple[type[BaseException], ...]:
     """What an Answer or a Cancel can meet: deja's named errors, or a database gone
-    meanwhile (the engine is imported by then: the page has a connection)."""
-    from deja.runs import engine
-
-    return (DejaError, sa.exc.SQLAlchemyError, *engine.ENGINE_ERRORS)
+    meanwhile."""
+    return (DejaError, *submitted.database_errors())
 
 
 def _say(kind: str, template: str, *values: Any) -> None:
@@ -90,6 +91,84 @@ def _cancel(runs: Runs, run_id: str) -> None:
 
 def how_to_start() -> None:
     st.markdown(submitted.HOW_TO_START)
+
+
+def _open(key: str, run_ids: list[str]) -> None:
+    """Callback of a runs table's run column: open the clicked run's page."""
+    click = st.session_state.get(key)
+    run_id = click["label"] if click else None
+    if run_id in run_ids:  # a run the database listed, by its id
+        widgets.go(submitted=run_id)
+
+
+def run_record(run_id: str) -> dict[str, Any] | None:
+    """The runs database's record of ``run_id`` (:func:`submitted.run_record`), or None
+    once the page says why there is none."""
+    url = database_url()
+    missing = submitted.missing_database(url)
+    if missing is not None:
+        st.error(md("No run {} here: the runs database {:code} does not exist yet.",
+                    run_id, missing))
+        return None
+    try:
+        return submitted.run_record(connection(url), run_id)
+    except DatabaseUnavailable as exc:
+        connection.clear()
+        st.error(md("The runs database cannot be read: {}", exc))
+    except NoSuchRun as exc:
+        st.error(md("{}", exc))
+    return None
+
+
+def _record_now(run_id: str) -> dict[str, Any] | None:
+    """The database's record of a run shown already; None when it cannot say now."""
+    try:
+        return submitted.run_record(connection(database_url()), run_id)
+    except DejaError:
+        return None
+
+
+def run_status(run_id: str, status: str) -> tuple[str, bool]:
+    """The status a submitted run's page shows, and whether to keep refreshing it.
+
+    ``status`` comes from its cassette (the end line first, then its writer); a cassette
+    that has neither (the run waits for an answer, was queued again, was cancelled while
+    it waited) says less than the runs database, whose status is shown then. The page
+    keeps refreshing while the database says the run is queued, working or waiting.
+    """
+    found = _record_now(run_id)
+    if found is None:  # the database gone meanwhile: the cassette's word
+        return status, False
+    if status in LEFT_OPEN:
+        status = found["status"]
+    return status, found["status"] in submitted.ACTIVE
+
+
+def not_started(found: dict[str, Any]) -> None:
+    """A submitted run with no cassette yet: queued, or cancelled before it started. The
+    page waits for its worker to start it."""
+    run_id = found["run_id"]
+    st.title(md("Run {}", run_id))
+    st.caption(md("{:code} · not written yet", found["cassette"]))
+
+    @st.fragment(run_every=REFRESH_S if found["status"] in submitted.ACTIVE else None)
+    def status() -> None:
+        now = found
+        if st.session_state.pop("not_started_drawn", False):  # a refresh
+            now = _record_now(run_id) or found
+            if now["status"] != found["status"] or Path(now["cassette"]).is_file():
+                st.rerun()  # it started, or ended: the whole page again
+        st.session_state["not_started_drawn"] = True
+        st.metric("Status", md("{}", now["status"]))
+        if now["status"] in submitted.ACTIVE:
+            st.info("No cassette yet: a worker writes it once it starts the run, and this "
+                    "page shows it then.")
+        else:
+            st.info(md("The run ended {} with no cassette: nothing of it was recorded.",
+                       now["status"]))
+
+    st.session_state.pop("not_started_drawn", None)
+    status()
 
 
 def page() -> None:
@@ -169,10 +248,14 @@ def board_body(runs: Runs, view: submitted.Board) -> None:
 
 
 def runs_table(records: list[dict[str, Any]], columns: tuple[str, ...], key: str) -> None:
+    """A table of runs; a click on a run's id opens its page."""
     frame = pd.DataFrame([{c: submitted.run_row(r)[c] for c in columns} for r in records],
                          columns=list(columns))
+    click = f"{key}_open"
     st.dataframe(frame, hide_index=True, key=key, placeholder=EMPTY, column_config={
-        "run": st.column_config.TextColumn("run", width="medium"),
+        "run": st.column_config.ButtonColumn(
+            "run", width="medium", alignment="left", help="Open the run's page",
+            on_click=_open, args=(click, [r["run_id"] for r in records]), key=click),
         "step": st.column_config.TextColumn("step", width="medium"),
         "spend": st.column_config.NumberColumn("spend", format="$%.6f"),
         "error": st.column_config.TextColumn("error", width="large")})

@@ -42,14 +42,24 @@ def go(**params: Any) -> None:
 
 
 def run_params(row: dict[str, Any]) -> dict[str, Any]:
-    """The URL of a run's page: its id, and its file (what tells two copies apart)."""
+    """The URL of a run's page: its id, and its file (what tells two copies apart); for a
+    run opened from the runs database, its id there (``submitted``), which names its
+    cassette."""
+    if row.get("submitted"):
+        return {"submitted": row["submitted"]}
     return {"run": row.get("run"), "file": Path(row["path"]).name if row.get("path") else None}
 
 
 def diff_params(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     """The URL of the diff of run rows ``a`` and ``b``."""
-    pa, pb = run_params(a), run_params(b)
-    return {"a": pa["run"], "a_file": pa["file"], "b": pb["run"], "b_file": pb["file"]}
+    params: dict[str, Any] = {}
+    for tag, row in (("a", a), ("b", b)):
+        side = run_params(row)
+        if "submitted" in side:
+            params[f"{tag}_submitted"] = side["submitted"]
+        else:
+            params.update({tag: side["run"], f"{tag}_file": side["file"]})
+    return params
 
 
 def money(value: Any) -> str:
@@ -258,17 +268,21 @@ def _around_change(a: str, b: str) -> tuple[str, str]:
 
 
 def lineage_panel(index: RunIndex, header: dict[str, Any]) -> None:
+    """The run's parent and the forks of it in its folder. A run opened from the runs
+    database lies outside the viewed folder, and so do they: named, not opened."""
     info = queries.lineage(index, header["path"]) or {}
+    here = not header.get("submitted")
     parent = info.get("parent")
     if parent:
-        where = "" if parent["indexed"] else " (not in this directory)"
+        reachable = parent["indexed"] and here
+        where = "" if reachable else " (not in this directory)"
         st.info(md("Forked from run **{}** at step {}{}.", parent["run"], parent["step"], where))
         left, right = st.columns(2)
         left.button(md("Open parent {}", parent["run"]), key="open_parent", on_click=go,
-                    kwargs=run_params(parent), disabled=not parent["indexed"])
+                    kwargs=run_params(parent), disabled=not reachable)
         right.button("Diff against parent", key="diff_parent", on_click=go,
-                     kwargs=diff_params(parent, header) if parent["indexed"] else {},
-                     disabled=not parent["indexed"])
+                     kwargs=diff_params(parent, header) if reachable else {},
+                     disabled=not reachable)
     children = info.get("children") or []
     if children:
         st.markdown(md("**Forks of this run** ({})", len(children)))
@@ -276,9 +290,9 @@ def lineage_panel(index: RunIndex, header: dict[str, Any]) -> None:
             left, right = st.columns([3, 1])
             left.button(md("{} · {} · forked at step {} · {}", child["name"], child["file"],
                            child["step"], child["status"]), key=f"child:{child['path']}",
-                        on_click=go, kwargs=run_params(child))
+                        on_click=go, kwargs=run_params(child), disabled=not here)
             right.button("Diff", key=f"childdiff:{child['path']}", on_click=go,
-                         kwargs=diff_params(header, child))
+                         kwargs=diff_params(header, child), disabled=not here)
 
 
 def _cancel(run: str) -> None:
@@ -339,11 +353,17 @@ def _keep(store: str, key: str, widget: str) -> None:
         st.session_state.setdefault(store, {})[key] = value
 
 
-def fork_editor(header: dict[str, Any], detail: queries.StepDetail) -> None:
+def fork_editor(header: dict[str, Any], detail: queries.StepDetail, *,
+                out_dir: Path | None = None) -> None:
+    """The editor of a step's recorded value and the Fork button; the fork is written to
+    ``out_dir`` (next to the run by default)."""
     st.subheader(md("Fork at step {}", detail.seq))
     st.caption("Edit what this step returned and run the agent again: the steps before it "
                "replay from this run, this step serves your edit, the rest goes live. The "
                "edit is the whole document, or an RFC 6902 patch (a JSON list).")
+    if out_dir is not None:
+        st.caption(md("The fork is written to {:code}, the folder this viewer shows.",
+                      out_dir))
     key = f"{header['path']}:{detail.seq}"
     widget = f"doc:{key}"
     try:
@@ -382,7 +402,7 @@ def fork_editor(header: dict[str, Any], detail: queries.StepDetail) -> None:
     if st.button("Fork", key="fork_btn", type="primary", disabled=bool(error)):
         try:
             launched = queries.launch_fork(header["path"], detail.seq, text,
-                                           live_url=live_url or None)
+                                           live_url=live_url or None, out_dir=out_dir)
         except (DejaError, OSError) as exc:
             st.error(md("The fork did not start: {}", exc))
             return

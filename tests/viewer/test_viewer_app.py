@@ -389,6 +389,8 @@ def test_an_unverified_run_is_refused_or_marked_not_verified(
     listed_page = ok(app(monkeypatch, folder))
     rows = table(listed_page, "parent")
     assert list(rows["signed"]) == ["NOT VERIFIED"] and list(rows["status"]) == ["completed"]
+    assert "1 run(s) NOT VERIFIED: their signatures were not checked, so what they say is " \
+        "unchecked." in texts(listed_page.error)  # its column is right of the labels
     page = ok(app(monkeypatch, folder, run=run.run_id))
     errors = texts(page.error)
     assert any(e.startswith("NOT VERIFIED") and "unchecked" in e for e in errors), errors

@@ -32,13 +32,14 @@ from typing import Any
 import pytest
 from playwright.sync_api import Error as PlaywrightError
 from playwright.sync_api import Locator, Page, expect, sync_playwright
-from test_viewer_queries import AFTER_FORK, FOUND, GOOD, SPIRAL, SPIRAL_SCRIPT
+from test_viewer_queries import AFTER_FORK, FOUND, GOOD, SPIRAL, SPIRAL_SCRIPT, build_corpus
 
 from recorder.cassette import load
 from recorder.testing.server import StubServer
 
 ROOT = Path(__file__).resolve().parents[2]
-SCREENSHOTS = ("viewer-run.png", "viewer-step.png", "viewer-diff.png", "viewer-fork.png")
+SCREENSHOTS = ("viewer-run.png", "viewer-step.png", "viewer-diff.png", "viewer-fork.png",
+               "viewer-submitted.png")
 CHROMIUM = Path("/usr/bin/chromium")
 # As root, in a closed network: no sandbox, no GPU, no background connections.
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -272,7 +273,6 @@ def test_viewer_in_chromium_fork_diff_and_cancel(tmp_path: Path) -> None:
         expect(page.get_by_text("1 run(s)")).to_be_visible()
         expect(grid(page)).to_contain_text(spiral)
         expect(grid(page)).to_contain_text("stopped")
-        expect(grid(page)).to_contain_text("spiral.jsonl")  # the file column
         expect(grid(page)).not_to_contain_text("None")  # empty cells are "—"
         expect(page.get_by_text(f"Every run recorded in the folder {runs}, newest first")
                ).to_be_visible()
@@ -410,9 +410,44 @@ def test_viewer_in_chromium_fork_diff_and_cancel(tmp_path: Path) -> None:
     assert len(taken) == 9 and all(p.stat().st_size > 20_000 for p in taken)  # not blank
 
 
+def test_the_runs_table_shows_parent_and_labels_at_1400_px(tmp_path: Path) -> None:
+    """In a 1400 px wide window every column of the runs table up to the labels is seen
+    without scrolling: moving the selection right, cell by cell, scrolls the grid (which
+    brings the selected cell into view) only past the labels."""
+    missing = chromium_missing()
+    if missing:
+        pytest.fail(missing)
+    corpus = build_corpus(tmp_path / "corpus")
+    with serve_viewer(Path("runs"), tmp_path / "view.log", cwd=corpus.project) as base, \
+            chromium_page() as page:
+        assert page.viewport_size == {"width": 1400, "height": 800}
+        open_page(page, base + "/")
+        runs = page.get_by_test_id("stDataFrame").first
+        expect(runs.locator("table")).to_contain_text(corpus.ids["fixed"])
+        headers = runs.locator("th").all_inner_texts()  # the columns drawn, and one more
+        columns = ["run", "status", "started (UTC)", "steps", "tokens", "cost", "parent",
+                   "labels"]
+        assert headers[:8] == columns, headers
+        fork = runs.locator("tr").filter(has_text=corpus.ids["fixed"])
+        expect(fork).to_contain_text(corpus.ids["spiral"])  # its parent, the whole id
+        expect(fork).to_contain_text("case=spiral")
+        shot(page, tmp_path / "runs-table.png")
+        canvas = runs.get_by_test_id("data-grid-canvas").bounding_box()
+        assert canvas is not None and canvas["x"] + canvas["width"] <= 1400
+        page.mouse.click(canvas["x"] + 20, canvas["y"] + 36 + 17)  # the first run's id
+        scroller = runs.locator(".dvn-scroller")
+        for column in columns[1:]:
+            page.keyboard.press("ArrowRight")
+            page.wait_for_timeout(100)
+            assert scroller.evaluate("e => e.scrollLeft") == 0, column
+        page.keyboard.press("ArrowRight")  # the first column right of the labels: scrolled to
+        page.wait_for_function("e => e.scrollLeft > 0", arg=scroller.element_handle())
+
+
 def test_the_readme_screenshots_are_made_in_chromium(tmp_path: Path) -> None:
-    """docs/make_screenshots.py, as `make` would run it: the run, step, diff and fork pages,
-    1400 px wide, each a real picture (not blank) and small enough for the README."""
+    """docs/make_screenshots.py, as `make` would run it: the run, step, diff and fork pages
+    and Submitted runs, 1400 px wide, each a real picture (not blank) and small enough for
+    the README."""
     missing = chromium_missing()
     if missing:
         pytest.fail(missing)
