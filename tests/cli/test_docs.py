@@ -106,7 +106,8 @@ def test_the_stub_script_example_is_a_script_the_stub_serves() -> None:
         assert server.served == 2
 
 
-SCREENSHOTS = ("viewer-run.png", "viewer-step.png", "viewer-diff.png", "viewer-fork.png")
+SCREENSHOTS = ("viewer-run.png", "viewer-step.png", "viewer-diff.png", "viewer-fork.png",
+               "viewer-submitted.png")
 
 
 def png_size(path: Path) -> tuple[int, int]:
