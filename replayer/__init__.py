@@ -6,7 +6,8 @@ from replayer.continuation import ContinuationSession
 from replayer.diff import RunDiff, compare
 from replayer.fork import ForkPlan, fork, plan_fork
 from replayer.policy import ReplayPolicy
-from replayer.replay import ReplayResult, ReplaySession, replay, start
+from replayer.replay import ReplaySession, replay, start
+from replayer.result import ReplayResult
 from replayer.resume import plan_resume, resume
 
 __all__ = [
