@@ -15,6 +15,13 @@ Unique content U = sum of len(canonical JSON) of every distinct message of every
 received. Canonical JSON: sorted keys, separators (",", ":"), UTF-8, non-ASCII kept.
 Requests and response bodies are taken from one live run of the same conversation through
 an in-process capture transport (:class:`workloads.Capture`). Ratio = cassette bytes / U.
+
+The same agent in OpenAI's Responses API (:func:`responses`, recorded by deja only): the
+conversation of :func:`openai_replay.responses_conversation` through the openai SDK
+(``responses.create``, not streamed), each request carrying every ``input`` item so far (the
+assistant's text, its ``function_call``, the tool's ``function_call_output``). U counts each
+distinct input item instead of each distinct message. Bytes per turn at each length show
+whether the cassette grows linearly (the same bytes per turn at 50 and at 800 turns).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import httpx2
+import openai_replay
 import workloads as w
 
 import recorder
@@ -44,12 +53,14 @@ def _live(turns: int, chars: int) -> tuple[list[dict[str, Any]], list[bytes]]:
     return [json.loads(b) for b in cap.requests], [r[2] for r in cap.responses]
 
 
-def unique_bytes(requests: list[dict[str, Any]], bodies: list[bytes]) -> dict[str, int]:
+def unique_bytes(requests: list[dict[str, Any]], bodies: list[bytes],
+                 history: str = "messages") -> dict[str, int]:
+    """U of the conversation, whose requests resend their history as the list ``history``."""
     msgs: set[bytes] = set()
     rest: set[bytes] = set()
     for body in requests:
-        msgs.update(canonical(m) for m in body["messages"])
-        rest.add(canonical({k: v for k, v in body.items() if k != "messages"}))
+        msgs.update(canonical(m) for m in body[history])
+        rest.add(canonical({k: v for k, v in body.items() if k != history}))
     out = {"messages": sum(map(len, msgs)), "distinct_messages": len(msgs),
            "request_params": sum(map(len, rest)), "responses": sum(map(len, bodies))}
     out["total"] = out["messages"] + out["request_params"] + out["responses"]
@@ -131,6 +142,39 @@ def _one(d: Path, turns: int, chars: int, vcr_max_turns: int,
     return out
 
 
+def _responses_live(turns: int) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The Responses conversation run live once through :class:`workloads.Capture`."""
+    with w.stub(w.agent_script(turns)) as server:
+        cap = w.Capture(server.url)
+        try:
+            client = openai_replay.client(cap.url, httpx2.Client(
+                transport=httpx2.MockTransport(cap._handle)))
+            openai_replay.responses_conversation(client, 0, turns, stream=False)
+        finally:
+            cap.close()
+    return [json.loads(b) for b in cap.requests], [r[2] for r in cap.responses]
+
+
+def responses(d: Path, turns: int) -> dict[str, Any]:
+    """Cassette bytes of one Responses API conversation of ``turns`` calls, recorded by deja
+    at its defaults, against its unique content."""
+    requests, bodies = _responses_live(turns)
+    unique = unique_bytes(requests, bodies, history="input")
+    path = d / f"responses-{turns}.jsonl"
+    with w.stub(w.agent_script(turns)) as server:
+        with recorder.record(path, budgets=recorder.Budgets()):
+            openai_replay.responses_conversation(openai_replay.client(server.url), 0, turns,
+                                                 stream=False)
+    w.assert_unpatched("after recording the Responses conversation")
+    size = path.stat().st_size
+    out = {"turns": turns, "requests": len(requests), "unique": unique,
+           "full_requests_bytes": sum(len(canonical(r)) for r in requests),
+           "cassette_bytes": size, "bytes_per_turn": size / turns,
+           "ratio": size / unique["total"], "growth": _growth(path, turns)}
+    path.unlink()
+    return out
+
+
 def run(*, turns: tuple[int, ...] = (50, 200, 800), large_chars: int = 1000,
         vcr_max_turns: int = 200, late_turns: int = 200, late_rounds: int = 2
         ) -> dict[str, Any]:
@@ -140,7 +184,8 @@ def run(*, turns: tuple[int, ...] = (50, 200, 800), large_chars: int = 1000,
                 for t in turns for chars in (0, large_chars)]
         out: dict[str, Any] = {"runs": runs, "vcr_max_turns": vcr_max_turns,
                                "large_chars": large_chars,
-                               "rewind_version": w.rewind_version()}
+                               "rewind_version": w.rewind_version(),
+                               "responses": [responses(d, t) for t in turns]}
         if late_rounds:
             out["late_overhead"] = _late_overhead(d, late_turns, late_rounds)
         return out

@@ -266,6 +266,16 @@ def rows_size(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
             fails.append(f"size, {turns} turns, {kind}: deja cassette is {ratio['deja']:.2f}x "
                          f"its unique content (> 1.3x); ~{extra:,.0f} B/turn beyond U against "
                          f"{one['unique']['total'] / turns:,.0f} B/turn of content")
+    responses = r.get("responses") or []
+    for one in responses:
+        ratio, b, turns = one["ratio"], one["cassette_bytes"], one["turns"]
+        ok = ratio <= 1.3
+        rows.append((f"Cassette bytes / unique content, {turns} turns, OpenAI Responses",
+                     f"{ratio:.2f}x ({_kb(b)}, {one['bytes_per_turn']:,.0f} B/turn)", "-",
+                     "<= 1.3x", _verdict(ok, f"{ratio:.2f}x")))
+        if not ok:
+            fails.append(f"size, {turns} turns, Responses: deja cassette is {ratio:.2f}x its "
+                         f"unique content (> 1.3x); {one['bytes_per_turn']:,.0f} B/turn")
     late = r.get("late_overhead")
     if late:
         rows.append((
@@ -295,6 +305,15 @@ def rows_size(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         f"size: deja bytes per turn beyond U (per-line metadata: response headers, signature, "
         f"timing, cost, request delta references), and per-turn bytes of the first/second "
         f"half of the cassette: {per_turn}."]
+    if responses:
+        notes.append(
+            "size, OpenAI Responses: the same agent through the openai SDK "
+            "(responses.create, every input item so far in each request), recorded by deja; "
+            "U counts each distinct input item. Bytes per turn (first/second half): "
+            + ", ".join(f"{one['turns']}: {one['bytes_per_turn']:,.0f} B "
+                        f"({one['growth']['first_half_per_turn']:,.0f}/"
+                        f"{one['growth']['second_half_per_turn']:,.0f})" for one in responses)
+            + "; the same at every length is linear growth.")
     return rows, notes, fails
 
 

@@ -32,7 +32,8 @@ from recorder.providers.pricing import CACHE_WRITE_1H, PriceTable
 
 __all__ = ["BUILT_IN", "CACHE_WRITE_1H", "PLACEHOLDER_KEY", "USAGE_KEYS", "VOLATILE_HEADERS",
            "VOLATILE_HEADER_PREFIXES", "Conversation", "Headers", "Provider", "Summary",
-           "data_lines", "default", "endpoints", "for_line", "for_url", "get", "model_provider",
+           "data_lines", "default", "endpoints", "for_line", "for_url", "get", "history_field",
+           "model_provider",
            "names", "placeholder_keys", "register", "sse_events", "string_spans",
            "token_counts", "unregister", "volatile_header"]
 
@@ -127,6 +128,15 @@ class Provider(ABC):
         semantic = self.semantic_request(body)
         return model_fingerprint(method, url, semantic, parts,
                                  texts if semantic is body else None)
+
+    def history_field(self, body: Any) -> str | None:
+        """The field of request ``body`` that holds its conversation as a list, which the
+        next request of the conversation sends again with more items at its end: a cassette
+        stores that request as the items it adds to this one. None when ``body`` holds no
+        such list (it is stored whole). This default reads the Messages API's shape."""
+        if isinstance(body, dict) and isinstance(body.get("messages"), list):
+            return "messages"
+        return None
 
     def request_model(self, body: Any) -> Any:
         """The model a request asks for (None when it names none)."""
@@ -388,6 +398,19 @@ def for_url(method: str, url: str) -> Provider | None:
         _by_url.clear()
     _by_url[key] = found
     return found
+
+
+def history_field(body: Any) -> str | None:
+    """The field of a model request ``body`` that holds its growing conversation, as the
+    first registered provider that finds one says (:meth:`Provider.history_field`); None
+    when none does. Asked of the body alone, as the cassette writer stores it: keeping a
+    list as the items it adds to an earlier request's is exact whatever the list means, so
+    a field found by another provider's rule costs nothing but the saving."""
+    for provider in tuple(_providers.values()):
+        field = provider.history_field(body)
+        if field is not None:
+            return field
+    return None
 
 
 def model_provider(method: str, url: str) -> str | None:

@@ -1,33 +1,44 @@
-"""Record a golden cassette: ``tests/golden/v<N>_tool_agent.jsonl`` in this deja's format.
+"""Record a golden cassette: ``tests/golden/v<N>_<agent>.jsonl`` in this deja's format.
 
 Usage (from the repository root)::
 
     .venv/bin/python tests/golden/make_golden.py v2_tool_agent.jsonl
+    .venv/bin/python tests/golden/make_golden.py v2_responses_agent.jsonl
 
-It starts the stub Anthropic server (``recorder.testing.server.StubServer``) with
-``agent.SCRIPT``, records one run of ``agent.agent`` against it, signed with the fixed key
-``DEJA_KEY=golden-key-deja-v1``, and overwrites the cassette. Nothing leaves the machine.
+It starts the stub model server (``recorder.testing.server.StubServer``) with the agent's
+``SCRIPT``, records one run of its ``agent`` against it, signed with the fixed key
+``DEJA_KEY=golden-key-deja-v1``, and overwrites the cassette. The agent is named by the
+file: ``*_tool_agent.jsonl`` is ``agent.py`` (the Messages API), ``*_responses_agent.jsonl``
+is ``responses_agent.py`` (OpenAI's Responses API). Nothing leaves the machine.
 
 A golden cassette is a fixed artefact of one format (``v1_tool_agent.jsonl``: ``deja/1``;
-``v2_tool_agent.jsonl``: ``deja/2``): the tests load, verify and replay it to prove that
-the format keeps loading in later versions of deja. Run this script once when a new format
-is released, to make that format's file; never to "fix" a test after a format change.
+``v2_tool_agent.jsonl``: ``deja/2``; ``v2_responses_agent.jsonl``: ``deja/2`` as written
+before Responses requests were stored as deltas): the tests load, verify and replay it to
+prove that the format keeps loading in later versions of deja. Run this script once when a
+new format is released, to make that format's file; never to "fix" a test after a format
+change.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 GOLDEN_KEY = "golden-key-deja-v1"
+# what follows v<N>_ in a golden file's name -> the module of the agent it records
+AGENTS = {"tool_agent": "agent", "responses_agent": "responses_agent"}
 
 
 def main() -> int:
-    if len(sys.argv) != 2 or not sys.argv[1].endswith("_tool_agent.jsonl"):
-        print("usage: make_golden.py v<N>_tool_agent.jsonl", file=sys.stderr)
+    named = re.fullmatch(r"v\d+_(\w+)\.jsonl", sys.argv[1]) if len(sys.argv) == 2 else None
+    if named is None or named.group(1) not in AGENTS:
+        print("usage: make_golden.py v<N>_tool_agent.jsonl | v<N>_responses_agent.jsonl",
+              file=sys.stderr)
         return 2
     out = HERE / sys.argv[1]
     # A throwaway key home, so that no key file is created or read in the user's ~/.deja.
@@ -35,7 +46,7 @@ def main() -> int:
     os.environ["DEJA_KEY"] = GOLDEN_KEY
     os.environ.pop("DEJA_OLD_KEYS", None)
     sys.path.insert(0, str(HERE))
-    import agent  # tests/golden/agent.py, importable now that HERE is on the path
+    agent = importlib.import_module(AGENTS[named.group(1)])  # importable from HERE
 
     from recorder import Keyring, RecordSession
     from recorder.testing.server import StubServer
