@@ -93,6 +93,7 @@ def _openai_rules(cassette: Any) -> tuple[list[dict[str, Any]], int, dict[int, s
 
     """The rules answering the OpenAI calls of ``cassette``, how many calls they answer,
     and the OpenAI calls left out, by step, with why."""
+    from recorder.cassette.schema import Kind
     from recorder.testing.match import first_user_text, last_user_text, position
 
     # place -> request fingerprint -> (last user text, [(seq, turn)])
@@ -100,7 +101,7 @@ def _openai_rules(cassette: Any) -> tuple[list[dict[str, Any]], int, dict[int, s
     skipped: dict[int, str] = {}
     calls = 0
     for obs in cassette.observations:
-        endpoint = _openai_endpoint(obs) if obs.get("kind") == "model" else None
+        endpoint = _openai_endpoint(obs) if obs.get("kind") == Kind.MODEL else None
         if endpoint is None:
             continue
         seq = obs["seq"]
@@ -142,12 +143,13 @@ def _openai_rules(cassette: Any) -> tuple[list[dict[str, Any]], int, dict[int, s
 
 def _script_from(cassette: Any) -> Any:
     """The stub script answering the Anthropic and OpenAI calls of a loaded cassette."""
+    from recorder.cassette.schema import Kind
     from recorder.testing.server import StubScriptError
     from replayer.stub import CassetteScript, script_from_cassette
 
     rules, calls, skipped = _openai_rules(cassette)
     openai_seqs = {obs["seq"] for obs in cassette.observations
-                   if obs.get("kind") == "model" and _openai_endpoint(obs) is not None}
+                   if obs.get("kind") == Kind.MODEL and _openai_endpoint(obs) is not None}
     try:
         made = script_from_cassette(cassette)
     except StubScriptError as exc:
@@ -169,7 +171,7 @@ def _script_from(cassette: Any) -> Any:
             run=cassette.run, calls=0,
             skipped=tuple(f"seq {o['seq']}: {o.get('url')} (no Anthropic Messages call of the "
                           "run can be answered)" for o in cassette.observations
-                          if o.get("kind") == "model" and o["seq"] not in openai_seqs))
+                          if o.get("kind") == Kind.MODEL and o["seq"] not in openai_seqs))
     # the Anthropic side leaves every OpenAI call out: those are said here, once
     others = tuple(why for why in made.skipped
                    if not any(why.startswith(f"seq {seq}: ") for seq in openai_seqs))

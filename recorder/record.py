@@ -33,7 +33,15 @@ from recorder.capture.exchange import HttpRequest, HttpResponse, Redaction
 from recorder.capture.sources import Interceptor
 from recorder.cassette import CassetteWriter, Fsync, compact
 from recorder.cassette.keys import Keyring, load_keyring, require_signing_key
-from recorder.cassette.schema import EndStatus, Totals, add_step, run_file, utc_stamp, zero_totals
+from recorder.cassette.schema import (
+    EndStatus,
+    Kind,
+    Totals,
+    add_step,
+    run_file,
+    utc_stamp,
+    zero_totals,
+)
 from recorder.errors import RunStopped, SessionError
 from recorder.harness.guards import BreakerSettings, Budgets, Clock, LoopSettings
 from recorder.harness.run_guard import RunGuard
@@ -199,7 +207,8 @@ class RecordSession(session.Session):
     def log_control(self, event: str, detail: dict[str, Any]) -> None:
         """Log a control event (a guard's decision, a fork's edit, a resume), forced to
         disk before the run goes on."""
-        self.append_line({"kind": "control", "event": event, "detail": detail}, sync=True)
+        self.append_line({"kind": Kind.CONTROL.value, "event": event, "detail": detail},
+                         sync=True)
 
     def _stop(self) -> None:
         try:
@@ -270,7 +279,7 @@ class RecordSession(session.Session):
         """Log a finished exchange (or a failed one, with ``error``), count it, and let the
         guards see it; returns the observation as a reader sees it."""
         kind, _, body = self._lines.classify(request)
-        is_model = kind == "model"
+        is_model = kind == Kind.MODEL
         obs, usage, cost = self._lines.exchange(request, response, timing, error)
         counted = dict(obs)  # as a reader sees it: compaction drops what it can derive
         self._write_exchange(obs, body if is_model else None)
@@ -285,7 +294,7 @@ class RecordSession(session.Session):
     def _write_exchange(self, obs: dict[str, Any], request_body: Any) -> None:
         """Append an exchange's line: a model line compacted (what the reader can derive is
         left out) with its request body, an HTTP line as it is."""
-        if obs["kind"] != "model":
+        if obs["kind"] != Kind.MODEL:
             self.append_line(obs)
             return
         url, full_req = obs["url"], obs["request_headers"]
@@ -298,7 +307,8 @@ class RecordSession(session.Session):
     # Lines redacted whole as they are appended (model and HTTP lines are redacted field by
     # field as they are built, StepLines.exchange: their bodies are large and redacted as
     # raw bytes).
-    _REDACTED_WHOLE = frozenset({"tool", "intent", "outcome", "effect", "control"})
+    _REDACTED_WHOLE = frozenset({Kind.TOOL, Kind.INTENT, Kind.OUTCOME, Kind.EFFECT,
+                                 Kind.CONTROL})
 
     def append_line(self, obs: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
         """Write one observation line (marked ``within`` the running tool call, redacted
@@ -327,7 +337,7 @@ class RecordSession(session.Session):
     def _open_intent(self, tool: session.ToolSpec, args: dict[str, Any],
                      key: Any = None) -> tuple[int, str]:
         key = self._lines.args_key(args) if key is None else key
-        line = self.append_line({"kind": "intent", "name": tool.name, "args": key,
+        line = self.append_line({"kind": Kind.INTENT.value, "name": tool.name, "args": key,
                              "fp": digest(["tool", tool.name, key]),
                              "t": round(time.time(), 3)}, sync=True)
         return line["seq"], f"{self.run_id}:{line['seq']}"

@@ -29,6 +29,7 @@ from recorder.capture.exchange import (
     response_record,
     semantic_headers,
 )
+from recorder.cassette.schema import Kind
 from recorder.errors import UnserializableValue
 from recorder.providers import volatile_header
 
@@ -93,7 +94,7 @@ class StepLines:
         cost = None
         if response is not None:
             obs["response"] = response_record(response, self.redaction)
-            if kind == "model":
+            if kind == Kind.MODEL:
                 usage, cost = self._model_outcome(obs, seam, response, body)
         if error is not None:
             obs["error"] = {**self.error(error), "has_response": response is not None}
@@ -137,12 +138,12 @@ class StepLines:
         """The request half of a model or HTTP line, redacted (the model request's body is
         stored apart, as a delta of its conversation)."""
         url = self._redacted_url(request.url)
-        headers = self._request_headers(request.headers, provider if kind == "model" else None)
-        if kind == "model":
-            return {"kind": "model", "provider": provider, "url": url,
+        headers = self._request_headers(request.headers, provider if kind == Kind.MODEL else None)
+        if kind == Kind.MODEL:
+            return {"kind": Kind.MODEL.value, "provider": provider, "url": url,
                     "request_headers": headers}
-        return {"kind": "http", "method": request.method.upper(), "url": url,
-                "fp": fingerprint("http", request.method, url, body),
+        return {"kind": Kind.HTTP.value, "method": request.method.upper(), "url": url,
+                "fp": fingerprint(Kind.HTTP, request.method, url, body),
                 "request": {"headers": headers, "body": body}}
 
     def _model_outcome(self, obs: dict[str, Any], seam: providers.Provider,
@@ -169,11 +170,11 @@ class StepLines:
         the refusal of a result the cassette cannot hold, in the line as its ``error``."""
         obs: dict[str, Any]
         if intent is not None:  # an outcome names its intent, which holds the arguments
-            obs = {"kind": "outcome", "name": tool.name, "intent": intent[0], "key": intent[1],
-                   "t": t, "ms": ms}
+            obs = {"kind": Kind.OUTCOME.value, "name": tool.name, "intent": intent[0],
+                   "key": intent[1], "t": t, "ms": ms}
         else:  # the arguments as they are once the body has run
             key = self.args_key(args)
-            obs = {"kind": "tool", "name": tool.name, "args": key,
+            obs = {"kind": Kind.TOOL.value, "name": tool.name, "args": key,
                    "fp": digest(["tool", tool.name, key]), "t": t, "ms": ms}
         refused: UnserializableValue | None = None
         if error is not None:
@@ -196,7 +197,7 @@ class StepLines:
         guards see."""
         key = self.redaction.value(_values.args_key(args if isinstance(args, dict)
                                                     else {"input": args}))
-        obs: dict[str, Any] = {"kind": "tool", "name": name, "args": key,
+        obs: dict[str, Any] = {"kind": Kind.TOOL.value, "name": name, "args": key,
                                "fp": digest(["tool", name, key]), "observed": observed,
                                "call_id": call_id,
                                "t": round(start if start is not None else time.time(), 3),
@@ -211,7 +212,7 @@ class StepLines:
                ) -> tuple[dict[str, Any], UnserializableValue | None]:
         """An effect's line for ``value`` asked for at ``site``; and the refusal of a value
         the cassette cannot hold, in the line as its ``error``."""
-        obs: dict[str, Any] = {"kind": "effect", "name": name}
+        obs: dict[str, Any] = {"kind": Kind.EFFECT.value, "name": name}
         refused: UnserializableValue | None = None
         try:
             obs["value"] = _values.encode(value, where=f"effect {name!r}")

@@ -48,6 +48,7 @@ from recorder.capture.exchange import HttpRequest, HttpResponse, Redaction
 from recorder.capture.session import Timing
 from recorder.cassette import Fsync
 from recorder.cassette.keys import Keyring
+from recorder.cassette.schema import Kind
 from recorder.errors import (
     CannotConvert,
     DejaError,
@@ -331,7 +332,7 @@ def import_vcr(source: str | Path, output: str | Path, *,
             raise CannotConvert(f"{source}: interaction {item.index} "
                                 f"({item.request.method} {url}) cannot be imported: {exc}. "
                                 "Nothing was written") from None
-        if line["kind"] == "model":
+        if line["kind"] == Kind.MODEL:
             model_calls += 1
         else:
             http_calls += 1

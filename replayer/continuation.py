@@ -26,7 +26,7 @@ from recorder.capture.exchange import HttpRequest, HttpResponse, Redaction
 from recorder.capture.sources import Action, Decision, Source
 from recorder.cassette import Cassette, CassetteWriter
 from recorder.cassette.keys import Keyring
-from recorder.cassette.schema import add_step, replayed_totals
+from recorder.cassette.schema import Kind, add_step, replayed_totals
 from recorder.effects import call_site
 from recorder.errors import Divergence, KeyMissing, NeedsAttention
 from recorder.harness.guards import Budgets
@@ -163,7 +163,7 @@ class ContinuationSession(RecordSession):
     def _log_copied(self, source: Source, obs: Mapping[str, Any]) -> None:
         """Log an observation served from ``source`` as if it had come from the network."""
         copy = {k: v for k, v in obs.items() if k not in ("seq", "sig", "request")}
-        if obs["kind"] == "model":
+        if obs["kind"] == Kind.MODEL:
             self.append_line(copy, request_body=source.request_body(obs["seq"]),
                              has_request=True)
         else:
@@ -186,7 +186,7 @@ class ContinuationSession(RecordSession):
                 if not early:
                     self.before_tool(tool, args)
                 return Decision.answer(self._copied_tool(source, tool, obs))
-            if obs["kind"] == "intent" and source.outcome_of(obs) is None:
+            if obs["kind"] == Kind.INTENT and source.outcome_of(obs) is None:
                 self.go_live()
                 return self._settle(tool, args, obs)
             return Decision.answer(source.tool_value(tool, obs))
@@ -245,8 +245,8 @@ class ContinuationSession(RecordSession):
         A side effect is logged as a live one is: its intent, then its outcome pointing at
         this run's intent seq, both forced to disk.
         """
-        outcome = source.outcome_of(obs) if obs["kind"] == "intent" else None
-        if obs["kind"] == "intent" and outcome is None:
+        outcome = source.outcome_of(obs) if obs["kind"] == Kind.INTENT else None
+        if obs["kind"] == Kind.INTENT and outcome is None:
             # The other run stopped inside this side effect: nothing to copy, nothing known.
             raise source.unsettled(tool, obs)
         side_effect = outcome is not None
@@ -275,7 +275,7 @@ class ContinuationSession(RecordSession):
             if source.copies:
                 # Logged as if live: with this run's call site, and the recorded value or
                 # refusal as stored there.
-                line: dict[str, Any] = {"kind": "effect", "name": name}
+                line: dict[str, Any] = {"kind": Kind.EFFECT.value, "name": name}
                 line.update({k: obs[k] for k in ("value", "error") if k in obs})
                 if site is not None:
                     line["site"] = site.record()

@@ -36,7 +36,7 @@ from recorder.canonical import decode_body
 from recorder.capture.exchange import pretty
 from recorder.cassette import Cassette
 from recorder.cassette.rows import step_count
-from recorder.cassette.schema import Line, is_bookkeeping
+from recorder.cassette.schema import Kind, Line, is_bookkeeping
 from recorder.values import decode
 
 
@@ -88,23 +88,23 @@ def meaning(cassette: Cassette, obs: Mapping[str, Any]) -> dict[str, Any]:
     """What a step says, without the parts that differ between any two runs."""
     kind = obs.get("kind")
     out: dict[str, Any] = {"kind": kind}
-    if kind == "model":
+    if kind == Kind.MODEL:
         request, response = _model_meaning(obs, cassette.requests.get(obs["seq"]))
         out.update(model=obs.get("model"), request=request, response=response,
                    usage=obs.get("usage"),
                    cost_usd=obs.get("cost_usd"), error=obs.get("error"))
-    elif kind == "http":
+    elif kind == Kind.HTTP:
         out.update(method=obs.get("method"), url=obs.get("url"),
                    request=(obs.get("request") or {}).get("body"),
                    response=_response_message(obs), error=obs.get("error"))
-    elif kind in ("tool", "intent", "outcome"):
+    elif kind in (Kind.TOOL, Kind.INTENT, Kind.OUTCOME):
         out.update(name=obs.get("name"), args=obs.get("args"),
                    result=decode(obs.get("result")), error=obs.get("error"))
-    elif kind == "effect":
+    elif kind == Kind.EFFECT:
         out.update(name=obs.get("name"), value=obs.get("value"))
-    elif kind == "control":  # a harness message names its run: the same words in any run
+    elif kind == Kind.CONTROL:  # a harness message names its run: the same words in any run
         out.update(event=obs.get("event"), detail=_run_named(obs.get("detail"), cassette.run))
-    elif kind == "end":
+    elif kind == Kind.END:
         totals = dict(obs.get("totals") or {})
         totals.pop("duration_s", None)
         totals.pop("replayed", None)  # how the run was made, not what it did
@@ -140,12 +140,12 @@ class StepDiff:
     @property
     def label(self) -> str:
         """The step by its seq; an end line is not a step and is named as such."""
-        end_a, end_b = self.kind_a in ("end", None), self.kind_b in ("end", None)
+        end_a, end_b = self.kind_a in (Kind.END, None), self.kind_b in (Kind.END, None)
         if end_a and end_b:
             return "the end line"
-        if self.kind_b == "end":
+        if self.kind_b == Kind.END:
             return f"A's step {self.seq_a}, B's end line"
-        if self.kind_a == "end":
+        if self.kind_a == Kind.END:
             return f"step {self.seq}, A's end line"
         if self.seq_a is None or self.seq_a == self.seq:
             return f"step {self.seq}"
@@ -249,7 +249,7 @@ def _message_labels(changes: tuple[FieldChange, ...], *sides: Any) -> dict[str, 
             continue
         index, block, reply_block = found.groups()
         for side in sides:
-            if not isinstance(side, dict) or side.get("kind") != "model":
+            if not isinstance(side, dict) or side.get("kind") != Kind.MODEL:
                 continue
             names = _tool_names(side, {})
             if index is not None:
@@ -354,7 +354,7 @@ def render(diff: RunDiff, *, max_changes: int = 12) -> str:
             lines.append(f"  … {len(step.changes) - max_changes} more changes")
     for side, op in (("A", "missing"), ("B", "added")):
         steps = [s for s in only if s.changes[0].op == op]
-        ends = [s for s in steps if (s.kind_a or s.kind_b) == "end"]
+        ends = [s for s in steps if (s.kind_a or s.kind_b) == Kind.END]
         steps = [s for s in steps if s not in ends]
         if steps:
             lines.append(f"only in {side}: {len(steps)} step(s), "

@@ -26,11 +26,12 @@ import jsonpatch
 
 from recorder import providers
 from recorder.canonical import decode_body, encode_body
+from recorder.cassette.schema import Kind
 from recorder.errors import EditError
 from recorder.providers.pricing import PriceTable
 from recorder.values import decode, encode
 
-EDITABLE = ("model", "http", "tool", "outcome", "effect")
+EDITABLE = (Kind.MODEL, Kind.HTTP, Kind.TOOL, Kind.OUTCOME, Kind.EFFECT)
 
 
 def _body_text(obs: Mapping[str, Any]) -> str:
@@ -41,19 +42,19 @@ def _body_text(obs: Mapping[str, Any]) -> str:
 def view(obs: Mapping[str, Any]) -> dict[str, Any]:
     """The editable document of ``obs``."""
     kind = obs.get("kind")
-    if kind in ("tool", "outcome"):
+    if kind in (Kind.TOOL, Kind.OUTCOME):
         return {"error": obs["error"]} if "error" in obs else {"result": decode(obs.get("result"))}
-    if kind == "effect":
+    if kind == Kind.EFFECT:
         return {"error": obs["error"]} if "error" in obs else {"value": decode(obs.get("value"))}
-    if kind in ("model", "http") and "response" not in obs:
+    if kind in (Kind.MODEL, Kind.HTTP) and "response" not in obs:
         raise EditError(f"step {obs.get('seq')} has no response to edit (the exchange failed:"
                         f" {(obs.get('error') or {}).get('message')})")
-    if kind == "model":
+    if kind == Kind.MODEL:
         try:
             return providers.for_line(obs).message(obs["response"]["headers"], _body_text(obs))
         except ValueError:
             raise EditError(f"step {obs['seq']}: the model response is not JSON") from None
-    if kind == "http":
+    if kind == Kind.HTTP:
         text = _body_text(obs)
         try:
             body: Any = json.loads(text)
@@ -129,7 +130,7 @@ def rebuild(obs: Mapping[str, Any], doc: Any, prices: PriceTable | None = None) 
     kind = obs["kind"]
     new = {k: v for k, v in obs.items() if k != "sig"}
     new["edited"] = True
-    if kind in ("tool", "outcome"):
+    if kind in (Kind.TOOL, Kind.OUTCOME):
         if not isinstance(doc, dict) or not ({"result", "error"} & set(doc)):
             raise EditError('a tool edit must leave {"result": ...} or {"error": {...}}')
         new.pop("result", None)
@@ -142,7 +143,7 @@ def rebuild(obs: Mapping[str, Any], doc: Any, prices: PriceTable | None = None) 
         else:
             new["result"] = encode(doc["result"], where=f"edited result of step {obs['seq']}")
         return new
-    if kind == "effect":
+    if kind == Kind.EFFECT:
         if isinstance(doc, dict) and "error" in doc and "value" not in doc:
             err, _ = doc["error"], new.pop("value", None)
             new["error"] = {"type": str(err.get("type", "UnserializableValue")),
@@ -154,7 +155,7 @@ def rebuild(obs: Mapping[str, Any], doc: Any, prices: PriceTable | None = None) 
         return new
     response = dict(obs["response"])
     provider = providers.for_line(obs)
-    if kind == "model":
+    if kind == Kind.MODEL:
         if not isinstance(doc, dict):
             raise EditError("a model edit must leave a message object")
         streamed = provider.is_stream(response["headers"])
@@ -172,7 +173,7 @@ def rebuild(obs: Mapping[str, Any], doc: Any, prices: PriceTable | None = None) 
     response["headers"] = [[k, str(len(data)) if k.lower() == "content-length" else v]
                            for k, v in response["headers"]]
     new["response"] = response
-    if kind == "model":
+    if kind == Kind.MODEL:
         summary = provider.summarize(response["status"], response["headers"], data)
         usage = summary.get("usage") or None
         new.update(usage=usage, stop_reason=summary.get("stop_reason"),

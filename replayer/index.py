@@ -21,10 +21,11 @@ from typing import Any
 
 from recorder.canonical import digest
 from recorder.cassette import Cassette
-from recorder.cassette.schema import STOPS
+from recorder.cassette.schema import STOPS, Kind
 from recorder.effects import Site
 
-FAMILY = {"model": "net", "http": "net", "tool": "tool", "intent": "tool", "effect": "effect"}
+FAMILY: dict[str, str] = {Kind.MODEL: "net", Kind.HTTP: "net", Kind.TOOL: "tool",
+                          Kind.INTENT: "tool", Kind.EFFECT: "effect"}
 
 
 def key_of(obs: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -65,7 +66,7 @@ class Index:
         # read by field name across kinds (an outcome's intent, an effect's name)
         observations: tuple[Mapping[str, Any], ...] = cassette.observations
         for obs in observations:
-            if obs.get("kind") == "control" and obs.get("event") in STOPS \
+            if obs.get("kind") == Kind.CONTROL and obs.get("event") in STOPS \
                     and "within" not in obs:
                 self.stops.append((obs, list(before)))
                 before.append(obs["seq"])
@@ -73,9 +74,9 @@ class Index:
                 continue
             if "observed" in obs:  # seen at a boundary: its request is matched whole
                 continue
-            if (key_of(obs) is not None and "within" not in obs) or obs.get("kind") == "outcome":
+            if (key_of(obs) is not None and "within" not in obs) or obs.get("kind") == Kind.OUTCOME:
                 before.append(obs["seq"])
-            if obs.get("kind") == "outcome" and "within" not in obs:
+            if obs.get("kind") == Kind.OUTCOME and "within" not in obs:
                 self.outcomes[obs["intent"]] = obs
                 self.total += 1
                 continue

@@ -29,6 +29,7 @@ from urllib.parse import urlsplit
 
 from recorder import providers
 from recorder.canonical import decode_body
+from recorder.cassette.schema import Kind
 from recorder.testing.match import first_user_text, is_failure, last_user_text, position
 from recorder.testing.script import StubScriptError
 
@@ -136,7 +137,7 @@ def script_from_cassette(cassette: Cassette) -> CassetteScript:
     skipped: list[str] = []
     calls = 0
     for obs in cassette.observations:
-        if obs.get("kind") != "model":
+        if obs.get("kind") != Kind.MODEL:
             continue
         seq = obs["seq"]
         if not _is_messages_call(obs):

@@ -14,6 +14,8 @@ Every rule here reads the modules' imports with ``ast`` (imports inside function
 - the two HTTP servers (``deja.proxy``, ``deja.runs``) share one serving helper
   (``recorder.serving``): neither has a loopback check, a socket bind or a body reader of
   its own;
+- a line's kind is compared with, and written as, a member of ``Kind``, not a bare
+  string;
 - a test file stays short enough to read.
 """
 
@@ -386,3 +388,85 @@ def test_no_session_type_tests_outside_the_session_packages() -> None:
              if top(module_name(path)) not in SESSION_PACKAGES
              for line in _session_type_tests(ast.parse(path.read_text()))]
     assert not found, report(found, "session type tests outside recorder/ and replayer/")
+
+
+# Modules that may still compare a line's kind with a bare string, and why.
+BARE_KINDS = {
+    # Below the cassette package, which imports it: it cannot import the schema, and
+    # compares the kind its callers pass.
+    "recorder.canonical": "imported by recorder.cassette",
+    # Not converted yet: restructured when this rule came in; drop each once it uses Kind.
+    "replayer.replay": "not converted yet",
+    "replayer.policy": "not converted yet",
+}
+
+
+def _kind_values() -> set[str]:
+    """The values of ``Kind``, read from the schema's source."""
+    tree = ast.parse((ROOT / "recorder" / "cassette" / "schema.py").read_text())
+    kind = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Kind")
+    return {s.value.value for s in kind.body if isinstance(s, ast.Assign)
+            and isinstance(s.value, ast.Constant) and isinstance(s.value.value, str)}
+
+
+KIND_VALUES = _kind_values()
+
+
+def _reads_kind(node: ast.AST) -> bool:
+    """``kind``, ``x.kind``, ``kind_a``, ``obs["kind"]``, ``obs.get("kind")``, ``a or b``
+    of those: an expression whose value is a line's kind."""
+    if isinstance(node, ast.Name | ast.Attribute):
+        name = node.id if isinstance(node, ast.Name) else node.attr
+        return name == "kind" or name.startswith("kind_")
+    if isinstance(node, ast.Subscript):
+        return isinstance(node.slice, ast.Constant) and node.slice.value == "kind"
+    if isinstance(node, ast.Call):
+        return bool(node.args) and isinstance(node.args[0], ast.Constant) \
+            and node.args[0].value == "kind"
+    if isinstance(node, ast.BoolOp):
+        return any(_reads_kind(value) for value in node.values)
+    return False
+
+
+def _kind_strings(node: ast.AST) -> set[str]:
+    """The line kinds written as bare strings in ``node``: a literal, or a tuple, list or
+    set display of them."""
+    items = node.elts if isinstance(node, ast.Tuple | ast.List | ast.Set) else [node]
+    return {item.value for item in items if isinstance(item, ast.Constant)
+            and isinstance(item.value, str) and item.value in KIND_VALUES}
+
+
+def _bare_kinds(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """Comparisons of a line's kind with a bare string (``obs["kind"] == "model"``, ``kind
+    in ("tool", "intent")``) and lines built with one (``{"kind": "effect", ...}``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(_reads_kind(side) for side in sides):
+                for value in sorted(set().union(*map(_kind_strings, sides))):
+                    yield node.lineno, f"compares a kind with {value!r}"
+        elif isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if isinstance(key, ast.Constant) and key.value == "kind" \
+                        and isinstance(value, ast.Constant) and value.value in KIND_VALUES:
+                    yield node.lineno, f"builds a {value.value!r} line with a bare string"
+
+
+def test_the_bare_kind_check_sees_them() -> None:
+    assert {"model", "http", "tool", "end"} <= KIND_VALUES
+    source = ('obs["kind"] == "model"; kind in ("tool", "x"); obs.get("kind") != "http"\n'
+              'd.kind == "effect"; (s.kind_a or s.kind_b) == "end"; {"kind": "control"}\n'
+              'kind == Kind.MODEL; {"kind": Kind.TOOL.value}; scope["type"] == "http"\n')
+    assert [line for line, _ in _bare_kinds(ast.parse(source))] == [1, 1, 1, 2, 2, 2]
+
+
+def test_line_kinds_are_named_by_kind() -> None:
+    """A line's kind is compared with, and written as, a member of ``Kind``
+    (``recorder.cassette.schema``): one vocabulary, which a type checker and a search
+    follow; being a ``StrEnum``, it is the very string on disk."""
+    found = {f"{module_name(path)}:{line} {what}": module_name(path) for path in source_files()
+             for line, what in _bare_kinds(ast.parse(path.read_text()))}
+    bare = [where for where, module in found.items() if module not in BARE_KINDS]
+    assert not bare, report(bare, "a line kind as a bare string (use Kind)")
+    stale = set(BARE_KINDS) - set(found.values())
+    assert not stale, f"allowed bare kinds no longer needed (remove them): {sorted(stale)}"

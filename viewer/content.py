@@ -22,6 +22,7 @@ from typing import Any
 
 from recorder import providers
 from recorder.canonical import decode_body
+from recorder.cassette.schema import Kind
 from recorder.values import decode
 
 LIMIT = 100_000  # characters of one payload shown before it is cut
@@ -296,7 +297,7 @@ def searchable_text(obs: Mapping[str, Any]) -> str:
     """
     kind = obs.get("kind")
     out: list[str] = []
-    if kind == "model":
+    if kind == Kind.MODEL:
         request_field = obs.get("request")
         stored = request_field if isinstance(request_field, dict) else {}
         body_field, set_field = stored.get("body"), stored.get("set")
@@ -312,7 +313,7 @@ def searchable_text(obs: Mapping[str, Any]) -> str:
             _block_strings(message.get("output"), out)
             for choice in message.get("choices") or []:
                 _block_strings((choice or {}).get("message"), out)
-    elif kind == "http":
+    elif kind == Kind.HTTP:
         out.append(str(obs.get("url", "")))
         request = (obs.get("request") or {}).get("body")
         out.append(request if isinstance(request, str) else _json(request))
@@ -321,15 +322,15 @@ def searchable_text(obs: Mapping[str, Any]) -> str:
             text = body_text(response)
             if text is not None:
                 out.append(text[:_SEARCH_BODY_LIMIT])
-    elif kind in ("tool", "intent", "outcome"):
+    elif kind in (Kind.TOOL, Kind.INTENT, Kind.OUTCOME):
         out.append(str(obs.get("name", "")))
         if obs.get("args") is not None:
             out.append(_plain(obs["args"]))
         if "result" in obs:
             out.append(_plain(obs["result"]))
-    elif kind == "effect":
+    elif kind == Kind.EFFECT:
         out.extend([str(obs.get("name", "")), _plain(obs.get("value"))])
-    elif kind == "control":
+    elif kind == Kind.CONTROL:
         out.extend([str(obs.get("event", "")), _json(obs.get("detail"))])
     for key in ("error", "api_error"):
         err = obs.get(key)

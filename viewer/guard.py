@@ -140,11 +140,11 @@ def refusal(headers: dict[str, str], hosts: frozenset[str]) -> tuple[int, str] |
     return None
 
 
-async def _plain(send: Send, status: int, text: str, kind: str = "http",
+async def _plain(send: Send, status: int, text: str, protocol: str = "http",
                  headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
     """A short plain-text answer; on a websocket, its handshake's answer."""
     body = (text + "\n").encode()
-    prefix = "websocket.http" if kind == "websocket" else "http"
+    prefix = "websocket.http" if protocol == "websocket" else "http"
     await send({"type": f"{prefix}.response.start", "status": status, "headers": [
         (b"content-type", b"text/plain; charset=utf-8"),
         (b"content-length", str(len(body)).encode()),
@@ -163,8 +163,8 @@ class HostGuard:
         self.token = token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope.get("type")
-        if kind not in ("http", "websocket"):
+        protocol = scope.get("type")
+        if protocol not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
@@ -172,7 +172,7 @@ class HostGuard:
         refused = refusal(headers, self.hosts)
         if refused is not None:
             status, reason = refused
-            if kind == "websocket":  # closed before it is accepted: the handshake gets 403
+            if protocol == "websocket":  # closed before it is accepted: the handshake gets 403
                 await send({"type": "websocket.close", "code": 1008, "reason": reason[:120]})
                 return
             await _plain(send, status, reason)
@@ -180,7 +180,7 @@ class HostGuard:
         if self.token is not None:
             query = (scope.get("query_string") or b"").decode("latin-1")
             given = token_in(query)
-            if kind == "http" and given is not None and scope.get("method") in ("GET", "HEAD") \
+            if protocol == "http" and given is not None and scope.get("method") in ("GET", "HEAD") \
                     and hmac.compare_digest(given.encode(), self.token.encode()):
                 cookie = f"{COOKIE}={cookie_value(self.token)}; HttpOnly; SameSite=Strict; Path=/"
                 await _plain(send, 303, "signed in", headers=[
@@ -188,15 +188,15 @@ class HostGuard:
                     (b"set-cookie", cookie.encode()), (b"referrer-policy", b"no-referrer")])
                 return
             if (given is not None or not signed_in(headers, self.token)) \
-                    and (scope.get("path") not in OPEN_PATHS or kind != "http"):
-                if kind == "websocket" and "websocket.http.response" not in \
+                    and (scope.get("path") not in OPEN_PATHS or protocol != "http"):
+                if protocol == "websocket" and "websocket.http.response" not in \
                         (scope.get("extensions") or {}):
                     await send({"type": "websocket.close", "code": 1008,
                                 "reason": "deja view needs its token"})
                     return
-                await _plain(send, 401, UNAUTHORIZED, kind)
+                await _plain(send, 401, UNAUTHORIZED, protocol)
                 return
-        if kind == "websocket":
+        if protocol == "websocket":
             await self.app(scope, receive, send)
             return
 

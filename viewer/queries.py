@@ -19,7 +19,7 @@ from typing import Any
 
 from recorder.cassette import lock
 from recorder.cassette.rows import step_count, step_name, step_status
-from recorder.cassette.schema import run_status
+from recorder.cassette.schema import Control, Kind, run_status
 from recorder.errors import NoSuchRun, UsageError
 from recorder.harness.progress import (
     cancel_requested,
@@ -344,7 +344,7 @@ def _timeline(index: RunIndex, run: str) -> dict[str, list[Any]]:
 
 # Control lines after which a run's steps were made at another time: a fork's live part
 # (its prefix was copied from the parent, recorded earlier), a resume's.
-_NEW_PART = frozenset({"fork_edit", "resumed"})
+_NEW_PART = frozenset({Control.FORK_EDIT, Control.RESUMED})
 
 
 def _part_times(starts: list[Any], kinds: list[Any], names: list[Any],
@@ -354,7 +354,7 @@ def _part_times(starts: list[Any], kinds: list[Any], names: list[Any],
     it ended: the hours between recording and forking are not the run's time."""
     parts: list[list[int]] = [[]]
     for i, (kind, name) in enumerate(zip(kinds, names, strict=True)):
-        if kind == "control" and name in _NEW_PART and parts[-1]:
+        if kind == Kind.CONTROL and name in _NEW_PART and parts[-1]:
             parts.append([])
         parts[-1].append(i)
     out: list[float | None] = [None] * len(starts)

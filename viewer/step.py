@@ -28,7 +28,7 @@ from recorder.cassette import Cassette, load
 from recorder.cassette.keys import load_keyring
 from recorder.cassette.reader import peek_header
 from recorder.cassette.rows import step_name, step_status
-from recorder.cassette.schema import Observation
+from recorder.cassette.schema import Kind, Observation
 from recorder.errors import DejaError, EditError, NoSuchStep
 from recorder.harness.progress import read_status
 from replayer import edit
@@ -72,7 +72,7 @@ def editable(obs: Mapping[str, Any]) -> bool:
     """Can a fork edit this step? (an editable kind, not inside a tool, with a response)"""
     if obs.get("kind") not in edit.EDITABLE or "within" in obs:
         return False
-    return obs["kind"] not in ("model", "http") or "response" in obs
+    return obs["kind"] not in (Kind.MODEL, Kind.HTTP) or "response" in obs
 
 
 @dataclass
@@ -126,7 +126,7 @@ def _earlier_input(cassette: Cassette, seq: int, request: Any) -> int | None:
         return None
     items = request["input"]
     for earlier in range(seq - 1, -1, -1):
-        if cassette.observations[earlier].get("kind") != "model":
+        if cassette.observations[earlier].get("kind") != Kind.MODEL:
             continue
         before = cassette.requests.get(earlier)
         shared = before.get("input") if isinstance(before, dict) else None
@@ -152,20 +152,20 @@ def step_detail(path: str | Path, seq: int, *, full: bool = False,
                         name=step_name(obs), status=step_status(obs),
                         observation=clip.value(obs), editable=editable(obs),
                         edited=bool(obs.get("edited")), within=obs.get("within"))
-    if kind == "model":
+    if kind == Kind.MODEL:
         request = cassette.requests.get(seq)
         detail.request = clip.value(request)
         detail.response = _raw_response(obs, clip)
         detail.conversation = content.conversation(request, obs, clip,
                                                    _earlier_input(cassette, seq, request))
-    elif kind == "http":
+    elif kind == Kind.HTTP:
         detail.request = clip.value((obs.get("request") or {}).get("body"))
         detail.response = _raw_response(obs, clip)
-    elif kind in ("tool", "intent", "outcome"):
+    elif kind in (Kind.TOOL, Kind.INTENT, Kind.OUTCOME):
         detail.tool = content.tool_call(obs, clip)
-    elif kind == "control":
+    elif kind == Kind.CONTROL:
         detail.control = {"event": obs.get("event"), "detail": clip.value(obs.get("detail"))}
-    elif kind == "effect":
+    elif kind == Kind.EFFECT:
         detail.tool = {"name": obs.get("name"), "args": None,
                        "result": clip.value(obs.get("value")), "images": []}
     if not cassette.verified:
@@ -248,7 +248,7 @@ def recorded_base_url(path: str | Path) -> str | None:
     call. A fork's live target defaults to it: the steps after the fork go where the
     run went."""
     for obs in load_cassette(path).observations:
-        if obs.get("kind") != "model" or obs.get("provider", "anthropic") != "anthropic":
+        if obs.get("kind") != Kind.MODEL or obs.get("provider", "anthropic") != "anthropic":
             continue
         parts = urlsplit(str(obs.get("url") or ""))
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -285,7 +285,7 @@ def fork_failure(launched: LaunchedFork, log: str, returncode: int | None) -> st
         observations = []
     for obs in reversed(observations):
         err = obs.get("error")
-        if obs.get("kind") in ("model", "http") and isinstance(err, dict):
+        if obs.get("kind") in (Kind.MODEL, Kind.HTTP) and isinstance(err, dict):
             where = _origin(str(obs.get("url") or launched.live_url or ""))
             text = f"{err.get('type')}: {err.get('message')}"
             if "refused" in text.lower():

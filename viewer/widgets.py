@@ -15,6 +15,7 @@ from typing import Any
 import streamlit as st
 from streamlit.errors import StreamlitAPIException
 
+from recorder.cassette.schema import Kind
 from recorder.errors import DejaError
 from viewer import queries
 from viewer.content import Block, image_type
@@ -162,8 +163,7 @@ def conversation(conv: dict[str, Any]) -> None:
 def tool(detail: StepDetail) -> None:
     call = detail.tool or {}
     with st.chat_message("tool", avatar=":material/build:"):
-        label = "effect" if detail.kind == "effect" else detail.kind
-        st.markdown(md("**{}** {:code}", label, call.get("name")))
+        st.markdown(md("**{}** {:code}", detail.kind, call.get("name")))
         if call.get("args") is not None:
             st.caption("arguments")
             st.json(call["args"], expanded=True)
@@ -171,7 +171,7 @@ def tool(detail: StepDetail) -> None:
             err = call["error"] or {}
             st.error(md("{}: {}", err.get("type"), err.get("message")))
         elif "result" in call:
-            st.caption("value" if detail.kind == "effect" else "result")
+            st.caption("value" if detail.kind == Kind.EFFECT else "result")
             if isinstance(call["result"], str):
                 st.code(call["result"], language=None, wrap_lines=True)
             else:
@@ -211,13 +211,13 @@ def step(detail: StepDetail) -> None:
     if detail.within:
         marks.append(f"↳ made inside tool call {detail.within}")
     st.caption(md("{}", " · ".join(marks + detail.notes)))
-    if detail.kind == "control":
+    if detail.kind == Kind.CONTROL:
         control(detail)
     elif detail.conversation is not None:
         conversation(detail.conversation)
     elif detail.tool is not None:
         tool(detail)
-    elif detail.kind == "end":
+    elif detail.kind == Kind.END:
         st.json(detail.observation, expanded=True)
     raw(detail)
 

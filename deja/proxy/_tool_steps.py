@@ -23,6 +23,7 @@ from typing import Any
 
 from deja.proxy.runs import ProxyRun, Registry, conversation_items, tool_calls, tool_results
 from recorder import providers
+from recorder.cassette.schema import Kind
 from recorder.errors import Divergence, DivergenceInfo
 
 __all__ = ["boundary", "check_results", "is_responses", "read_reply", "substitute"]
@@ -78,7 +79,7 @@ def check_results(run: ProxyRun, body: dict[str, Any]) -> None:
         if obs.get("is_error"):
             expected["is_error"] = True
         info = DivergenceInfo(
-            step=obs["seq"], kind="tool",
+            step=obs["seq"], kind=Kind.TOOL.value,
             reason=f"the agent's tool {obs['name']!r} returned something other than "
                    f"the recorded result (call {block['tool_use_id']})",
             expected=expected, actual=actual, diff=unified(expected, actual))

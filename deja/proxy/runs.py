@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recorder.capture.session import Session
-from recorder.cassette.schema import EndStatus
+from recorder.cassette.schema import EndStatus, Kind
 from recorder.errors import RunStopped
 from recorder.record import RecordSession
 
@@ -226,7 +226,7 @@ class ProxyRun:
         ones substituted in every request that carries them."""
         for obs in observations:
             call = obs.get("call_id")
-            if obs.get("kind") == "tool" and "observed" in obs and isinstance(call, str):
+            if obs.get("kind") == Kind.TOOL and "observed" in obs and isinstance(call, str):
                 self.logged.add(call)
                 self.recorded[call] = obs
                 if obs.get("edited"):

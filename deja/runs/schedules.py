@@ -47,7 +47,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from deja.runs.errors import BadSchedule
 from deja.runs.store import DISK_ERROR, ENDED, Store
-from recorder.cassette.schema import run_status
+from recorder.cassette.schema import Kind, run_status
 from recorder.harness.progress import cassette_end
 
 log = logging.getLogger("deja.runs")
@@ -171,7 +171,7 @@ def verified_artefacts(spec: dict[str, Any]) -> list[dict[str, Any]]:
         return []
     out = []
     for obs in cassette.observations:
-        if obs.get("kind") != "effect" or obs.get("name") != "artefact":
+        if obs.get("kind") != Kind.EFFECT or obs.get("name") != "artefact":
             continue
         info = obs.get("value")
         if not isinstance(info, dict) or not isinstance(info.get("path"), str):

@@ -31,6 +31,7 @@ from recorder.canonical import (
     fingerprint,
 )
 from recorder.capture.redact import Redaction
+from recorder.cassette.schema import Kind
 from recorder.errors import UnserializableValue
 from recorder.providers import (
     model_provider,
@@ -95,7 +96,7 @@ def request_fingerprint(kind: str, provider: str | None, method: str, url: str,
     body): a model call by its provider's semantic request, any other by its target.
     ``parts`` and ``texts`` make a model request's fingerprint incremental (see
     :func:`recorder.canonical.model_fingerprint`)."""
-    if kind == "model" and provider is not None:
+    if kind == Kind.MODEL and provider is not None:
         return providers.get(provider).fingerprint(method, url, body, parts, texts)
     return fingerprint(kind, method, url, body)
 
@@ -322,11 +323,11 @@ def classify_texts(method: str, url: str, data: bytes, redaction: Redaction,
                 f"{problem}; deja stores a model request as JSON and cannot record this one "
                 "faithfully. Nothing of it was written; fix the value the agent sends")
         text, encoding = encode_body(clean)
-        return "http", provider, {"text": text, "body_encoding": encoding or "text"}, None
+        return Kind.HTTP.value, provider, {"text": text, "body_encoding": encoding or "text"}, None
     redacted = redaction.body(body)
     if redacted is not body:
         texts = None
-    return ("model" if provider else "http"), provider, redacted, texts
+    return (Kind.MODEL.value if provider else Kind.HTTP.value), provider, redacted, texts
 
 
 def response_record(resp: HttpResponse, redaction: Redaction) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from typing import Any
 
 from recorder import providers  # a module reference: providers imports this package
 from recorder.canonical import Parts, content_decoded, decode_body
+from recorder.cassette.schema import Kind
 
 _NO_DOC = object()  # a response body stored as text, not as JSON
 _DERIVED = ("usage", "stop_reason", "api_error", "message_id", "model", "stream", "fp")
@@ -144,7 +145,7 @@ class Replies(dict[int, Any]):
     def __missing__(self, seq: int) -> Any:
         line = self._earlier[seq]
         response = line.get("response") or {}
-        if line.get("kind") != "model" or response.get("encoding") is not None:
+        if line.get("kind") != Kind.MODEL or response.get("encoding") is not None:
             raise KeyError(seq)
         try:
             reply = reply_of(json.loads(response["body"]))

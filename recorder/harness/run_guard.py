@@ -20,7 +20,7 @@ from recorder import providers
 from recorder.capture.exchange import HttpRequest, upstream
 from recorder.capture.redact import DEFAULT, Redaction
 from recorder.capture.sources import Interceptor
-from recorder.cassette.schema import Control
+from recorder.cassette.schema import Control, Kind
 from recorder.errors import (
     BudgetExhausted,
     Cancelled,
@@ -74,10 +74,10 @@ class RunGuard(Interceptor):
     # -- counters carried over from a recorded prefix (resume, fork)
 
     def absorb(self, obs: Mapping[str, Any]) -> None:
-        if obs.get("kind") == "model" and 200 <= (obs.get("response") or {}).get("status", 0) \
+        if obs.get("kind") == Kind.MODEL and 200 <= (obs.get("response") or {}).get("status", 0) \
                 < 300:
             self.turns += 1
-        if obs.get("kind") in ("tool", "intent") and "within" not in obs:
+        if obs.get("kind") in (Kind.TOOL, Kind.INTENT) and "within" not in obs:
             self.loop.remember(obs["name"], obs.get("args"))
         usage = obs.get("usage") or {}
         self.tokens += usage.get("input_tokens", 0) + usage.get("output_tokens", 0)
