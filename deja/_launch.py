@@ -134,50 +134,6 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
     return status
 
 
-def _replay_report(result: dict[str, Any], code: int | None) -> str:
-    """The one report of a replay: the child printed no traceback for a divergence, so
-    this is where the user reads it (and its diff), once."""
-    from recorder.cassette.rows import describe_split, describe_totals
-
-    d = result.get("divergence")
-    failed_early = bool(d) and not result["steps_served"] and code not in (0, None) and \
-        bool(result.get("program_error"))
-    verdict = "identical" if result["identical"] else \
-        "FAILED BEFORE ITS FIRST CALL" if failed_early else "DIVERGED"
-    if not result.get("verified"):
-        verdict += " (NOT VERIFIED: what was served is unchecked)"
-    recorded_exit = result.get("recorded_exit_code")
-    lines = [f"replay of {result['run']}: {verdict}",
-             f"  cassette:   {result['path']}",
-             f"  steps:      {result['steps_served']}/{result['steps_recorded']} served "
-             f"in {result['seconds']:.3f}s",
-             f"  signature:  {result['verify_note']}",
-             f"  recorded:   {result['recorded_status'] or 'no end line'}"
-             + (f", exit status {recorded_exit}" if recorded_exit is not None else "")]
-    if code is not None:  # the program's, when deja ran it
-        lines.append(f"  replayed:   exit status {code}"
-                     + (f" ({result['program_error']})" if result.get("program_error")
-                        else ""))
-    totals = result.get("totals")
-    if totals:
-        lines.append(f"  totals:     {describe_totals(totals['all'])}")
-        lines.extend(f"              {line}" for line in describe_split(totals))
-    if failed_early:
-        lines.append("  next:       the program stopped before it asked for anything, so "
-                     "nothing was compared: fix what its error says (a missing setting, "
-                     "file or dependency) and replay again")
-    elif d:
-        step = d["step"] if d["step"] is not None else "end"
-        lines.append(f"  divergence: step {step} ({d['kind']}): {d['reason']}")
-        lines.extend("    " + line for line in (d.get("diff") or "").splitlines())
-        lines.append("  next:       the agent's code or inputs changed since the run was "
-                     "recorded: fix it, record the run again"
-                     + (f", or fork it at this step (deja fork {result['path']} --at {step} "
-                        "...) to test the change" if d["step"] is not None else ""))
-    lines.extend(f"  note:       {note}" for note in result.get("notes") or ())
-    return "\n".join(lines)
-
-
 def _echo_split(path: Path) -> None:
     """What a fork or a resumed run replayed and what it spent live, on stderr."""
     from recorder.cassette import load

@@ -49,7 +49,8 @@ from deja._common import (
     guard_options,
     redaction_options,
 )
-from deja._launch import _echo_split, _launch, _replay_report, _where_to_run, _writer_lock
+from deja._launch import _echo_split, _launch, _where_to_run, _writer_lock
+from replayer.result import render as replay_report
 
 # What deja cannot do for an agent it sees only through the proxy.
 PROXY_TOOLS_WARNING = ("deja: WARNING: this run was recorded through deja proxy: deja serves "
@@ -222,7 +223,7 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
     if as_json:
         click.echo(json.dumps(result, indent=2))
     else:
-        click.echo(_replay_report(result, ended.status))
+        click.echo(replay_report(result, ended.status))
     sys.exit(0 if result["identical"] else EXIT_DIVERGED)
 
 

@@ -21,7 +21,7 @@ from deja._common import (
     guard_options,
     redaction_options,
 )
-from deja._launch import _replay_report
+from replayer.result import render as replay_report
 
 
 @click.command()
@@ -177,7 +177,7 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
         if report_file is not None:
             report_file.write_text(json.dumps(result.replay, default=str))
         else:
-            click.echo(_replay_report(result.replay, None))
+            click.echo(replay_report(result.replay, None))
     if result.fork is not None:
         click.echo(f"deja: the fork was written to {result.fork}; compare it with: deja diff "
                    f"{fork} {result.fork}", err=True)
@@ -225,5 +225,5 @@ def through_proxy(proxy_args: list[str], command: list[str], cwd: Path | None) -
                 server.send_signal(signal.SIGTERM)
             served = server.wait()
         if report.is_file():  # one report, as deja replay prints it for a Python program
-            click.echo(_replay_report(json.loads(report.read_text()), code))
+            click.echo(replay_report(json.loads(report.read_text()), code))
     return served or code

@@ -225,12 +225,12 @@ def _finish_replay(item: pytest.Item, context: Any, exc: BaseException | None) -
             f"the test failed before its first recorded call ({type(exc).__name__}), so "
             f"nothing of {result.path} was served: its error is below"))
         return
-    message = result.report()
+    message = result.report(advice=(
+        "the agent's code or inputs changed since the cassette was recorded: fix the agent, "
+        "re-record with pytest --deja-rerecord (not for a record=False cassette), or fork "
+        "the run at this step (deja fork) to test the change"))
     if exc is not None and not isinstance(exc, Divergence):
         message += f"\n  then the test failed: {type(exc).__name__}: {exc}"
-    message += ("\n  The agent's code or inputs changed since the cassette was recorded: "
-                "fix the agent, re-record with pytest --deja-rerecord (not for a record=False "
-                "cassette), or fork the run at this step (deja fork) to test the change.")
     pytest.fail(message, pytrace=False)
 
 

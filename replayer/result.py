@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from recorder.cassette.rows import describe_split, describe_totals
 from recorder.errors import DivergenceInfo
 
-__all__ = ["ReplayResult"]
+__all__ = ["ReplayResult", "render"]
 
 
 @dataclass(frozen=True)
@@ -56,27 +57,54 @@ class ReplayResult:
         out["complete"] = self.complete
         return out
 
-    def report(self) -> str:
-        verdict = "identical" if self.identical else "DIVERGED"
-        if not self.verified:
-            verdict += " (NOT VERIFIED: what was served is unchecked)"
-        lines = [f"replay of {self.run} ({self.path}): {verdict}",
-                 f"  steps served: {self.steps_served}/{self.steps_recorded}"
-                 f" in {self.seconds:.3f}s",
-                 f"  signature: {self.verify_note}",
-                 f"  recorded end status: {self.recorded_status or 'none (no end line)'}"]
-        if self.totals is not None:
-            lines.append(f"  recorded: {describe_totals(self.totals['all'])}")
-            lines.extend(f"    {line}" for line in describe_split(self.totals))
-        if self.divergence is not None:
-            d = self.divergence
-            step = d.step if d.step is not None else "end"
-            lines.append(f"  first divergence at step {step} ({d.kind}): {d.reason}")
-            if d.nearest:
-                lines.append(f"  {d.nearest}")
-            if d.diff:
-                lines.extend("    " + line for line in d.diff.splitlines())
-        elif self.unused:
-            lines.append(f"  recorded steps never requested: {list(self.unused)[:20]}")
-        lines.extend(f"  note: {note}" for note in self.notes)
-        return "\n".join(lines)
+    def report(self, code: int | None = None, *, advice: str | None = None) -> str:
+        """The report (:func:`render`); ``code``: the program's exit status, if known."""
+        return render(self.to_dict(), code, advice=advice)
+
+
+def render(result: Mapping[str, Any], code: int | None = None, *,
+           advice: str | None = None) -> str:
+    """The one report of a replay, from :meth:`ReplayResult.to_dict` (or the JSON a
+    replayed program handed its launcher, with its ``program_error``): what ``deja
+    replay``, the proxy, ``ReplayResult.report()`` and the pytest plugin print. ``code``:
+    the replayed program's exit status, when deja ran it; ``advice``: what to do about a
+    divergence, when the caller knows better than the default (the pytest plugin)."""
+    d = result.get("divergence")
+    failed_early = bool(d) and not result["steps_served"] and code not in (0, None) and \
+        bool(result.get("program_error"))
+    verdict = "identical" if result["identical"] else \
+        "FAILED BEFORE ITS FIRST CALL" if failed_early else "DIVERGED"
+    if not result.get("verified"):
+        verdict += " (NOT VERIFIED: what was served is unchecked)"
+    recorded_exit = result.get("recorded_exit_code")
+    lines = [f"replay of {result['run']} ({result['path']}): {verdict}",
+             f"  steps:      {result['steps_served']}/{result['steps_recorded']} served "
+             f"in {result['seconds']:.3f}s",
+             f"  signature:  {result['verify_note']}",
+             f"  recorded:   {result['recorded_status'] or 'no end line'}"
+             + (f", exit status {recorded_exit}" if recorded_exit is not None else "")]
+    if code is not None:  # the program's, when deja ran it
+        lines.append(f"  replayed:   exit status {code}"
+                     + (f" ({result['program_error']})" if result.get("program_error")
+                        else ""))
+    totals = result.get("totals")
+    if totals:
+        lines.append(f"  totals:     {describe_totals(totals['all'])}")
+        lines.extend(f"              {line}" for line in describe_split(totals))
+    if failed_early:
+        lines.append("  next:       the program stopped before it asked for anything, so "
+                     "nothing was compared: fix what its error says (a missing setting, "
+                     "file or dependency) and replay again")
+    elif d:
+        step = d["step"] if d["step"] is not None else "end"
+        lines.append(f"  divergence: step {step} ({d['kind']}): {d['reason']}")
+        if d.get("nearest"):
+            lines.append(f"              {d['nearest']}")
+        lines.extend("    " + line for line in (d.get("diff") or "").splitlines())
+        lines.append("  next:       " + (advice or (
+            "the agent's code or inputs changed since the run was recorded: fix it, record "
+            "the run again" + (f", or fork it at this step (deja fork {result['path']} --at "
+                               f"{step} ...) to test the change" if d["step"] is not None
+                               else ""))))
+    lines.extend(f"  note:       {note}" for note in result.get("notes") or ())
+    return "\n".join(lines)

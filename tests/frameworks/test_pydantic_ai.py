@@ -105,5 +105,5 @@ def test_a_marked_test_of_the_agent_records_replays_and_diverges(
     result = inner(pytester)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*replay of r_*DIVERGED*",
-                                 "*first divergence at step 0 (model)*"])
+                                 "*divergence: step 0 (model)*"])
     assert CHANGED in result.stdout.str()

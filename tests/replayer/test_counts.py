@@ -111,11 +111,13 @@ def test_totals_are_the_sums_of_the_steps(run: Path) -> None:
 
 def test_served_in_is_the_time_spent_serving_not_the_start_up(run: Path) -> None:
     started = time.perf_counter()
-    proc = deja("replay", str(run), "--json", env={"AGENT_STARTUP": "1.5"})
+    proc = deja("replay", str(run), "--json", env={"AGENT_STARTUP": "2"})
     took = time.perf_counter() - started
     assert proc.returncode == 0, output(proc)
-    assert took > 1.5
-    assert json.loads(proc.stdout)["seconds"] < 1.0  # the 1.5 s before the first call is out
+    # The 2 s the program sleeps before its first call are not serving time: what was served
+    # and that sleep fit in the whole run, however slow a busy machine makes the serving.
+    served_in = json.loads(proc.stdout)["seconds"]
+    assert 0 < served_in and served_in + 2.0 <= took, (served_in, took)
 
 
 # -- forks and resumed runs: numbering by seq, replayed apart from live

@@ -59,7 +59,7 @@ def test_a_marked_test_that_diverges_fails(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*replay of r_*DIVERGED*",
-                                 "*first divergence at step 4 (model): the run ended before*"])
+                                 "*divergence: step 4 (model): the run ended before*"])
 
 
 def _unverified_project(pytester: pytest.Pytester, marker_kwargs: str = "") -> None:
@@ -195,6 +195,6 @@ def test_a_divergence_fails_the_test_with_deja_report_only(
         summary = r"FAILED test_agent.py::test_agent - Failed: replay of r_\w+ " + (
             ".*DIVERGED$" if on_ci else "")  # off CI, trimmed to the terminal's width
         assert re.search(summary, text, re.M), text
-    assert "DIVERGED" in text and "first divergence at step 0 (model)" in text
+    assert "DIVERGED" in text and "divergence: step 0 (model)" in text
     assert "Traceback" not in text and "_base_client" not in text and "anthropic/" not in text
     assert "pytest --deja-rerecord" in text  # what to do next
