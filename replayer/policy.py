@@ -24,6 +24,7 @@ from typing import Any
 
 from recorder import providers
 from recorder.canonical import fingerprint
+from recorder.cassette.schema import Kind
 from recorder.errors import ConfigError
 
 __all__ = ["ReplayPolicy", "nearest"]
@@ -102,7 +103,7 @@ class ReplayPolicy:
     def key(self, kind: str, provider: str | None, method: str, url: str, body: Any) -> str:
         """The fingerprint of a request under the policy (as the index keys it)."""
         body = self.request(body)
-        if kind == "model" and provider is not None:
+        if kind == Kind.MODEL and provider is not None:
             return providers.get(provider).fingerprint(method, url, body)
         return fingerprint(kind, method, url, body)
 
@@ -110,12 +111,12 @@ class ReplayPolicy:
         """The key of a recorded model or HTTP line under the policy (``requests``: the
         model requests of its cassette, by seq)."""
         def key(obs: Mapping[str, Any]) -> str:
-            if obs["kind"] == "model":
+            if obs["kind"] == Kind.MODEL:
                 provider = providers.for_line(obs)
                 return provider.fingerprint("POST", obs["url"],
                                             self.request(requests.get(obs["seq"])))
             request = obs.get("request") or {}
-            return self.key("http", None, obs.get("method", "GET"), obs["url"],
+            return self.key(Kind.HTTP.value, None, obs.get("method", "GET"), obs["url"],
                             request.get("body"))
         return key
 

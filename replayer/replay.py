@@ -47,7 +47,7 @@ from recorder.capture.sources import Decision, Source
 from recorder.cassette import Cassette, load
 from recorder.cassette.keys import Keyring, load_keyring
 from recorder.cassette.rows import run_totals, step_count
-from recorder.cassette.schema import Control
+from recorder.cassette.schema import Control, Kind
 from recorder.effects import Site, call_site
 from recorder.errors import (
     BudgetExhausted,
@@ -366,7 +366,7 @@ class ReplaySession(session.Session, Source):
             fp = self.policy.key(kind, provider, request.method, url, body)
         obs = self.index.take(("net", fp))
         if obs is None:
-            actual: Any = body if kind == "model" else {
+            actual: Any = body if kind == Kind.MODEL else {
                 "method": request.method.upper(), "url": url, "body": body}
             what = f"the agent sent a {kind} request ({request.method} {url})"
             raise self._diverge("net", kind, actual, what)
@@ -395,7 +395,7 @@ class ReplaySession(session.Session, Source):
         """The recorded answer to a tool call: its value (or its recorded error, raised), or,
         for a side effect the recording ended inside, the intent to settle."""
         obs = self.take_tool(tool, args)
-        if obs["kind"] == "intent" and obs["seq"] not in self.index.outcomes:
+        if obs["kind"] == Kind.INTENT and obs["seq"] not in self.index.outcomes:
             return Decision.settle(obs)
         return Decision.answer(self.tool_value(tool, obs))
 
@@ -405,14 +405,14 @@ class ReplaySession(session.Session, Source):
         key = self.redaction.value(_values.args_key(args))
         obs = self.index.take(tool_key(tool.name, key))
         if obs is None:
-            raise self._diverge("tool", "tool", {"name": tool.name, "args": key},
+            raise self._diverge("tool", Kind.TOOL.value, {"name": tool.name, "args": key},
                                 f"the agent called tool {tool.name!r}")
         self._tick()
         return obs
 
     def tool_value(self, tool: session.ToolSpec, obs: Mapping[str, Any]) -> Any:
         """The value a recorded tool call returned, or its recorded error, raised again."""
-        if obs["kind"] == "intent":
+        if obs["kind"] == Kind.INTENT:
             outcome = self.index.outcomes.get(obs["seq"])
             if outcome is None:
                 raise self.unsettled(tool, obs)
@@ -425,7 +425,7 @@ class ReplaySession(session.Session, Source):
     def unsettled(self, tool: session.ToolSpec, intent: Mapping[str, Any]) -> Divergence:
         """The divergence of a replay that reaches a side effect the recording ended in."""
         info = DivergenceInfo(
-            step=intent["seq"], kind="intent",
+            step=intent["seq"], kind=Kind.INTENT.value,
             reason=f"the recording ended inside side-effecting tool {tool.name!r} (intent "
                    f"at seq {intent['seq']} has no outcome); resume the run to settle it",
             expected=_describe(self.cassette, intent), actual=None, diff="")
@@ -455,7 +455,7 @@ class ReplaySession(session.Session, Source):
             asked: dict[str, Any] = {"effect": name}
             if site is not None:
                 asked["site"] = site.record()
-            raise self._diverge("effect", "effect", asked,
+            raise self._diverge("effect", Kind.EFFECT.value, asked,
                                 f"the agent asked for effect {name!r}")
         self._tick()
         at = Site.parse(obs.get("site")) if moved else None
@@ -478,13 +478,13 @@ class ReplaySession(session.Session, Source):
 def _describe(cassette: Cassette, obs: Mapping[str, Any]) -> Any:
     """The recorded request of ``obs``, in the form a divergence diff compares."""
     kind = obs["kind"]
-    if kind == "model":
+    if kind == Kind.MODEL:
         return cassette.request_of(obs["seq"])
-    if kind == "http":
+    if kind == Kind.HTTP:
         return {"method": obs["method"], "url": obs["url"], "body": obs["request"]["body"]}
-    if kind in ("tool", "intent"):
+    if kind in (Kind.TOOL, Kind.INTENT):
         return {"name": obs["name"], "args": obs["args"]}
-    if kind == "effect":
+    if kind == Kind.EFFECT:
         return {"effect": obs["name"], **({"site": obs["site"]} if "site" in obs else {})}
     return {k: v for k, v in obs.items() if k not in ("sig",)}
 
