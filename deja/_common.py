@@ -230,3 +230,30 @@ def redaction_options(func: Any) -> Any:
                      help="Another query parameter whose value is never written (key, "
                           "token, access_token, signature ... always are)."),
     ])
+
+
+def policy_options(func: Any) -> Any:
+    """What may differ between the recording and the replay (``replay``, ``proxy``)."""
+    return _stack(func, [
+        click.option("--ignore", "ignore", multiple=True, metavar="POINTER",
+                     help="A JSON pointer left out of every request when it is matched, "
+                          "such as /metadata/user_id; * stands for any key or index "
+                          "(repeatable)."),
+        click.option("--normalise", "--normalize", "normalise", multiple=True,
+                     metavar="PATTERN=REPLACEMENT",
+                     help="Rewrite every string of a request before it is matched, such as "
+                          "'[0-9]{4}-[0-9]{2}-[0-9]{2}=DATE' for today's date in a prompt "
+                          "(repeatable)."),
+    ])
+
+
+def replay_policy(ignore: tuple[str, ...], normalise: tuple[str, ...]) -> Any:
+    """The :class:`replayer.policy.ReplayPolicy` of ``--ignore`` and ``--normalise``,
+    checked here, before anything runs."""
+    from recorder.errors import ConfigError
+    from replayer.policy import ReplayPolicy
+
+    try:
+        return ReplayPolicy.parse(ignore, normalise)
+    except ConfigError as exc:
+        raise BadInput(str(exc)) from None

@@ -288,12 +288,14 @@ def _start_record(spec: LaunchSpec) -> _ExitWatch:
 
 
 def _start_replay(spec: LaunchSpec) -> _ExitWatch:
+    from replayer.policy import ReplayPolicy
     from replayer.replay import start
 
     session = start(spec.cassette, allow_torn=spec.allow_torn,
                     allow_incomplete=spec.allow_incomplete,
                     require_signature=spec.require_signature,
-                    allow_unverified=spec.allow_unverified, progress=True)
+                    allow_unverified=spec.allow_unverified, progress=True,
+                    policy=ReplayPolicy.parse(spec.ignore, spec.normalise))
     report = spec.report
     watch = _ExitWatch("replay")
 

@@ -47,7 +47,9 @@ from deja._common import (
     _warn_unverified,
     budgets_of,
     guard_options,
+    policy_options,
     redaction_options,
+    replay_policy,
 )
 from deja._launch import _echo_split, _launch, _where_to_run, _writer_lock
 from replayer.result import render as replay_report
@@ -166,20 +168,27 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
 @click.option("--json", "as_json", is_flag=True,
               help="Print the replay result as JSON on stdout (the program's own output "
                    "goes to stderr).")
+@policy_options
 @_cwd_option
 def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
            allow_unverified: bool, run_recorded_command: bool, allow_torn: bool,
-           allow_incomplete: bool, as_json: bool, cwd: Path | None) -> None:
+           allow_incomplete: bool, as_json: bool, ignore: tuple[str, ...],
+           normalise: tuple[str, ...], cwd: Path | None) -> None:
     """Replay a recorded run offline: deja replay CASSETTE [-- CMD ...].
 
     Runs the recorded command (or CMD) with every observation served from the cassette
     and the network blocked. The cassette's signature is checked first; one signed with a
     key this machine does not have is refused unless --allow-unverified, and even then
     its recorded command is only run when given as CMD or with --run-recorded-command.
+    --ignore and --normalise say what may differ from the recording (a user id, today's
+    date in a prompt) without being a divergence.
     Exit 0 identical, 1 diverged, 2 bad cassette.
     """
     from deja import launcher
     from deja.boot import child_env
+
+    replay_policy(ignore, normalise)  # a bad pointer or pattern: said before anything runs
+    policy_args = [*(f"--ignore={p}" for p in ignore), *(f"--normalise={n}" for n in normalise)]
 
     loaded = _load(cassette, as_json=as_json, require_signature=require_signature,
                    allow_unverified=allow_unverified, allow_torn=allow_torn,
@@ -200,14 +209,15 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
     if isinstance(loaded.header.get("proxy"), dict):  # an agent in any language
         click.secho(PROXY_TOOLS_WARNING, err=True, fg="yellow")
         sys.exit(cli_proxy.through_proxy(
-            ["--replay", str(cassette.resolve()),
+            ["--replay", str(cassette.resolve()), *policy_args,
              *([] if loaded.verified else ["--allow-unverified"])], argv, cwd))
     with tempfile.TemporaryDirectory(prefix="deja-replay-") as tmp:
         report = Path(tmp) / "report.json"
         env = child_env("replay", cassette=str(cassette.resolve()), report=str(report),
                         allow_torn=allow_torn, allow_incomplete=allow_incomplete,
                         require_signature=require_signature,
-                        allow_unverified=not loaded.verified)
+                        allow_unverified=not loaded.verified, ignore=ignore,
+                        normalise=normalise)
         try:
             ended = launcher.run(_python_argv(argv), env=env, cwd=cwd,
                                  stdout=sys.stderr.fileno() if as_json else None)

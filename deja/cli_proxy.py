@@ -19,7 +19,9 @@ from deja._common import (
     _read_json_file,
     budgets_of,
     guard_options,
+    policy_options,
     redaction_options,
+    replay_policy,
 )
 from replayer.result import render as replay_report
 
@@ -87,6 +89,7 @@ from replayer.result import render as replay_report
 @redaction_options
 @click.option("-q", "--quiet", is_flag=True, help="No log line per request.")
 @_allow_unverified_option
+@policy_options
 def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | None,
           fork: Path | None, at: int | None, sets: tuple[str, ...], patch_file: Path | None,
           replace_file: Path | None, output: Path | None, token: str | None, idle: float,
@@ -99,7 +102,8 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
           max_seconds: float | None, max_dollars: float | None, no_loop_guard: bool,
           no_breaker: bool, labels: tuple[str, ...], redact_headers: tuple[str, ...],
           redact_body: tuple[str, ...], redact_patterns: tuple[str, ...],
-          redact_query: tuple[str, ...], quiet: bool, allow_unverified: bool) -> None:
+          redact_query: tuple[str, ...], quiet: bool, allow_unverified: bool,
+          ignore: tuple[str, ...], normalise: tuple[str, ...]) -> None:
     """An Anthropic-compatible recording proxy, for agents in any language.
 
     Point the agent at it (ANTHROPIC_BASE_URL=http://127.0.0.1:8787) and every call is
@@ -156,6 +160,7 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
                            idle=idle, grace=grace,
                            ready_file=ready_file, record=record, labels=label_map,
                            replay=replay, allow_unverified=allow_unverified or None,
+                           policy=replay_policy(ignore, normalise),
                            fork=fork, at=at, edit=edit, out=output)
     try:
         resolve_settings(budgets=budgets, loop_guard=record["loop_guard"],

@@ -211,6 +211,8 @@ class LaunchSpec:
     allow_incomplete: bool = False
     require_signature: bool = False
     allow_unverified: bool = False
+    ignore: tuple[str, ...] = ()  # the replay policy (replayer.policy.ReplayPolicy.parse)
+    normalise: tuple[str, ...] = ()
     # fork: the step, its edit (a JSON patch), the new file, a cassette to serve after it
     at: int | None = None
     patch: tuple[Any, ...] | None = None
@@ -226,7 +228,7 @@ class LaunchSpec:
         set_ = object.__setattr__  # frozen: the values given are normalised once, here
         set_(self, "mode", LaunchMode(self.mode))
         for name in ("argv", "redact_headers", "redact_body", "redact_patterns",
-                     "redact_query", "patch"):
+                     "redact_query", "patch", "ignore", "normalise"):
             value = getattr(self, name)
             if isinstance(value, list):
                 set_(self, name, tuple(value))

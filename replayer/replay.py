@@ -538,11 +538,13 @@ def replay(path: str | Path, *, keyring: Keyring | None = None, require_signatur
                          check=_check_replay, name=f"replay({path})")
 
 
-def start(path: str | Path, *, progress: bool = False, **kwargs: Any) -> ReplaySession:
+def start(path: str | Path, *, progress: bool = False, policy: ReplayPolicy | None = None,
+          **kwargs: Any) -> ReplaySession:
     """Start a replay without a ``with`` block (used by the ``deja replay`` bootstrap);
-    ``progress`` draws a bar on stderr when it is a terminal (:meth:`show_progress`)."""
+    ``progress`` draws a bar on stderr when it is a terminal (:meth:`show_progress`);
+    ``policy`` as for :func:`replay`."""
     keyring = kwargs.pop("keyring", None) or load_keyring(create=False)
-    replay_session = ReplaySession(load(path, keyring=keyring, **kwargs)).start()
+    replay_session = ReplaySession(load(path, keyring=keyring, **kwargs), policy=policy).start()
     if progress:
         replay_session.show_progress()
     return replay_session

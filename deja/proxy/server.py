@@ -35,6 +35,7 @@ from recorder.record import RecordSession
 from recorder.serving import HEADER_TIMEOUT, MAX_WAITING, bind, guarded_httptools, is_loopback
 
 if TYPE_CHECKING:
+    from replayer.policy import ReplayPolicy
     from replayer.replay import ReplaySession
 
 __all__ = ["ProxyOptions", "ServeResult", "build", "serve"]
@@ -69,6 +70,7 @@ class ProxyOptions:
     # replay
     replay: Path | None = None
     allow_unverified: bool | None = None
+    policy: ReplayPolicy | None = None  # what may differ from the recording (--ignore ...)
     # fork
     fork: Path | None = None
     at: int | None = None
@@ -139,7 +141,7 @@ def _replaying(options: ProxyOptions, upstream: str, common: dict[str, Any]) -> 
     assert options.replay is not None
     cassette = load(options.replay, keyring=load_keyring(create=False),
                     allow_unverified=options.allow_unverified)
-    run = ProxyRun(ReplaySession(cassette))
+    run = ProxyRun(ReplaySession(cassette, policy=options.policy))
     run.remember(cassette.observations)
     if not cassette.verified:
         log.warning("%s: %s; serving it unchecked", cassette.path, cassette.verify_note)

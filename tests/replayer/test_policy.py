@@ -3,12 +3,18 @@ recorded request when nothing matches.
 
 The real anthropic SDK against the stub server records a run whose system prompt holds
 the date and whose metadata holds a user id; it is replayed with another date and another
-user, through ``replayer.replay`` and through the pytest marker in a real pytest process.
+user, through ``replayer.replay``, the pytest marker in a real pytest process, ``deja
+replay`` running a program and ``deja proxy --replay``.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +128,56 @@ def test_nearest_ranks_by_fields_equal_then_recorded_order() -> None:
                   (7, {"model": "m", "system": "s9", "messages": ["q1", "q2"]})]
     assert nearest(sent, candidates) == (5, ["system"])
     assert nearest(sent, []) is None
+
+
+AGENT_FILE = f'''\
+import os, anthropic
+client = anthropic.Anthropic(base_url="http://127.0.0.1:9", api_key="k", max_retries=0)
+reply = client.messages.create(
+    model={MODEL!r}, max_tokens=64,
+    system=f"Today is {{os.environ['AGENT_DATE']}}. You are a billing assistant.",
+    metadata={{"user_id": os.environ["AGENT_USER"]}},
+    messages=[{{"role": "user", "content": "What is due?"}}])
+print(reply.content[0].text)
+'''
+POLICY_FLAGS = ["--normalise", "[0-9]{4}-[0-9]{2}-[0-9]{2}=DATE", "--ignore", "/metadata/user_id"]
+
+
+def _deja(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "deja", *args], cwd=cwd, text=True,
+                          capture_output=True, timeout=120, env={**os.environ, **env})
+
+
+def test_deja_replay_takes_the_policy_into_the_program(cassette: Path, tmp_path: Path) -> None:
+    (tmp_path / "agent.py").write_text(AGENT_FILE)
+    later = {"AGENT_DATE": "2027-02-02", "AGENT_USER": "u-9"}
+    strict = _deja("replay", str(cassette), "--", sys.executable, "agent.py", cwd=tmp_path,
+                   **later)
+    assert strict.returncode == 1, strict.stdout + strict.stderr
+    assert "nearest recorded request: step 0, which differs in metadata, system" in strict.stdout
+    tolerant = _deja("replay", str(cassette), *POLICY_FLAGS, "--", sys.executable, "agent.py",
+                     cwd=tmp_path, **later)
+    assert tolerant.returncode == 0, tolerant.stdout + tolerant.stderr
+    assert "INV-7 is due." in tolerant.stderr + tolerant.stdout and ": identical" in tolerant.stdout
+    bad = _deja("replay", str(cassette), "--ignore", "metadata", "--", sys.executable,
+                "agent.py", cwd=tmp_path, **later)
+    assert bad.returncode == 2 and "starts with /" in bad.stderr, bad.stderr
+    assert "INV-7" not in bad.stdout + bad.stderr  # refused before the program ran
+
+
+def test_the_proxy_replays_under_the_policy(cassette: Path, tmp_path: Path) -> None:
+    ready = tmp_path / "ready.json"
+    proxy = subprocess.Popen([sys.executable, "-m", "deja", "proxy", "--replay", str(cassette),
+                              *POLICY_FLAGS, "--port", "0", "--ready-file", str(ready), "-q"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.is_file():
+            assert proxy.poll() is None and time.monotonic() < deadline, "no proxy"
+            time.sleep(0.02)
+        url = json.loads(ready.read_text())["url"]
+        assert agent(url, date="2028-03-03", user="u-3") == "INV-7 is due."
+    finally:
+        proxy.terminate()
+        out, _ = proxy.communicate(timeout=60)
+    assert ": identical" in out, out
