@@ -24,6 +24,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from recorder import providers  # a module reference: providers imports this package
@@ -138,7 +139,7 @@ class Replies(dict[int, Any]):
     worked out when a request refers to it (a line copied into a fork holds its body as
     text). A line with no such message is a ``KeyError``, as for any missing reference."""
 
-    def __init__(self, earlier: list[dict[str, Any]]) -> None:
+    def __init__(self, earlier: Sequence[Mapping[str, Any]]) -> None:
         super().__init__()
         self._earlier = earlier
 
@@ -157,7 +158,7 @@ class Replies(dict[int, Any]):
         return reply
 
 
-def expand(line: dict[str, Any], earlier: list[dict[str, Any]], request: Any,
+def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]], request: Any,
            parts: Parts | None = None, replies: dict[int, Any] | None = None) -> None:
     """Reader side: restore a model line in place; ``earlier`` holds the lines before it,
     ``parts`` the digests of the request parts seen so far (the fingerprint of a request

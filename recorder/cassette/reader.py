@@ -19,7 +19,7 @@ import contextlib
 import gc
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -73,7 +73,7 @@ class Cassette:
         return len(self.observations)
 
 
-def peek_header(path: str | Path) -> dict[str, Any] | None:
+def peek_header(path: str | Path) -> Header | None:
     """A file's first line as a header, unchecked and unverified (None: no file, or not a
     JSON object): enough to name a run or find a fork's parent, never to trust it."""
     try:
@@ -81,7 +81,7 @@ def peek_header(path: str | Path) -> dict[str, Any] | None:
             header = json.loads(f.readline())
     except (OSError, ValueError, RecursionError):  # not a cassette, or a hostile one
         return None
-    return header if isinstance(header, dict) else None
+    return cast(Header, header) if isinstance(header, dict) else None
 
 
 PEEK_CHUNK = 65536  # bytes read at a time, backwards from a file's end, by peek_end
@@ -138,7 +138,7 @@ def _lines(path: Path) -> tuple[list[tuple[int, bytes]], int | None, int]:
     return out, torn, len(data)
 
 
-def _signed(key: bytes, prev: str, line: dict[str, Any], sig: object, path: Path,
+def _signed(key: bytes, prev: str, line: Mapping[str, Any], sig: object, path: Path,
             seq: int | None) -> bool:
     """Does ``sig`` sign ``line`` by the rules of ``deja/1`` (its canonical form)?"""
     try:
@@ -269,7 +269,7 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
         body = _body(lines, key, header_sig, v1, path)
     _report_unfinished(path, body, len(lines), torn, size, verified=key is not None,
                        allow_torn=allow_torn, allow_incomplete=allow_incomplete)
-    return Cassette(path=path, header=cast(Header, header), observations=tuple(body.observations),
+    return Cassette(path=path, header=header, observations=tuple(body.observations),
                     end=body.end, verified=key is not None, verify_note=verdict.note,
                     torn_offset=torn, requests=body.requests, replies=body.replies,
                     sigs=tuple(body.sigs), size=size,
@@ -353,7 +353,7 @@ def _read(path: Path) -> tuple[list[tuple[int, bytes]], int | None, int]:
     return lines, torn, size
 
 
-def _header(raw: bytes, path: Path) -> tuple[dict[str, Any], object]:
+def _header(raw: bytes, path: Path) -> tuple[Header, object]:
     """Line 1, checked: a deja header of a format this deja reads; and its stored sig."""
     try:
         header = _validate.decode(raw)
@@ -369,10 +369,10 @@ def _header(raw: bytes, path: Path) -> tuple[dict[str, Any], object]:
             f"(it reads {', '.join(READABLE_FORMATS)}); upgrade deja to read it", path=path)
     header_sig = header.pop("sig", None)
     _validate.check_header(header, path)
-    return header, header_sig
+    return cast(Header, header), header_sig
 
 
-def _verify_header(key: bytes | None, header: dict[str, Any], sig: object, raw: bytes,
+def _verify_header(key: bytes | None, header: Header, sig: object, raw: bytes,
                    v1: bool, path: Path) -> None:
     if key is None:
         return
@@ -402,7 +402,7 @@ class _Body:
     replies: compact.Replies = field(init=False)
 
     def __post_init__(self) -> None:
-        self.replies = compact.Replies(cast(list[dict[str, Any]], self.observations))
+        self.replies = compact.Replies(self.observations)
 
 
 def _body(lines: list[tuple[int, bytes]], key: bytes | None, header_sig: object, v1: bool,
@@ -553,9 +553,8 @@ def _restore_model(line: ModelLine, body: _Body, path: Path) -> None:
         if "base" in stored:  # its history is its base's: only what it adds is hashed
             body.parts.extend(request["messages"], body.requests[stored["base"]]["messages"],
                               stored["keep"])
-        compact.expand(cast(dict[str, Any], line), cast(list[dict[str, Any]],
-                        body.observations), body.requests.get(seq), body.parts,
-                       body.replies)
+        compact.expand(cast(dict[str, Any], line), body.observations, body.requests.get(seq),
+                       body.parts, body.replies)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError,
             RecursionError) as exc:
         raise CorruptCassette(f"{path}: seq {seq}: it refers to an earlier line that is "

@@ -89,8 +89,9 @@ def apply(path: str | Path, *, keyring: Keyring | None = None) -> Repair:
     """Cut ``path`` after its last verified line (as :func:`plan` says), holding its
     writer lock, once a copy of the file as it was is on disk (``backup``)."""
     path = Path(path)
-    header = peek_header(path) or {}
-    held = lock.acquire(path, run=header.get("run"), what="deja repair")
+    header = peek_header(path)
+    held = lock.acquire(path, run=header.get("run") if header is not None else None,
+                        what="deja repair")
     try:
         done = plan(path, keyring=keyring)  # under the lock: nobody appends meanwhile
         if not done.needed:

@@ -68,11 +68,11 @@ def check_bytes(key: bytes, prev_sig: str, body: bytes, sig: object) -> bool:
     return isinstance(sig, str) and hmac.compare_digest(sig, encode_sig(mac(key, prev_sig, body)))
 
 
-def sign(key: bytes, prev_sig: str, line: dict[str, Any]) -> str:
+def sign(key: bytes, prev_sig: str, line: Mapping[str, Any]) -> str:
     """The ``deja/1`` signature of ``line`` (over its canonical form)."""
     return encode_sig(mac(key, prev_sig, canonical(line)))
 
 
-def check_sig(key: bytes, prev_sig: str, line: dict[str, Any], sig: object) -> bool:
+def check_sig(key: bytes, prev_sig: str, line: Mapping[str, Any], sig: object) -> bool:
     """Does ``sig`` sign ``line`` (``deja/1``)?"""
     return isinstance(sig, str) and hmac.compare_digest(sig, sign(key, prev_sig, line))

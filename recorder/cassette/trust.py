@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from recorder.cassette.keys import Keyring, key_id
+from recorder.cassette.schema import Header
 from recorder.errors import SignatureError, UnverifiedCassette
 
 ALLOW_ENV = "DEJA_ALLOW_UNVERIFIED"
@@ -60,7 +61,7 @@ class Verdict:
 Check = Callable[[bytes, str, Any, object], bool]
 
 
-def decide(path: Path, header: dict[str, Any], header_sig: object,
+def decide(path: Path, header: Header, header_sig: object,
            chain: Callable[[], Iterable[tuple[str, dict[str, Any], object]]],
            keyring: Keyring, check: Check, *, allow_unverified: bool,
            require_signature: bool) -> Verdict:
