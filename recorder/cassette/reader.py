@@ -538,11 +538,11 @@ def _restore(line: Line, offset: int, body: _Body, path: Path) -> None:
     """Step 4: a step with its compact fields restored (a model line's request rebuilt
     from its delta), or the end line, kept with the byte it starts at."""
     if line["kind"] == Kind.END:
-        body.end, body.end_offset = cast(EndLine, line), offset
+        body.end, body.end_offset = line, offset
         return
     if line["kind"] == Kind.MODEL:
-        _restore_model(cast(ModelLine, line), body, path)
-    body.observations.append(cast(Observation, line))
+        _restore_model(line, body, path)
+    body.observations.append(line)
 
 
 def _restore_model(line: ModelLine, body: _Body, path: Path) -> None:

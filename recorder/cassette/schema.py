@@ -118,6 +118,9 @@ def run_status(end: Mapping[str, Any] | None, state: str | None = None) -> str:
 
 
 # -------------------------------------------------------------------- the records
+# A line's ``kind`` is typed as its Kind member: a line read from disk holds the equal
+# string, and a type checker narrows a Line by comparing its kind with Kind (a bare
+# string compared with it is an error under mypy's strict equality).
 
 
 class Parent(TypedDict, total=False):
@@ -194,7 +197,7 @@ class _Step(TypedDict, total=False):
 
 
 class ModelLine(_Step, total=False):
-    kind: Required[Literal["model"]]
+    kind: Required[Literal[Kind.MODEL]]
     provider: str
     url: str  # on disk, possibly the seq of an earlier line with the same URL
     request: Any  # on disk, a delta of the conversation; the reader keeps the full body apart
@@ -215,7 +218,7 @@ class HttpRequest(TypedDict):
 
 
 class HttpLine(_Step, total=False):
-    kind: Required[Literal["http"]]
+    kind: Required[Literal[Kind.HTTP]]
     method: Required[str]
     url: Required[str]
     request: Required[HttpRequest]
@@ -224,7 +227,7 @@ class HttpLine(_Step, total=False):
 
 
 class ToolLine(_Step, total=False):
-    kind: Required[Literal["tool"]]
+    kind: Required[Literal[Kind.TOOL]]
     name: Required[str]
     args: Any
     result: Any
@@ -237,14 +240,14 @@ class ToolLine(_Step, total=False):
 
 
 class IntentLine(_Step, total=False):
-    kind: Required[Literal["intent"]]
+    kind: Required[Literal[Kind.INTENT]]
     name: Required[str]
     args: Any
     key: str
 
 
 class OutcomeLine(_Step, total=False):
-    kind: Required[Literal["outcome"]]
+    kind: Required[Literal[Kind.OUTCOME]]
     name: Required[str]
     intent: Required[int]  # the seq of its intent
     key: Required[str]
@@ -252,14 +255,14 @@ class OutcomeLine(_Step, total=False):
 
 
 class EffectLine(_Step, total=False):
-    kind: Required[Literal["effect"]]
+    kind: Required[Literal[Kind.EFFECT]]
     name: Required[str]
     value: Any
     site: Any  # where in the program it was asked for
 
 
 class ControlLine(_Step, total=False):
-    kind: Required[Literal["control"]]
+    kind: Required[Literal[Kind.CONTROL]]
     event: Required[str]  # a Control
     detail: dict[str, Any] | None
 
@@ -289,7 +292,7 @@ class EndTotals(Totals, total=False):
 
 class EndLine(TypedDict, total=False):
     seq: Required[int]
-    kind: Required[Literal["end"]]
+    kind: Required[Literal[Kind.END]]
     status: Required[str]  # an EndStatus
     totals: EndTotals | None
     error: ErrorRecord | None
