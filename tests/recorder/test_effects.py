@@ -147,7 +147,7 @@ def test_an_effect_from_a_new_call_site_is_served_in_order_with_a_note(
             f"(line {line_of(effects_agent.plan, 'uuid4')}, seq 0): the order of effects "
             "changed (or the call moved); served in recorded order")
     assert result.notes == (note,)
-    assert f"  note: {note}" in result.report().splitlines()
+    assert f"  note:       {note}" in result.report().splitlines()
     assert result.to_dict()["notes"] == [note]
 
 
