@@ -305,7 +305,8 @@ def searchable_text(obs: Mapping[str, Any]) -> str:
         changed = set_field if isinstance(set_field, dict) else {}
         for key in ("system", "instructions", "input"):
             _block_strings(body.get(key) or changed.get(key), out)
-        for message in body.get("messages") or stored.get("messages") or []:
+        added = stored.get("messages") or stored.get("input")  # what a delta adds
+        for message in body.get("messages") or added or []:
             _block_strings(message, out)
         message = response_message(obs)
         if message is not None:

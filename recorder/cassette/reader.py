@@ -549,10 +549,7 @@ def _restore_model(line: ModelLine, body: _Body, path: Path) -> None:
     seq = line["seq"]
     try:
         stored = line["request"]
-        request = body.requests[seq] = _delta.decode(stored, body.requests, body.replies)
-        if "base" in stored:  # its history is its base's: only what it adds is hashed
-            body.parts.extend(request["messages"], body.requests[stored["base"]]["messages"],
-                              stored["keep"])
+        body.requests[seq] = _delta.decode(stored, body.requests, body.replies, body.parts)
         compact.expand(cast(dict[str, Any], line), body.observations, body.requests.get(seq),
                        body.parts, body.replies)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError,

@@ -20,6 +20,11 @@ parsed arguments and a ``role: tool`` message a ``tool_result``; a Responses cal
 (``function_call`` a ``tool_use``, ``function_call_output`` a ``tool_result``), and its
 ``output`` items are the reply's blocks.
 
+Either API's request resends its conversation every turn: Chat Completions' as
+``messages``, a Responses call's as its ``input`` items
+(:meth:`OpenAIProvider.history_field`). A cassette stores such a request as the items it
+adds to an earlier one.
+
 Usage is read into deja's names, so that one price table prices every provider the same
 way: OpenAI counts cached prompt tokens inside its input count
 (``prompt_tokens_details.cached_tokens``, ``input_tokens_details.cached_tokens``), deja's
@@ -107,6 +112,13 @@ class OpenAIProvider(Provider):
                      "max_output_tokens" if "input" in body and "messages" not in body
                      else "max_completion_tokens")
         return {**body, field: limit}
+
+    def history_field(self, body: Any) -> str | None:
+        """Chat Completions' ``messages``, or a Responses request's ``input`` items (an
+        ``input`` that is one string is no list: that request is stored whole)."""
+        if isinstance(body, dict) and "messages" not in body:
+            return "input" if isinstance(body.get("input"), list) else None
+        return super().history_field(body)
 
     # -- responses
 
