@@ -296,21 +296,8 @@ def view(directory: Path, port: int, allow_hosts: tuple[str, ...], token: str | 
     with RunIndex(directory, allow_unverified=allow_unverified or None) as index, \
             indexing_progress() as progress:
         index.refresh(progress=progress)
-    # serve.py: the page script (app.py) behind the viewer's Host and Origin checks
-    app = Path(viewer.__file__).resolve().parent / "serve.py"
-    argv = [sys.executable, "-m", "streamlit", "run", str(app),
-            "--server.address", "127.0.0.1", "--server.port", str(port),
-            "--server.headless", "true", "--browser.gatherUsageStats", "false",
-            "--client.toolbarMode", "viewer",  # no Deploy button, no developer menu
-            "--server.enableCORS", "true", "--server.enableXsrfProtection", "true"]
-    from streamlit import config as streamlit_config
-
-    if "server.allowedHosts" in streamlit_config.get_config_options():  # its own check too
-        for name in ("localhost", "127.0.0.1", "::1", *allow_hosts):
-            argv += ["--server.allowedHosts", name.strip("[]")]
-    if "logger.hideWelcomeMessage" in streamlit_config.get_config_options():
-        argv += ["--logger.hideWelcomeMessage", "true"]  # its address lacks the token
-    argv += ["--", str(directory)]
+    argv = _streamlit_argv(Path(viewer.__file__).resolve().parent, port, allow_hosts,
+                           directory)
     # A SIGTERM from here on stops the viewer with us, even one that comes while it starts.
     terminated: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _: terminated.append(signum))
@@ -324,16 +311,42 @@ def view(directory: Path, port: int, allow_hosts: tuple[str, ...], token: str | 
         env["DEJA_ALLOW_UNVERIFIED"] = "1"
     if terminated:
         sys.exit(128 + signal.SIGTERM)
+    sys.exit(_run_streamlit(argv, env, terminated))
+
+
+def _streamlit_argv(package: Path, port: int, allow_hosts: tuple[str, ...],
+                    directory: Path) -> list[str]:
+    """``streamlit run`` of the viewer's ``serve.py`` (the page script behind the viewer's
+    Host and Origin checks) on 127.0.0.1:``port``, with Streamlit's own checks on too."""
+    from streamlit import config as streamlit_config
+
+    argv = [sys.executable, "-m", "streamlit", "run", str(package / "serve.py"),
+            "--server.address", "127.0.0.1", "--server.port", str(port),
+            "--server.headless", "true", "--browser.gatherUsageStats", "false",
+            "--client.toolbarMode", "viewer",  # no Deploy button, no developer menu
+            "--server.enableCORS", "true", "--server.enableXsrfProtection", "true"]
+    if "server.allowedHosts" in streamlit_config.get_config_options():  # its own check too
+        for name in ("localhost", "127.0.0.1", "::1", *allow_hosts):
+            argv += ["--server.allowedHosts", name.strip("[]")]
+    if "logger.hideWelcomeMessage" in streamlit_config.get_config_options():
+        argv += ["--logger.hideWelcomeMessage", "true"]  # its address lacks the token
+    return [*argv, "--", str(directory)]
+
+
+def _run_streamlit(argv: list[str], env: dict[str, str], terminated: list[int]) -> int:
+    """Run the viewer's server until it stops; a SIGTERM (or one that came while it
+    started, in ``terminated``) stops it with us. Its exit status."""
+    import signal
+
     process = subprocess.Popen(argv, env=env)
     signal.signal(signal.SIGTERM, lambda *_: process.terminate())
     if terminated:
         process.terminate()
     try:
-        code = process.wait()
+        return process.wait()
     except KeyboardInterrupt:  # the viewer has the same Ctrl-C and stops on its own
         try:
-            code = process.wait(timeout=10)
+            return process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             process.kill()
-            code = process.wait()
-    sys.exit(code)
+            return process.wait()

@@ -119,17 +119,7 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
     from recorder.errors import DejaError
     from recorder.harness.settings import resolve as resolve_settings
 
-    if replay is not None and fork is not None:
-        raise BadInput("give --replay or --fork, not both")
-    edits = [x for x in (sets or None, patch_file, replace_file) if x]
-    if fork is not None:
-        if at is None:
-            raise BadInput("--fork needs --at STEP")
-        if len(edits) != 1:
-            raise BadInput("--fork needs exactly one edit: --set PATH=VALUE (repeatable), "
-                           "--patch FILE or --replace FILE")
-    elif at is not None or edits or output is not None:
-        raise BadInput("--at, --set, --patch, --replace and -o go with --fork CASSETTE")
+    edit = _fork_edit(replay, fork, at, sets, patch_file, replace_file, output)
     label_map = _labels(labels)
     budgets = budgets_of(max_turns, max_tokens_total, max_tokens_per_turn, clamp_max_tokens,
                          max_seconds, max_dollars)
@@ -139,20 +129,7 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
         "breaker": False if no_breaker else None,
         "redact_headers": redact_headers, "redact_body": redact_body,
         "redact_patterns": redact_patterns, "redact_query": redact_query}
-    edit: dict[str, Any] = {}
-    if sets:
-        edit["sets"] = list(sets)
-    elif patch_file is not None:
-        edit["patch"] = _read_json_file(patch_file, "patch file")
-    elif replace_file is not None:
-        edit["replace"] = _read_json_file(replace_file, "replacement file")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("deja proxy: %(message)s"))
-    for name in ("deja.proxy", "deja.replayer", "deja.recorder"):
-        logger = logging.getLogger(name)
-        logger.addHandler(handler)
-        logger.setLevel(logging.WARNING if quiet and name == "deja.proxy" else
-                        logging.INFO if name == "deja.proxy" else logging.WARNING)
+    _log_to_stderr(quiet)
     options = ProxyOptions(host=host, port=port, upstream=upstream, directory=directory,
                            token=token, max_body=max_body, max_response=max_response,
                            body_timeout=body_timeout, header_timeout=header_timeout,
@@ -188,6 +165,43 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
                    f"{fork} {result.fork}", err=True)
     if result.identical is False:
         sys.exit(EXIT_DIVERGED)
+
+
+def _fork_edit(replay: Path | None, fork: Path | None, at: int | None,
+               sets: tuple[str, ...], patch_file: Path | None, replace_file: Path | None,
+               output: Path | None) -> dict[str, Any]:
+    """The options of a mode checked together, and a fork's edit as ProxyOptions takes
+    it (empty unless --fork)."""
+    if replay is not None and fork is not None:
+        raise BadInput("give --replay or --fork, not both")
+    edits = [x for x in (sets or None, patch_file, replace_file) if x]
+    if fork is not None:
+        if at is None:
+            raise BadInput("--fork needs --at STEP")
+        if len(edits) != 1:
+            raise BadInput("--fork needs exactly one edit: --set PATH=VALUE (repeatable), "
+                           "--patch FILE or --replace FILE")
+    elif at is not None or edits or output is not None:
+        raise BadInput("--at, --set, --patch, --replace and -o go with --fork CASSETTE")
+    if sets:
+        return {"sets": list(sets)}
+    if patch_file is not None:
+        return {"patch": _read_json_file(patch_file, "patch file")}
+    if replace_file is not None:
+        return {"replace": _read_json_file(replace_file, "replacement file")}
+    return {}
+
+
+def _log_to_stderr(quiet: bool) -> None:
+    """The proxy's log lines (one per request unless ``quiet``) and the warnings of the
+    sessions it runs, on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("deja proxy: %(message)s"))
+    for name in ("deja.proxy", "deja.replayer", "deja.recorder"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.WARNING if quiet and name == "deja.proxy" else
+                        logging.INFO if name == "deja.proxy" else logging.WARNING)
 
 
 def through_proxy(proxy_args: list[str], command: list[str], cwd: Path | None) -> int:

@@ -29,12 +29,17 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import json
+import os
+import signal
 import socket
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from pathlib import Path
 from typing import Any
 
 __all__ = ["HEADER_TIMEOUT", "MAX_WAITING", "BodyRefused", "BodyStalled", "BodyTooLarge",
-           "ClientLeft", "bind", "guarded_httptools", "is_loopback", "read_body"]
+           "ClientLeft", "bind", "guarded_httptools", "is_loopback", "read_body",
+           "run_until_stopped", "write_ready"]
 
 HEADER_TIMEOUT = 10.0  # seconds a client gets to send a request's headers
 MAX_WAITING = 512  # connections waiting for their headers at once
@@ -170,3 +175,45 @@ def guarded_httptools(header_timeout: float = HEADER_TIMEOUT,
                 self.transport.close()
 
     return GuardedHttpTools
+
+
+def write_ready(path: Path, data: Mapping[str, Any]) -> None:
+    """Say a server listens: ``data`` as JSON at ``path``, written whole (a reader polling
+    for the file never sees half of it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(dict(data)))
+    os.replace(tmp, path)
+
+
+def run_until_stopped(server: Any, sock: socket.socket, *,
+                      listening: Callable[[int], None],
+                      after: Callable[[], Awaitable[None]] | None = None) -> None:
+    """Serve ``sock`` with ``server`` (a ``uvicorn.Server``) on uvloop until SIGTERM or
+    SIGINT. ``listening(port)`` is called once it accepts connections; ``after`` runs when
+    it stops, even after a forced exit that skipped the lifespan. uvicorn re-raises the
+    signal it stopped on once it has shut down: a stop asked for is a clean return here."""
+    import uvloop
+
+    async def announce() -> None:
+        while not server.started:
+            if server.should_exit:
+                return
+            await asyncio.sleep(0.01)
+        listening(sock.getsockname()[1])
+
+    async def main() -> None:
+        waiter = asyncio.create_task(announce())
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            waiter.cancel()
+            if after is not None:
+                await after()
+
+    previous = {sig: signal.signal(sig, lambda *_: None)
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        uvloop.run(main())  # the loop uvicorn's "uvloop" setting names
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -467,3 +467,28 @@ def test_line_kinds_are_named_by_kind() -> None:
     assert not bare, report(bare, "a line kind as a bare string (use Kind)")
     stale = set(BARE_KINDS) - set(found.values())
     assert not stale, f"allowed bare kinds no longer needed (remove them): {sorted(stale)}"
+
+
+MAX_MODULE_LINES = 600
+MAX_FUNCTION_LINES = 60  # of code: a docstring (a command's --help, say) is not counted
+
+
+def test_no_module_over_600_lines_and_no_function_over_60() -> None:
+    """A module is one concept and a function one step: split before they grow past it."""
+    long_modules = [f"{module_name(path)}: {n} lines" for path in source_files()
+                    if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES]
+    long_functions = []
+    for path in source_files():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            body = node.body
+            documented = (isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                          and isinstance(body[0].value.value, str))
+            first = body[1] if documented and len(body) > 1 else body[0]
+            lines = (node.end_lineno or first.lineno) - first.lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                long_functions.append(f"{module_name(path)}:{node.lineno} {node.name}: {lines}")
+    assert not long_modules, report(long_modules, f"modules over {MAX_MODULE_LINES} lines")
+    assert not long_functions, report(long_functions,
+                                      f"functions over {MAX_FUNCTION_LINES} lines of code")

@@ -73,6 +73,39 @@ class Exchange:
     note: str = ""
 
 
+@dataclass
+class _Forwarding:
+    """One request on its way through :meth:`Responder.forward`: what its phases share."""
+
+    run: ProxyRun
+    rec: Any  # the session that logs it, if any
+    request: HttpRequest
+    send: Send
+    ex: Exchange
+    start: float  # epoch seconds
+    t0: float  # perf_counter
+    gone: asyncio.Future[Any]  # completes when the client disconnects
+    meta: HttpResponse = field(default_factory=lambda: HttpResponse(status=0, headers=[],
+                                                                     body=b""))
+    passing: Passing = field(init=False)
+    held: bool = False  # run.logging, taken before the last byte goes out when it is large
+
+    def failed(self, error: BaseException) -> None:
+        """The exchange failed before a response: logged as failed."""
+        self.run.last_failed = True
+        if self.rec is not None:
+            self.rec.end_http(self.request, None,
+                              Timing(self.start, (time.perf_counter() - self.t0) * 1000), error)
+
+    async def started(self, response: aiohttp.ClientResponse, body_length: int | None) -> None:
+        """Send the response's start (its status and headers) to the client."""
+        headers = served_headers(self.meta.headers, body_length)
+        headers.append((RUN_ID_HEADER, self.run.run_id.encode()))
+        self.ex.status, self.ex.started = response.status, True
+        await self.send({"type": "http.response.start", "status": response.status,
+                         "headers": headers})
+
+
 class Responder:
     """The answers to the requests the runs take, from a cassette (:meth:`serve`) or from
     ``upstream`` (:meth:`forward`), through the client :meth:`open` makes."""
@@ -144,126 +177,13 @@ class Responder:
         """Send the request upstream and pass its response back within ``max_response``
         bytes, teed into the log: a stream event by event as it arrives, a whole body
         once complete (so that one over the limit can still be answered with a 502)."""
-        client = self.client
-        assert client is not None
-        start, t0 = time.time(), time.perf_counter()
-
-        def failed(error: BaseException) -> None:
-            run.last_failed = True
-            if rec is not None:
-                rec.end_http(request, None, Timing(start, (time.perf_counter() - t0) * 1000),
-                             error)
-
-        async def opened() -> aiohttp.ClientResponse:
-            return await client.request(request.method, yarl.URL(request.url, encoded=True),
-                                        headers=request.headers, data=request.body,
-                                        allow_redirects=False)
-
-        gone = asyncio.ensure_future(receive())  # an http.disconnect, if the client leaves
-        sending = asyncio.ensure_future(opened())
-        try:
-            await asyncio.wait((sending, gone), return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            sending.cancel()
-            gone.cancel()
-            raise
-        if not sending.done():  # the client left before the upstream answered
-            sending.cancel()
-            failed(ClientGone("the client went away before the upstream answered"))
-            raise ClientGone("the client went away before the upstream answered")
-        try:
-            response = sending.result()
-        except UPSTREAM_ERRORS as exc:
-            gone.cancel()
-            failed(exc)
-            raise ProxyError(502, "api_error",
-                             f"deja proxy: the upstream {self.upstream} could not be reached "
-                             f"({type(exc).__name__}: {exc})", retry=True) from None
-        meta = HttpResponse(status=response.status,
-                            headers=[(k.decode("latin-1"), v.decode("latin-1"))
-                                     for k, v in response.raw_headers],
-                            body=b"", reason=response.reason or "")
-        passing = Passing(meta.headers, self.max_response, f"{request.method} {ex.path}")
-        length = response.headers.get("content-length")
-        chunked = "chunked" in response.headers.get("transfer-encoding", "").lower()
-        declared = int(length) if length and length.isdigit() and not chunked else None
-        start_message = {"type": "http.response.start", "status": response.status}
-
-        async def started(body_length: int | None) -> None:
-            headers = served_headers(meta.headers, body_length)
-            headers.append((RUN_ID_HEADER, run.run_id.encode()))
-            ex.status, ex.started = response.status, True
-            await send({**start_message, "headers": headers})
-
-        error: BaseException | None = None
-        held = False  # run.logging, taken before the last byte goes out when the line is large
-        try:
-            if declared is not None and declared > self.max_response:
-                error = too_large(self.max_response, where=passing.where)
-            else:
-                if passing.stream:  # a compressed one may be cut short of its length
-                    await started(declared if passing.inflation is None else None)
-                async for chunk in response.content.iter_any():
-                    out = await passing.take(chunk)
-                    if gone.done():
-                        error = ClientGone("the client disconnected before the response ended")
-                        break
-                    if out:
-                        await send({"type": "http.response.body", "body": out,
-                                    "more_body": True})
-                    if passing.refused is not None:
-                        error = passing.refused
-                        break
-                if error is None or (passing.refused is not None and ex.started):
-                    if passing.size + len(request.body) > OFFLOAD_BYTES:
-                        await run.logging.acquire()  # the run's next request waits for it
-                        held = True
-                    if not passing.stream and error is None:
-                        body = passing.body()
-                        await started(declared if declared is not None else len(body))
-                    else:  # the rest of a stream, or the error event of one that was cut
-                        body = passing.tail()
-                    await send({"type": "http.response.body", "body": body,
-                                "more_body": False})
-        except UPSTREAM_ERRORS as exc:  # the upstream cut the response short
-            error = exc
-        except BaseException as exc:  # the grace period of a shutdown ran out, say
-            if isinstance(exc, asyncio.CancelledError):
-                run.cut = True
-                exc = ClientGone("cut short: the proxy shut down before the response ended")
-            try:
-                self._ended(run, response, gone, ex, passing, meta, exc)
-                if rec is not None:  # written here and now: the task is going away
-                    rec.end_http(request, meta if ex.started else None,
-                                 passing.timing(start, t0), exc)
-            finally:
-                if held:
-                    run.logging.release()
-            raise
-        self._ended(run, response, gone, ex, passing, meta, error)
-        seam = providers.for_url(request.method, request.url) \
-            if error is None and meta.status < 400 and is_responses(ex.path) else None
-        timing = passing.timing(start, t0)
-
-        def log_it() -> None:
-            if rec is not None:
-                obs = rec.end_http(request, meta if ex.started else None, timing, error)
-                run.last_stop_reason = (obs or {}).get("stop_reason")
-            if seam is not None:
-                read_reply(self.registry, run, seam, meta.headers,
-                           decoded_within(meta.body, meta.headers, self.max_response))
-
-        try:
-            if not held and len(meta.body) + len(request.body) > OFFLOAD_BYTES:
-                await run.logging.acquire()
-                held = True
-            if held:  # in a thread: the other clients are served meanwhile
-                await asyncio.to_thread(log_it)
-            else:
-                log_it()
-        finally:
-            if held:
-                run.logging.release()
+        # an http.disconnect, if the client leaves
+        f = _Forwarding(run, rec, request, send, ex, time.time(), time.perf_counter(),
+                        asyncio.ensure_future(receive()))
+        response = await self._open(f)
+        error = await self._pass_on(f, response)
+        self._ended(run, response, f.gone, ex, f.passing, f.meta, error)
+        await self._log(f, error)
         if not ex.started and error is not None:  # the client has been sent nothing yet
             if isinstance(error, ResponseTooLarge):
                 raise ProxyError(502, "api_error", said(error))
@@ -271,6 +191,119 @@ class Responder:
                 raise ProxyError(502, "api_error",
                                  f"deja proxy: the upstream {self.upstream} cut its response "
                                  f"short ({type(error).__name__}: {error})", retry=True)
+
+    async def _open(self, f: _Forwarding) -> aiohttp.ClientResponse:
+        """The upstream's response to the request, unless the client leaves first (a
+        :class:`ClientGone`) or the upstream cannot be reached (a 502)."""
+        client = self.client
+        assert client is not None
+        sending = asyncio.ensure_future(client.request(
+            f.request.method, yarl.URL(f.request.url, encoded=True),
+            headers=f.request.headers, data=f.request.body, allow_redirects=False))
+        try:
+            await asyncio.wait((sending, f.gone), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            sending.cancel()
+            f.gone.cancel()
+            raise
+        if not sending.done():  # the client left before the upstream answered
+            sending.cancel()
+            f.failed(ClientGone("the client went away before the upstream answered"))
+            raise ClientGone("the client went away before the upstream answered")
+        try:
+            response = sending.result()
+        except UPSTREAM_ERRORS as exc:
+            f.gone.cancel()
+            f.failed(exc)
+            raise ProxyError(502, "api_error",
+                             f"deja proxy: the upstream {self.upstream} could not be reached "
+                             f"({type(exc).__name__}: {exc})", retry=True) from None
+        f.meta = HttpResponse(status=response.status,
+                              headers=[(k.decode("latin-1"), v.decode("latin-1"))
+                                       for k, v in response.raw_headers],
+                              body=b"", reason=response.reason or "")
+        f.passing = Passing(f.meta.headers, self.max_response, f"{f.request.method} {f.ex.path}")
+        return response
+
+    async def _pass_on(self, f: _Forwarding, response: aiohttp.ClientResponse
+                       ) -> BaseException | None:
+        """Pass the response's body to the client as it arrives (a stream) or once whole;
+        what cut it short, if anything. Cancelled (a shutdown's grace ran out), the
+        exchange is closed and logged here before the error goes on."""
+        passing = f.passing
+        length = response.headers.get("content-length")
+        chunked = "chunked" in response.headers.get("transfer-encoding", "").lower()
+        declared = int(length) if length and length.isdigit() and not chunked else None
+        error: BaseException | None = None
+        try:
+            if declared is not None and declared > self.max_response:
+                return too_large(self.max_response, where=passing.where)
+            if passing.stream:  # a compressed one may be cut short of its length
+                await f.started(response, declared if passing.inflation is None else None)
+            async for chunk in response.content.iter_any():
+                out = await passing.take(chunk)
+                if f.gone.done():
+                    error = ClientGone("the client disconnected before the response ended")
+                    break
+                if out:
+                    await f.send({"type": "http.response.body", "body": out,
+                                  "more_body": True})
+                if passing.refused is not None:
+                    error = passing.refused
+                    break
+            if error is None or (passing.refused is not None and f.ex.started):
+                if passing.size + len(f.request.body) > OFFLOAD_BYTES:
+                    await f.run.logging.acquire()  # the run's next request waits for it
+                    f.held = True
+                if not passing.stream and error is None:
+                    body = passing.body()
+                    await f.started(response, declared if declared is not None else len(body))
+                else:  # the rest of a stream, or the error event of one that was cut
+                    body = passing.tail()
+                await f.send({"type": "http.response.body", "body": body, "more_body": False})
+        except UPSTREAM_ERRORS as exc:  # the upstream cut the response short
+            error = exc
+        except BaseException as exc:  # the grace period of a shutdown ran out, say
+            if isinstance(exc, asyncio.CancelledError):
+                f.run.cut = True
+                exc = ClientGone("cut short: the proxy shut down before the response ended")
+            try:
+                self._ended(f.run, response, f.gone, f.ex, passing, f.meta, exc)
+                if f.rec is not None:  # written here and now: the task is going away
+                    f.rec.end_http(f.request, f.meta if f.ex.started else None,
+                                   passing.timing(f.start, f.t0), exc)
+            finally:
+                if f.held:
+                    f.run.logging.release()
+            raise
+        return error
+
+    async def _log(self, f: _Forwarding, error: BaseException | None) -> None:
+        """Log the exchange (in a thread when it is large: the other clients are served
+        meanwhile) and read what a Responses reply says of the run's tools."""
+        seam = providers.for_url(f.request.method, f.request.url) \
+            if error is None and f.meta.status < 400 and is_responses(f.ex.path) else None
+        timing = f.passing.timing(f.start, f.t0)
+
+        def log_it() -> None:
+            if f.rec is not None:
+                obs = f.rec.end_http(f.request, f.meta if f.ex.started else None, timing, error)
+                f.run.last_stop_reason = (obs or {}).get("stop_reason")
+            if seam is not None:
+                read_reply(self.registry, f.run, seam, f.meta.headers,
+                           decoded_within(f.meta.body, f.meta.headers, self.max_response))
+
+        try:
+            if not f.held and len(f.meta.body) + len(f.request.body) > OFFLOAD_BYTES:
+                await f.run.logging.acquire()
+                f.held = True
+            if f.held:
+                await asyncio.to_thread(log_it)
+            else:
+                log_it()
+        finally:
+            if f.held:
+                f.run.logging.release()
 
     def _ended(self, run: ProxyRun, response: aiohttp.ClientResponse, gone: asyncio.Future[Any],
                ex: Exchange, passing: Passing, meta: HttpResponse,

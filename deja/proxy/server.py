@@ -13,11 +13,8 @@ after which every open cassette gets its end line.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import os
-import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +29,15 @@ from recorder.cassette import load
 from recorder.cassette.keys import load_keyring, require_signing_key
 from recorder.errors import ConfigError
 from recorder.record import RecordSession
-from recorder.serving import HEADER_TIMEOUT, MAX_WAITING, bind, guarded_httptools, is_loopback
+from recorder.serving import (
+    HEADER_TIMEOUT,
+    MAX_WAITING,
+    bind,
+    guarded_httptools,
+    is_loopback,
+    run_until_stopped,
+    write_ready,
+)
 
 if TYPE_CHECKING:
     from replayer.policy import ReplayPolicy
@@ -165,16 +170,9 @@ def _forking(options: ProxyOptions, upstream: str, common: dict[str, Any]) -> Pr
     return Proxy(upstream=upstream, single=run, **common)
 
 
-def _write_ready(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)
-
-
 def serve(options: ProxyOptions, proxy: Proxy | None = None) -> ServeResult:
     """Run the proxy until SIGTERM or SIGINT; close every run; say what it did."""
     import uvicorn
-    import uvloop
 
     app = proxy or build(options)
     config = uvicorn.Config(app, host=options.host, port=options.port, lifespan="on",
@@ -187,36 +185,19 @@ def serve(options: ProxyOptions, proxy: Proxy | None = None) -> ServeResult:
     server = uvicorn.Server(config)
     sock = bind(options.host, options.port)  # here, so that a taken port is an OSError
 
-    async def announce() -> None:
-        while not server.started:
-            if server.should_exit:
-                return
-            await asyncio.sleep(0.01)
-        port = sock.getsockname()[1]
+    def listening(port: int) -> None:
         url = f"http://{options.host}:{port}"
         log.info("%s mode, listening on %s%s", options.mode, url,
                  f", forwarding to {app.upstream}" if options.mode != "replay" else "")
         if options.ready_file is not None:
-            _write_ready(options.ready_file, {"url": url, "port": port, "pid": os.getpid(),
-                                              "mode": options.mode})
+            write_ready(options.ready_file, {"url": url, "port": port, "pid": os.getpid(),
+                                             "mode": options.mode})
 
-    async def main() -> None:
-        waiter = asyncio.create_task(announce())
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            waiter.cancel()
-            await app.shutdown()  # the lifespan may have been skipped by a forced exit
-
-    # uvicorn re-raises the signal it stopped on once it has shut down; by then every run
-    # is closed, and the outcome is told by the exit status instead.
-    previous = {sig: signal.signal(sig, lambda *_: None)
-                for sig in (signal.SIGTERM, signal.SIGINT)}
+    # by the time uvicorn stops every run is closed; the outcome is told by the exit status
     try:
-        uvloop.run(main())  # the loop uvicorn's "uvloop" setting names (serve() leaves it)
+        run_until_stopped(server, sock, listening=listening,
+                          after=app.shutdown)  # the lifespan may have been skipped
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if options.ready_file is not None:
             options.ready_file.unlink(missing_ok=True)
     return _result(app, options)

@@ -50,7 +50,6 @@ import hashlib
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
@@ -69,6 +68,8 @@ from recorder.serving import (
     guarded_httptools,
     is_loopback,
     read_body,
+    run_until_stopped,
+    write_ready,
 )
 
 __all__ = ["MAX_BODY", "Api", "ApiError", "serve"]
@@ -399,7 +400,6 @@ def serve(host: str, port: int, token: str | None, url: str,
     """Serve the API until SIGTERM or SIGINT, to requests that carry ``token`` (default:
     this install's, made on first use) and name ``host`` or ``allowed_hosts``."""
     import uvicorn
-    import uvloop
 
     from deja.runs import engine
     from deja.runs.auth import server_token
@@ -429,38 +429,16 @@ def serve(host: str, port: int, token: str | None, url: str,
                             timeout_graceful_shutdown=3)
     server = uvicorn.Server(config)
 
-    async def announce() -> None:
-        assert server is not None
-        while not server.started:
-            if server.should_exit:
-                return
-            await asyncio.sleep(0.01)
-        bound = sock.getsockname()[1]
-        address = f"http://{f'[{host}]' if ':' in host else host}:{bound}"
+    def listening(port: int) -> None:
+        address = f"http://{f'[{host}]' if ':' in host else host}:{port}"
         sys.stderr.write(f"deja: serving runs on {address}\n")
         sys.stderr.flush()
         if ready_file is not None:
-            tmp = ready_file.with_name(ready_file.name + ".tmp")
-            tmp.write_text(json.dumps({"url": address, "port": bound, "pid": os.getpid()}))
-            os.replace(tmp, ready_file)
+            write_ready(ready_file, {"url": address, "port": port, "pid": os.getpid()})
 
-    async def main() -> None:
-        assert server is not None
-        waiter = asyncio.create_task(announce())
-        try:
-            await server.serve(sockets=[sock])
-        finally:
-            waiter.cancel()
-
-    # uvicorn re-raises the signal it stopped on once it has shut down: a stop asked for
-    # is a clean exit here
-    previous = {sig: signal.signal(sig, lambda *_: None)
-                for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        uvloop.run(main())
+        run_until_stopped(server, sock, listening=listening)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
         with contextlib.suppress(Exception):
