@@ -492,3 +492,80 @@ def test_no_module_over_600_lines_and_no_function_over_60() -> None:
     assert not long_modules, report(long_modules, f"modules over {MAX_MODULE_LINES} lines")
     assert not long_functions, report(long_functions,
                                       f"functions over {MAX_FUNCTION_LINES} lines of code")
+
+
+# Keys of the model APIs' wire formats: what reading a request, a conversation, a tool call
+# or a response means belongs to the provider modules (recorder/providers/) and the stub
+# (recorder/testing/, an independent implementation of the formats).
+# (not "tool_calls" or "content": deja's own totals and lines use those names too)
+WIRE_KEYS = frozenset({"messages", "tool_use", "tool_result", "choices", "function_call",
+                       "content_block_delta", "input_json_delta", "contents",
+                       "functionCall", "functionResponse", "candidates"})
+WIRE_PACKAGES = ("recorder.providers", "recorder.testing")
+# Modules that still read a wire format themselves, each until the provider seam answers
+# what it asks (the conversation, tool calls and results, stub turns, stream framing). A
+# module leaves this list when it asks its provider instead; nothing may join it.
+READS_WIRE_FORMAT = {
+    "recorder._otel_genai": "maps conversations to the GenAI conventions' messages",
+    "recorder.canonical": "hashes a conversation's messages once (model_fingerprint)",
+    "recorder.capture.exchange": "parses a request from where it repeats the last one",
+    "recorder.cassette._delta": "stores what a conversation adds (its history field)",
+    "replayer.diff": "renames tool-use ids when two conversations are compared",
+    "replayer.policy": "ranks a conversation's items one by one for the nearest request",
+    "replayer.stub": "turns a recorded run into stub turns",
+    "viewer.content": "lays out a conversation's blocks",
+    "viewer.widgets": "draws tool calls and results",
+    "viewer.step": "finds what a request added to an earlier one",
+    "deja.proxy.runs": "reads the tool calls and results a proxied agent sends",
+    "deja.proxy.app": "tells a request that carries a conversation",
+    "deja.cli_stub": "reads an OpenAI reply when it writes a stub script",
+}
+
+
+def _wire_reads(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """Where a module reads or builds a wire-format key: ``x["messages"]``,
+    ``x.get("tool_use")``, ``block["type"] == "tool_result"``, ``{"choices": ...}``."""
+    def wire(node: ast.AST | None) -> str | None:
+        return node.value if isinstance(node, ast.Constant) and node.value in WIRE_KEYS \
+            else None
+
+    for node in ast.walk(tree):
+        found: list[str | None] = []
+        if isinstance(node, ast.Subscript):
+            found.append(wire(node.slice))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("get", "pop", "setdefault") and node.args:
+            found.append(wire(node.args[0]))
+        elif isinstance(node, ast.Compare):
+            found.extend(wire(side) for side in (node.left, *node.comparators))
+            for side in node.comparators:
+                if isinstance(side, ast.Tuple | ast.List | ast.Set):
+                    found.extend(wire(item) for item in side.elts)
+        elif isinstance(node, ast.Dict):
+            found.extend(wire(key) for key in node.keys)
+        for key in filter(None, found):
+            yield node.lineno, key
+
+
+def test_the_wire_format_check_sees_them() -> None:
+    source = ('body["messages"]; body.get("choices"); b["type"] == "tool_use"\n'
+              't in ("tool_result", "x"); {"contents": []}; obs["kind"]; "messages"\n')
+    assert sorted({line for line, _ in _wire_reads(ast.parse(source))}) == [1, 2]
+    assert len(list(_wire_reads(ast.parse(source)))) == 5
+
+
+def test_wire_formats_are_read_behind_the_provider_seam() -> None:
+    """What a model API's JSON means is the provider's to say: a module outside
+    ``recorder.providers`` (and the stub) that reads a wire-format key asks its provider
+    instead. The modules listed above are what is left to move; the list only shrinks."""
+    found = {}
+    for path in source_files():
+        module = module_name(path)
+        if any(inside(module, package) for package in WIRE_PACKAGES):
+            continue
+        for line, key in _wire_reads(ast.parse(path.read_text())):
+            found[f"{module}:{line} reads {key!r}"] = module
+    new = [where for where, module in found.items() if module not in READS_WIRE_FORMAT]
+    assert not new, report(new, "a wire-format key read outside the provider seam")
+    stale = set(READS_WIRE_FORMAT) - set(found.values())
+    assert not stale, f"modules that no longer read a wire format (remove them): {sorted(stale)}"
