@@ -150,13 +150,15 @@ def _drop(value: Any, parts: tuple[str, ...]) -> Any:
 
 
 def _fields(request: Any) -> dict[str, Any]:
-    """A request as fields to compare: a JSON object's members, a conversation's items
+    """A request as fields to compare: a JSON object's members, the items of its
+    conversation (the field its provider names, :func:`recorder.providers.history_field`)
     each a field of its own (``messages[3]``), anything else one field."""
     if not isinstance(request, dict):
         return {"request": request}
+    history = providers.history_field(request)
     out: dict[str, Any] = {}
     for name, value in request.items():
-        if isinstance(value, list) and name in ("messages", "input", "contents"):
+        if name == history and isinstance(value, list):
             out.update({f"{name}[{i}]": item for i, item in enumerate(value)})
             out[f"{name} (length)"] = len(value)
         else:

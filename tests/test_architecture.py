@@ -511,7 +511,6 @@ READS_WIRE_FORMAT = {
     "recorder.capture.exchange": "parses a request from where it repeats the last one",
     "recorder.cassette._delta": "stores what a conversation adds (its history field)",
     "replayer.diff": "renames tool-use ids when two conversations are compared",
-    "replayer.policy": "ranks a conversation's items one by one for the nearest request",
     "replayer.stub": "turns a recorded run into stub turns",
     "viewer.content": "lays out a conversation's blocks",
     "viewer.widgets": "draws tool calls and results",
