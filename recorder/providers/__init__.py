@@ -8,8 +8,9 @@ found by the endpoint (:func:`for_url`), by its name (:func:`get`) or for a reco
 (:func:`for_line`), so that a new API is one new module registered with :func:`register`
 and nothing else changes.
 
-Built in: :mod:`recorder.providers.anthropic` (the Messages API) and
-:mod:`recorder.providers.openai` (Chat Completions and the Responses API).
+Built in: :mod:`recorder.providers.anthropic` (the Messages API),
+:mod:`recorder.providers.openai` (Chat Completions and the Responses API) and
+:mod:`recorder.providers.gemini` (Google's Gemini API, ``generateContent``).
 
 This package sits below capture, cassette reading and replay: it imports only
 :mod:`recorder.errors`, :mod:`recorder.canonical` and its own modules.
@@ -434,10 +435,12 @@ BUILT_IN = frozenset({"anthropic", "openai"})
 
 def _register_builtins() -> None:
     from recorder.providers.anthropic import AnthropicProvider
+    from recorder.providers.gemini import GeminiProvider
     from recorder.providers.openai import OpenAIProvider
 
     register(AnthropicProvider())
     register(OpenAIProvider())
+    register(GeminiProvider())
 
 
 _register_builtins()

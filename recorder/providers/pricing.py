@@ -13,9 +13,9 @@ A usage (:data:`recorder.providers.USAGE_KEYS`) counts them apart, by Anthropic'
 writes (``cache_creation_input_tokens``, all lifetimes). Of the writes, those made with
 the 1-hour lifetime are ``cache_creation_1h_input_tokens`` (:data:`CACHE_WRITE_1H`), or
 ``cache_creation.ephemeral_1h_input_tokens`` in a usage as Anthropic sends it; the rest
-are charged as 5-minute writes. An OpenAI usage is normalised to the same names (its
-cached prompt tokens are cache reads; it reports no writes), so every provider is priced
-by one rule.
+are charged as 5-minute writes. An OpenAI or a Gemini usage is normalised to the same
+names (its cached prompt tokens are cache reads; it reports no writes), so every provider
+is priced by one rule.
 
 The bundled prices (:data:`DEFAULT_PRICES`) are the standard, pay-as-you-go rates the
 providers published on their pricing pages, as of :data:`PRICES_AS_OF`:
@@ -28,6 +28,12 @@ providers published on their pricing pages, as of :data:`PRICES_AS_OF`:
   input (as ``cache_read``), output. OpenAI charges nothing extra to write its cache, so
   ``cache_write`` is the input rate; a model with no cached-input discount has
   ``cache_read`` at the input rate too.
+- Google Gemini, https://ai.google.dev/gemini-api/docs/pricing (the paid tier, text,
+  image and video input, prompts up to 200K tokens): input, context caching (as
+  ``cache_read``), output (thinking tokens included). Gemini bills cache storage by the
+  hour rather than per write, so ``cache_write`` is the input rate; a model without
+  context caching has ``cache_read`` at the input rate. Audio input, prompts over 200K
+  tokens, batch and image output rates are not applied.
 
 A model is looked up by exact name, then by the longest table key that prefixes it (so
 dated snapshots such as ``claude-sonnet-4-5-20250929`` find ``claude-sonnet-4-5``).
@@ -150,12 +156,26 @@ _OPENAI = (
     ("o4-mini",              1.10,   0.275,    4.40),
 )
 
+# Google Gemini (paid tier, prompts up to 200K tokens), dollars per million tokens; None:
+# no context caching. A variant priced apart from its family (an image or audio model)
+# needs its own row, as for OpenAI.
+#  model                    input   cached   output
+_GEMINI = (
+    ("gemini-3-pro",         2.00,   0.20,    12.00),
+    ("gemini-3-flash",       0.50,   0.05,     3.00),
+    ("gemini-2.5-pro",       1.25,   0.125,   10.00),
+    ("gemini-2.5-flash",     0.30,   0.03,     2.50),
+    ("gemini-2.5-flash-lite", 0.10,  0.01,     0.40),
+    ("gemini-2.0-flash",     0.10,   0.025,    0.40),
+    ("gemini-2.0-flash-lite", 0.075, None,     0.30),
+)
+
 DEFAULT_PRICES: dict[str, Price] = {
     **{model: Price(inp, out, cache_write=w5, cache_read=r, cache_write_1h=w1)
        for model, inp, out, w5, w1, r in _ANTHROPIC},
     **{model: Price(inp, out, cache_write=inp, cache_read=inp if cached is None else cached,
                     cache_write_1h=inp)
-       for model, inp, cached, out in _OPENAI},
+       for model, inp, cached, out in (*_OPENAI, *_GEMINI)},
 }
 """The bundled prices, by model name or prefix (see the module docstring for sources)."""
 
