@@ -514,7 +514,6 @@ READS_WIRE_FORMAT = {
     "replayer.stub": "turns a recorded run into stub turns",
     "viewer.content": "lays out a conversation's blocks",
     "viewer.widgets": "draws tool calls and results",
-    "viewer.step": "finds what a request added to an earlier one",
     "deja.proxy.runs": "reads the tool calls and results a proxied agent sends",
     "deja.proxy.app": "tells a request that carries a conversation",
     "deja.cli_stub": "reads an OpenAI reply when it writes a stub script",

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+from recorder import providers
 from recorder.cassette import Cassette, load
 from recorder.cassette.keys import load_keyring
 from recorder.cassette.reader import peek_header
@@ -118,18 +119,21 @@ def _raw_response(obs: Mapping[str, Any], clip: content.Clip) -> dict[str, Any] 
 
 
 def _earlier_input(cassette: Cassette, seq: int, request: Any) -> int | None:
-    """How many of a Responses request's ``input`` items an earlier call of the run sent
-    too (the conversation so far): the longest earlier model step's input that this one
-    begins with. None for any other request (a stored delta says it for messages)."""
-    if not isinstance(request, dict) or "messages" in request \
-            or not isinstance(request.get("input"), list):
+    """How many of a request's conversation items an earlier call of the run sent too,
+    when its line does not say (a request stored whole: the first of a conversation, an
+    edited history, or a format stored whole before it was delta-encoded): the longest
+    earlier model step's conversation this one begins with. None when the stored delta
+    says it (its ``keep``) or the request has no conversation."""
+    stored = cassette.observations[seq].get("request")
+    field = providers.history_field(request)
+    if (isinstance(stored, dict) and "base" in stored) or field is None:
         return None
-    items = request["input"]
+    items = request[field]
     for earlier in range(seq - 1, -1, -1):
         if cassette.observations[earlier].get("kind") != Kind.MODEL:
             continue
         before = cassette.requests.get(earlier)
-        shared = before.get("input") if isinstance(before, dict) else None
+        shared = before.get(field) if isinstance(before, dict) else None
         if isinstance(shared, list) and 0 < len(shared) <= len(items) \
                 and items[:len(shared)] == shared:
             return len(shared)
