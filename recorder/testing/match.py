@@ -8,7 +8,9 @@ is; an OpenAI Chat Completions ``messages`` list with its ``tool`` messages as t
 ``tool_result`` blocks of a user message (``system`` and ``developer`` messages are not
 turns); a Responses API ``input`` (a string, or items: messages, ``function_call`` items as
 the assistant's, and ``function_call_output`` items as tool results), continued from the
-position a stub reply's id records when the request names it as ``previous_response_id``.
+position a stub reply's id records when the request names it as ``previous_response_id``;
+a Gemini ``contents`` list (``model`` turns as the assistant's, ``functionCall`` parts as
+tool uses, ``functionResponse`` parts as tool results of their response's JSON text).
 
 Nothing is remembered between requests, so any number of runs, forks, resumes and replays of
 a conversation, in any order and at the same time, get the same answer at the same place. The
@@ -23,14 +25,19 @@ later attempt. A client that sends no attempt header is always on attempt 0.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["ATTEMPT_HEADER", "FAILURE_KEYS", "RESPONSE_ID_PREFIX", "attempt", "block_text",
-           "conversation", "first_user_text", "is_failure", "last_user_text", "message_text",
-           "pick", "position", "response_id_position", "when_holds"]
+__all__ = ["ATTEMPT_HEADER", "FAILURE_KEYS", "GEMINI_GENERATE", "GEMINI_STREAM",
+           "RESPONSE_ID_PREFIX", "attempt", "block_text", "conversation", "first_user_text",
+           "is_failure", "last_user_text", "message_text", "pick", "position",
+           "response_id_position", "streams", "when_holds"]
 
 ATTEMPT_HEADER = "x-stainless-retry-count"
+# Gemini's endpoints, by the end of their path (``.../models/{model}:generateContent``).
+GEMINI_GENERATE = ":generateContent"
+GEMINI_STREAM = ":streamGenerateContent"
 FAILURE_KEYS = ("error", "sse_error", "drop")
 # A stub Responses reply's id, ``resp_<position>_<random>``: the position it answered, so
 # that a request continuing it by ``previous_response_id`` has its place with no memory.
@@ -115,10 +122,45 @@ def _input_turns(items: Any) -> list[dict]:
     return turns
 
 
+def _gemini_block(part: Any) -> dict | None:
+    """A Gemini part as a content block: text, a ``functionCall`` as ``tool_use``, a
+    ``functionResponse`` as a ``tool_result`` of its response's JSON text (a thought, or
+    a part of another kind, is no block)."""
+    if not isinstance(part, dict) or part.get("thought"):
+        return None
+    if isinstance(part.get("text"), str):
+        return {"type": "text", "text": part["text"]}
+    call = part.get("functionCall")
+    if isinstance(call, dict):
+        return {"type": "tool_use", "id": call.get("id"), "name": call.get("name"),
+                "input": call.get("args")}
+    result = part.get("functionResponse")
+    if isinstance(result, dict):
+        response = result.get("response")
+        return {"type": "tool_result", "tool_use_id": result.get("id") or result.get("name"),
+                "content": response if isinstance(response, str) else
+                json.dumps(response, ensure_ascii=False)}
+    return None
+
+
+def _gemini_turns(contents: list) -> list[dict]:
+    turns: list[dict] = []
+    for content in contents:
+        if not isinstance(content, dict):
+            continue
+        parts = content.get("parts")
+        blocks = [b for b in map(_gemini_block, parts if isinstance(parts, list) else [])
+                  if b is not None]
+        _add(turns, "assistant" if content.get("role") == "model" else "user", blocks)
+    return turns
+
+
 def conversation(body: Mapping[str, Any]) -> list[dict]:
     """The request's conversation as user and assistant messages of content blocks (tool
     results as ``tool_result`` blocks), whichever API it is in; Anthropic messages are
     returned as they are."""
+    if isinstance(body.get("contents"), list) and "messages" not in body:
+        return _gemini_turns(body["contents"])
     messages = body.get("messages")
     if isinstance(messages, list):
         if any(isinstance(m, dict) and (m.get("role") not in ("user", "assistant")
@@ -171,6 +213,12 @@ def _tool_results(body: Mapping[str, Any]) -> list[dict]:
     return [b for b in content if isinstance(b, dict) and b.get("type") == "tool_result"]
 
 
+def streams(body: Mapping[str, Any], endpoint: str | None = None) -> bool:
+    """Does the request ask for a stream? Its body says (``"stream": true``), or for
+    Gemini its endpoint (``:streamGenerateContent``)."""
+    return body.get("stream") is True or endpoint == GEMINI_STREAM
+
+
 def attempt(headers: Mapping[str, str]) -> int:
     """The attempt number the client sent (0 when it sent none or something else)."""
     raw = headers.get(ATTEMPT_HEADER, "0").strip()
@@ -187,7 +235,7 @@ def when_holds(when: Mapping[str, Any], body: Mapping[str, Any],
     one does not hold)."""
     if "endpoint" in when and endpoint != when["endpoint"]:
         return False
-    if "stream" in when and (body.get("stream") is True) != when["stream"]:
+    if "stream" in when and streams(body, endpoint) != when["stream"]:
         return False
     if "previous_response_id" in when and \
             body.get("previous_response_id") != when["previous_response_id"]:

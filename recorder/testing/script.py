@@ -29,7 +29,8 @@ How an answer is chosen (:func:`recorder.testing.match.pick`):
    message's text equals), ``last_user_contains``, ``tool_result_contains`` (a ``tool_result``
    of the last user message contains the string), ``tool_result_is_error`` (``true``: one of
    those results has ``is_error: true``; ``false``: there is one and none has), ``endpoint``
-   (the request's path: ``/v1/messages``, ``/v1/chat/completions`` or ``/v1/responses``),
+   (the request's path: ``/v1/messages``, ``/v1/chat/completions`` or ``/v1/responses``;
+   Gemini's by the end of its path, ``:generateContent`` or ``:streamGenerateContent``),
    ``stream`` (``true``: the request asks for a stream; ``false``: it does not) and
    ``previous_response_id`` (a Responses request continues this response). A message's
    text is its string content or its text blocks and tool results, joined by newlines.
@@ -52,10 +53,12 @@ of objects with ``name``, optional ``input`` and ``id``), ``stop_reason``, ``sto
 or ``thinking`` is replaced by the last user message's text. Or content as recorded:
 ``message`` (a whole Messages API message object, sent as it is; as a stream it is rendered to
 events; or an OpenAI ``chat.completion`` or Responses ``response`` object, sent as it is to a
-JSON request of its API, else rendered from its text, tool calls, usage and stop reason) or
+JSON request of its API, else rendered from its text, tool calls, usage and stop reason;
+or a Gemini response with ``candidates``, sent as it is, as one chunk to a stream) or
 ``sse`` (a raw ``text/event-stream`` body, sent verbatim to a streaming request and, for the
 Messages API, assembled into one message for a non-streaming one, or a 529 if it holds an
-error event; an OpenAI stream is ``data:`` lines, a Responses stream typed events).
+error event; an OpenAI or Gemini stream is ``data:`` lines, a Responses stream typed
+events).
 Neither mixes with the built parts. Failures: ``error`` (``status``
 400-599, ``type``, ``message``, ``retry_after`` seconds, which sets ``retry-after`` and
 ``retry-after-ms``, ``should_retry``, which sets ``x-should-retry``, and ``headers``, response
@@ -75,7 +78,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from recorder.testing.match import FAILURE_KEYS, is_failure
+from recorder.testing.match import FAILURE_KEYS, GEMINI_GENERATE, GEMINI_STREAM, is_failure
 
 __all__ = ["ENDPOINTS", "FAILURE_KEYS", "SELECT_MODES", "StubScriptError", "is_failure",
            "load_script"]
@@ -117,7 +120,8 @@ _WHEN_STR_KEYS = ("first_user", "last_user", "last_user_contains", "tool_result_
 _WHEN_KEYS = frozenset({"position", "tool_result_is_error", "endpoint", "stream",
                         "previous_response_id", *_WHEN_STR_KEYS})
 # The endpoints the stub answers, which a rule's ``when.endpoint`` may name.
-ENDPOINTS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
+ENDPOINTS = ("/v1/messages", "/v1/chat/completions", "/v1/responses", GEMINI_GENERATE,
+             GEMINI_STREAM)
 # Headers the server sets itself from the body it sends; a script cannot override them.
 _FRAMING_HEADERS = frozenset(
     {"content-length", "content-type", "transfer-encoding", "connection", "request-id"}
@@ -313,14 +317,15 @@ def _validate_recorded(where: str, turn: dict) -> None:
             )
         return
     message = turn["message"]
-    if isinstance(message, dict) and "content" not in message and (
-            isinstance(message.get("choices"), list) or isinstance(message.get("output"), list)):
-        return  # an OpenAI chat.completion or Responses response, sent as it is
+    if isinstance(message, dict) and "content" not in message and any(
+            isinstance(message.get(k), list) for k in ("choices", "output", "candidates")):
+        return  # an OpenAI chat.completion or Responses response, a Gemini response
     if not isinstance(message, dict) or not isinstance(message.get("content"), list):
         raise StubScriptError(
             f"{where}: field 'message' must be a Messages API message object with a "
             f"'content' list (or an OpenAI chat.completion with 'choices', a Responses "
-            f"response with 'output'), got {message!r:.80}"
+            f"response with 'output', a Gemini response with 'candidates'), got "
+            f"{message!r:.80}"
         )
     for i, block in enumerate(message["content"]):
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):

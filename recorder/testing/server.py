@@ -7,7 +7,10 @@ speaks the wire protocol of ``POST /v1/messages``: JSON responses, SSE streaming
 (``"stream": true``) with chunked transfer encoding, tool use, thinking blocks, and error
 responses with the real error body and retry headers; and that of OpenAI's
 ``POST /v1/chat/completions`` and ``POST /v1/responses``, from the same scripts
-(:mod:`recorder.testing.openai_reply`). Standard library only.
+(:mod:`recorder.testing.openai_reply`); and Gemini's ``POST .../models/{model}:generateContent``
+and ``:streamGenerateContent`` (:mod:`recorder.testing.gemini_reply`; ``google-genai`` is
+pointed at it with ``http_options=types.HttpOptions(base_url=server.url)``). Standard
+library only.
 
 It answers from a *script* (a dict, a JSON file, or JSON text) of turns::
 
@@ -44,7 +47,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from recorder.testing import openai_reply
+from recorder.testing import gemini_reply, openai_reply
 from recorder.testing.match import attempt, pick, position
 from recorder.testing.reply import (
     Answer,
@@ -202,6 +205,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._messages(raw)
         elif route in (openai_reply.CHAT, openai_reply.RESPONSES):
             self._openai(route, raw)
+        elif gemini_reply.endpoint(route):
+            self._gemini(route, raw)
         elif route == "/v1/messages/count_tokens":
             self._count_tokens(raw)
         elif route == "/_stub/script":
@@ -357,6 +362,25 @@ class _Handler(BaseHTTPRequestHandler):
             events = reply.stream_error(events, turn["sse_error"])
         self._send_events(events, turn)
 
+    def _gemini(self, route: str, raw: bytes) -> None:
+        """A Gemini request: what to send is :func:`recorder.testing.gemini_reply.answer`'s."""
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        out = gemini_reply.answer(self.server.stub, self.path, route, raw, headers)
+        drop = out.turn.get("drop")
+        if drop == "before_headers":
+            self._drop()
+        elif out.events is not None:
+            self._start(200, "text/event-stream", random_id("req_"), transfer_encoding="chunked")
+            self._send_events(out.events, out.turn)
+        else:
+            payload = dumps(out.body).encode()
+            self._start(out.status, "application/json", random_id("req_"),
+                        content_length=str(len(payload)), **out.headers)
+            if drop == "after_headers":
+                self._drop()
+            else:
+                self.wfile.write(payload)
+
     def _send_events(self, events: list[bytes], turn: dict) -> None:
         event_delay = (turn.get("event_delay_ms") or 0) / 1000
         for i, event in enumerate(events):
@@ -433,8 +457,8 @@ class StubServer:
     """A scripted Anthropic Messages API (and OpenAI API) stub serving HTTP/1.1 in a daemon
     thread.
 
-    ``requests`` lists every received ``POST /v1/messages``, ``/v1/chat/completions`` and
-    ``/v1/responses`` (including invalid ones) as
+    ``requests`` lists every received ``POST /v1/messages``, ``/v1/chat/completions``,
+    ``/v1/responses`` and Gemini ``:generateContent`` (including invalid ones) as
     ``{"path", "headers", "body"}``; ``served`` counts the requests answered from the script
     (default turns included, the exhausted-script 500 not) since the last :meth:`load`. Which
     turn answers a request is decided by :func:`recorder.testing.match.pick`; only the
