@@ -1,18 +1,18 @@
 """``deja stub``: the stub model API (Anthropic Messages, OpenAI Chat Completions and
-Responses), from a script or from a recorded run.
+Responses, Gemini ``generateContent``), from a script or from a recorded run.
 
 A script made ``--from`` a cassette answers its Anthropic Messages calls by
-:func:`replayer.stub.script_from_cassette`, and its OpenAI calls here, by the same rule: each
-call becomes a rule that answers its place in its conversation (``position`` and
-``first_user``, then ``last_user`` when two requests differ there) with what the run
-received, the attempts of one request a retry sequence. An OpenAI rule also names its
-``endpoint`` and whether the request asks for a ``stream`` (one conversation may be asked
-both ways, and the reply of one is no answer to the other), and a Responses request that
-continues a response names it (``previous_response_id``: the recorded reply is served with
-its id, so the agent continues it again). A JSON reply is kept as ``message``, a stream
-verbatim as ``sse``, an error with its status, type, message and retry headers, a call
-that got no response as ``drop``. The OpenAI rules come first: they hold only for their
-endpoint.
+:func:`replayer.stub.script_from_cassette`, and its OpenAI and Gemini calls here, by the
+same rule: each call becomes a rule that answers its place in its conversation
+(``position`` and ``first_user``, then ``last_user`` when two requests differ there) with
+what the run received, the attempts of one request a retry sequence. Such a rule also
+names its ``endpoint`` and whether the request asks for a ``stream`` (one conversation may
+be asked both ways, and the reply of one is no answer to the other), and a Responses
+request that continues a response names it (``previous_response_id``: the recorded reply
+is served with its id, so the agent continues it again). A JSON reply is kept as
+``message``, a stream verbatim as ``sse``, an error with its status, type, message and
+retry headers, a call that got no response as ``drop``. These rules come first: they hold
+only for their endpoint.
 """
 
 from __future__ import annotations
@@ -28,21 +28,25 @@ import click
 
 from deja._common import BadInput, _allow_unverified_option, _fail, _load, _warn_unverified
 
-# The OpenAI endpoints a stub answers, by the path suffix of a recorded call's URL.
+# The endpoints a stub answers besides the Messages API, by the provider of a recorded
+# call and the end of its URL's path.
 OPENAI_ENDPOINTS = ("/v1/chat/completions", "/v1/responses")
+GEMINI_ENDPOINTS = (":generateContent", ":streamGenerateContent")
+_ENDPOINTS = {"openai": OPENAI_ENDPOINTS, "gemini": GEMINI_ENDPOINTS}
 # The response headers that make a client wait or give up; kept on a recorded error.
 RETRY_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
 
 
-def _openai_endpoint(obs: Mapping[str, Any]) -> str | None:
+def _endpoint_of(obs: Mapping[str, Any]) -> str | None:
+    """The OpenAI or Gemini endpoint of a recorded model call (None: neither)."""
     path = urlsplit(str(obs.get("url") or "")).path.rstrip("/")
-    if obs.get("provider") != "openai":
-        return None
-    return next((e for e in OPENAI_ENDPOINTS if path.endswith(e)), None)
+    ends = _ENDPOINTS.get(str(obs.get("provider")), ())
+    return next((e for e in ends if path.endswith(e)), None)
 
 
-def _openai_answer(obs: Mapping[str, Any], endpoint: str) -> tuple[dict[str, Any] | None, str]:
-    """The turn that sends what the OpenAI call ``obs`` received, or None and why not."""
+def _answer_of(obs: Mapping[str, Any], endpoint: str) -> tuple[dict[str, Any] | None, str]:
+    """The turn that sends what the OpenAI or Gemini call ``obs`` received, or None and
+    why not."""
     from recorder import providers
     from recorder.canonical import content_decoded, decode_body
 
@@ -73,7 +77,7 @@ def _openai_answer(obs: Mapping[str, Any], endpoint: str) -> tuple[dict[str, Any
         return {"error": err}, ""
     if status != 200:
         return None, f"its response has status {status}"
-    if providers.get("openai").is_stream(headers):
+    if providers.for_line(obs).is_stream(headers):
         if "data:" not in text:
             return None, "its event stream holds no event"
         return {"sse": text}, ""
@@ -81,27 +85,29 @@ def _openai_answer(obs: Mapping[str, Any], endpoint: str) -> tuple[dict[str, Any
         doc = json.loads(text)
     except ValueError:
         return None, "its response body is not JSON"
-    shape = "choices" if endpoint == "/v1/chat/completions" else "output"
+    shape = ("choices" if endpoint == "/v1/chat/completions" else
+             "candidates" if endpoint in GEMINI_ENDPOINTS else "output")
     if not isinstance(doc, dict) or not isinstance(doc.get(shape), list):
-        what = "chat completion" if shape == "choices" else "response"
+        what = {"choices": "chat completion", "candidates": "Gemini response"}.get(shape,
+                                                                                  "response")
         return None, f"its response is not a {what}"
     return {"message": doc}, ""
 
 
-def _openai_rules(cassette: Any) -> tuple[list[dict[str, Any]], int, dict[int, str]]:
+def _endpoint_rules(cassette: Any) -> tuple[list[dict[str, Any]], int, dict[int, str]]:
     from replayer.stub import retry_chain
 
-    """The rules answering the OpenAI calls of ``cassette``, how many calls they answer,
-    and the OpenAI calls left out, by step, with why."""
+    """The rules answering the OpenAI and Gemini calls of ``cassette``, how many calls
+    they answer, and those calls left out, by step, with why."""
     from recorder.cassette.schema import Kind
-    from recorder.testing.match import first_user_text, last_user_text, position
+    from recorder.testing.match import first_user_text, last_user_text, position, streams
 
     # place -> request fingerprint -> (last user text, [(seq, turn)])
     places: dict[tuple[Any, ...], dict[str, tuple[str, list[tuple[int, dict[str, Any]]]]]] = {}
     skipped: dict[int, str] = {}
     calls = 0
     for obs in cassette.observations:
-        endpoint = _openai_endpoint(obs) if obs.get("kind") == Kind.MODEL else None
+        endpoint = _endpoint_of(obs) if obs.get("kind") == Kind.MODEL else None
         if endpoint is None:
             continue
         seq = obs["seq"]
@@ -109,13 +115,13 @@ def _openai_rules(cassette: Any) -> tuple[list[dict[str, Any]], int, dict[int, s
         if not isinstance(body, dict):
             skipped[seq] = f"seq {seq}: its request is not a JSON object"
             continue
-        turn, why = _openai_answer(obs, endpoint)
+        turn, why = _answer_of(obs, endpoint)
         if turn is None:
             skipped[seq] = f"seq {seq}: {why}"
             continue
         calls += 1
         previous = body.get("previous_response_id")
-        place = (endpoint, body.get("stream") is True,
+        place = (endpoint, streams(body, endpoint),
                  previous if isinstance(previous, str) else None,
                  first_user_text(body), position(body))
         requests = places.setdefault(place, {})
@@ -142,14 +148,15 @@ def _openai_rules(cassette: Any) -> tuple[list[dict[str, Any]], int, dict[int, s
 
 
 def _script_from(cassette: Any) -> Any:
-    """The stub script answering the Anthropic and OpenAI calls of a loaded cassette."""
+    """The stub script answering the Anthropic, OpenAI and Gemini calls of a loaded
+    cassette."""
     from recorder.cassette.schema import Kind
     from recorder.testing.server import StubScriptError
     from replayer.stub import CassetteScript, script_from_cassette
 
-    rules, calls, skipped = _openai_rules(cassette)
-    openai_seqs = {obs["seq"] for obs in cassette.observations
-                   if obs.get("kind") == Kind.MODEL and _openai_endpoint(obs) is not None}
+    rules, calls, skipped = _endpoint_rules(cassette)
+    other_seqs = {obs["seq"] for obs in cassette.observations
+                   if obs.get("kind") == Kind.MODEL and _endpoint_of(obs) is not None}
     try:
         made = script_from_cassette(cassette)
     except StubScriptError as exc:
@@ -157,8 +164,9 @@ def _script_from(cassette: Any) -> Any:
             reasons = "; ".join(skipped.values())
             raise StubScriptError(
                 f"{cassette.path}: run {cassette.run} holds no model call a stub can answer: "
-                "no Anthropic Messages call (POST /v1/messages) nor OpenAI Chat Completions "
-                "or Responses call (POST /v1/chat/completions, /v1/responses)"
+                "no Anthropic Messages call (POST /v1/messages), OpenAI Chat Completions "
+                "or Responses call (POST /v1/chat/completions, /v1/responses) nor Gemini "
+                "call (POST .../models/MODEL:generateContent)"
                 + (f" ({reasons})" if reasons else "")
                 + "; record the agent against one of those APIs to make a stub of it"
             ) from exc
@@ -171,10 +179,10 @@ def _script_from(cassette: Any) -> Any:
             run=cassette.run, calls=0,
             skipped=tuple(f"seq {o['seq']}: {o.get('url')} (no Anthropic Messages call of the "
                           "run can be answered)" for o in cassette.observations
-                          if o.get("kind") == Kind.MODEL and o["seq"] not in openai_seqs))
-    # the Anthropic side leaves every OpenAI call out: those are said here, once
+                          if o.get("kind") == Kind.MODEL and o["seq"] not in other_seqs))
+    # the Anthropic side leaves every OpenAI and Gemini call out: those are said here, once
     others = tuple(why for why in made.skipped
-                   if not any(why.startswith(f"seq {seq}: ") for seq in openai_seqs))
+                   if not any(why.startswith(f"seq {seq}: ") for seq in other_seqs))
     return CassetteScript(
         script={**made.script, "rules": [*rules, *made.script["rules"]]}, run=made.run,
         calls=made.calls + calls, skipped=(*others, *skipped.values()))
@@ -213,12 +221,12 @@ def _stub_script_from(cassette: Path, allow_unverified: bool) -> Any:
 def stub(script: Path | None, from_cassette: Path | None, output: Path | None,
          allow_unverified: bool, port: int, ready_file: Path | None) -> None:
     """Serve a stub model API on 127.0.0.1 (Anthropic Messages, OpenAI Chat Completions
-    and Responses), answering from a script.
+    and Responses, Gemini generateContent), answering from a script.
 
     --script FILE serves a script; --from CASSETTE serves what a recorded run received, and
     --from CASSETTE -o FILE writes that script instead. Point an agent at the server with
-    ANTHROPIC_BASE_URL=http://127.0.0.1:PORT (OPENAI_BASE_URL=http://127.0.0.1:PORT/v1).
-    Stop with Ctrl-C.
+    ANTHROPIC_BASE_URL=http://127.0.0.1:PORT (OPENAI_BASE_URL=http://127.0.0.1:PORT/v1; a
+    google-genai client with http_options base_url http://127.0.0.1:PORT). Stop with Ctrl-C.
     """
     import signal
     import threading

@@ -394,3 +394,19 @@ def test_rules_read_gemini_conversations(stub: Stub) -> None:
     assert agent(server.url)[-1]["candidates"][0]["content"]["parts"] == [{"text": "plain"}]
     assert streaming_agent(server.url)[-1]["candidates"][0]["content"]["parts"] == \
         [{"text": "streamed"}]
+
+
+def test_a_stub_made_from_a_gemini_run_answers_it_again(stub: Stub, tmp_path: Path) -> None:
+    server = stub(SCRIPT)
+    path = tmp_path / "run.jsonl"
+    with recorder.record(path):
+        recorded = agent(server.url), streaming_agent(server.url)
+    out = tmp_path / "script.json"
+    made = CliRunner().invoke(cli, ["stub", "--from", str(path), "-o", str(out)])
+    assert made.exit_code == 0, made.output
+    assert "4 model calls" in made.output and "left out" not in made.output
+    script = json.loads(out.read_text())
+    assert {(r["when"]["endpoint"], r["when"]["stream"]) for r in script["rules"]} == {
+        (":generateContent", False), (":streamGenerateContent", True)}
+    again = stub(script)
+    assert (agent(again.url), streaming_agent(again.url)) == recorded
