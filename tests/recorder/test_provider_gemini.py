@@ -58,7 +58,14 @@ def get_weather(city: str) -> dict[str, Any]:
     return {"city": city, "forecast": "sunny", "celsius": 21}
 
 
-def agent(url: str, city: str = "Paris") -> list[Any]:
+@recorder.tool
+def weather_tool(city: str) -> dict[str, Any]:
+    """get_weather as a deja tool: its result is a step of the run."""
+    return get_weather(city)
+
+
+def agent(url: str, city: str = "Paris",
+          function: Callable[..., dict[str, Any]] = get_weather) -> list[Any]:
     """A function-calling loop by hand: ask, run each function the model calls, send its
     response back, until the model answers in text."""
     out: list[Any] = []
@@ -75,7 +82,7 @@ def agent(url: str, city: str = "Paris") -> list[Any]:
             contents.append(response.candidates[0].content)
             contents.append(types.Content(role="user", parts=[
                 types.Part.from_function_response(name=call.name or "",
-                                                  response=get_weather(**(call.args or {})))
+                                                  response=function(**(call.args or {})))
                 for call in calls]))
 
 
@@ -269,6 +276,43 @@ def test_a_stream_cut_by_an_error_still_says_what_it_said(stub: Stub, tmp_path: 
     message = SEAM.assemble(obs["response"]["body"])
     assert message["error"]["message"] == "went away"
     assert message["candidates"][0]["content"]["parts"] == [{"text": "one two three "}]
+
+
+def test_a_fork_edits_a_function_call_or_a_function_response(stub: Stub,
+                                                              tmp_path: Path) -> None:
+    server = stub(SCRIPT)
+    path = tmp_path / "parent.jsonl"
+    with recorder.record(path):
+        recorded = streaming_agent(server.url)
+    # the model's call, edited: served as a stream the SDK reads, then the run goes live
+    out = tmp_path / "call.jsonl"
+    with replayer.fork(path, at=0, out=out,
+                       sets=["/candidates/0/content/parts/1/functionCall/args/city=Rome"]):
+        forked = streaming_agent(server.url)
+    assert forked[0]["candidates"][0]["content"]["parts"][1]["function_call"]["args"] == \
+        {"city": "Rome"}
+    def texts(chunks: list[Any]) -> list[Any]:
+        return [c["candidates"][0]["content"]["parts"] for c in chunks]
+
+    assert texts(forked[1:]) == texts(recorded[-3:])  # the answer, live
+    sent = server.requests[-1]["body"]["contents"][-1]["parts"][0]["functionResponse"]
+    assert sent["response"]["city"] == "Rome"
+    [edited] = [o for o in model_lines(out) if o.get("edited")]
+    assert edited["usage"] == USAGE and edited["cost_usd"] == COST
+    with replayer.replay(out) as again:  # the fork replays like any run
+        assert streaming_agent(CLOSED_PORT_URL) == forked
+    assert again.result is not None and again.result.identical
+
+    # the function's response, edited: the next request sends what the fork says
+    path = tmp_path / "tooled.jsonl"
+    with recorder.record(path):
+        agent(server.url, function=weather_tool)
+    [step] = [o["seq"] for o in load(path) if o["kind"] == "tool"]
+    with replayer.fork(path, at=step, out=tmp_path / "result.jsonl",
+                       sets=['/result={"city": "Paris", "forecast": "snow"}']):
+        agent(server.url, function=weather_tool)
+    sent = server.requests[-1]["body"]["contents"][-1]["parts"][0]["functionResponse"]
+    assert sent["response"] == {"city": "Paris", "forecast": "snow"}
 
 
 # --------------------------------------------------------- how a run reads, and its size
