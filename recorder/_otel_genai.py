@@ -100,7 +100,7 @@ def _model_attributes(obs: Mapping[str, Any], request: Any, content: bool
     provider = providers.for_line(obs)
     attrs: dict[str, Any] = {OPERATION: "chat", PROVIDER: str(obs.get("provider")
                                                                or provider.name)}
-    model = obs.get("model") or provider.request_model(request)
+    model = obs.get("model") or provider.request_model(request, obs.get("url") or "")
     if isinstance(model, str):
         attrs[REQUEST_MODEL] = model
     max_tokens = provider.request_max_tokens(request)

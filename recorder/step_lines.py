@@ -154,7 +154,8 @@ class StepLines:
         summary = seam.summarize(response.status, response.headers,
                                  content_decoded(response.body, response.headers))
         usage = summary.get("usage") or {}
-        cost = seam.cost(summary.get("model") or seam.request_model(body), usage, self.prices)
+        cost = seam.cost(summary.get("model") or seam.request_model(body, obs["url"]), usage,
+                         self.prices)
         obs.update({"usage": {k: v for k, v in usage.items() if v} or None,
                     "stop_reason": summary.get("stop_reason"), "cost_usd": cost})
         if summary.get("error"):

@@ -212,8 +212,8 @@ def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]], request: 
             if summary.get("error"):
                 line["api_error"] = summary["error"]
     if isinstance(request, dict):
-        line.setdefault("model", provider.request_model(request))
-        line.setdefault("stream", provider.request_streams(request))
+        line.setdefault("model", provider.request_model(request, url))
+        line.setdefault("stream", provider.request_streams(request, url))
     if "fp" not in line:
         line["fp"] = provider.fingerprint("POST", url, request, parts)
     line.setdefault("message_id", None)

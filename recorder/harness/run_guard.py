@@ -189,7 +189,7 @@ class RunGuard(Interceptor):
             return
         if not isinstance(body, dict):
             return
-        model = provider.request_model(body)
+        model = provider.request_model(body, request.url)
         if b.dollars is not None and self.settings.prices.lookup(model) is None:
             raise ConfigError(
                 f"run {self.run} has a dollar budget but no price for model "

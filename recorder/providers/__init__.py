@@ -139,8 +139,9 @@ class Provider(ABC):
             return "messages"
         return None
 
-    def request_model(self, body: Any) -> Any:
-        """The model a request asks for (None when it names none)."""
+    def request_model(self, body: Any, url: str = "") -> Any:
+        """The model a request asks for (None when it names none); ``url``: where it was
+        sent, for a format that names the model there (Gemini)."""
         return body.get("model") if isinstance(body, dict) else None
 
     def request_max_tokens(self, body: Any) -> Any:
@@ -152,8 +153,9 @@ class Provider(ABC):
         ``clamp`` mode)."""
         return {**body, "max_tokens": limit}
 
-    def request_streams(self, body: Any) -> bool:
-        """Does the request ask for a streamed response?"""
+    def request_streams(self, body: Any, url: str = "") -> bool:
+        """Does the request ask for a streamed response? (``url`` as for
+        :meth:`request_model`.)"""
         return bool(body.get("stream")) if isinstance(body, dict) else False
 
     def is_volatile_header(self, name: str) -> bool:

@@ -454,3 +454,20 @@ def test_a_stub_made_from_a_gemini_run_answers_it_again(stub: Stub, tmp_path: Pa
         (":generateContent", False), (":streamGenerateContent", True)}
     again = stub(script)
     assert (agent(again.url), streaming_agent(again.url)) == recorded
+
+
+def test_a_dollar_budget_prices_a_gemini_call_by_the_model_its_url_names(
+        stub: Stub, tmp_path: Path) -> None:
+    """Gemini names the model in the URL, not the body: the guard, the line's model and the
+    stream flag read it there, so a dollar budget counts a Gemini run's spending."""
+    server = stub(SCRIPT)
+    path = tmp_path / "budgeted.jsonl"
+    with recorder.record(path, budgets={"dollars": 1.0}):
+        agent(server.url)
+    lines = model_lines(path)
+    assert [line["model"] for line in lines] == [MODEL, MODEL]
+    assert [line["stream"] for line in lines] == [False, False]
+    assert load(path).end["status"] == "completed"  # type: ignore[index]
+    with pytest.raises(recorder.BudgetExhausted), \
+            recorder.record(tmp_path / "spent.jsonl", budgets={"dollars": COST / 2}):
+        agent(server.url)
