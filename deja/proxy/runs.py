@@ -64,11 +64,16 @@ log = logging.getLogger("deja.proxy")
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}$")
 
 
+# Where the clients deja proxies send their key: Anthropic, OpenAI (a bearer token),
+# Gemini, Azure OpenAI.
+_KEY_HEADERS = frozenset({"x-api-key", "authorization", "x-goog-api-key", "api-key"})
+
+
 def credential(headers: Sequence[tuple[str, str]]) -> str:
     """Who is calling, as a hash of its API key (never stored): runs are kept apart by it."""
     h = hashlib.sha256()
     for name, value in headers:
-        if name.lower() in ("x-api-key", "authorization"):
+        if name.lower() in _KEY_HEADERS:
             h.update(name.lower().encode() + b"\0" + value.encode("utf-8", "replace") + b"\0")
     return h.hexdigest()[:16]
 

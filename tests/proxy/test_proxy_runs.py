@@ -69,6 +69,8 @@ def test_credential_is_a_hash_of_the_api_key_headers_only() -> None:
     bearer = credential([("authorization", f"Bearer {KEY_A}")])
     assert bearer != a and bearer == credential([("Authorization", f"Bearer {KEY_A}")])
     assert credential([]) == credential([("accept", "*/*")])  # no key: one anonymous caller
+    gemini = credential([("x-goog-api-key", KEY_A)])  # Gemini's clients: kept apart too
+    assert gemini != credential([]) and gemini != credential([("x-goog-api-key", KEY_B)])
     for value in (a, bearer):
         assert len(value) == 16 and int(value, 16) >= 0
         assert "SECRET" not in value and KEY_A not in value
