@@ -101,7 +101,7 @@ class Provider(ABC):
     endpoints: tuple[str, ...] = ()  # path suffixes of the POST requests that are model calls
     # The environment variables its SDKs read their API key from; an offline replay sets
     # a placeholder in each one left unset (:func:`placeholder_keys`).
-    key_env: tuple[str, ...] = ()
+    key_env: tuple[str, ...] = ()  # where its SDK looks for an API key: alternatives
     volatile_headers: frozenset[str] = VOLATILE_HEADERS
     volatile_header_prefixes: tuple[str, ...] = VOLATILE_HEADER_PREFIXES
     # Response message fields that differ between any two runs of the same behaviour.
@@ -356,11 +356,13 @@ PLACEHOLDER_KEY = "deja-replay-placeholder-key"
 
 
 def placeholder_keys(environ: Mapping[str, str]) -> dict[str, str]:
-    """:data:`PLACEHOLDER_KEY` for each API key variable of a registered provider that
-    ``environ`` leaves unset or empty, so that an agent that builds its client the usual
-    way (``anthropic.Anthropic()``) replays in CI, where no key is set."""
-    return {var: PLACEHOLDER_KEY for provider in list(_providers.values())
-            for var in provider.key_env if not environ.get(var)}
+    """:data:`PLACEHOLDER_KEY` for each registered provider whose API key ``environ``
+    leaves unset or empty, so that an agent that builds its client the usual way
+    (``anthropic.Anthropic()``) replays in CI, where no key is set. A provider's
+    :attr:`Provider.key_env` are alternatives (Gemini's SDK reads ``GEMINI_API_KEY`` or
+    ``GOOGLE_API_KEY``): when one is set none is added, else the first is."""
+    return {provider.key_env[0]: PLACEHOLDER_KEY for provider in list(_providers.values())
+            if provider.key_env and not any(environ.get(var) for var in provider.key_env)}
 
 
 def names() -> tuple[str, ...]:

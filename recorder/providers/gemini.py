@@ -96,7 +96,7 @@ class GeminiProvider(Provider):
     endpoints: tuple[str, ...] = (GENERATE, STREAM)
     # The SDK reads GOOGLE_API_KEY first and GEMINI_API_KEY else (and warns when both are
     # set): one placeholder, in the variable the Gemini documentation names, is enough.
-    key_env: tuple[str, ...] = ("GEMINI_API_KEY",)
+    key_env: tuple[str, ...] = ("GEMINI_API_KEY", "GOOGLE_API_KEY")
     # the SDK's telemetry header (its version and Python's), like the x-stainless- ones
     volatile_headers: frozenset[str] = VOLATILE_HEADERS | {"x-goog-api-client"}
     # a response's id and (on Vertex AI) its creation time differ between any two runs

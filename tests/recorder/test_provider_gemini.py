@@ -150,6 +150,9 @@ def test_the_endpoints_are_gemini_calls_at_any_host_and_version() -> None:
     assert SEAM.is_volatile_header("x-goog-api-client") and SEAM.is_volatile_header("Host")
     assert not SEAM.is_volatile_header("x-goog-api-key")  # stored, as [redacted]
     assert providers.placeholder_keys({})["GEMINI_API_KEY"] == providers.PLACEHOLDER_KEY
+    assert "GOOGLE_API_KEY" not in providers.placeholder_keys({})  # one key, not two
+    # a key the user set under either name is the one the SDK finds: none is added
+    assert "GEMINI_API_KEY" not in providers.placeholder_keys({"GOOGLE_API_KEY": "k"})
 
 
 def test_usage_is_normalised_to_deja_names_and_priced() -> None:
