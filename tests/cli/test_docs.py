@@ -286,23 +286,31 @@ def test_every_console_block_runs_as_written(index: int, fresh_copy: Path,
                                              tmp_path: Path) -> None:
     name, section, commands = BLOCKS[index]
     section = f"{name}, {section}"
-    marks = tmp_path / "out"
-    marks.mkdir()
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DEJA_", "ANTHROPIC_"))}  # a new user: no key, no settings
     env.update(PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
                DEJA_HOME=str(fresh_copy / ".home"), COLUMNS="160", NO_COLOR="1")
-    done = subprocess.run(["bash", "-c", block_script(commands, marks)], cwd=fresh_copy,
-                          env=env, capture_output=True, text=True, timeout=600)
+    run_block(commands, fresh_copy, env, tmp_path / "out", where=section)
+
+
+def run_block(commands: list[tuple[str, list[str]]], cwd: Path, env: dict[str, str],
+              marks: Path, *, where: str, timeout: float = 600) -> str:
+    """Run a console block's commands in ``cwd`` (:func:`block_script`) and check that each
+    exits as its comment says and prints the lines shown; what each printed, for a
+    caller's own message."""
+    marks.mkdir()
+    done = subprocess.run(["bash", "-c", block_script(commands, marks)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
     outputs = [(marks / f"{n}.out").read_text() if (marks / f"{n}.out").exists() else ""
                for n in range(len(commands))]
-    where = "\n".join(f"$ {c}\n{o}" for (c, _), o in zip(commands, outputs, strict=True))
-    assert done.returncode == 0, f"{section}: {done.stdout}{done.stderr}\n{where}"
+    said = "\n".join(f"$ {c}\n{o[-2000:]}" for (c, _), o in zip(commands, outputs, strict=True))
+    assert done.returncode == 0, f"{where}: {done.stdout}{done.stderr}\n{said}"
     for (command, expected), output in zip(commands, outputs, strict=True):
         flat = " ".join(output.split())
         missing = [line for line in expected if not line_pattern(line).search(flat)]
-        assert not missing, (f"{section}: `{command}` did not print {missing}; it "
+        assert not missing, (f"{where}: `{command}` did not print {missing}; it "
                              f"printed:\n{output}")
+    return said
 
 
 def test_make_demo_runs_offline_on_a_fresh_copy(fresh_copy: Path) -> None:

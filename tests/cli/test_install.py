@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from test_docs import block_script, console_blocks, copy_repository, line_pattern
+from test_docs import console_blocks, copy_repository, run_block
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = "Install"
@@ -99,23 +99,12 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Project:
     copy = copy_repository(base / "deja")
     [(_, commands)] = [b for b in console_blocks((ROOT / "README.md").read_text())
                        if b[0] == INSTALL]
-    marks = base / "out"
-    marks.mkdir()
     env = user_env(base / "home")
     # `make wheel` uses this suite's venv for pip (as a reader's clone uses its own), and
     # the block's `python` is that venv's interpreter, as after `make demo`.
     env.update(VENV=str(Path(sys.executable).parent.parent),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}")
-    done = subprocess.run(["bash", "-c", block_script(commands, marks)], cwd=copy, env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT)
-    outputs = [(marks / f"{n}.out").read_text() if (marks / f"{n}.out").exists() else ""
-               for n in range(len(commands))]
-    where = "\n".join(f"$ {c}\n{o[-2000:]}" for (c, _), o in zip(commands, outputs, strict=True))
-    assert done.returncode == 0, f"{done.stdout}{done.stderr}\n{where}"
-    for (command, expected), output in zip(commands, outputs, strict=True):
-        flat = " ".join(output.split())
-        missing = [line for line in expected if not line_pattern(line).search(flat)]
-        assert not missing, f"`{command}` did not print {missing}; it printed:\n{output}"
+    where = run_block(commands, copy, env, base / "out", where=INSTALL, timeout=TIMEOUT)
     folder = base / "my-agent"
     assert (folder / ".venv" / "bin" / "deja").is_file(), where
     return Project(folder, user_env(base / "home"))
