@@ -9,8 +9,10 @@ responses with the real error body and retry headers; and that of OpenAI's
 ``POST /v1/chat/completions`` and ``POST /v1/responses``, from the same scripts
 (:mod:`recorder.testing.openai_reply`); and Gemini's ``POST .../models/{model}:generateContent``
 and ``:streamGenerateContent`` (:mod:`recorder.testing.gemini_reply`; ``google-genai`` is
-pointed at it with ``http_options=types.HttpOptions(base_url=server.url)``). Standard
-library only.
+pointed at it with ``http_options=types.HttpOptions(base_url=server.url)``); and Claude on
+Amazon Bedrock's ``POST /model/{modelId}/invoke`` and ``/invoke-with-response-stream``
+(:mod:`recorder.testing.bedrock_reply`; ``anthropic.AnthropicBedrock(base_url=server.url, ...)``).
+Standard library only.
 
 It answers from a *script* (a dict, a JSON file, or JSON text) of turns::
 
@@ -47,7 +49,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from recorder.testing import gemini_reply, openai_reply
+from recorder.testing import bedrock_reply, gemini_reply, openai_reply
 from recorder.testing.match import attempt, pick, position
 from recorder.testing.reply import (
     Answer,
@@ -207,6 +209,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._openai(route, raw)
         elif gemini_reply.endpoint(route):
             self._gemini(route, raw)
+        elif bedrock_reply.endpoint(route):
+            self._bedrock(route, raw)
         elif route == "/v1/messages/count_tokens":
             self._count_tokens(raw)
         elif route == "/_stub/script":
@@ -366,11 +370,24 @@ class _Handler(BaseHTTPRequestHandler):
         """A Gemini request: what to send is :func:`recorder.testing.gemini_reply.answer`'s."""
         headers = {k.lower(): v for k, v in self.headers.items()}
         out = gemini_reply.answer(self.server.stub, self.path, route, raw, headers)
+        self._send_outcome(out, "text/event-stream")
+
+    def _bedrock(self, route: str, raw: bytes) -> None:
+        """A Claude request on Bedrock: what to send is
+        :func:`recorder.testing.bedrock_reply.answer`'s."""
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        out = bedrock_reply.answer(self.server.stub, self.path, route, raw, headers)
+        self._send_outcome(out, bedrock_reply.EVENT_STREAM)
+
+    def _send_outcome(self, out: gemini_reply.Outcome, stream_type: str) -> None:
+        """Send what a provider's reply module answered: its stream's events (as
+        ``stream_type``) or its JSON body, dropped where its turn says."""
         drop = out.turn.get("drop")
         if drop == "before_headers":
             self._drop()
         elif out.events is not None:
-            self._start(200, "text/event-stream", random_id("req_"), transfer_encoding="chunked")
+            self._start(200, stream_type, random_id("req_"), transfer_encoding="chunked",
+                        **out.headers)
             self._send_events(out.events, out.turn)
         else:
             payload = dumps(out.body).encode()
@@ -458,7 +475,8 @@ class StubServer:
     thread.
 
     ``requests`` lists every received ``POST /v1/messages``, ``/v1/chat/completions``,
-    ``/v1/responses`` and Gemini ``:generateContent`` (including invalid ones) as
+    ``/v1/responses``, Gemini ``:generateContent`` and Bedrock ``/model/{id}/invoke``
+    (including invalid ones) as
     ``{"path", "headers", "body"}``; ``served`` counts the requests answered from the script
     (default turns included, the exhausted-script 500 not) since the last :meth:`load`. Which
     turn answers a request is decided by :func:`recorder.testing.match.pick`; only the
