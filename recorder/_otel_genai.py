@@ -88,7 +88,7 @@ def _response(obs: Mapping[str, Any]) -> tuple[Any, str | None]:
     try:
         body = content_decoded(decode_body(response["body"], response.get("encoding")),
                                headers)
-        message = providers.for_line(obs).message(headers, body.decode("utf-8"))
+        message = providers.for_line(obs).message(headers, body)
     except (ValueError, UnicodeDecodeError):
         return None, None
     model = message.get("model") if isinstance(message, dict) else None

@@ -44,12 +44,12 @@ def _response_message(obs: Mapping[str, Any]) -> Any:
     response = obs.get("response")
     if not response:
         return None
-    body = decode_body(response["body"], response.get("encoding")).decode("utf-8", "replace")
+    data = decode_body(response["body"], response.get("encoding"))
     provider = providers.for_line(obs)
     try:
-        message = provider.message(response.get("headers", []), body)
+        message = provider.message(response.get("headers", []), data)
     except ValueError:
-        return {"status": response["status"], "text": body}
+        return {"status": response["status"], "text": data.decode("utf-8", "replace")}
     if isinstance(message, dict):
         message = {k: v for k, v in message.items() if k not in provider.volatile_message_keys}
     return {"status": response["status"], "message": message}

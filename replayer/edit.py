@@ -51,7 +51,9 @@ def view(obs: Mapping[str, Any]) -> dict[str, Any]:
                         f" {(obs.get('error') or {}).get('message')})")
     if kind == Kind.MODEL:
         try:
-            return providers.for_line(obs).message(obs["response"]["headers"], _body_text(obs))
+            response = obs["response"]
+            return providers.for_line(obs).message(
+                response["headers"], decode_body(response["body"], response.get("encoding")))
         except ValueError:
             raise EditError(f"step {obs['seq']}: the model response is not JSON") from None
     if kind == Kind.HTTP:
@@ -159,13 +161,14 @@ def rebuild(obs: Mapping[str, Any], doc: Any, prices: PriceTable | None = None) 
         if not isinstance(doc, dict):
             raise EditError("a model edit must leave a message object")
         streamed = provider.is_stream(response["headers"])
-        text = provider.synthesize(doc) if streamed else json.dumps(doc, ensure_ascii=False)
+        data = (provider.synthesize(doc) if streamed
+                else json.dumps(doc, ensure_ascii=False).encode("utf-8"))
     else:
         body = doc.get("body")
         text = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)
         response["status"] = int(doc.get("status", response["status"]))
         response["headers"] = doc.get("headers", response["headers"])
-    data = text.encode("utf-8")
+        data = text.encode("utf-8")
     response["body"], encoding = encode_body(data)
     response.pop("encoding", None)
     if encoding:

@@ -158,12 +158,13 @@ def response_message(obs: Mapping[str, Any]) -> dict[str, Any] | None:
     response = obs.get("response")
     if not response:
         return None
-    text = body_text(response)
-    if text is None:
-        return {"error": {"type": "binary_body", "message": "the body is not text"}}
-    try:
-        doc = providers.for_line(obs).message(response.get("headers") or [], text)
+    data = decode_body(response.get("body", ""), response.get("encoding"))
+    try:  # bytes: a stream's framing may be binary (Bedrock's event stream)
+        doc = providers.for_line(obs).message(response.get("headers") or [], data)
     except ValueError:
+        text = body_text(response)
+        if text is None:
+            return {"error": {"type": "binary_body", "message": "the body is not text"}}
         return {"error": {"type": "not_json", "message": text[:500]}}
     return doc if isinstance(doc, dict) else {"content": doc}
 

@@ -124,8 +124,8 @@ def read_reply(registry: Registry, run: ProxyRun, seam: providers.Provider,
     results without them), whether it waits for their results (how an idle run ends),
     and its id, by which such a request finds the run."""
     try:
-        message = seam.message(headers, body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+        message = seam.message(headers, body)
+    except ValueError:
         return
     output = message.get("output") if isinstance(message, dict) else None
     if not isinstance(output, list):

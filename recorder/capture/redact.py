@@ -319,12 +319,18 @@ class Redaction:
                 return body, headers
         else:  # br, zstd: not readable here; stored as received
             return body, headers
-        clean = plain
-        if "event-stream" in lowered.get("content-type", ""):
-            clean = self._sse(clean)  # first: a piece alone may hold only part of a secret
-        clean = self.data(clean)
-        if clean == plain:
+        from recorder import providers
+
+        # A stream is read as its text (its events, whatever the framing), redacted there
+        # and framed again: a piece alone may hold only part of a secret, and a binary
+        # framing (Bedrock's) hides text from a scan of its bytes.
+        carriage = providers.stream_carriage(headers)
+        view = carriage.view(plain) if carriage is not None else plain
+        clean = self.data(self._sse(view) if carriage is not None else view)
+        if clean == view:
             return body, headers
+        if carriage is not None:
+            clean = carriage.restream(plain, clean)
         stored = clean if plain is body else _compress(clean, coding)
         fixed = [(k, str(len(stored)) if k.lower() == "content-length" else v)
                  for k, v in headers]

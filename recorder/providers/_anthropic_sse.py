@@ -1,6 +1,6 @@
 """The Anthropic Messages SSE stream: assemble it into a message, or synthesise one.
 
-The stream codec of :class:`recorder.providers.anthropic.AnthropicProvider`; readers go
+The stream codec of :class:`recorder.providers.anthropic.MessagesFormat`; readers go
 through the provider (``assemble``, ``synthesize``, ``message``).
 
 ``assemble`` turns a recorded event stream into the message the SDK would build from it
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from recorder.providers import sse_events
+from recorder.providers.base import sse_events
 
 
 def assemble(text: str) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Gemini's response stream: assemble it into one response, or synthesise one.
 
-The stream codec of :class:`recorder.providers.gemini.GeminiProvider`; readers go through
+The stream codec of :class:`recorder.providers.gemini.GeminiFormat`; readers go through
 the provider (``assemble``, ``synthesize``, ``message``).
 
 ``POST .../models/{model}:streamGenerateContent?alt=sse`` answers ``data: {chunk}`` lines
@@ -24,7 +24,7 @@ import copy
 import json
 from typing import Any
 
-from recorder.providers import data_lines, sse_events, string_spans
+from recorder.providers.base import data_lines, sse_events, string_spans
 
 __all__ = ["assemble", "fold", "stream_pieces", "synthesize"]
 

@@ -1,6 +1,6 @@
 """OpenAI's two event streams: assemble each into its message, or synthesise one.
 
-The stream codec of :class:`recorder.providers.openai.OpenAIProvider`; readers go through
+The stream codec of :class:`recorder.providers.openai.OpenAIFormat`; readers go through
 the provider (``assemble``, ``synthesize``, ``message``).
 
 Chat Completions streams ``data: {chunk}`` lines (``chat.completion.chunk`` objects whose
@@ -26,7 +26,7 @@ import copy
 import json
 from typing import Any
 
-from recorder.providers import data_lines, sse_events, string_spans
+from recorder.providers.base import data_lines, sse_events, string_spans
 
 __all__ = ["assemble_chat", "assemble_responses", "is_responses", "stream_pieces",
            "synthesize_chat", "synthesize_responses"]

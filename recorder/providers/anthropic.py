@@ -1,12 +1,14 @@
-"""The Anthropic Messages API (``POST /v1/messages``) as deja reads and writes it.
+"""The Anthropic Messages format, and Anthropic's API that carries it (``POST /v1/messages``).
 
-A response is one JSON message, or the verbatim SSE event stream of a streamed call:
-``message_start`` carries the id, model and input usage, ``content_block_*`` the content,
-``message_delta`` the stop reason and output usage, ``error`` an error that came after the
-headers. Usage has the cache counts (``cache_creation_input_tokens``,
-``cache_read_input_tokens``) the price table charges for. Assembling a stream into the
-message and synthesising a stream from a message live in
-:mod:`recorder.providers._anthropic_sse`.
+A response is one JSON message, or the event stream of a streamed call: ``message_start``
+carries the id, model and input usage, ``content_block_*`` the content, ``message_delta``
+the stop reason and output usage, ``error`` an error that came after the headers. Usage
+has the cache counts (``cache_creation_input_tokens``, ``cache_read_input_tokens``) the
+price table charges for. Assembling a stream into the message and synthesising a stream
+from a message live in :mod:`recorder.providers._anthropic_sse`.
+
+:class:`MessagesFormat` is the format alone: Amazon Bedrock carries it too
+(:mod:`recorder.providers.bedrock`), framed otherwise.
 """
 
 from __future__ import annotations
@@ -15,30 +17,26 @@ import json
 import re
 from typing import Any
 
-from recorder.providers import (
-    CACHE_WRITE_1H,
-    Headers,
-    Provider,
-    Summary,
-    sse_events,
-    token_counts,
-)
 from recorder.providers._anthropic_sse import assemble, synthesize
+from recorder.providers.base import Carriage, Format, Provider, Summary, sse_events, token_counts
+from recorder.providers.pricing import CACHE_WRITE_1H
 
-__all__ = ["AnthropicProvider"]
+__all__ = ["MessagesFormat", "provider"]
 
 
-class AnthropicProvider(Provider):
-    name: str = "anthropic"
-    endpoints: tuple[str, ...] = ("/v1/messages",)
-    key_env: tuple[str, ...] = ("ANTHROPIC_API_KEY",)
+def provider() -> Provider:
+    """The Messages format over Anthropic's API."""
+    return Provider("anthropic", MessagesFormat(),
+                    Carriage(("/v1/messages",), key_env=("ANTHROPIC_API_KEY",)))
 
-    def stream_pieces(self, body: bytes) -> list[list[tuple[int, int]]]:
+
+class MessagesFormat(Format):
+    def stream_pieces(self, text: bytes) -> list[list[tuple[int, int]]]:
         """Text, thinking and tool input deltas, per content block."""
-        if b"_delta" not in body:
+        if b"_delta" not in text:
             return []
         blocks: dict[bytes, list[tuple[int, int]]] = {}
-        for m in _DELTA.finditer(body):
+        for m in _DELTA.finditer(text):
             blocks.setdefault(m.group(1), []).append(m.span(2))
         return list(blocks.values())
 
@@ -54,34 +52,16 @@ class AnthropicProvider(Provider):
     def stop_reason(self, message: Any) -> Any:
         return message.get("stop_reason") if isinstance(message, dict) else None
 
-    def summarize(self, status: int, headers: Headers, body: bytes) -> Summary:
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError:
-            return {}
-        try:
-            if self.is_stream(headers):
-                return self._from_stream(text)
-            doc = json.loads(text) if text else None
-        except (ValueError, RecursionError):  # nested too deep: says nothing
-            return {}
-        return self._from_json(status, doc)
-
-    def summarize_parsed(self, status: int, headers: Headers, body: bytes, doc: Any) -> Summary:
-        if self.is_stream(headers):
-            return self.summarize(status, headers, body)
-        return self._from_json(status, doc)
-
-    def _from_json(self, status: int, doc: Any) -> Summary:
+    def summarize_json(self, status: int, doc: Any) -> Summary:
         if not isinstance(doc, dict):
             return {}
         if status >= 400 or doc.get("type") == "error":
-            return {"error": _error(doc.get("error"))}
+            # Bedrock's errors are {"message": ...}, its type in a header
+            return {"error": _error(doc.get("error", doc))}
         return {"message_id": doc.get("id"), "model": doc.get("model"),
                 "stop_reason": self.stop_reason(doc), "usage": self.usage(doc)}
 
-    @staticmethod
-    def _from_stream(text: str) -> Summary:
+    def summarize_stream(self, text: str) -> Summary:
         """Read event by event, so that a stream cut short still says what it said."""
         usage: dict[str, int] = {}
         out: Summary = {"usage": usage}

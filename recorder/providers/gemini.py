@@ -4,13 +4,13 @@
 The endpoints are known by their path's ending, whatever the host and version: the
 Gemini Developer API (``generativelanguage.googleapis.com/v1beta/models/...``) and Vertex
 AI (``.../publishers/google/models/...``) speak the same format. The model is named in
-the URL, not in the body (:meth:`GeminiProvider.request_model`), and so is streaming
+the URL, not in the body (:meth:`GeminiCarriage.request_model`), and so is streaming
 (``:streamGenerateContent``, with ``?alt=sse`` for the event stream the SDK asks for).
 
 A request holds its conversation in ``contents`` (turns of role ``user`` or ``model``,
 each a list of ``parts``: ``text``, ``functionCall``, ``functionResponse``,
 ``inlineData`` ...), which a cassette stores as what each request adds
-(:meth:`GeminiProvider.history_field`); ``systemInstruction``, ``tools`` and
+(:meth:`GeminiFormat.history_field`); ``systemInstruction``, ``tools`` and
 ``generationConfig`` (``maxOutputTokens``) are its settings. A response is one
 ``GenerateContentResponse`` (``candidates``, ``usageMetadata``, ``modelVersion``,
 ``responseId``), or the stream of chunks that deliver it, folded into it by
@@ -26,7 +26,7 @@ own prompt (``toolUsePromptTokenCount``), which Gemini counts apart and bills as
 candidate's ``finishReason`` (``STOP``, ``MAX_TOKENS``, ``SAFETY``, ...; a function call
 ends with ``STOP`` too), or the ``promptFeedback.blockReason`` of a prompt refused whole.
 
-Read as a conversation (:meth:`GeminiProvider.conversation`), a ``model`` turn is the
+Read as a conversation (:meth:`GeminiFormat.conversation`), a ``model`` turn is the
 assistant's, a ``functionCall`` part a ``tool_use`` block (its ``args`` the input), a
 ``functionResponse`` part a ``tool_result`` (its ``response`` the content), a thought
 (``"thought": true``) a ``thinking`` block, and an image part an ``image`` block; the
@@ -44,17 +44,18 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from recorder.providers import (
+from recorder.providers._gemini_stream import assemble, fold, stream_pieces, synthesize
+from recorder.providers.base import (
     VOLATILE_HEADERS,
+    Carriage,
     Conversation,
-    Headers,
+    Format,
     Provider,
     Summary,
     token_counts,
 )
-from recorder.providers._gemini_stream import assemble, fold, stream_pieces, synthesize
 
-__all__ = ["GeminiProvider", "normalized_usage"]
+__all__ = ["GeminiCarriage", "GeminiFormat", "model_of_url", "normalized_usage", "provider"]
 
 STREAM = ":streamGenerateContent"
 GENERATE = ":generateContent"
@@ -91,14 +92,31 @@ def model_of_url(url: str) -> str | None:
     return head[at + len("/models/"):] or None
 
 
-class GeminiProvider(Provider):
-    name: str = "gemini"
-    endpoints: tuple[str, ...] = (GENERATE, STREAM)
-    # The SDK reads GOOGLE_API_KEY first and GEMINI_API_KEY else (and warns when both are
-    # set): one placeholder, in the variable the Gemini documentation names, is enough.
-    key_env: tuple[str, ...] = ("GEMINI_API_KEY", "GOOGLE_API_KEY")
-    # the SDK's telemetry header (its version and Python's), like the x-stainless- ones
-    volatile_headers: frozenset[str] = VOLATILE_HEADERS | {"x-goog-api-client"}
+def provider() -> Provider:
+    """Gemini's format over Google's endpoints."""
+    return Provider("gemini", GeminiFormat(), GeminiCarriage())
+
+
+class GeminiCarriage(Carriage):
+    """``generateContent`` and ``streamGenerateContent`` at any host and version, the
+    model and streaming named in the URL."""
+
+    def __init__(self) -> None:
+        # The SDK reads GOOGLE_API_KEY first and GEMINI_API_KEY else (and warns when both
+        # are set): one placeholder, in the variable the Gemini documentation names, is
+        # enough. x-goog-api-client is the SDK's telemetry (its version and Python's), like
+        # the x-stainless- headers.
+        super().__init__((GENERATE, STREAM), key_env=("GEMINI_API_KEY", "GOOGLE_API_KEY"),
+                         volatile_headers=VOLATILE_HEADERS | {"x-goog-api-client"})
+
+    def request_model(self, url: str) -> str | None:
+        return model_of_url(url)
+
+    def request_streams(self, url: str) -> bool | None:
+        return urlsplit(url).path.rstrip("/").endswith(STREAM)
+
+
+class GeminiFormat(Format):
     # a response's id and (on Vertex AI) its creation time differ between any two runs
     volatile_message_keys: tuple[str, ...] = ("id", "responseId", "createTime")
 
@@ -109,14 +127,9 @@ class GeminiProvider(Provider):
             return "contents"
         return None
 
-    def request_model(self, body: Any, url: str = "") -> Any:
-        """The model a request asks for: named in its URL (None when only the body is
-        given, which does not name it)."""
-        return model_of_url(url) if url else None
-
-    def request_streams(self, body: Any, url: str = "") -> bool:
-        """Does the request ask for a stream? Its URL says (``:streamGenerateContent``)."""
-        return urlsplit(url).path.rstrip("/").endswith(STREAM)
+    def request_model(self, body: Any) -> Any:
+        """None: the body does not name the model (its URL does)."""
+        return None
 
     def request_max_tokens(self, body: Any) -> Any:
         config = body.get("generationConfig") if isinstance(body, dict) else None
@@ -129,8 +142,8 @@ class GeminiProvider(Provider):
 
     # -- responses
 
-    def stream_pieces(self, body: bytes) -> list[list[tuple[int, int]]]:
-        return stream_pieces(body)
+    def stream_pieces(self, text: bytes) -> list[list[tuple[int, int]]]:
+        return stream_pieces(text)
 
     def assemble(self, text: str) -> dict[str, Any]:
         return assemble(text)
@@ -138,11 +151,10 @@ class GeminiProvider(Provider):
     def synthesize(self, message: dict[str, Any]) -> str:
         return synthesize(message)
 
-    def message(self, headers: Headers, text: str) -> Any:
-        """The response a body holds: a stream's chunks folded into one, and so are those
-        of a stream asked for without ``alt=sse`` (a JSON array of chunks)."""
-        message = super().message(headers, text)
-        return fold(message) if isinstance(message, list) else message
+    def from_json(self, doc: Any) -> Any:
+        """A response; the chunks of a stream asked for without ``alt=sse`` (a JSON array)
+        folded into one."""
+        return fold(doc) if isinstance(doc, list) else doc
 
     def usage(self, message: Any) -> dict[str, int]:
         return normalized_usage(message.get("usageMetadata")) if isinstance(message, dict) \
@@ -158,21 +170,11 @@ class GeminiProvider(Provider):
         feedback = message.get("promptFeedback")
         return feedback.get("blockReason") if isinstance(feedback, dict) else None
 
-    def summarize(self, status: int, headers: Headers, body: bytes) -> Summary:
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError:
-            return {}
-        try:
-            message = self.message(headers, text) if text else None
-        except (ValueError, RecursionError):  # nested too deep: says nothing
-            return {}
-        return self._summary(status, message)
+    def summarize_json(self, status: int, doc: Any) -> Summary:
+        return self._summary(status, self.from_json(doc))
 
-    def summarize_parsed(self, status: int, headers: Headers, body: bytes, doc: Any) -> Summary:
-        if self.is_stream(headers):
-            return self.summarize(status, headers, body)
-        return self._summary(status, fold(doc) if isinstance(doc, list) else doc)
+    def summarize_stream(self, text: str) -> Summary:
+        return self._summary(200, assemble(text))
 
     def _summary(self, status: int, message: Any) -> Summary:
         """What a response says; a stream cut by an error says what came before it too."""

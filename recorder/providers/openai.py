@@ -12,7 +12,7 @@ the Responses API's typed events, whose ``response.completed`` carries the whole
 and its usage. Assembling and synthesising both streams live in
 :mod:`recorder.providers._openai_sse`.
 
-Read as a conversation (:meth:`OpenAIProvider.conversation`), either API's call is in
+Read as a conversation (:meth:`OpenAIFormat.conversation`), either API's call is in
 deja's shape: a Chat Completions message keeps its role (``system``, ``developer``,
 ``user``, ``assistant``, ``tool``), its ``tool_calls`` become ``tool_use`` blocks with
 parsed arguments and a ``role: tool`` message a ``tool_result``; a Responses call's
@@ -22,7 +22,7 @@ parsed arguments and a ``role: tool`` message a ``tool_result``; a Responses cal
 
 Either API's request resends its conversation every turn: Chat Completions' as
 ``messages``, a Responses call's as its ``input`` items
-(:meth:`OpenAIProvider.history_field`). A cassette stores such a request as the items it
+(:meth:`OpenAIFormat.history_field`). A cassette stores such a request as the items it
 adds to an earlier one.
 
 Usage is read into deja's names, so that one price table prices every provider the same
@@ -36,14 +36,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from recorder.providers import (
-    Conversation,
-    Headers,
-    Provider,
-    Summary,
-    sse_events,
-    token_counts,
-)
 from recorder.providers._openai_sse import (
     assemble_chat,
     assemble_responses,
@@ -52,8 +44,17 @@ from recorder.providers._openai_sse import (
     synthesize_chat,
     synthesize_responses,
 )
+from recorder.providers.base import (
+    Carriage,
+    Conversation,
+    Format,
+    Provider,
+    Summary,
+    sse_events,
+    token_counts,
+)
 
-__all__ = ["OpenAIProvider", "normalized_usage"]
+__all__ = ["OpenAIFormat", "normalized_usage", "provider"]
 
 # The request fields that cap a call's output tokens, by API, in the order they win.
 _MAX_TOKEN_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
@@ -93,10 +94,14 @@ def _is_response(message: Any) -> bool:
         message.get("object") == "response" or "output" in message)
 
 
-class OpenAIProvider(Provider):
-    name: str = "openai"
-    endpoints: tuple[str, ...] = ("/v1/chat/completions", "/v1/responses")
-    key_env: tuple[str, ...] = ("OPENAI_API_KEY",)
+def provider() -> Provider:
+    """Both APIs' format over OpenAI's endpoints, at any host (a compatible server too)."""
+    return Provider("openai", OpenAIFormat(),
+                    Carriage(("/v1/chat/completions", "/v1/responses"),
+                             key_env=("OPENAI_API_KEY",)))
+
+
+class OpenAIFormat(Format):
     # a completion's creation time differs between any two runs, like its id
     volatile_message_keys: tuple[str, ...] = ("id", "created", "created_at")
 
@@ -122,8 +127,8 @@ class OpenAIProvider(Provider):
 
     # -- responses
 
-    def stream_pieces(self, body: bytes) -> list[list[tuple[int, int]]]:
-        return stream_pieces(body)
+    def stream_pieces(self, text: bytes) -> list[list[tuple[int, int]]]:
+        return stream_pieces(text)
 
     def assemble(self, text: str) -> dict[str, Any]:
         return assemble_responses(text) if is_responses(text) else assemble_chat(text)
@@ -163,25 +168,7 @@ class OpenAIProvider(Provider):
             return details["reason"]  # "max_output_tokens", "content_filter"
         return status
 
-    def summarize(self, status: int, headers: Headers, body: bytes) -> Summary:
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError:
-            return {}
-        try:
-            if self.is_stream(headers):
-                return self._from_stream(text)
-            doc = json.loads(text) if text else None
-        except (ValueError, RecursionError):  # nested too deep: says nothing
-            return {}
-        return self._from_json(status, doc)
-
-    def summarize_parsed(self, status: int, headers: Headers, body: bytes, doc: Any) -> Summary:
-        if self.is_stream(headers):
-            return self.summarize(status, headers, body)
-        return self._from_json(status, doc)
-
-    def _from_json(self, status: int, doc: Any) -> Summary:
+    def summarize_json(self, status: int, doc: Any) -> Summary:
         if not isinstance(doc, dict):
             return {}
         if status >= 400 or (isinstance(doc.get("error"), dict) and "choices" not in doc
@@ -190,7 +177,7 @@ class OpenAIProvider(Provider):
         return {"message_id": doc.get("id"), "model": doc.get("model"),
                 "stop_reason": self.stop_reason(doc), "usage": self.usage(doc)}
 
-    def _from_stream(self, text: str) -> Summary:
+    def summarize_stream(self, text: str) -> Summary:
         """Read chunk by chunk (event by event), so that a stream cut short still says
         what it said."""
         if is_responses(text):

@@ -21,7 +21,7 @@ import replayer
 from deja.cli import main as cli
 from recorder import providers
 from recorder.cassette import load
-from recorder.providers.gemini import GeminiProvider, model_of_url, normalized_usage
+from recorder.providers.gemini import GeminiFormat, model_of_url, normalized_usage
 from recorder.providers.pricing import PriceTable
 from recorder.testing.match import conversation, last_user_text, position
 from recorder.testing.server import StubServer
@@ -130,7 +130,8 @@ def test_the_endpoints_are_gemini_calls_at_any_host_and_version() -> None:
                 ":streamGenerateContent?alt=sse",
                 "https://us-central1-aiplatform.googleapis.com/v1/projects/p/locations/"
                 "us-central1/publishers/google/models/gemini-2.5-pro:generateContent"):
-        assert isinstance(providers.for_url("POST", url), GeminiProvider), url
+        found = providers.for_url("POST", url)
+        assert found is not None and isinstance(found.format, GeminiFormat), url
     base = "https://generativelanguage.googleapis.com/v1beta/models/gemini-2.5-flash"
     assert providers.for_url("POST", f"{base}:countTokens") is None
     assert providers.for_url("GET", f"{base}:generateContent") is None
@@ -254,7 +255,7 @@ def test_a_synthesised_stream_is_the_response_again(stub: Stub, tmp_path: Path) 
         message = message_of(obs)
         text = SEAM.synthesize(message)
         assert SEAM.assemble(text) == message
-        summary = SEAM.summarize(200, [("content-type", "text/event-stream")], text.encode())
+        summary = SEAM.summarize(200, [("content-type", "text/event-stream")], text)
         assert summary["usage"] == obs["usage"] and summary["stop_reason"] == obs["stop_reason"]
         assert summary["message_id"] == obs["message_id"]
 

@@ -15,7 +15,7 @@ import pytest
 import recorder
 from recorder import providers
 from recorder.cassette import load
-from recorder.providers.openai import OpenAIProvider, normalized_usage
+from recorder.providers.openai import OpenAIFormat, normalized_usage
 from recorder.testing.match import conversation, last_user_text, position
 
 MODEL = "gpt-4.1"
@@ -49,7 +49,8 @@ def _text(obs: dict[str, Any]) -> str:
 def test_both_endpoints_are_openai_calls_at_any_host() -> None:
     for url in ("https://api.openai.com/v1/chat/completions", "http://localhost:8000/v1/responses",
                 "https://gateway.example/openai/v1/chat/completions/"):
-        assert isinstance(providers.for_url("POST", url), OpenAIProvider), url
+        found = providers.for_url("POST", url)
+        assert found is not None and isinstance(found.format, OpenAIFormat), url
     assert providers.for_url("GET", "https://api.openai.com/v1/responses") is None
     assert providers.for_url("POST", "https://api.openai.com/v1/embeddings") is None
     assert SEAM.is_volatile_header("X-Stainless-Retry-Count")
@@ -148,7 +149,7 @@ def test_a_synthesised_stream_is_the_message_again(stub: Any, tmp_path: Path) ->
         text = SEAM.synthesize(message)
         assert SEAM.assemble(text) == message
         headers = [("content-type", "text/event-stream")]
-        summary = SEAM.summarize(200, headers, text.encode())
+        summary = SEAM.summarize(200, headers, text)
         assert summary["usage"] == (obs["usage"] or {})
         assert summary["stop_reason"] == obs["stop_reason"]
         assert summary["message_id"] == obs["message_id"]

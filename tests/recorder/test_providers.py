@@ -22,8 +22,8 @@ import replayer
 from recorder import providers
 from recorder.cassette import load
 from recorder.errors import ConfigError
-from recorder.providers import Headers, Provider, Summary, token_counts
-from recorder.providers.anthropic import AnthropicProvider
+from recorder.providers import Carriage, Format, Headers, Provider, Summary, token_counts
+from recorder.providers.anthropic import MessagesFormat
 from recorder.providers.pricing import PriceTable
 from replayer import diff, edit
 from viewer import content
@@ -52,7 +52,8 @@ def test_the_builtin_endpoints_are_model_calls() -> None:
     assert providers.model_provider("POST", "http://h/v1/models") is None
     for path in ("/v1/chat/completions", "/v1/responses"):
         assert providers.model_provider("POST", f"http://h{path}") == "openai"
-    assert isinstance(providers.for_url("POST", "http://h/v1/messages"), AnthropicProvider)
+    found = providers.for_url("POST", "http://h/v1/messages")
+    assert found is not None and isinstance(found.format, MessagesFormat)
     assert providers.get("anthropic") is providers.default()
     assert providers.for_line({"kind": "http"}) is providers.default()
     assert providers.for_line({"provider": "not-registered"}) is providers.default()
@@ -62,9 +63,8 @@ def test_the_builtin_endpoints_are_model_calls() -> None:
 
 def test_registration_refuses_what_would_be_ambiguous() -> None:
     with pytest.raises(ConfigError, match="already registered"):
-        providers.register(AnthropicProvider())
-    clash = ToyProvider()
-    clash.name, clash.endpoints = "clash", ("/v1/messages",)
+        providers.register(Provider("anthropic", MessagesFormat(), Carriage(("/v1/x",))))
+    clash = Provider("clash", ToyFormat(), Carriage(("/v1/messages",)))
     with pytest.raises(ConfigError, match="already belongs to 'anthropic'"):
         providers.register(clash)
     with pytest.raises(ConfigError, match=r"takes a recorder\.providers\.Provider"):
@@ -87,7 +87,7 @@ def test_the_openai_endpoints_are_read_by_their_own_provider() -> None:
                        "usage": {"input_tokens": 7, "output_tokens": 3}}
     error = openai.summarize(429, [], b'{"error": {"type": "rate_limit", "message": "slow"}}')
     assert error == {"error": {"type": "rate_limit", "message": "slow"}}
-    assert openai.synthesize({"choices": []}) == "data: [DONE]\n\n"
+    assert openai.synthesize({"choices": []}) == b"data: [DONE]\n\n"
     assert openai.synthesize({"choices": []}) != providers.default().synthesize({"content": []})
 
 
@@ -160,21 +160,15 @@ def test_anthropic_summary_never_raises_and_counts_only_counts() -> None:
 # ------------------------------------------------------------------ a made-up provider
 
 
-class ToyProvider(Provider):
-    """A wire format unlike Anthropic's: ``POST /toy/v1/generate`` answers one JSON object,
-    or newline-delimited JSON events when asked to stream; its token counts are ``in``,
-    ``out`` and ``cached``; a request's ``nonce`` is noise."""
+class ToyFormat(Format):
+    """A wire format unlike Anthropic's: one JSON object, or newline-delimited JSON events
+    when asked to stream; its token counts are ``in``, ``out`` and ``cached``; a request's
+    ``nonce`` is noise."""
 
-    name = "toy"
-    endpoints = ("/toy/v1/generate",)
     volatile_message_keys = ("id", "served_at")
 
     def semantic_request(self, body: Any) -> Any:
         return {k: v for k, v in body.items() if k != "nonce"} if isinstance(body, dict) else body
-
-    def is_stream(self, headers: Headers) -> bool:
-        return any(k.lower() == "content-type" and v.startswith("application/x-ndjson")
-                   for k, v in headers)
 
     def assemble(self, text: str) -> dict[str, Any]:
         message: dict[str, Any] = {"text": ""}
@@ -206,15 +200,34 @@ class ToyProvider(Provider):
     def stop_reason(self, message: Any) -> Any:
         return message.get("finish")
 
-    def summarize(self, status: int, headers: Headers, body: bytes) -> Summary:
-        try:
-            message = self.message(headers, body.decode("utf-8"))
-        except ValueError:
+    def summarize_json(self, status: int, doc: Any) -> Summary:
+        if not isinstance(doc, dict):
             return {}
         if status >= 400:
-            return {"error": {"type": message.get("code"), "message": message.get("detail")}}
-        return {"message_id": message.get("id"), "model": message.get("model"),
-                "stop_reason": self.stop_reason(message), "usage": self.usage(message)}
+            return {"error": {"type": doc.get("code"), "message": doc.get("detail")}}
+        return {"message_id": doc.get("id"), "model": doc.get("model"),
+                "stop_reason": self.stop_reason(doc), "usage": self.usage(doc)}
+
+    def summarize_stream(self, text: str) -> Summary:
+        try:
+            return self.summarize_json(200, self.assemble(text))
+        except ValueError:
+            return {}
+
+
+class ToyCarriage(Carriage):
+    """``POST /toy/v1/generate``; a stream is ``application/x-ndjson``."""
+
+    def __init__(self) -> None:
+        super().__init__(("/toy/v1/generate",))
+
+    def is_stream(self, headers: Headers) -> bool:
+        return any(k.lower() == "content-type" and v.startswith("application/x-ndjson")
+                   for k, v in headers)
+
+
+def toy_provider() -> Provider:
+    return Provider("toy", ToyFormat(), ToyCarriage())
 
 
 class _ToyHandler(BaseHTTPRequestHandler):
@@ -250,7 +263,7 @@ class _ToyHandler(BaseHTTPRequestHandler):
 @pytest.fixture
 def toy() -> Iterator[str]:
     """The toy provider registered, and a server speaking its format; yields its URL."""
-    providers.register(ToyProvider())
+    providers.register(toy_provider())
     server = ThreadingHTTPServer(("127.0.0.1", 0), _ToyHandler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -327,7 +340,7 @@ def test_a_registered_provider_is_recorded_and_replayed_through_the_seam(
 
 
 def test_without_its_provider_the_endpoint_is_plain_http(tmp_path: Path) -> None:
-    providers.register(ToyProvider())
+    providers.register(toy_provider())
     providers.unregister("toy")
     assert providers.for_url("POST", "http://h/toy/v1/generate") is None
     assert providers.volatile_header("X-Stainless-Arch") and providers.volatile_header("Host")
