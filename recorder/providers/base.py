@@ -240,6 +240,11 @@ class Carriage:
         """The model ``url`` names (None: the body says)."""
         return None
 
+    def price_names(self, model: str) -> tuple[str, ...]:
+        """The names to look ``model`` up by in a price table, in order: the model itself
+        here; a carriage whose model ids wrap the format's names (Bedrock's) adds those."""
+        return (model,)
+
     def request_streams(self, url: str) -> bool | None:
         """Does ``url`` ask for a stream (None: the body says)?"""
         return None
@@ -404,8 +409,13 @@ class Provider:
         return self.format.conversation(request, message)
 
     def cost(self, model: Any, usage: dict[str, int] | None, prices: PriceTable) -> float | None:
-        """See :meth:`Format.cost`."""
-        return self.format.cost(model, usage, prices)
+        """The dollar cost of ``usage`` for ``model`` (None: not priced), by the first of
+        the carriage's names for the model that ``prices`` has (:meth:`Carriage.price_names`)."""
+        for name in self.carriage.price_names(model) if isinstance(model, str) else (model,):
+            cost = self.format.cost(name, usage, prices)
+            if cost is not None:
+                return cost
+        return None
 
 
 # ---------------------------------------------------------------------- shared readers

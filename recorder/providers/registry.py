@@ -178,9 +178,9 @@ def volatile_header(name: str, provider: str | None = None) -> bool:
 
 
 def _register_builtins() -> None:
-    from recorder.providers import anthropic, gemini, openai
+    from recorder.providers import anthropic, bedrock, gemini, openai
 
-    for module in (anthropic, openai, gemini):
+    for module in (anthropic, openai, gemini, bedrock):
         register(module.provider())
 
 
