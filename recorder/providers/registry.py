@@ -2,10 +2,22 @@
 
 Separate from :mod:`recorder.providers.base` so that a format or carriage module imports
 the base alone and the registry imports the built-in modules, never the other way round.
+
+Besides the built-in providers, a package can add its own through the ``deja.providers``
+entry point group: each entry names a callable that returns a :class:`Provider` (or a
+``Provider`` itself), registered the first time the registry is asked anything, in every
+process deja runs in (a recording, a replay, ``deja proxy``, the viewer)::
+
+    [project.entry-points."deja.providers"]
+    toy = "toy_deja:provider"
+
+A plugin that fails to load is logged and left out; a built-in provider's name or
+endpoint is not taken over by one.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -21,11 +33,17 @@ from recorder.providers.base import (
     is_volatile,
 )
 
-__all__ = ["BUILT_IN", "PLACEHOLDER_KEY", "default", "endpoints", "for_line", "for_url", "get",
-           "history_field", "model_provider", "names", "placeholder_keys", "register",
-           "stream_carriage", "unregister", "volatile_header"]
+__all__ = ["BUILT_IN", "ENTRY_POINTS", "PLACEHOLDER_KEY", "default", "endpoints", "for_line",
+           "for_url", "get", "history_field", "load_plugins", "model_provider", "names",
+           "placeholder_keys", "register", "stream_carriage", "unregister", "volatile_header"]
+
+ENTRY_POINTS = "deja.providers"  # the entry point group of provider plugins
+
+log = logging.getLogger("deja.providers")
 
 _lock = threading.Lock()
+_plugins_loaded = False
+_plugin_lock = threading.RLock()
 _providers: dict[str, Provider] = {}
 _DEFAULT = "anthropic"
 # (method, url) -> its provider: a run calls a handful of URLs thousands of times, and a
@@ -85,6 +103,7 @@ def placeholder_keys(environ: Mapping[str, str]) -> dict[str, str]:
     the usual way (``anthropic.Anthropic()``) replays in CI, where no key is set: for each
     registered provider whose API key ``environ`` leaves unset, :data:`PLACEHOLDER_KEY`
     (and what else its carriage needs, :meth:`Carriage.placeholders`)."""
+    _plugins()
     added: dict[str, str] = {}
     for provider in list(_providers.values()):
         for var, value in provider.carriage.placeholders(environ).items():
@@ -94,16 +113,19 @@ def placeholder_keys(environ: Mapping[str, str]) -> dict[str, str]:
 
 def names() -> tuple[str, ...]:
     """The names of the registered providers."""
+    _plugins()
     return tuple(_providers)
 
 
 def endpoints() -> tuple[tuple[str, str], ...]:
     """(path suffix, provider name) of every endpoint whose exchanges are model turns."""
+    _plugins()
     return tuple((suffix, p.name) for p in _providers.values() for suffix in p.endpoints)
 
 
 def get(name: str) -> Provider:
     """The provider registered as ``name``."""
+    _plugins()
     try:
         return _providers[name]
     except KeyError:
@@ -125,6 +147,7 @@ def for_url(method: str, url: str) -> Provider | None:
         return _by_url[key]
     except KeyError:
         pass
+    _plugins()
     found = next((p for p in tuple(_providers.values()) if p.is_model_call(method, url)), None)
     if len(_by_url) >= _BY_URL_MAX:
         _by_url.clear()
@@ -142,6 +165,8 @@ def for_line(obs: Mapping[str, Any]) -> Provider:
     """The provider that reads a recorded (expanded) line: the one it names, else the
     default (an HTTP line, or a provider this process has not registered)."""
     name = obs.get("provider")
+    if isinstance(name, str) and name not in _providers:
+        _plugins()
     provider = _providers.get(name) if isinstance(name, str) else None
     return provider if provider is not None else default()
 
@@ -175,6 +200,38 @@ def volatile_header(name: str, provider: str | None = None) -> bool:
     if provider is not None:
         return get(provider).is_volatile_header(name)
     return is_volatile(name, VOLATILE_HEADERS, VOLATILE_HEADER_PREFIXES)
+
+
+def _plugins() -> None:
+    """Load the plugins once, the first time the registry is asked."""
+    if not _plugins_loaded:
+        load_plugins()
+
+
+def load_plugins() -> list[str]:
+    """Register the providers of the ``deja.providers`` entry points not registered yet
+    (again: a package installed since the last look); the names registered. Called the
+    first time the registry is asked anything; call it again after installing one."""
+    global _plugins_loaded
+    from importlib.metadata import entry_points
+
+    with _plugin_lock:
+        _plugins_loaded = True
+        return [name for entry in entry_points(group=ENTRY_POINTS)
+                if entry.name not in _providers and (name := _load(entry)) is not None]
+
+
+def _load(entry: Any) -> str | None:
+    """Register the provider of one entry point; its name (None: it failed, logged)."""
+    try:
+        made = entry.load()
+        provider = made if isinstance(made, Provider) else made()
+        register(provider)
+    except Exception as exc:  # noqa: BLE001 (a broken plugin is left out, and said)
+        log.warning("provider plugin %s (%s) not loaded: %s: %s", entry.name, entry.value,
+                    type(exc).__name__, exc)
+        return None
+    return str(provider.name)
 
 
 def _register_builtins() -> None:
