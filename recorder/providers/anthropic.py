@@ -52,6 +52,19 @@ class MessagesFormat(Format):
     def stop_reason(self, message: Any) -> Any:
         return message.get("stop_reason") if isinstance(message, dict) else None
 
+    def turn_unfinished(self, stop_reason: Any) -> bool:
+        """A reply that asks for tool calls (``tool_use``), or a long turn the API paused
+        (``pause_turn``, which the agent resumes by sending it back)."""
+        return stop_reason in ("tool_use", "pause_turn")
+
+    def tool_result_slots(self, body: Any) -> list[tuple[dict[str, Any], str]]:
+        """Each ``tool_result`` block's ``content``, in any message's list of blocks."""
+        messages = body.get("messages") if isinstance(body, dict) else None
+        return [(block, "content") for message in messages or () if isinstance(message, dict)
+                and isinstance(message.get("content"), list) for block in message["content"]
+                if isinstance(block, dict) and block.get("type") == "tool_result"] \
+            if isinstance(messages, list) else []
+
     def summarize_json(self, status: int, doc: Any) -> Summary:
         if not isinstance(doc, dict):
             return {}

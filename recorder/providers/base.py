@@ -191,6 +191,22 @@ class Format(ABC):
                 "reply": message if isinstance(message, dict) else None,
                 "settings": {k: v for k, v in body.items() if k not in ("system", "messages")}}
 
+    def turn_unfinished(self, stop_reason: Any) -> bool:
+        """Does a reply that stopped for ``stop_reason`` leave the turn unfinished, the
+        agent owing the model another request (with tool results, or to resume a paused
+        turn)? No by default: a format whose stop reason does not say (Gemini ends a reply
+        that calls functions with ``STOP``) leaves it to the reply's tool calls
+        (:func:`recorder.providers.conversation.reply_unfinished`)."""
+        return False
+
+    def tool_result_slots(self, body: Any) -> list[tuple[dict[str, Any], str]]:
+        """Where request ``body`` holds each tool result its conversation reads, in the
+        conversation's order: the object and the key of the result's content as sent (a
+        ``tool_result`` block and ``content``). The proxy reads what the agent sent there
+        and a fork at a tool step puts its edit there. None by default: a format that
+        does not say has its results read from the conversation, and not edited."""
+        return []
+
     def cost(self, model: Any, usage: dict[str, int] | None, prices: PriceTable) -> float | None:
         """The dollar cost of ``usage`` for ``model`` by ``prices`` (None: not priced)."""
         return prices.cost(model, usage)
@@ -407,6 +423,14 @@ class Provider:
     def conversation(self, request: Any, message: Any = None) -> Conversation:
         """See :meth:`Format.conversation`."""
         return self.format.conversation(request, message)
+
+    def turn_unfinished(self, stop_reason: Any) -> bool:
+        """See :meth:`Format.turn_unfinished`."""
+        return self.format.turn_unfinished(stop_reason)
+
+    def tool_result_slots(self, body: Any) -> list[tuple[dict[str, Any], str]]:
+        """See :meth:`Format.tool_result_slots`."""
+        return self.format.tool_result_slots(body)
 
     def cost(self, model: Any, usage: dict[str, int] | None, prices: PriceTable) -> float | None:
         """The dollar cost of ``usage`` for ``model`` (None: not priced), by the first of

@@ -170,6 +170,22 @@ class GeminiFormat(Format):
         feedback = message.get("promptFeedback")
         return feedback.get("blockReason") if isinstance(feedback, dict) else None
 
+    def tool_result_slots(self, body: Any) -> list[tuple[dict[str, Any], str]]:
+        """Each ``functionResponse`` part's ``response``, in ``contents`` order. (A reply
+        that calls functions ends with ``STOP``, as one that does not: its
+        ``functionCall`` parts say it, so :meth:`turn_unfinished` is the default's.)"""
+        contents = body.get("contents") if isinstance(body, dict) else None
+        slots: list[tuple[dict[str, Any], str]] = []
+        for content in contents if isinstance(contents, list) else ():
+            parts = content.get("parts") if isinstance(content, dict) else None
+            for part in parts if isinstance(parts, list) else ():
+                if not isinstance(part, dict) or isinstance(part.get("text"), str) \
+                        or isinstance(part.get("functionCall"), dict):
+                    continue  # read as text, or as a call (see _part)
+                if isinstance(part.get("functionResponse"), dict):
+                    slots.append((part["functionResponse"], "response"))
+        return slots
+
     def summarize_json(self, status: int, doc: Any) -> Summary:
         return self._summary(status, self.from_json(doc))
 

@@ -138,7 +138,8 @@ class OpenAIFormat(Format):
 
     def conversation(self, request: Any, message: Any = None) -> Conversation:
         body = request if isinstance(request, dict) else {}
-        if "messages" in body or "input" not in body:  # Chat Completions
+        # Chat Completions; a reply read without its request is known by its own shape
+        if "messages" in body or ("input" not in body and not _is_response(message)):
             messages = body.get("messages")
             return {"system": None,
                     "messages": [_chat_turn(m) for m in messages if isinstance(m, dict)]
@@ -152,6 +153,33 @@ class OpenAIFormat(Format):
         return {"system": body.get("instructions"), "messages": turns,
                 "reply": _responses_reply(message) if isinstance(message, dict) else None,
                 "settings": {k: v for k, v in body.items() if k not in ("input", "instructions")}}
+
+    def turn_unfinished(self, stop_reason: Any) -> bool:
+        """A chat completion that asks for tool calls (``tool_calls``, or the older
+        ``function_call``). A Responses reply says ``completed`` either way: its
+        ``function_call`` items say it."""
+        return stop_reason in ("tool_calls", "function_call")
+
+    def tool_result_slots(self, body: Any) -> list[tuple[dict[str, Any], str]]:
+        """A ``role: tool`` message's ``content``, a ``function_call_output`` item's
+        ``output`` (and a ``tool_result`` part's ``content``, as the conversation reads
+        one in a message), in order."""
+        if not isinstance(body, dict):
+            return []
+        chat = "messages" in body or "input" not in body
+        items = body.get("messages" if chat else "input")
+        slots: list[tuple[dict[str, Any], str]] = []
+        for item in items if isinstance(items, list) else ():
+            if not isinstance(item, dict):
+                continue
+            if chat and item.get("role") == "tool":
+                slots.append((item, "content"))
+            elif not chat and item.get("type") == "function_call_output":
+                slots.append((item, "output"))
+            elif isinstance(item.get("content"), list) and (chat or "role" in item):
+                slots.extend((part, "content") for part in item["content"]
+                             if isinstance(part, dict) and part.get("type") == "tool_result")
+        return slots
 
     def usage(self, message: Any) -> dict[str, int]:
         return normalized_usage(message.get("usage")) if isinstance(message, dict) else {}
