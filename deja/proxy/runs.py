@@ -5,7 +5,7 @@ may label it with ``x-deja-labels: key=value, key=value`` on its first request);
 with the same name and the same API key go to the same run while it is open. Without a
 name, a run is one conversation:
 
-- a model request whose ``messages`` start with every message of an open run's last
+- a model request whose conversation starts with every message of an open run's last
   request, and add at least one, joins that run (the longest such run wins; among equals
   the one with no call in flight, then the one used last);
 - a request that repeats an open run's last request exactly joins it only when it is a
@@ -24,17 +24,20 @@ time cannot be told apart without a name (each lands in a run of its own only wh
 histories differ); an agent that rewrites its history (summarising, trimming) starts a new
 run at that point. Name runs with ``x-deja-run`` where that matters.
 
-The OpenAI Responses API carries its conversation in ``input`` rather than ``messages``
-(:func:`conversation_items`), and is found again the same way when the agent resends its
-items; an agent that continues a response by ``previous_response_id`` instead sends only
+Which list holds a request's conversation is its provider's to say
+(:func:`conversation_items`): the OpenAI Responses API carries it in ``input``, Gemini in
+``contents``, and each is found again the same way when the agent resends its items; an
+agent that continues a Responses reply by ``previous_response_id`` instead sends only
 what is new, and joins the run that response came from (:meth:`Registry.replied`).
 
-Tools: the proxy never sees a tool run, but it sees its result, as a ``tool_result``
-block in the next request (an OpenAI ``role: tool`` message, a Responses
-``function_call_output`` item), and the ``tool_use`` block (the OpenAI ``tool_calls``
-entry, a Responses ``function_call`` item) that asked for it in the assistant message
-just before, or in the response a ``previous_response_id`` continues. Each new result is
-logged as a ``tool`` line marked ``observed``
+Tools: the proxy never sees a tool run, but it sees its result in the next request, and
+the call that asked for it in the assistant turn just before (or in the response a
+``previous_response_id`` continues), both read through the request's conversation
+(:mod:`recorder.providers.conversation`): an Anthropic ``tool_result`` block and its
+``tool_use``, an OpenAI ``role: tool`` message and its ``tool_calls`` entry, a Responses
+``function_call_output`` and its ``function_call``, a Gemini ``functionResponse`` and its
+``functionCall`` (paired by the function's name when the model gave the call no id). Each
+new result is logged as a ``tool`` line marked ``observed``
 (:meth:`recorder.record.RecordSession.observe_tool`), and the loop guard sees it there.
 """
 
@@ -51,13 +54,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from recorder import providers
 from recorder.capture.session import Session
 from recorder.cassette.schema import EndStatus, Kind
 from recorder.errors import RunStopped
+from recorder.providers import Provider, conversation
 from recorder.record import RecordSession
 
-__all__ = ["ProxyRun", "Registry", "conversation_items", "credential", "message_keys",
-           "parse_labels", "tool_calls", "tool_results"]
+__all__ = ["ProxyRun", "Registry", "calls_by_id", "conversation_items", "credential",
+           "message_keys", "parse_labels", "tool_calls", "tool_results"]
 
 log = logging.getLogger("deja.proxy")
 
@@ -99,77 +104,56 @@ def message_keys(messages: Sequence[Any], texts: Sequence[str] | None = None) ->
                             digest_size=12).hexdigest() for m in messages]
 
 
-def conversation_items(body: Mapping[str, Any]) -> list[Any] | None:
-    """The list a model request carries its conversation in: ``messages`` (Anthropic,
-    Chat Completions), else the Responses API's ``input`` items (an ``input`` string is
-    one user message); None when the request has neither."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        return messages
-    items = body.get("input")
-    if isinstance(items, list):
+def conversation_items(body: Mapping[str, Any],
+                       seam: Provider | None = None) -> list[Any] | None:
+    """The list a model request carries its conversation in, as its provider (``seam``;
+    when not given, the first registered provider that finds one) names it: the Messages
+    API's and Chat Completions' ``messages``, the Responses API's ``input`` items (an
+    ``input`` string is one user message), Gemini's ``contents``; None when the request
+    has none."""
+    history = seam.history_field(body) if seam is not None else providers.history_field(body)
+    if history is not None:
+        items: list[Any] = body[history]
         return items
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    return None
+    given = body.get("input")
+    return [{"role": "user", "content": given}] if isinstance(given, str) else None
 
 
-def _blocks(message: Any) -> list[dict[str, Any]]:
-    content = message.get("content") if isinstance(message, dict) else None
-    return [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
+def tool_calls(items: list[Any]) -> dict[str, tuple[str, Any]]:
+    """The tool calls of the assistant turns among history ``items`` read without their
+    request (:func:`recorder.providers.conversation.read_history`): id -> (name, input),
+    ids made unique (:func:`~recorder.providers.conversation.numbered_calls`). Anthropic
+    ``tool_use`` blocks, OpenAI Chat Completions ``tool_calls`` and Responses
+    ``function_call`` items (by their ``call_id``), Gemini ``functionCall`` parts; OpenAI's
+    arguments, JSON text, parsed (kept as the text when they are not JSON)."""
+    read = conversation.read_history(items)
+    if read is None:
+        return {}
+    provider, body = read
+    return calls_by_id(conversation.numbered_calls(
+        conversation.turns(provider.conversation(body))))
 
 
-def tool_calls(messages: Sequence[Any]) -> dict[str, tuple[str, Any]]:
-    """The tool calls of the assistant messages among ``messages``: id -> (name, input).
-    Anthropic ``tool_use`` blocks, OpenAI Chat Completions ``tool_calls`` and Responses
-    ``function_call`` items (of a request's ``input`` or a response's ``output``), named by
-    their ``call_id``; OpenAI's arguments, JSON text, are parsed (kept as the text when
-    they are not JSON)."""
-    out: dict[str, tuple[str, Any]] = {}
-    for message in messages:
-        if not isinstance(message, dict):
-            continue
-        if message.get("type") == "function_call" and isinstance(message.get("call_id"), str):
-            out[message["call_id"]] = (str(message.get("name")),
-                                       _arguments(message.get("arguments")))
-        elif message.get("role") == "assistant":
-            for block in _blocks(message):
-                if block.get("type") == "tool_use" and isinstance(block.get("id"), str):
-                    out[block["id"]] = (str(block.get("name")), block.get("input"))
-            for call in message.get("tool_calls") or []:
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict) and isinstance(call.get("id"), str):
-                    out[call["id"]] = (str(fn.get("name")), _arguments(fn.get("arguments")))
-    return out
+def calls_by_id(calls: list[conversation.ToolCall]) -> dict[str, tuple[str, Any]]:
+    """id -> (name, input) of ``calls`` that have an id."""
+    return {call.id: (str(call.name), call.input) for call in calls if call.id is not None}
 
 
-def _arguments(raw: Any) -> Any:
-    try:
-        return json.loads(raw) if isinstance(raw, str) else raw
-    except ValueError:
-        return raw
-
-
-def tool_results(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """The tool results among ``messages``, in order, as ``tool_result`` blocks: those of
-    the user messages (Anthropic); OpenAI's ``role: tool`` messages as a block with their
-    ``tool_call_id`` and ``content``, and Responses ``function_call_output`` items with
-    their ``call_id`` and ``output`` (each a copy: editing it leaves the message as it
-    was)."""
-    out: list[dict[str, Any]] = []
-    for m in messages:
-        if not isinstance(m, dict):
-            continue
-        if m.get("role") == "user":
-            out.extend(b for b in _blocks(m) if b.get("type") == "tool_result"
-                       and isinstance(b.get("tool_use_id"), str))
-        elif m.get("role") == "tool" and isinstance(m.get("tool_call_id"), str):
-            out.append({"type": "tool_result", "tool_use_id": m["tool_call_id"],
-                        "content": m.get("content", "")})
-        elif m.get("type") == "function_call_output" and isinstance(m.get("call_id"), str):
-            out.append({"type": "tool_result", "tool_use_id": m["call_id"],
-                        "content": m.get("output", "")})
-    return out
+def tool_results(items: list[Any]) -> list[dict[str, Any]]:
+    """The tool results the agent sent among history ``items`` (read as :func:`tool_calls`
+    reads them), in order, as ``tool_result`` blocks of their call's id, the content as
+    sent and whether it is an error: Anthropic ``tool_result`` blocks of the user's
+    messages, OpenAI's ``role: tool`` messages and Responses ``function_call_output``
+    items, Gemini's ``functionResponse`` parts (each a new block: editing it leaves the
+    items as they were)."""
+    read = conversation.read_history(items)
+    if read is None:
+        return []
+    return [{"type": conversation.BlockKind.TOOL_RESULT.value,
+             "tool_use_id": placed.result.tool_use_id, "content": placed.sent,
+             "is_error": placed.result.is_error}
+            for placed in conversation.placed_results(*read)
+            if placed.result.tool_use_id is not None]
 
 
 @dataclass
@@ -243,8 +227,8 @@ class ProxyRun:
             return EndStatus.INTERRUPTED, "a call was cut short when the proxy shut down"
         if self.last_failed:
             return EndStatus.ERROR, "its last call failed"
-        if self.awaiting_tools or self.last_stop_reason in (None, "tool_use", "pause_turn",
-                                                            "tool_calls"):
+        if self.awaiting_tools or self.last_stop_reason is None \
+                or conversation.stop_unfinished(self.last_stop_reason):
             return EndStatus.INTERRUPTED, "no request came after its last response"
         return EndStatus.COMPLETED, None
 
