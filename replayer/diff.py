@@ -37,6 +37,8 @@ from recorder.capture.exchange import pretty
 from recorder.cassette import Cassette
 from recorder.cassette.rows import step_count
 from recorder.cassette.schema import Kind, Line, is_bookkeeping
+from recorder.providers import conversation
+from recorder.providers.conversation import BlockKind
 from recorder.values import decode
 
 
@@ -62,13 +64,11 @@ def _model_meaning(obs: Mapping[str, Any], request: Any) -> tuple[Any, Any]:
     response = _response_message(obs)
     message = response.get("message") if isinstance(response, dict) else None
     conv = provider.conversation(request, message)
-    semantic = provider.semantic_request({**conv["settings"], "messages": conv["messages"]}
+    semantic = provider.semantic_request(conversation.as_request(conv)
                                          if isinstance(request, dict) else request)
-    if isinstance(semantic, dict) and conv["system"] is not None:
-        semantic = {**semantic, "system": conv["system"]}
-    if isinstance(response, dict) and "message" in response and conv["reply"] is not None:
-        reply = {k: v for k, v in conv["reply"].items()
-                 if k not in provider.volatile_message_keys}
+    reply = conversation.reply(conv)
+    if isinstance(response, dict) and "message" in response and reply is not None:
+        reply = {k: v for k, v in reply.items() if k not in provider.volatile_message_keys}
         response = {**response, "message": reply}
     return semantic, response
 
@@ -194,50 +194,18 @@ def aligned(c: Cassette) -> list[Line]:
     return steps + ([c.end] if c.end else [])
 
 
-def _stable_ids(value: Any, ids: dict[str, str]) -> Any:
-    """Tool-use ids, random in every run, replaced by their order of first use in the run."""
-    if isinstance(value, list):
-        return [_stable_ids(v, ids) for v in value]
-    if not isinstance(value, dict):
-        return value
-    out = {}
-    for key, v in value.items():
-        if isinstance(v, str) and (key == "tool_use_id" or (
-                key == "id" and str(value.get("type", "")).endswith("tool_use"))):
-            v = ids.setdefault(v, f"tool_use#{len(ids)}")
-        elif key == "previous_response_id" and isinstance(v, str):  # a Responses chain
-            v = ids.setdefault(v, f"response#{len(ids)}")
-        out[key] = _stable_ids(v, ids)
-    return out
-
-
 _MESSAGE_PATH = re.compile(r"^/request/messages/(\d+)(?:/content/(\d+))?"
                            r"|^/response/message(?:/content/(\d+))?")
 
 
 def _block_label(block: Any, names: Mapping[str, str]) -> str | None:
-    if not isinstance(block, dict):
-        return None
-    kind = block.get("type")
-    if kind in ("tool_use", "server_tool_use"):
-        return f"tool call {block.get('name')}"
-    if kind == "tool_result":
-        name = names.get(str(block.get("tool_use_id")))
+    what = conversation.kind(block)
+    if what in (BlockKind.TOOL_USE, BlockKind.SERVER_TOOL_USE):
+        return f"tool call {conversation.tool_call(block).name}"
+    if what is BlockKind.TOOL_RESULT:
+        name = names.get(str(conversation.tool_result(block).tool_use_id))
         return f"tool result of {name}" if name else "tool result"
-    return str(kind) if kind else None
-
-
-def _tool_names(value: Any, names: dict[str, str]) -> dict[str, str]:
-    """Tool-use id -> tool name, of every ``tool_use`` block in ``value``."""
-    if isinstance(value, list):
-        for v in value:
-            _tool_names(v, names)
-    elif isinstance(value, dict):
-        if value.get("type") == "tool_use" and isinstance(value.get("id"), str):
-            names[value["id"]] = str(value.get("name"))
-        for v in value.values():
-            _tool_names(v, names)
-    return names
+    return conversation.type_name(block)
 
 
 def _message_labels(changes: tuple[FieldChange, ...], *sides: Any) -> dict[str, str]:
@@ -251,13 +219,13 @@ def _message_labels(changes: tuple[FieldChange, ...], *sides: Any) -> dict[str, 
         for side in sides:
             if not isinstance(side, dict) or side.get("kind") != Kind.MODEL:
                 continue
-            names = _tool_names(side, {})
+            names = conversation.tool_names(side)
             if index is not None:
-                messages = (side.get("request") or {}).get("messages")
-                if not isinstance(messages, list) or int(index) >= len(messages):
+                messages = conversation.request_turns(side.get("request"))
+                if int(index) >= len(messages):
                     continue
                 message = messages[int(index)]
-                label = f"message {index} ({message.get('role')})" \
+                label = f"message {index} ({conversation.role(message)})" \
                     if isinstance(message, dict) else f"message {index}"
             else:
                 message = ((side.get("response") or {}).get("message")
@@ -265,8 +233,8 @@ def _message_labels(changes: tuple[FieldChange, ...], *sides: Any) -> dict[str, 
                 if not isinstance(message, dict):
                     continue
                 label, block = "reply", reply_block
-            content = message.get("content") if isinstance(message, dict) else None
-            if block is not None and isinstance(content, list) and int(block) < len(content):
+            content = conversation.blocks(message)
+            if block is not None and int(block) < len(content):
                 what = _block_label(content[int(block)], names)
                 label += f": {what}" if what else ""
             out[change.path] = label
@@ -282,8 +250,8 @@ def compare(a: Cassette, b: Cassette) -> RunDiff:
     ids_a: dict[str, str] = {}
     ids_b: dict[str, str] = {}
     for i in range(max(len(steps_a), len(steps_b))):
-        ma = _stable_ids(meaning(a, steps_a[i]), ids_a) if i < len(steps_a) else None
-        mb = _stable_ids(meaning(b, steps_b[i]), ids_b) if i < len(steps_b) else None
+        ma = conversation.stable_ids(meaning(a, steps_a[i]), ids_a) if i < len(steps_a) else None
+        mb = conversation.stable_ids(meaning(b, steps_b[i]), ids_b) if i < len(steps_b) else None
         if ma == mb:
             continue
         changes: tuple[FieldChange, ...]
