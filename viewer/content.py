@@ -23,6 +23,8 @@ from typing import Any
 from recorder import providers
 from recorder.canonical import decode_body
 from recorder.cassette.schema import Kind
+from recorder.providers import conversation as shape
+from recorder.providers.conversation import BlockKind
 from recorder.values import decode
 
 LIMIT = 100_000  # characters of one payload shown before it is cut
@@ -82,57 +84,51 @@ def image_type(data: bytes) -> str | None:
 # ---------------------------------------------------------------------- message blocks
 
 
-def _image_block(block: dict[str, Any]) -> Block:
-    source = block.get("source") or {}
-    if source.get("type") == "base64":
+def _image_block(block: Any) -> Block:
+    source = shape.image(block)
+    if source.source_type == "base64":
         try:
-            data = base64.b64decode(source.get("data") or "", validate=True)
+            data = base64.b64decode(source.data or "", validate=True)
         except (binascii.Error, ValueError) as exc:
-            return {"type": "image", "error": f"undecodable base64 image: {exc}"}
-        return {"type": "image", "media_type": source.get("media_type") or image_type(data),
+            return {"type": BlockKind.IMAGE, "error": f"undecodable base64 image: {exc}"}
+        return {"type": BlockKind.IMAGE, "media_type": source.media_type or image_type(data),
                 "data": data, "size": len(data)}
-    if source.get("type") == "url":
-        return {"type": "image", "url": source.get("url")}
-    return {"type": "image", "error": f"image source of type {source.get('type')!r}"}
+    if source.source_type == "url":
+        return {"type": BlockKind.IMAGE, "url": source.url}
+    return {"type": BlockKind.IMAGE, "error": f"image source of type {source.source_type!r}"}
 
 
 def blocks(content: Any, clip: Clip) -> list[Block]:
-    """Message content (a string or a list of content blocks) as blocks to lay out."""
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [{"type": "text", "text": clip.text(content)}]
-    if not isinstance(content, list):
-        return [{"type": "other", "label": type(content).__name__, "raw": clip.value(content)}]
-    out: list[Block] = []
-    for block in content:
-        if isinstance(block, str):
-            out.append({"type": "text", "text": clip.text(block)})
-            continue
-        if not isinstance(block, dict):
-            out.append({"type": "other", "label": type(block).__name__,
-                        "raw": clip.value(block)})
-            continue
-        btype = block.get("type")
-        if btype == "text":
-            out.append({"type": "text", "text": clip.text(str(block.get("text", "")))})
-        elif btype == "thinking":
-            out.append({"type": "thinking", "text": clip.text(str(block.get("thinking", "")))})
-        elif btype == "redacted_thinking":
-            out.append({"type": "thinking", "text": "(redacted thinking)", "redacted": True})
-        elif btype in ("tool_use", "server_tool_use"):
-            out.append({"type": "tool_use", "id": block.get("id"), "name": block.get("name"),
-                        "input": clip.value(block.get("input"))})
-        elif btype == "tool_result" or (isinstance(btype, str)
-                                        and btype.endswith("_tool_result")):
-            out.append({"type": "tool_result", "tool_use_id": block.get("tool_use_id"),
-                        "is_error": bool(block.get("is_error")),
-                        "blocks": blocks(block.get("content"), clip)})
-        elif btype == "image":
-            out.append(_image_block(block))
-        else:
-            out.append({"type": "other", "label": str(btype), "raw": clip.value(block)})
-    return out
+    """Message content (a string or a list of content blocks, read as
+    :mod:`recorder.providers.conversation` reads them) as blocks to lay out; each block's
+    ``type`` is a :class:`~recorder.providers.conversation.BlockKind` (a tool the API ran
+    itself is laid out as a tool call or result too)."""
+    if content is not None and not isinstance(content, str | list):
+        return [{"type": BlockKind.OTHER, "label": type(content).__name__,
+                 "raw": clip.value(content)}]
+    return [_layout(block, clip) for block in shape.as_blocks(content)]
+
+
+def _layout(block: Any, clip: Clip) -> Block:
+    """One block of a message to lay out."""
+    what = shape.kind(block)
+    if what in (BlockKind.TEXT, BlockKind.THINKING):
+        return {"type": what, "text": clip.text(shape.text(block))}
+    if what is BlockKind.REDACTED_THINKING:
+        return {"type": BlockKind.THINKING, "text": "(redacted thinking)", "redacted": True}
+    if what in (BlockKind.TOOL_USE, BlockKind.SERVER_TOOL_USE):
+        call = shape.tool_call(block)
+        return {"type": BlockKind.TOOL_USE, "id": call.id, "name": call.name,
+                "input": clip.value(call.input)}
+    if what in (BlockKind.TOOL_RESULT, BlockKind.SERVER_TOOL_RESULT):
+        result = shape.tool_result(block)
+        return {"type": BlockKind.TOOL_RESULT, "tool_use_id": result.tool_use_id,
+                "name": result.name, "is_error": result.is_error,
+                "blocks": blocks(result.content, clip)}
+    if what is BlockKind.IMAGE:
+        return _image_block(block)
+    label = shape.type_name(block) or type(block).__name__
+    return {"type": BlockKind.OTHER, "label": label, "raw": clip.value(block)}
 
 
 # ---------------------------------------------------------------------- responses
@@ -172,9 +168,9 @@ def response_message(obs: Mapping[str, Any]) -> dict[str, Any] | None:
 def _named_results(items: list[Block], names: dict[str, Any]) -> list[Block]:
     """Tool results with the name of the call they answer (OpenAI's results carry none)."""
     for block in items:
-        if block.get("type") == "tool_use" and block.get("id") is not None:
+        if block["type"] == BlockKind.TOOL_USE and block.get("id") is not None:
             names[str(block["id"])] = block.get("name")
-        elif block.get("type") == "tool_result" and block.get("name") is None:
+        elif block["type"] == BlockKind.TOOL_RESULT and block.get("name") is None:
             block["name"] = names.get(str(block.get("tool_use_id")))
     return items
 
@@ -196,22 +192,22 @@ def conversation(request: Any, obs: Mapping[str, Any], clip: Clip,
     provider = providers.for_line(obs)
     message = response_message(obs)
     conv = provider.conversation(body, message)
-    system = blocks(conv["system"], clip)
+    system = blocks(shape.system(conv), clip)
     names: dict[str, Any] = {}
     messages: list[dict[str, Any]] = []
-    for i, turn in enumerate(conv["messages"]):
-        role = str(turn.get("role") or "user")
-        content = _named_results(blocks(turn.get("content"), clip), names)
-        if role in ("system", "developer") and not messages and not conv["system"]:
+    for i, turn in enumerate(shape.turns(conv)):
+        role = shape.role(turn) or "user"
+        content = _named_results(blocks(shape.blocks(turn), clip), names)
+        if role in ("system", "developer") and not messages and not system:
             system += content  # a system prompt kept in the messages (OpenAI's)
             continue
         messages.append({"role": role, "blocks": content, "new": i >= keep})
     response = None
     if message is not None:
-        reply = conv["reply"] or {}
+        reply = shape.reply(conv)
         error = message.get("error")
-        response = {"role": reply.get("role") or "assistant",
-                    "blocks": _named_results(blocks(reply.get("content"), clip), names),
+        response = {"role": shape.role(reply) or "assistant",
+                    "blocks": _named_results(blocks(shape.blocks(reply), clip), names),
                     "stop_reason": provider.stop_reason(message),
                     "usage": provider.usage(message) or None,
                     "model": message.get("model"),
@@ -245,25 +241,47 @@ def tool_call(obs: Mapping[str, Any], clip: Clip) -> dict[str, Any]:
 
 
 def _block_strings(content: Any, out: list[str]) -> None:
-    if isinstance(content, str):
-        out.append(content)
-    elif isinstance(content, list):
+    """The words of content (a string, blocks, a block): text and thinking, a tool call's
+    name and input, a tool result's content (a value that is no block, as JSON)."""
+    if isinstance(content, list):
         for block in content:
             _block_strings(block, out)
-    elif isinstance(content, dict):
-        for key in ("text", "thinking", "name", "arguments"):
-            if isinstance(content.get(key), str):
-                out.append(content[key])
-        if "input" in content:
-            out.append(_json(content["input"]))
-        for key in ("content", "output", "summary"):  # Responses items keep theirs apart
-            if key in content:
-                _block_strings(content[key], out)
-        fn = content.get("function")
-        if isinstance(fn, dict):
-            out.extend(str(fn.get(k) or "") for k in ("name", "arguments"))
-        for call in content.get("tool_calls") or []:
-            _block_strings(call, out)
+        return
+    what = shape.kind(content)
+    if what in (BlockKind.TEXT, BlockKind.THINKING):
+        out.append(shape.text(content))
+    elif what in (BlockKind.TOOL_USE, BlockKind.SERVER_TOOL_USE):
+        call = shape.tool_call(content)
+        out.extend([call.name or "", _json(call.input)])
+    elif what in (BlockKind.TOOL_RESULT, BlockKind.SERVER_TOOL_RESULT):
+        result = shape.tool_result(content).content
+        if isinstance(result, str | list):
+            _block_strings(result, out)
+        elif result is not None:
+            out.append(_json(result))
+    elif isinstance(content, dict):  # a block of another kind: the words it names
+        out.extend(v for k in ("text", "name", "arguments")
+                   if isinstance(v := content.get(k), str))
+
+
+def _model_strings(obs: Mapping[str, Any], out: list[str]) -> None:
+    """The words of a model step: the system prompt and messages its request adds to the
+    conversation (a request stored whole: all of them) and its reply, read through its
+    provider's conversation."""
+    provider = providers.for_line(obs)
+    request_field = obs.get("request")
+    stored = request_field if isinstance(request_field, dict) else {}
+    body = stored.get("body")
+    if not isinstance(body, dict):  # a delta: the items it adds, and the fields it sets
+        changed = stored.get("set")
+        history = provider.history_field(stored)
+        body = {**(changed if isinstance(changed, dict) else {}),
+                **({history: stored[history]} if history is not None else {})}
+    conv = provider.conversation(body, response_message(obs))
+    _block_strings(shape.system(conv), out)
+    for turn in shape.turns(conv):
+        _block_strings(shape.blocks(turn), out)
+    _block_strings(shape.blocks(shape.reply(conv)), out)
 
 
 def _json(value: Any) -> str:
@@ -299,22 +317,7 @@ def searchable_text(obs: Mapping[str, Any]) -> str:
     kind = obs.get("kind")
     out: list[str] = []
     if kind == Kind.MODEL:
-        request_field = obs.get("request")
-        stored = request_field if isinstance(request_field, dict) else {}
-        body_field, set_field = stored.get("body"), stored.get("set")
-        body = body_field if isinstance(body_field, dict) else {}
-        changed = set_field if isinstance(set_field, dict) else {}
-        for key in ("system", "instructions", "input"):
-            _block_strings(body.get(key) or changed.get(key), out)
-        added = stored.get("messages") or stored.get("input")  # what a delta adds
-        for message in body.get("messages") or added or []:
-            _block_strings(message, out)
-        message = response_message(obs)
-        if message is not None:
-            _block_strings(message.get("content"), out)
-            _block_strings(message.get("output"), out)
-            for choice in message.get("choices") or []:
-                _block_strings((choice or {}).get("message"), out)
+        _model_strings(obs, out)
     elif kind == Kind.HTTP:
         out.append(str(obs.get("url", "")))
         request = (obs.get("request") or {}).get("body")

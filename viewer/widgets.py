@@ -17,6 +17,7 @@ from streamlit.errors import StreamlitAPIException
 
 from recorder.cassette.schema import Kind
 from recorder.errors import DejaError
+from recorder.providers.conversation import BlockKind
 from viewer import queries
 from viewer.content import Block, image_type
 from viewer.index import RunIndex
@@ -90,28 +91,31 @@ def image(block: Block) -> None:
 
 
 def blocks(items: list[Block], *, result: bool = False) -> None:
-    """Message content blocks; inside a tool result, text is shown verbatim."""
+    """Message content blocks (laid out by :func:`viewer.content.blocks`, each of a
+    :class:`~recorder.providers.conversation.BlockKind`): a provider's tool calls and
+    results, Gemini's function calls and responses among them, alike; inside a tool
+    result, text is shown verbatim."""
     for block in items:
         kind = block["type"]
-        if kind == "text":
+        if kind == BlockKind.TEXT:
             if result:
                 st.code(block["text"], language=None, wrap_lines=True)
             else:
                 st.text(block["text"])
-        elif kind == "thinking":
+        elif kind == BlockKind.THINKING:
             with st.expander(":material/psychology: Thinking", expanded=False):
                 st.text(block["text"])
-        elif kind == "tool_use":
+        elif kind == BlockKind.TOOL_USE:
             st.markdown(md(":material/build: **tool call** {:code} · id {:code}", block.get("name"),
                            block.get("id")))
             st.json(block.get("input"), expanded=True)
-        elif kind == "tool_result":
+        elif kind == BlockKind.TOOL_RESULT:
             st.markdown("↩ **tool result**"
                         + (md(" of {:code}", block["name"]) if block.get("name") else "")
                         + md(" for {:code}", block.get("tool_use_id"))
                         + (" · :material/error: **error**" if block.get("is_error") else ""))
             blocks(block.get("blocks") or [], result=True)
-        elif kind == "image":
+        elif kind == BlockKind.IMAGE:
             image(block)
         else:
             st.caption(md("{} block", block.get("label")))

@@ -1,0 +1,113 @@
+"""The viewer reads a Gemini step as it reads an Anthropic one, through the conversation:
+its function calls and responses are tool blocks (the response named by its function), the
+step page draws them as tool calls and results, and the search finds what the step says:
+its prompt, the function called with its arguments, the function's response and the
+reply. One run recorded with the real google-genai SDK against the stub server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from google import genai
+from google.genai import types
+from streamlit.testing.v1 import AppTest
+
+import recorder
+from recorder.cassette import load
+from recorder.testing.server import StubServer
+from viewer import queries
+from viewer.content import searchable_text
+from viewer.index import RunIndex
+
+MODEL = "gemini-2.5-flash"
+KEY = "test-key-0123456789abcdef"  # conftest's key: the run verifies in every test
+APP = Path(__file__).resolve().parents[2] / "viewer" / "app.py"
+PROMPT = "What is the weather in Reykjavik?"
+SYSTEM = "Answer in one sentence."
+LOOKING, ANSWER = "Let me look.", "Snowing in Reykjavik, minus three."
+SCRIPT = {"select": "conversation", "turns": [
+    {"text": LOOKING, "tool_use": {"name": "get_weather", "input": {"city": "Reykjavik"}}},
+    {"text": ANSWER}]}
+CONFIG = types.GenerateContentConfig(
+    system_instruction=SYSTEM,
+    tools=[types.Tool(function_declarations=[types.FunctionDeclaration(
+        name="get_weather", description="The weather in a city today.",
+        parameters=types.Schema(type=types.Type.OBJECT,
+                                properties={"city": types.Schema(type=types.Type.STRING)}))])],
+    automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True))
+FORECAST = {"forecast": "heavy snow", "celsius": -3}
+
+
+def agent(url: str) -> None:
+    contents: list[Any] = [PROMPT]
+    with genai.Client(api_key="AIzaSyD-deja-viewer-0123456789abcdefgh",
+                      http_options=types.HttpOptions(base_url=url)) as c:
+        while True:
+            response = c.models.generate_content(model=MODEL, contents=contents, config=CONFIG)
+            if not response.function_calls:
+                return
+            contents.append(response.candidates[0].content)
+            contents.append(types.Content(role="user", parts=[
+                types.Part.from_function_response(name=call.name or "", response=FORECAST)
+                for call in response.function_calls]))
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("gemini-runs")
+    path = folder / "gemini.jsonl"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEJA_KEY", KEY)
+        mp.setenv("DEJA_HOME", str(tmp_path_factory.mktemp("gemini-home")))
+        with StubServer(SCRIPT) as server, recorder.record(path):
+            agent(server.url)
+        assert [o["kind"] for o in load(path)] == ["model", "model"]
+    return path
+
+
+
+def test_function_calls_and_responses_are_tool_blocks(run: Path) -> None:
+    first = queries.step_detail(run, 0).conversation
+    assert first is not None
+    assert first["system"] == [{"type": "text", "text": SYSTEM}]
+    reply = first["response"]
+    assert [b["type"] for b in reply["blocks"]] == ["text", "tool_use"]
+    call = reply["blocks"][1]
+    assert (call["name"], call["input"]) == ("get_weather", {"city": "Reykjavik"})
+
+    second = queries.step_detail(run, 1).conversation
+    assert second is not None
+    assert [(m["role"], m["new"]) for m in second["messages"]] == [
+        ("user", False), ("assistant", True), ("user", True)]
+    [result] = second["messages"][2]["blocks"]
+    assert (result["type"], result["tool_use_id"], result["name"]) == \
+        ("tool_result", call["id"], "get_weather")
+    assert [b["raw"] for b in result["blocks"]] == [FORECAST]
+    assert second["response"]["blocks"] == [{"type": "text", "text": ANSWER}]
+
+
+def test_the_search_finds_what_a_gemini_step_says(run: Path) -> None:
+    first, second = load(run)
+    assert PROMPT in searchable_text(first) and SYSTEM in searchable_text(first)
+    assert LOOKING in searchable_text(first) and "get_weather" in searchable_text(first)
+    assert "Reykjavik" in searchable_text(first)  # the call's arguments
+    words = searchable_text(second)  # what the second request adds, and its reply
+    assert "heavy snow" in words and ANSWER in words and PROMPT not in words
+    with RunIndex(run.parent) as idx:
+        idx.refresh()
+        assert len(queries.list_runs(idx, text="heavy SNOW")) == 1
+
+
+def test_the_step_page_draws_the_function_call_and_response(
+        run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DEJA_VIEW_DIR", str(run.parent))
+    at = AppTest.from_file(str(APP), default_timeout=30)
+    at.query_params.update(run=load(run).run, step="1")
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    markdown = [str(m.value) for m in at.markdown]
+    assert any("tool call** `get_weather`" in m for m in markdown), markdown
+    assert any("tool result** of `get_weather`" in m for m in markdown), markdown
+    assert ANSWER in [str(t.value) for t in at.text]
