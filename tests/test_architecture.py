@@ -510,11 +510,9 @@ READS_WIRE_FORMAT = {
     "recorder.canonical": "hashes a conversation's messages once (model_fingerprint)",
     "recorder.capture.exchange": "parses a request from where it repeats the last one",
     "recorder.cassette._delta": "stores what a conversation adds (its history field)",
-    "replayer.diff": "renames tool-use ids when two conversations are compared",
     "replayer.stub": "turns a recorded run into stub turns",
     "viewer.content": "lays out a conversation's blocks",
     "viewer.widgets": "draws tool calls and results",
-    "deja.proxy.runs": "reads the tool calls and results a proxied agent sends",
     "deja.proxy.app": "tells a request that carries a conversation",
     "deja.cli_stub": "reads an OpenAI reply when it writes a stub script",
 }
