@@ -17,7 +17,6 @@ only for their endpoint.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -33,8 +32,6 @@ from deja._common import BadInput, _allow_unverified_option, _fail, _load, _warn
 OPENAI_ENDPOINTS = ("/v1/chat/completions", "/v1/responses")
 GEMINI_ENDPOINTS = (":generateContent", ":streamGenerateContent")
 _ENDPOINTS = {"openai": OPENAI_ENDPOINTS, "gemini": GEMINI_ENDPOINTS}
-# The response headers that make a client wait or give up; kept on a recorded error.
-RETRY_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
 
 
 def _endpoint_of(obs: Mapping[str, Any]) -> str | None:
@@ -44,63 +41,13 @@ def _endpoint_of(obs: Mapping[str, Any]) -> str | None:
     return next((e for e in ends if path.endswith(e)), None)
 
 
-def _answer_of(obs: Mapping[str, Any], endpoint: str) -> tuple[dict[str, Any] | None, str]:
-    """The turn that sends what the OpenAI or Gemini call ``obs`` received, or None and
-    why not."""
-    from recorder import providers
-    from recorder.canonical import content_decoded, decode_body
-
-    response = obs.get("response")
-    if response is None:
-        return {"drop": "before_headers"}, ""
-    status = response.get("status")
-    headers = [(str(k), str(v)) for k, v in response.get("headers") or []]
-    raw = decode_body(response.get("body", ""), response.get("encoding"))
-    try:
-        text = content_decoded(raw, headers).decode("utf-8")
-    except UnicodeDecodeError:
-        return None, "its response body is not UTF-8"
-    if isinstance(status, int) and 400 <= status <= 599:
-        err: dict[str, Any] = {"status": status}
-        try:
-            doc = json.loads(text) if text else None
-        except ValueError:
-            doc = None
-        detail = doc.get("error") if isinstance(doc, dict) else None
-        for key in ("type", "message"):
-            if isinstance(detail, dict) and isinstance(detail.get(key), str) and detail[key]:
-                err[key] = detail[key]
-        named = {k.lower(): v for k, v in headers}
-        retry = {name: named[name] for name in RETRY_HEADERS if name in named}
-        if retry:
-            err["headers"] = retry
-        return {"error": err}, ""
-    if status != 200:
-        return None, f"its response has status {status}"
-    if providers.for_line(obs).is_stream(headers):
-        if "data:" not in text:
-            return None, "its event stream holds no event"
-        return {"sse": text}, ""
-    try:
-        doc = json.loads(text)
-    except ValueError:
-        return None, "its response body is not JSON"
-    shape = ("choices" if endpoint == "/v1/chat/completions" else
-             "candidates" if endpoint in GEMINI_ENDPOINTS else "output")
-    if not isinstance(doc, dict) or not isinstance(doc.get(shape), list):
-        what = {"choices": "chat completion", "candidates": "Gemini response"}.get(shape,
-                                                                                  "response")
-        return None, f"its response is not a {what}"
-    return {"message": doc}, ""
-
-
 def _endpoint_rules(cassette: Any) -> tuple[list[dict[str, Any]], int, dict[int, str]]:
-    from replayer.stub import retry_chain
-
     """The rules answering the OpenAI and Gemini calls of ``cassette``, how many calls
-    they answer, and those calls left out, by step, with why."""
+    they answer, and those calls left out, by step, with why. Each answer is what the
+    call received, read through its provider (:func:`replayer.stub.recorded_turn`)."""
     from recorder.cassette.schema import Kind
     from recorder.testing.match import first_user_text, last_user_text, position, streams
+    from replayer.stub import recorded_turn, retry_chain
 
     # place -> request fingerprint -> (last user text, [(seq, turn)])
     places: dict[tuple[Any, ...], dict[str, tuple[str, list[tuple[int, dict[str, Any]]]]]] = {}
@@ -115,7 +62,7 @@ def _endpoint_rules(cassette: Any) -> tuple[list[dict[str, Any]], int, dict[int,
         if not isinstance(body, dict):
             skipped[seq] = f"seq {seq}: its request is not a JSON object"
             continue
-        turn, why = _answer_of(obs, endpoint)
+        turn, why = recorded_turn(obs, body)
         if turn is None:
             skipped[seq] = f"seq {seq}: {why}"
             continue

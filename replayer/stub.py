@@ -28,15 +28,16 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from recorder import providers
-from recorder.canonical import decode_body
+from recorder.canonical import content_decoded, decode_body
 from recorder.cassette.schema import Kind
+from recorder.providers import conversation
 from recorder.testing.match import first_user_text, is_failure, last_user_text, position
 from recorder.testing.script import StubScriptError
 
 if TYPE_CHECKING:
     from recorder.cassette import Cassette
 
-__all__ = ["CassetteScript", "script_from_cassette"]
+__all__ = ["CassetteScript", "recorded_turn", "retry_chain", "script_from_cassette"]
 
 # The response headers that make a client wait or give up; kept on a recorded error.
 RETRY_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry")
@@ -86,31 +87,46 @@ def _error_turn(status: int, headers: dict[str, str], text: str) -> dict[str, An
     return {"error": err}
 
 
-def _answer(obs: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    """The turn that sends what ``obs`` received, or ``None`` and why it cannot."""
+def _holds_a_reply(provider: providers.Provider, body: Any, doc: Any) -> bool:
+    """Is ``doc`` a response message of its provider's format, as the conversation reads
+    it: a reply with content, or one that says why it stopped?"""
+    if not isinstance(doc, dict):
+        return False
+    answer = conversation.reply(provider.conversation(body, doc))
+    return bool(conversation.blocks(answer)) or provider.stop_reason(doc) is not None
+
+
+def recorded_turn(obs: Mapping[str, Any], body: Any) -> tuple[dict[str, Any] | None, str]:
+    """The script turn that sends what model call ``obs`` (its request ``body``) received,
+    whatever its provider, or None and why it cannot: a JSON reply as ``message``, a
+    stream verbatim as ``sse``, an error with its status, type, message and retry
+    headers, no response as a ``drop``. The body is read as the SDK reads it (a
+    compressed one decompressed)."""
     response = obs.get("response")
     if response is None:
         return {"drop": "before_headers"}, ""
     status = response.get("status")
-    headers = {str(k).lower(): str(v) for k, v in response.get("headers") or []}
+    headers = [(str(k), str(v)) for k, v in response.get("headers") or []]
+    raw = decode_body(response.get("body", ""), response.get("encoding"))
     try:
-        text = decode_body(response.get("body", ""), response.get("encoding")).decode("utf-8")
+        text = content_decoded(raw, headers).decode("utf-8")
     except UnicodeDecodeError:
         return None, "its response body is not UTF-8"
     if isinstance(status, int) and 400 <= status <= 599:
-        return _error_turn(status, headers, text), ""
+        return _error_turn(status, {k.lower(): v for k, v in headers}, text), ""
     if status != 200:
         return None, f"its response has status {status}"
-    if providers.get("anthropic").is_stream(headers.items()):
-        if "event:" not in text:
+    provider = providers.for_line(obs)
+    if provider.is_stream(headers):
+        if "data:" not in text:
             return None, "its event stream holds no event"
         return {"sse": text}, ""
     try:
         doc = json.loads(text)
     except ValueError:
         return None, "its response body is not JSON"
-    if not isinstance(doc, dict) or not isinstance(doc.get("content"), list):
-        return None, "its response is not a message"
+    if not _holds_a_reply(provider, body, doc):
+        return None, f"its response is not a {provider.name} message"
     return {"message": doc}, ""
 
 
@@ -144,10 +160,11 @@ def script_from_cassette(cassette: Cassette) -> CassetteScript:
             skipped.append(f"seq {seq}: {obs.get('url')} is not the Anthropic Messages API")
             continue
         body = cassette.request_of(seq)
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        if not isinstance(body, dict) or not conversation.turns(
+                providers.for_line(obs).conversation(body)):
             skipped.append(f"seq {seq}: its request has no messages")
             continue
-        turn, why = _answer(obs)
+        turn, why = recorded_turn(obs, body)
         if turn is None:
             skipped.append(f"seq {seq}: {why}")
             continue
