@@ -6,6 +6,10 @@ id, finish reasons, token usage, server) and a tool call's, an error status for 
 exchange, an API error or a tool's error, the tool calls a model reply asks for, and the
 message content (``gen_ai.input.messages``, ``gen_ai.output.messages``,
 ``gen_ai.system_instructions``, tool arguments and results) in the conventions' form.
+Messages and tool calls are read through the call's conversation
+(:mod:`recorder.providers.conversation`), so a Gemini call exports as an Anthropic or
+OpenAI one does; its provider is named as the conventions name Google's endpoints
+(:func:`provider_name`).
 
 Token usage follows the conventions' rule, which is not Anthropic's wire format:
 ``gen_ai.usage.input_tokens`` counts every input token, cache reads and writes included
@@ -17,6 +21,7 @@ OpenAI call that is its ``prompt_tokens``), and the cache counts are given apart
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,6 +30,9 @@ from opentelemetry.trace import Status, StatusCode
 
 from recorder import providers, values
 from recorder.canonical import content_decoded, decode_body
+from recorder.providers import Conversation
+from recorder.providers import conversation as shape
+from recorder.providers.conversation import BlockKind, ToolCall
 
 # The GenAI semantic conventions' names (opentelemetry-semantic-conventions 0.66b2,
 # ``opentelemetry.semconv._incubating.attributes.gen_ai_attributes``; a test checks them).
@@ -55,6 +63,9 @@ TOOL_RESULT = "gen_ai.tool.call.result"
 ERROR_TYPE = "error.type"
 SERVER_ADDRESS = "server.address"
 SERVER_PORT = "server.port"
+# deja's provider names that the conventions name otherwise (Gemini's: provider_name)
+_PROVIDER_NAMES = {"bedrock": "aws.bedrock"}
+_GEMINI_API_PATH = re.compile(r"^/v1[a-z0-9]*/models/[^/]+:")
 
 
 # ---------------------------------------------------------------------- attributes
@@ -80,26 +91,51 @@ def _text(value: Any) -> str:
 
 def _response(obs: Mapping[str, Any]) -> tuple[Any, str | None]:
     """The message a model line's response holds, and the model it names (None, None
-    when the body is not readable)."""
+    when the body is not readable), both as its provider reads them."""
     response = obs.get("response")
     if not isinstance(response, Mapping) or not isinstance(response.get("body"), str):
         return None, None
     headers = [h for h in response.get("headers") or () if h]
+    provider = providers.for_line(obs)
     try:
         body = content_decoded(decode_body(response["body"], response.get("encoding")),
                                headers)
-        message = providers.for_line(obs).message(headers, body)
+        message = provider.message(headers, body)
     except (ValueError, UnicodeDecodeError):
         return None, None
-    model = message.get("model") if isinstance(message, dict) else None
+    status = response.get("status")
+    model = provider.summarize_parsed(status if isinstance(status, int) else 200, headers,
+                                      body, message).get("model")
     return message, model if isinstance(model, str) else None
+
+
+def provider_name(provider: str, url: str) -> str:
+    """The conventions' name of the provider a call went to (``gen_ai.provider.name``):
+    Bedrock's is ``aws.bedrock``; Google's by its endpoint, ``gcp.gemini`` for the Gemini
+    API (generativelanguage.googleapis.com), ``gcp.vertex_ai`` for Vertex AI
+    (aiplatform.googleapis.com), known by the path each speaks when the host is neither
+    (a proxy, a gateway, a stub), else ``gcp.gen_ai`` (a Google endpoint, which one not
+    known)."""
+    if provider != "gemini":
+        return _PROVIDER_NAMES.get(provider, provider)
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    if host == "generativelanguage.googleapis.com":
+        return "gcp.gemini"
+    if host == "aiplatform.googleapis.com" or host.endswith("-aiplatform.googleapis.com"):
+        return "gcp.vertex_ai"
+    if "/publishers/google/models/" in parts.path:  # Vertex AI's resource path
+        return "gcp.vertex_ai"
+    if _GEMINI_API_PATH.match(parts.path):  # /v1beta/models/MODEL:generateContent
+        return "gcp.gemini"
+    return "gcp.gen_ai"
 
 
 def _model_attributes(obs: Mapping[str, Any], request: Any, content: bool
                       ) -> tuple[dict[str, Any], Status | None]:
     provider = providers.for_line(obs)
-    attrs: dict[str, Any] = {OPERATION: "chat", PROVIDER: str(obs.get("provider")
-                                                               or provider.name)}
+    attrs: dict[str, Any] = {OPERATION: "chat", PROVIDER: provider_name(
+        str(obs.get("provider") or provider.name), str(obs.get("url") or ""))}
     model = obs.get("model") or provider.request_model(request, obs.get("url") or "")
     if isinstance(model, str):
         attrs[REQUEST_MODEL] = model
@@ -127,12 +163,13 @@ def _model_attributes(obs: Mapping[str, Any], request: Any, content: bool
     if "response" in obs:
         attrs.update(_tokens(obs.get("usage")))
     if content:
-        attrs[INPUT_MESSAGES] = _text(input_messages(request))
-        system = system_instructions(request)
+        conv = provider.conversation(request, message)
+        attrs[INPUT_MESSAGES] = _text(input_messages(conv))
+        system = system_instructions(conv)
         if system:
             attrs[SYSTEM_INSTRUCTIONS] = _text(system)
         if message is not None:
-            attrs[OUTPUT_MESSAGES] = _text(output_messages(message, obs.get("stop_reason")))
+            attrs[OUTPUT_MESSAGES] = _text(output_messages(conv, obs.get("stop_reason")))
     if isinstance(obs.get("cost_usd"), int | float):
         attrs["deja.cost_usd"] = obs["cost_usd"]
     return attrs, _model_status(obs, attrs)
@@ -169,132 +206,62 @@ def _tool_attributes(obs: Mapping[str, Any], args: Any, call_id: str | None,
     return attrs, None
 
 
-def _tool_calls(message: Any) -> list[tuple[str, str, Any]]:
-    """(id, name, input) of the tool calls a model message asks for (Anthropic's
-    ``tool_use`` blocks, OpenAI's ``tool_calls`` and ``function_call`` items)."""
-    found: list[tuple[str, str, Any]] = []
-    if not isinstance(message, dict):
-        return found
-    blocks = list(message.get("content") or []) if isinstance(message.get("content"),
-                                                              list) else []
-    for choice in message.get("choices") or []:
-        if isinstance(choice, dict) and isinstance(choice.get("message"), dict):
-            blocks.extend(choice["message"].get("tool_calls") or [])
-    blocks.extend(message.get("output") or [] if isinstance(message.get("output"), list)
-                  else [])
-    for block in blocks:
-        if not isinstance(block, dict):
-            continue
-        if block.get("type") == "tool_use":
-            found.append((str(block.get("id")), str(block.get("name")), block.get("input")))
-        elif block.get("type") in ("function", "function_call"):
-            fn = _obj(block.get("function")) or block
-            found.append((str(block.get("call_id") or block.get("id")), str(fn.get("name")),
-                          _args(fn.get("arguments"))))
-    return found
+def reply_calls(obs: Mapping[str, Any], request: Any) -> list[ToolCall]:
+    """The tool calls the reply of model line ``obs`` (to ``request``) asks for, read
+    through its provider's conversation, whatever the provider."""
+    message, _ = _response(obs)
+    if message is None:
+        return []
+    answer = shape.reply(providers.for_line(obs).conversation(request, message))
+    return shape.tool_calls(answer) if answer is not None else []
 
 
 # ---------------------------------------------------------------------- content
 #
 # Messages in the conventions' form: {"role", "parts": [{"type": "text", "content"},
 # {"type": "tool_call", "id", "name", "arguments"}, {"type": "tool_call_response", "id",
-# "response"}, {"type": "reasoning", "content"}, ...]}, read from the Anthropic Messages
-# API, OpenAI Chat Completions and OpenAI Responses bodies. A block of another type is
-# kept as it is, under its own type.
-
-
-def _obj(value: Any) -> dict[str, Any]:
-    return value if isinstance(value, dict) else {}
-
-
-def _args(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except ValueError:
-            return value
-    return value
+# "response"}, {"type": "reasoning", "content"}, ...]}, read from the call's conversation
+# (recorder.providers.conversation), so every provider's call reads alike. A block of
+# another type is kept as it is, under its own type.
 
 
 def _part(block: Any) -> dict[str, Any]:
-    if isinstance(block, str):
-        return {"type": "text", "content": block}
+    what = shape.kind(block)
+    if what is BlockKind.TEXT:
+        return {"type": "text", "content": shape.text(block)}
+    if what is BlockKind.THINKING:
+        return {"type": "reasoning", "content": shape.text(block)}
+    if what is BlockKind.TOOL_USE:
+        call = shape.tool_call(block)
+        return {"type": "tool_call", "id": call.id, "name": call.name,
+                "arguments": call.input}
+    if what is BlockKind.TOOL_RESULT:
+        result = shape.tool_result(block)
+        return {"type": "tool_call_response", "id": result.tool_use_id,
+                "response": result.content}
     if not isinstance(block, dict):
         return {"type": "unknown", "content": block}
-    kind = block.get("type")
-    if kind in ("text", "input_text", "output_text"):
-        return {"type": "text", "content": block.get("text")}
-    if kind == "tool_use":
-        return {"type": "tool_call", "id": block.get("id"), "name": block.get("name"),
-                "arguments": block.get("input")}
-    if kind == "tool_result":
-        return {"type": "tool_call_response", "id": block.get("tool_use_id"),
-                "response": block.get("content")}
-    if kind == "function_call":
-        return {"type": "tool_call", "id": block.get("call_id"), "name": block.get("name"),
-                "arguments": _args(block.get("arguments"))}
-    if kind == "function_call_output":
-        return {"type": "tool_call_response", "id": block.get("call_id"),
-                "response": block.get("output")}
-    if kind == "thinking":
-        return {"type": "reasoning", "content": block.get("thinking")}
-    return {**block, "type": str(kind or "unknown")}
+    return {**block, "type": shape.type_name(block) or "unknown"}
 
 
-def _message(msg: Any) -> dict[str, Any]:
-    if not isinstance(msg, dict):
-        return {"role": "user", "parts": [_part(msg)]}
-    if "role" not in msg and msg.get("type") in ("function_call", "function_call_output"):
-        role = "assistant" if msg["type"] == "function_call" else "tool"
-        return {"role": role, "parts": [_part(msg)]}
-    content = msg.get("content")
-    parts = [_part(b) for b in content] if isinstance(content, list) else (
-        [_part(content)] if content is not None else [])
-    if msg.get("role") == "tool":  # an OpenAI chat tool result
-        parts = [{"type": "tool_call_response", "id": msg.get("tool_call_id"),
-                  "response": content}]
-    for call in msg.get("tool_calls") or []:
-        if not isinstance(call, dict):
-            continue
-        fn = _obj(call.get("function"))
-        parts.append({"type": "tool_call", "id": call.get("id"), "name": fn.get("name"),
-                      "arguments": _args(fn.get("arguments"))})
-    return {"role": str(msg.get("role") or "user"), "parts": parts}
+def _message(turn: Any, role: str = "user") -> dict[str, Any]:
+    return {"role": shape.role(turn) or role, "parts": [_part(b) for b in shape.blocks(turn)]}
 
 
-def input_messages(request: Any) -> list[dict[str, Any]]:
+def input_messages(conv: Conversation) -> list[dict[str, Any]]:
     """The conversation a model request sends, in the conventions' form."""
-    if not isinstance(request, dict):
-        return []
-    given = request.get("messages", request.get("input"))
-    if isinstance(given, str):
-        given = [{"role": "user", "content": given}]
-    return [_message(m) for m in given or [] if not (isinstance(m, dict)
-                                                    and m.get("type") == "reasoning")]
+    return [_message(turn) for turn in shape.turns(conv)]
 
 
-def system_instructions(request: Any) -> list[dict[str, Any]]:
+def system_instructions(conv: Conversation) -> list[dict[str, Any]]:
     """The instructions a request gives apart from its messages (Anthropic's ``system``,
-    the Responses API's ``instructions``)."""
-    if not isinstance(request, dict):
-        return []
-    given = request.get("system", request.get("instructions"))
-    if given is None:
-        return []
-    return [_part(b) for b in given] if isinstance(given, list) else [_part(given)]
+    the Responses API's ``instructions``, Gemini's ``systemInstruction``)."""
+    return [_part(block) for block in shape.system(conv)]
 
 
-def output_messages(message: Any, stop_reason: Any) -> list[dict[str, Any]]:
+def output_messages(conv: Conversation, stop_reason: Any) -> list[dict[str, Any]]:
     """What a model response says, in the conventions' form, with its finish reason."""
-    if not isinstance(message, dict):
+    answer = shape.reply(conv)
+    if answer is None:
         return []
-    if isinstance(message.get("choices"), list):  # Chat Completions
-        return [{**_message(c.get("message") or {}), "finish_reason": c.get("finish_reason")}
-                for c in message["choices"] if isinstance(c, dict)]
-    if isinstance(message.get("output"), list):  # Responses
-        parts = [p for item in message["output"] if isinstance(item, dict)
-                 for p in (_message(item)["parts"] if item.get("type") == "message"
-                           else [_part(item)])]
-        return [{"role": "assistant", "parts": parts, "finish_reason": stop_reason}]
-    return [{**_message(message), "role": str(message.get("role") or "assistant"),
-             "finish_reason": stop_reason}]
+    return [{**_message(answer, "assistant"), "finish_reason": stop_reason}]

@@ -4,14 +4,17 @@ A loaded (and checked) cassette becomes one trace, built with the OpenTelemetry 
 
 - one ``invoke_agent`` span for the run, the root (``gen_ai.agent.name`` from the run's
   ``agent`` label, else its command);
-- one ``chat {model}`` span per model call, a child of the root: provider, request and
-  response model, response id, finish reasons, token usage, an error status for an API
-  error or a failed exchange;
+- one ``chat {model}`` span per model call, a child of the root: provider (by the
+  conventions' names: ``anthropic``, ``openai``, ``aws.bedrock``, ``gcp.gemini`` or
+  ``gcp.vertex_ai`` for Gemini), request and response model, response id, finish
+  reasons, token usage, an error status for an API error or a failed exchange;
 - one ``execute_tool {name}`` span per tool call (a ``tool`` line, or a side effect's
   ``outcome`` line, timed from its ``intent``), a child of the root.
 
 What a step's span holds, in the conventions' terms (their attribute names, token usage,
-message content), is :mod:`recorder._otel_genai`.
+message content), is :mod:`recorder._otel_genai`; a call's messages and the tool calls a
+reply asks for (whose ids a tool span carries) are read through its provider's
+conversation, whatever the provider.
 
 Every exported string (attributes, status descriptions, span names) goes through the run's
 redaction rules with today's built-in ones (:meth:`Redaction.latest`): what a cassette
@@ -62,15 +65,15 @@ from recorder._otel_genai import (
     REQUEST_MODEL,
     TOOL_NAME,
     _model_attributes,
-    _response,
     _tool_attributes,
-    _tool_calls,
+    reply_calls,
 )
 from recorder.capture.redact import DEFAULT, Redaction
 from recorder.cassette import Cassette
 from recorder.cassette.schema import Kind, run_status
 from recorder.errors import ConfigError, ExportFailed
 from recorder.harness.progress import read_status
+from recorder.providers.conversation import ToolCall
 
 __all__ = ["root_span_id", "send", "to_json", "to_spans", "trace_id"]
 
@@ -206,7 +209,7 @@ def to_spans(cassette: Cassette, *, content: bool = False) -> list[ReadableSpan]
         root.set_attribute(ERROR_TYPE, rules.text(str(err.get("type") or "error")))
         root.set_status(Status(StatusCode.ERROR, rules.text(str(err.get("message")
                                                                 or "the run failed"))))
-    pending: list[tuple[str, str, Any]] = []  # tool calls the last model reply asked for
+    pending: list[ToolCall] = []  # tool calls the last model reply asked for
     intents: dict[Any, Mapping[str, Any]] = {o["seq"]: o for o in steps
                                              if o.get("kind") == Kind.INTENT}
     for index, obs in enumerate(steps):
@@ -216,7 +219,7 @@ def to_spans(cassette: Cassette, *, content: bool = False) -> list[ReadableSpan]
             name = f"chat {attrs.get(REQUEST_MODEL, '')}".strip()
             span_kind = SpanKind.CLIENT
             if "within" not in obs:
-                pending = _tool_calls(_response(obs)[0])
+                pending = reply_calls(obs, cassette.requests.get(obs["seq"]))
         elif kind in (Kind.TOOL, Kind.OUTCOME):
             intent = intents.get(obs.get("intent"), {}) if kind == Kind.OUTCOME else obs
             args = intent.get("args")
@@ -294,13 +297,13 @@ def _run_end(cassette: Cassette) -> int:
     return max(ends)
 
 
-def _match(pending: list[tuple[str, str, Any]], name: str, args: Any) -> str | None:
+def _match(pending: list[ToolCall], name: str, args: Any) -> str | None:
     """The id of the tool call the last model reply made with this name and arguments
     (taken, so that two identical calls get their own ids in order)."""
-    for index, (call_id, called, given) in enumerate(pending):
-        if called == name and given == args:
+    for index, call in enumerate(pending):
+        if call.name == name and call.input == args:
             del pending[index]
-            return call_id
+            return call.id
     return None
 
 
