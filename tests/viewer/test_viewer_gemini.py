@@ -68,7 +68,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 
-def test_function_calls_and_responses_are_tool_blocks(run: Path) -> None:
+def test_a_gemini_step_reads_as_tool_blocks_and_is_found_by_what_it_says(run: Path) -> None:
     first = queries.step_detail(run, 0).conversation
     assert first is not None
     assert first["system"] == [{"type": "text", "text": SYSTEM}]
@@ -87,21 +87,21 @@ def test_function_calls_and_responses_are_tool_blocks(run: Path) -> None:
     assert [b["raw"] for b in result["blocks"]] == [FORECAST]
     assert second["response"]["blocks"] == [{"type": "text", "text": ANSWER}]
 
-
-def test_the_search_finds_what_a_gemini_step_says(run: Path) -> None:
-    first, second = load(run)
-    assert PROMPT in searchable_text(first) and SYSTEM in searchable_text(first)
-    assert LOOKING in searchable_text(first) and "get_weather" in searchable_text(first)
-    assert "Reykjavik" in searchable_text(first)  # the call's arguments
-    words = searchable_text(second)  # what the second request adds, and its reply
+    # the search reads the same conversation: the prompt, the call, the response, the reply
+    one, two = load(run)
+    assert PROMPT in searchable_text(one) and SYSTEM in searchable_text(one)
+    assert LOOKING in searchable_text(one) and "get_weather" in searchable_text(one)
+    assert "Reykjavik" in searchable_text(one)  # the call's arguments
+    words = searchable_text(two)  # what the second request adds, and its reply
     assert "heavy snow" in words and ANSWER in words and PROMPT not in words
+
+
+def test_the_step_page_draws_the_call_and_response_and_the_search_finds_the_run(
+        run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with RunIndex(run.parent) as idx:
         idx.refresh()
         assert len(queries.list_runs(idx, text="heavy SNOW")) == 1
-
-
-def test_the_step_page_draws_the_function_call_and_response(
-        run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        assert len(queries.list_runs(idx, text="Reykjavik")) == 1
     monkeypatch.setenv("DEJA_VIEW_DIR", str(run.parent))
     at = AppTest.from_file(str(APP), default_timeout=30)
     at.query_params.update(run=load(run).run, step="1")
