@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
-from google import genai
-from google.genai import types
+from gemini_helpers import MODEL, function_config, function_loop
 
 import recorder
 from deja.cli import main as cli_main
@@ -25,7 +24,6 @@ from recorder import otel
 from recorder._otel_genai import provider_name
 from recorder.testing.server import StubServer
 
-MODEL = "gemini-2.5-flash"
 API_KEY = "AIzaSyD-deja-otel-SECRET-0123456789ab"
 PROMPT = "What is the weather in Oslo?"
 SYSTEM = "Answer in one sentence."
@@ -34,13 +32,8 @@ SCRIPT = {"select": "conversation", "turns": [
     {"text": "Let me look.", "tool_use": {"name": "get_weather", "input": {"city": "Oslo"}},
      "usage": USAGE},
     {"text": "It is snowing in Oslo.", "usage": USAGE}]}
-CONFIG = types.GenerateContentConfig(
-    system_instruction=SYSTEM, max_output_tokens=256,
-    tools=[types.Tool(function_declarations=[types.FunctionDeclaration(
-        name="get_weather", description="The weather in a city today.",
-        parameters=types.Schema(type=types.Type.OBJECT,
-                                properties={"city": types.Schema(type=types.Type.STRING)}))])],
-    automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True))
+CONFIG = function_config("get_weather", "city", "The weather in a city today.",
+                         system_instruction=SYSTEM, max_output_tokens=256)
 FORECAST = {"forecast": "snow", "celsius": -4}
 
 Stub = Callable[[dict], StubServer]
@@ -54,22 +47,10 @@ def get_weather(city: str) -> dict[str, Any]:
 def record(stub: Stub, path: Path, *, vertex: bool = False) -> list[str]:
     """Record the loop; the response ids the SDK saw."""
     server = stub(SCRIPT)
-    options = types.HttpOptions(base_url=server.url)
-    ids: list[str] = []
-    with recorder.record(path, labels={"agent": "weather"}), \
-            genai.Client(api_key=API_KEY, vertexai=vertex, http_options=options) as client:
-        contents: list[Any] = [PROMPT]
-        while True:
-            response = client.models.generate_content(model=MODEL, contents=contents,
-                                                      config=CONFIG)
-            ids.append(str(response.response_id))
-            if not response.function_calls:
-                return ids
-            contents.append(response.candidates[0].content)
-            contents.append(types.Content(role="user", parts=[
-                types.Part.from_function_response(name=call.name or "",
-                                                  response=get_weather(**(call.args or {})))
-                for call in response.function_calls]))
+    with recorder.record(path, labels={"agent": "weather"}):
+        turns = function_loop(server.url, API_KEY, PROMPT, CONFIG,
+                              lambda call: get_weather(**(call.args or {})), vertex=vertex)
+    return [str(response.response_id) for [response] in turns]
 
 
 def attributes(span: Any) -> dict[str, Any]:

@@ -13,25 +13,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from google import genai
+from gemini_helpers import function_config, function_loop, text_of
 from google.genai import errors, types
 from proxy_helpers import ProxyProcess, cassettes, lines, load_verified
 
 from recorder.testing.server import StubServer
 
-MODEL = "gemini-2.5-flash"
 API_KEY = "AIzaSyD-deja-proxy-TOOLS-0123456789ab"
 MEANINGS = {"deja": "already", "vu": "seen"}
 SCRIPT = {"select": "conversation", "turns": [
     {"text": "Let me look.", "tool_use": {"name": "lookup", "input": {"word": "deja"}}},
     {"tool_use": {"name": "lookup", "input": {"word": "vu"}}},
     {"text": "It means already seen."}]}
-CONFIG = types.GenerateContentConfig(
-    tools=[types.Tool(function_declarations=[types.FunctionDeclaration(
-        name="lookup", description="Look a word up.",
-        parameters=types.Schema(type=types.Type.OBJECT,
-                                properties={"word": types.Schema(type=types.Type.STRING)}))])],
-    automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True))
+CONFIG = function_config("lookup", "word", "Look a word up.")
 
 Proxy = Callable[..., ProxyProcess]
 Stub = Callable[[dict], StubServer]
@@ -39,25 +33,12 @@ Stub = Callable[[dict], StubServer]
 
 def agent(url: str, stream: bool, meanings: dict[str, str] = MEANINGS) -> str:
     """Ask, run each function call the model asks for, until it answers in text."""
-    contents: list[Any] = ["What does 'deja vu' mean?"]
-    with genai.Client(api_key=API_KEY, http_options=types.HttpOptions(base_url=url)) as c:
-        while True:
-            if stream:
-                chunks = list(c.models.generate_content_stream(model=MODEL, contents=contents,
-                                                               config=CONFIG))
-            else:
-                chunks = [c.models.generate_content(model=MODEL, contents=contents,
-                                                    config=CONFIG)]
-            calls = [call for ch in chunks for call in ch.function_calls or []]
-            if not calls:
-                return "".join(ch.text or "" for ch in chunks)
-            contents.append(types.Content(role="model", parts=[
-                part for ch in chunks for part in ch.candidates[0].content.parts]))
-            contents.append(types.Content(role="user", parts=[
-                types.Part.from_function_response(
-                    name=call.name or "",
-                    response={"meaning": meanings[str((call.args or {})["word"])]})
-                for call in calls]))
+    def lookup(call: types.FunctionCall) -> dict[str, Any]:
+        return {"meaning": meanings[str((call.args or {})["word"])]}
+
+    turns = function_loop(url, API_KEY, "What does 'deja vu' mean?", CONFIG, lookup,
+                          stream=stream)
+    return text_of(turns[-1])
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])

@@ -7,11 +7,9 @@ reply. One run recorded with the real google-genai SDK against the stub server."
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from google import genai
-from google.genai import types
+from gemini_helpers import function_config, function_loop
 from streamlit.testing.v1 import AppTest
 
 import recorder
@@ -21,7 +19,6 @@ from viewer import queries
 from viewer.content import searchable_text
 from viewer.index import RunIndex
 
-MODEL = "gemini-2.5-flash"
 KEY = "test-key-0123456789abcdef"  # conftest's key: the run verifies in every test
 APP = Path(__file__).resolve().parents[2] / "viewer" / "app.py"
 PROMPT = "What is the weather in Reykjavik?"
@@ -30,28 +27,14 @@ LOOKING, ANSWER = "Let me look.", "Snowing in Reykjavik, minus three."
 SCRIPT = {"select": "conversation", "turns": [
     {"text": LOOKING, "tool_use": {"name": "get_weather", "input": {"city": "Reykjavik"}}},
     {"text": ANSWER}]}
-CONFIG = types.GenerateContentConfig(
-    system_instruction=SYSTEM,
-    tools=[types.Tool(function_declarations=[types.FunctionDeclaration(
-        name="get_weather", description="The weather in a city today.",
-        parameters=types.Schema(type=types.Type.OBJECT,
-                                properties={"city": types.Schema(type=types.Type.STRING)}))])],
-    automatic_function_calling=types.AutomaticFunctionCallingConfig(disable=True))
+CONFIG = function_config("get_weather", "city", "The weather in a city today.",
+                         system_instruction=SYSTEM)
 FORECAST = {"forecast": "heavy snow", "celsius": -3}
 
 
 def agent(url: str) -> None:
-    contents: list[Any] = [PROMPT]
-    with genai.Client(api_key="AIzaSyD-deja-viewer-0123456789abcdefgh",
-                      http_options=types.HttpOptions(base_url=url)) as c:
-        while True:
-            response = c.models.generate_content(model=MODEL, contents=contents, config=CONFIG)
-            if not response.function_calls:
-                return
-            contents.append(response.candidates[0].content)
-            contents.append(types.Content(role="user", parts=[
-                types.Part.from_function_response(name=call.name or "", response=FORECAST)
-                for call in response.function_calls]))
+    function_loop(url, "AIzaSyD-deja-viewer-0123456789abcdefgh", PROMPT, CONFIG,
+                  lambda call: FORECAST)
 
 
 @pytest.fixture(scope="module")
