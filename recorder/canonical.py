@@ -10,6 +10,7 @@ line, it never surfaces as a bare ``ValueError`` or ``RecursionError``.
 from __future__ import annotations
 
 import base64
+import collections
 import hashlib
 import json
 import zlib
@@ -94,9 +95,10 @@ def http_target(url: str) -> str:
 def fingerprint(kind: str, method: str, url: str, body: Any) -> str:
     """What a replayed call is matched by: the semantic request, never volatile headers.
 
-    A model call is identified by its endpoint path and JSON body (model, system, messages,
-    tools, parameters), not the host, so a replay may point the agent at another base URL
-    (see :func:`model_fingerprint`, which a provider uses for its calls).
+    A model call is identified by its endpoint path and JSON body (its settings and its
+    conversation), not the host, so a replay may point the agent at another base URL (see
+    :func:`model_fingerprint`, which a provider uses for its calls, naming the field that
+    holds the conversation).
     """
     if kind == "model":
         return model_fingerprint(method, url, body)
@@ -110,37 +112,75 @@ class Parts:
     A part is remembered by its object (a cassette's requests share their history with the
     request they extend, object for object) or by its exact JSON text as received (equal
     text is an equal value, types included; equality of parsed values would take ``1``,
-    ``1.0`` and ``True`` for one another). Bounded: it starts over past :attr:`LIMIT`
+    ``1.0`` and ``True`` for one another). A conversation's list is hashed as a chain, a
+    digest after each item that covers every item up to it, so that a list that extends a
+    known one costs only the items it adds. Bounded: it starts over past :attr:`LIMIT`
     parts.
     """
 
     LIMIT = 16384
+    RECENT = 8  # lists of texts compared with a new one (conversations may interleave)
 
     def __init__(self) -> None:
         self._by_object: dict[int, tuple[Any, str]] = {}
         self._by_text: dict[str, str] = {}
-        self._lists: dict[int, tuple[list[Any], list[str]]] = {}
+        self._lists: dict[int, tuple[list[Any], list[str]]] = {}  # a list's chain, by its id
+        self._texts: collections.deque[tuple[list[str], list[str]]] = collections.deque(
+            maxlen=self.RECENT)  # the chains of recent lists of texts
 
-    def messages(self, messages: list[Any]) -> list[str]:
-        """The digests of a request's messages: those of the list it extends (see
-        :meth:`extend`), and of each message it adds."""
-        hit = self._lists.get(id(messages))
-        if hit is not None and hit[0] is messages:
+    def history(self, items: list[Any], texts: list[str] | None = None) -> str:
+        """The digest of a conversation's list ``items`` (``texts``: the exact JSON text of
+        each item as received, or None): the last link of its chain."""
+        chain = self._by_texts(items, texts) if texts is not None else self._chain(items)
+        return chain[-1] if chain else ""
+
+    def extend(self, items: list[Any], base: list[Any], keep: int) -> None:
+        """``items`` starts with the first ``keep`` items of ``base`` (the same objects,
+        as a cassette's requests share their history): hash only the rest."""
+        known = self._chain(base)[:keep]
+        self._remember(items, self._continued(known, items[len(known):]))
+
+    def _chain(self, items: list[Any]) -> list[str]:
+        """The chain of ``items``, remembered by the list's identity."""
+        hit = self._lists.get(id(items))
+        if hit is not None and hit[0] is items:
             return hit[1]
-        out = [self.of(m) for m in messages]
-        self._remember(messages, out)
-        return out
+        chain = self._continued([], items)
+        self._remember(items, chain)
+        return chain
 
-    def extend(self, messages: list[Any], base: list[Any], keep: int) -> None:
-        """``messages`` starts with the first ``keep`` messages of ``base`` (the same
-        objects, as a cassette's requests share their history): hash only the rest."""
-        known = self.messages(base)[:keep]
-        self._remember(messages, known + [self.of(m) for m in messages[len(known):]])
+    def _by_texts(self, items: list[Any], texts: list[str]) -> list[str]:
+        """The chain of ``items`` read from ``texts``, continued from the recent list of
+        texts that ``texts`` shares most first items with (compared in C, and cheaply: the
+        texts a reader takes over from an earlier body are the same string objects)."""
+        known: list[str] = []
+        for seen, chain in reversed(self._texts):
+            if seen is texts:
+                return chain
+            n = _shared(seen, texts)
+            if n > len(known):
+                known = chain[:n]
+            if n == len(seen):  # the conversation grew from it
+                break
+        n = len(known)
+        chain = known if n == len(texts) else self._continued(known, items[n:], texts[n:])
+        self._texts.append((texts, chain))
+        return chain
 
-    def _remember(self, messages: list[Any], digests: list[str]) -> None:
+    def _continued(self, known: list[str], items: list[Any],
+                   texts: list[str] | None = None) -> list[str]:
+        """A new chain: ``known`` continued over ``items`` (read from ``texts``)."""
+        chain = list(known)
+        last = chain[-1] if chain else ""
+        for i, item in enumerate(items):
+            last = _link(last, self.of(item, texts[i] if texts is not None else None))
+            chain.append(last)
+        return chain
+
+    def _remember(self, items: list[Any], chain: list[str]) -> None:
         if len(self._lists) >= self.LIMIT:
             self._lists.clear()
-        self._lists[id(messages)] = (messages, digests)
+        self._lists[id(items)] = (items, chain)
 
     def of(self, value: Any, text: str | None = None) -> str:
         if text is not None:
@@ -160,39 +200,55 @@ class Parts:
         return out
 
 
-# The raw JSON text of a request's top-level fields, and of each of its messages.
+def _shared(a: list[str], b: list[str]) -> int:
+    """How many first items ``a`` and ``b`` have in common: all of the shorter, as a
+    growing conversation has, in one comparison; else found by halving."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while lo < hi:  # a[:lo] == b[:lo], and they differ before hi
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _link(previous: str, item: str) -> str:
+    """The link of a chain after an item of digest ``item``: both digests are fixed-width
+    hex, so joining them is unambiguous."""
+    return hashlib.sha256(f"{previous},{item}".encode("ascii")).hexdigest()[:32]
+
+
+# The raw JSON text of a request's top-level fields but its history, and of each item of
+# its history (see :class:`recorder.capture.exchange.RequestReader`).
 Texts = tuple[dict[str, str], list[str]]
 
 
 def model_fingerprint(method: str, url: str, body: Any, parts: Parts | None = None,
-                      texts: Texts | None = None) -> str:
+                      texts: Texts | None = None, history: str | None = None) -> str:
     """A model call's fingerprint: its endpoint path and its semantic request.
 
-    A request with a ``messages`` list is hashed as the digests of its parts (each
-    top-level field, each message), so that ``parts`` can remember the history a
-    conversation repeats; ``texts`` are the parts as received (see :class:`Parts`). Two
-    requests have the same fingerprint exactly when every part has the same canonical
-    JSON. Anything else is hashed whole.
+    ``history`` names the field of ``body`` that holds its conversation as a list (the
+    provider's to say: :meth:`recorder.providers.Format.history_field`). A request with
+    one is hashed as the digests of its parts (each other top-level field, and the list
+    as a chain over its items), so that ``parts`` can remember the history a conversation
+    repeats; ``texts`` are the parts as received (see :class:`Parts`). Two such requests
+    have the same fingerprint exactly when they have the same history field and every
+    part has the same canonical JSON. Anything else is hashed whole.
     """
     path = urlsplit(url).path.rstrip("/")
-    messages = body.get("messages") if isinstance(body, dict) else None
-    if not isinstance(messages, list):
+    items = body.get(history) if history is not None and isinstance(body, dict) else None
+    if not isinstance(items, list):
         return digest(["model", method.upper(), path, body])
-    of = parts.of if parts is not None else _part
-    fields, bodies = texts if texts is not None else ({}, None)
-    head = {k: of(v, fields.get(k)) for k, v in body.items() if k != "messages"}
-    if bodies is not None and len(bodies) == len(messages):
-        listed = [of(m, t) for m, t in zip(messages, bodies, strict=True)]
-    elif parts is not None:
-        listed = parts.messages(messages)
-    else:
-        listed = [of(m, None) for m in messages]
-    # The messages' digests are fixed-width hex, so joining them is unambiguous (and much
-    # cheaper than encoding the list); the canonical JSON before them ends where it ends.
-    joined = canonical(["model/parts", method.upper(), path, head]) + b"|" + \
-        ",".join(listed).encode("ascii")
+    parts = parts if parts is not None else Parts()
+    fields, listed = texts if texts is not None else ({}, None)
+    head = {k: parts.of(v, fields.get(k)) for k, v in body.items() if k != history}
+    last = parts.history(items, listed if listed is not None and len(listed) == len(items)
+                         else None)
+    # The chain's last link is fixed-width hex; the canonical JSON before it ends where it
+    # ends.
+    joined = canonical(["model/history", method.upper(), path, history, head]) + b"|" + \
+        last.encode("ascii")
     return hashlib.sha256(joined).hexdigest()[:32]
-
-
-def _part(value: Any, text: str | None = None) -> str:
-    return digest(value)

@@ -56,7 +56,7 @@ from recorder.errors import (
     RunStopped,
     UnserializableValue,
 )
-from recorder.providers import model_provider
+from recorder.providers import Provider, for_url
 from recorder.serving import BodyStalled, BodyTooLarge, ClientLeft, read_body
 
 __all__ = ["Proxy"]
@@ -242,8 +242,10 @@ class Proxy:
         request = HttpRequest(ex.method, url, forwardable(headers), body)
         parsed: Any = None
         keys: list[str] | None = None
-        if model_provider(ex.method, url):
-            parsed, keys = await off_loop(len(body), self._read_model_request, body, ex)
+        provider = for_url(ex.method, url)
+        if provider is not None:
+            parsed, keys = await off_loop(len(body), self._read_model_request, provider, body,
+                                          ex)
         previous = parsed.get("previous_response_id") if isinstance(parsed, dict) else None
         run = await self._route(named, headers, keys, ex,
                                 previous if isinstance(previous, str) else None)
@@ -282,8 +284,9 @@ class Proxy:
         except ClientLeft:
             raise ClientGone("the client went away while sending its request") from None
 
-    def _read_model_request(self, body: bytes, ex: Exchange) -> tuple[Any, list[str] | None]:
-        parsed, problem, texts = self._reader.read(body)
+    def _read_model_request(self, provider: Provider, body: bytes,
+                            ex: Exchange) -> tuple[Any, list[str] | None]:
+        parsed, problem, texts = self._reader.read(body, provider.history_field)
         if not isinstance(parsed, dict):
             what = problem or ("is not JSON" if parsed is not None or body else "is empty")
             if isinstance(parsed, (list, str, int, float, bool)) or (parsed is None and body):
@@ -294,8 +297,11 @@ class Proxy:
         items = conversation_items(parsed)
         if items is None:
             return parsed, None
-        # the body's texts are those of its messages (a Responses input is keyed by its JSON)
-        known = texts[1] if texts and items is parsed.get("messages") else None
+        # the body's texts are those of its history: the conversation's items when they are
+        # the list its provider names (else, as for an input that is one string, by JSON)
+        history = provider.history_field(parsed)
+        known = texts[1] if texts and history is not None and items is parsed.get(history) \
+            else None
         return parsed, message_keys(items, known)
 
     async def _route(self, named: dict[str, str], headers: list[tuple[str, str]],

@@ -18,7 +18,7 @@ import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from recorder import providers
@@ -33,13 +33,10 @@ from recorder.canonical import (
 from recorder.capture.redact import Redaction
 from recorder.cassette.schema import Kind
 from recorder.errors import UnserializableValue
-from recorder.providers import (
-    model_provider,
-    volatile_header,
-)
+from recorder.providers import volatile_header
 
-__all__ = ["RETRYABLE_STATUSES", "HttpRequest", "HttpResponse", "RequestReader", "classify",
-           "classify_texts", "json_body", "pretty", "request_fingerprint",
+__all__ = ["RETRYABLE_STATUSES", "History", "HttpRequest", "HttpResponse", "RequestReader",
+           "classify", "classify_texts", "json_body", "pretty", "request_fingerprint",
            "response_from_record", "response_record", "semantic_headers", "upstream"]
 
 # Statuses after which the SDKs retry; on replay their wait is cut to nothing.
@@ -148,38 +145,61 @@ class _Bad(Exception):
     """Not a plain JSON object: the caller parses it the usual way, and says why."""
 
 
-@dataclass
-class _Read:
-    """A request body read member by member: the object, the exact text of each member's
-    value, and where each element of its ``messages`` array ends in the text."""
+# A provider's rule for the field of a parsed request body that holds its conversation as
+# a list (:meth:`recorder.providers.Format.history_field`); None: the body has none.
+History = Callable[[Any], str | None]
 
-    text: str
-    obj: dict[str, Any]
-    fields: dict[str, str]
-    head: tuple[dict[str, Any], dict[str, str]] | None = None  # the members before messages
+
+@dataclass
+class _List:
+    """A list read item by item: the items, the exact text of each, and where each ends in
+    the body's text."""
+
     items: list[Any] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
 
+
+@dataclass
+class _Read:
+    """A request body read member by member: the object, the exact text of each member's
+    value but its history's, and its history (the list member ``history``, read item by
+    item)."""
+
+    text: str
+    obj: dict[str, Any]
+    fields: dict[str, str]
+    history: str | None = None  # the member that holds the conversation, once known
+    head: tuple[dict[str, Any], dict[str, str]] | None = None  # the members before it
+    items: _List = field(default_factory=_List)
+    # While a body is read from its start, which of its members is the history is not
+    # known yet: each list member is read item by item, with the members before it.
+    lists: dict[str, tuple[_List, tuple[dict[str, Any], dict[str, str]]]] | None = None
+    twice: set[str] = field(default_factory=set)  # members the body holds more than once
+
     @functools.cached_property
     def prefix(self) -> str:
-        """The text up to the end of the last message: what a later request of the same
-        conversation starts with."""
-        return self.text[:self.ends[-1]] if self.ends else "\0"
+        """The text up to the end of the history's last item: what a later request of the
+        same conversation starts with."""
+        return self.text[:self.items.ends[-1]] if self.items.ends else "\0"
 
 
 def _read_object(text: str, resume: _Read | None = None, upto: int = 0) -> _Read:
-    """Read a JSON object with the json module's own scanner, one member (and one message)
-    at a time. With ``resume``, a body read before whose text agrees with ``text`` for the
-    first ``upto`` characters, the messages that end within them are taken as they were."""
-    k = bisect.bisect_right(resume.ends, upto) if resume is not None else 0
-    if resume is not None and resume.head is not None and k:
+    """Read a JSON object with the json module's own scanner, one member (and one item of
+    a list) at a time. With ``resume``, a body read before whose text agrees with ``text``
+    for the first ``upto`` characters, the items of its history that end within them are
+    taken as they were."""
+    known = resume.items if resume is not None else None
+    k = bisect.bisect_right(known.ends, upto) if known is not None else 0
+    if resume is not None and known is not None and resume.head is not None and k:
         head_obj, head_fields = resume.head
-        read = _Read(text, dict(head_obj), dict(head_fields), resume.head,
-                     resume.items[:k], resume.texts[:k], resume.ends[:k])
-        i = _messages(text, read, resume.ends[k - 1], more=True)
+        items = _List(known.items[:k], known.texts[:k], known.ends[:k])
+        read = _Read(text, dict(head_obj), dict(head_fields), resume.history, resume.head,
+                     items)
+        read.obj[cast(str, resume.history)] = items.items
+        i = _items(text, items, known.ends[k - 1], more=True)
     else:
-        read = _Read(text, {}, {})
+        read = _Read(text, {}, {}, lists={})
         i = _skip(text, 0)
         if not text.startswith("{", i):
             raise _Bad
@@ -205,39 +225,38 @@ def _member(text: str, read: _Read, i: int) -> int:
     if not text.startswith(":", i):
         raise _Bad
     i = _skip(text, i + 1)
-    if key == "messages":
-        if read.head is not None or not text.startswith("[", i):
-            raise _Bad  # twice, or not a list: read the usual way, without its parts
-        read.fields.pop(key, None)
-        read.head = (dict(read.obj), dict(read.fields))
-        return _messages(text, read, i + 1, more=False)
+    if key in read.obj:
+        if key == read.history:
+            raise _Bad  # the history twice: read the usual way, without its parts
+        read.twice.add(key)
     start = i
-    read.obj[key], i = _SCAN(text, i)
+    if read.lists is not None and text.startswith("[", i):
+        listed = _List()
+        read.lists[key] = (listed, (dict(read.obj), dict(read.fields)))
+        read.obj[key] = listed.items
+        i = _items(text, listed, i + 1, more=False)
+    else:
+        read.obj[key], i = _SCAN(text, i)
     read.fields[key] = text[start:i]
     return i
 
 
-def _messages(text: str, read: _Read, i: int, *, more: bool) -> int:
-    """The elements of the messages array from ``i`` (after its ``[``, or, with ``more``,
-    after an element) to its ``]``; returns where it ends."""
-    read.obj["messages"] = read.items
-    if not more:
-        i = _skip(text, i)
-        if text.startswith("]", i):
-            return i + 1
-    else:
-        i = _skip(text, i)
-        if text.startswith("]", i):
-            return i + 1
+def _items(text: str, into: _List, i: int, *, more: bool) -> int:
+    """The items of an array from ``i`` (after its ``[``, or, with ``more``, after an
+    item) to its ``]``, each with its text; returns where the array ends."""
+    i = _skip(text, i)
+    if text.startswith("]", i):
+        return i + 1
+    if more:
         if not text.startswith(",", i):
             raise _Bad
         i = _skip(text, i + 1)
     while True:
         start = i
         value, i = _SCAN(text, i)
-        read.items.append(value)
-        read.texts.append(text[start:i])
-        read.ends.append(i)
+        into.items.append(value)
+        into.texts.append(text[start:i])
+        into.ends.append(i)
         i = _skip(text, i)
         if text.startswith(",", i):
             i = _skip(text, i + 1)
@@ -253,13 +272,41 @@ def _end(text: str, read: _Read, i: int) -> _Read:
     return read
 
 
+def _settle(read: _Read, history: History) -> None:
+    """Name ``read``'s history as the provider's rule does (None: it has none, or one
+    this read cannot tell apart), once the whole body is read."""
+    lists, read.lists = read.lists, None
+    found = history(read.obj)
+    if lists is not None:  # read from the start: the history is one of its lists
+        if found is None or found not in lists or found in read.twice:
+            return
+        read.history, (read.items, read.head) = found, lists[found]
+        del read.fields[found]
+    elif found != read.history:  # taken over from a body the rule read otherwise
+        read.history = None
+
+
+_SURROGATE_TEXT = re.compile(_SURROGATE_ESCAPE.pattern.decode("ascii"))
+
+
+def _surrogate_escape(data: bytes, text: str, known: int) -> bool:
+    """Does ``data`` (as ``text``) hold a surrogate escape, which only a full parse checks?
+    Its first ``known`` characters are a body read before, which held none: only the rest
+    is searched (from a little before, though a history's item never ends within one)."""
+    if not known:
+        return _SURROGATE_ESCAPE.search(data) is not None
+    return _SURROGATE_TEXT.search(text, max(known - 5, 0)) is not None
+
+
 class RequestReader:
     """Reads the JSON bodies of model requests, each from where it stops repeating a recent
-    one: a conversation resends its whole history every turn, and only the messages it
-    adds are parsed (and, by :class:`recorder.canonical.Parts`, hashed). An earlier body's
-    messages are taken only when the new text starts with that body's text up to the end
-    of its last message, character for character, so the result is exactly what a full
-    parse gives; anything else (an edited history) is parsed whole. Thread-safe."""
+    one: a conversation resends its whole history every turn, and only the items it adds
+    are parsed (and, by :class:`recorder.canonical.Parts`, hashed). Which member holds the
+    history is the provider's to say (``history``, a :data:`History` rule). An earlier
+    body's items are taken only when the new text starts with that body's text up to the
+    end of its history's last item, character for character, so the result is exactly
+    what a full parse gives; anything else (an edited history) is parsed whole.
+    Thread-safe."""
 
     MEMORY = 4  # recent bodies to compare a new one with (conversations may interleave)
 
@@ -267,27 +314,37 @@ class RequestReader:
         self._recent: collections.deque[_Read] = collections.deque(maxlen=self.MEMORY)
         self._lock = threading.Lock()
 
-    def read(self, data: bytes) -> tuple[Any, str | None, Texts | None]:
+    def read(self, data: bytes, history: History | None = None
+             ) -> tuple[Any, str | None, Texts | None]:
         """:func:`json_body` of ``data``, with the texts of its parts (None for a body
-        that is not a plain JSON object, or holds a surrogate escape)."""
+        that is not a plain JSON object, holds a surrogate escape or has no history).
+        ``history`` is the provider's rule for the member that holds the conversation;
+        without it, the rule of the first registered provider that finds one
+        (:func:`recorder.providers.history_field`)."""
         try:
             text = data.decode("utf-8") if data[:1] == b"{" else None
         except UnicodeDecodeError:
             text = None
-        if text is None or (b"\\u" in data and _SURROGATE_ESCAPE.search(data) is not None):
+        if text is None:
             body, problem = json_body(data)
             return body, problem, None
         with self._lock:
             recent = list(self._recent)
         best = next((r for r in reversed(recent) if text.startswith(r.prefix)), None)
+        upto = len(best.prefix) if best is not None else 0
         try:
-            read = _read_object(text, best, len(best.prefix) if best is not None else 0)
+            if _surrogate_escape(data, text, upto):
+                raise _Bad
+            read = _read_object(text, best, upto)
         except (_Bad, StopIteration, ValueError, RecursionError):
             body, problem = json_body(data)
             return body, problem, None
+        _settle(read, history or providers.history_field)
+        if read.history is None:
+            return read.obj, None, None
         with self._lock:
             self._recent.append(read)
-        return read.obj, None, (read.fields, read.texts if read.head is not None else [])
+        return read.obj, None, (read.fields, read.items.texts)
 
 
 def classify(method: str, url: str, data: bytes,
@@ -309,10 +366,11 @@ def classify_texts(method: str, url: str, data: bytes, redaction: Redaction,
     them (None when there are none, or when configured redaction changed the parsed body
     since), for an incremental fingerprint; ``reader`` parses a model request from where
     it stops repeating a recent one."""
-    provider = model_provider(method, url)
+    seam = providers.for_url(method, url)
+    provider = seam.name if seam is not None else None
     clean = redaction.data(data, remember=True)
-    if provider:
-        body, problem, texts = (reader or RequestReader()).read(clean)
+    if seam is not None:
+        body, problem, texts = (reader or RequestReader()).read(clean, seam.history_field)
     else:
         body, problem = json_body(clean)
         texts = None

@@ -1,8 +1,9 @@
 """Store each model request as the previous request of its conversation plus what it adds.
 
 A model request repeats the whole conversation so far (the Messages API's and Chat
-Completions' ``messages``, the Responses API's ``input`` items). Stored whole, a cassette
-grows with the square of the number of turns. Stored as a delta it grows linearly::
+Completions' ``messages``, the Responses API's ``input`` items, Gemini's ``contents``).
+Stored whole, a cassette grows with the square of the number of turns. Stored as a delta
+it grows linearly::
 
     {"body": {...}}                                     the first request of a conversation
     {"base": 7, "keep": 12, "messages": [...],           request of seq 7, its first 12
@@ -134,17 +135,20 @@ def _common_prefix(a: list[Any], b: list[Any]) -> int:
 
 
 def history_of(stored: dict[str, Any]) -> str:
-    """The request field a stored delta adds to: the key it stores its items under
-    (``messages`` in every cassette written before other names were)."""
-    return next((k for k in stored if k not in _REFERENCES), "messages")
+    """The request field a stored delta adds to: the key it stores its items under (every
+    delta deja writes has one; a ``KeyError`` for a line that has none)."""
+    field = next((k for k in stored if k not in _REFERENCES), None)
+    if field is None:
+        raise KeyError("the list the request adds to")
+    return field
 
 
 def decode(stored: dict[str, Any], bodies: dict[int, Any],
            replies: dict[int, Any] | None = None, parts: Parts | None = None) -> Any:
     """Rebuild a request from its stored form; ``bodies`` maps seq to decoded requests,
     ``replies`` seq to the message its response gives the conversation. ``parts`` learns
-    that a rebuilt ``messages`` list shares its history with its base's (the fingerprint
-    hashes only what it adds)."""
+    that a rebuilt list shares its history with its base's (the fingerprint
+    hashes only what it adds, whichever field its provider names)."""
     if "body" in stored:
         return stored["body"]
     field = history_of(stored)
@@ -155,6 +159,6 @@ def decode(stored: dict[str, Any], bodies: dict[int, Any],
     if "reply" in stored:
         added = [(replies if replies is not None else {})[stored["reply"]], *added]
     body[field] = base[field][: stored["keep"]] + added
-    if parts is not None and field == "messages":  # the list a fingerprint hashes by parts
+    if parts is not None:
         parts.extend(body[field], base[field], stored["keep"])
     return body

@@ -333,11 +333,13 @@ class Provider:
     def fingerprint(self, method: str, url: str, body: Any, parts: Parts | None = None,
                     texts: Texts | None = None) -> str:
         """What a replayed model call is matched by (see
-        :func:`recorder.canonical.model_fingerprint`; ``parts`` remembers the digests of
-        history, ``texts`` are the body's parts as received)."""
+        :func:`recorder.canonical.model_fingerprint`): the semantic request, its history
+        (the field :meth:`Format.history_field` names) hashed by parts; ``parts`` remembers
+        the digests of history, ``texts`` are the body's parts as received."""
         semantic = self.format.semantic_request(body)
         return model_fingerprint(method, url, semantic, parts,
-                                 texts if semantic is body else None)
+                                 texts if semantic is body else None,
+                                 history=self.format.history_field(semantic))
 
     def history_field(self, body: Any) -> str | None:
         """See :meth:`Format.history_field`."""
