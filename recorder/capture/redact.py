@@ -352,8 +352,7 @@ class Redaction:
         provider says where its stream's pieces are (``Provider.stream_pieces``)."""
         from recorder import providers
 
-        values = [spans for name in providers.names()
-                  for spans in providers.get(name).stream_pieces(data)]
+        values = [spans for form in providers.formats() for spans in form.stream_pieces(data)]
         edits: list[tuple[int, int, bytes]] = []
         for spans in values:
             if len(spans) < 2:

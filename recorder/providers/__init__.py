@@ -45,6 +45,7 @@ from recorder.providers.registry import (
     endpoints,
     for_line,
     for_url,
+    formats,
     get,
     history_field,
     model_provider,
@@ -59,6 +60,6 @@ from recorder.providers.registry import (
 __all__ = ["BUILT_IN", "CACHE_WRITE_1H", "PLACEHOLDER_KEY", "USAGE_KEYS", "VOLATILE_HEADERS",
            "VOLATILE_HEADER_PREFIXES", "Carriage", "Conversation", "Format", "Headers",
            "Provider", "Summary", "data_lines", "default", "endpoints", "for_line", "for_url",
-           "get", "history_field", "model_provider", "names", "placeholder_keys", "register",
-           "sse_events", "stream_carriage", "string_spans", "token_counts", "unregister",
-           "volatile_header"]
+           "formats", "get", "history_field", "model_provider", "names", "placeholder_keys",
+           "register", "sse_events", "stream_carriage", "string_spans", "token_counts",
+           "unregister", "volatile_header"]

@@ -28,13 +28,14 @@ from recorder.providers.base import (
     VOLATILE_HEADER_PREFIXES,
     VOLATILE_HEADERS,
     Carriage,
+    Format,
     Headers,
     Provider,
     is_volatile,
 )
 
 __all__ = ["BUILT_IN", "ENTRY_POINTS", "PLACEHOLDER_KEY", "default", "endpoints", "for_line",
-           "for_url", "get", "history_field", "load_plugins", "model_provider", "names",
+           "for_url", "formats", "get", "history_field", "load_plugins", "model_provider", "names",
            "placeholder_keys", "register", "stream_carriage", "unregister", "volatile_header"]
 
 ENTRY_POINTS = "deja.providers"  # the entry point group of provider plugins
@@ -115,6 +116,16 @@ def names() -> tuple[str, ...]:
     """The names of the registered providers."""
     _plugins()
     return tuple(_providers)
+
+
+def formats() -> tuple[Format, ...]:
+    """The registered providers' formats, each kind once (Anthropic's and Bedrock's are
+    one format: asking both would read a stream twice)."""
+    _plugins()
+    kinds: dict[type[Format], Format] = {}
+    for provider in tuple(_providers.values()):
+        kinds.setdefault(type(provider.format), provider.format)
+    return tuple(kinds.values())
 
 
 def endpoints() -> tuple[tuple[str, str], ...]:
