@@ -506,15 +506,8 @@ WIRE_PACKAGES = ("recorder.providers", "recorder.testing")
 # what it asks (the conversation, tool calls and results, stub turns, stream framing). A
 # module leaves this list when it asks its provider instead; nothing may join it.
 READS_WIRE_FORMAT = {
-    "recorder._otel_genai": "maps conversations to the GenAI conventions' messages",
-    "recorder.canonical": "hashes a conversation's messages once (model_fingerprint)",
-    "recorder.capture.exchange": "parses a request from where it repeats the last one",
-    "recorder.cassette._delta": "stores what a conversation adds (its history field)",
-    "replayer.stub": "turns a recorded run into stub turns",
     "viewer.content": "lays out a conversation's blocks",
     "viewer.widgets": "draws tool calls and results",
-    "deja.proxy.app": "tells a request that carries a conversation",
-    "deja.cli_stub": "reads an OpenAI reply when it writes a stub script",
 }
 
 
