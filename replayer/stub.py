@@ -126,7 +126,7 @@ def recorded_turn(obs: Mapping[str, Any], body: Any) -> tuple[dict[str, Any] | N
     except ValueError:
         return None, "its response body is not JSON"
     if not _holds_a_reply(provider, body, doc):
-        return None, f"its response is not a {provider.name} message"
+        return None, f"its response holds no reply its provider ({provider.name}) reads"
     return {"message": doc}, ""
 
 
