@@ -64,23 +64,31 @@ def test_a_gemini_loop_is_recorded_and_replayed_through_the_proxy(
     upstream = stub(SCRIPT)
     directory = tmp_path / "runs"
     recording = proxy("--upstream", upstream.url, "--dir", str(directory))
-    recorded = loop(recording.url, stream=False) + loop(recording.url, stream=True)
+    recorded = {stream: loop(recording.url, stream=stream) for stream in (False, True)}
     status, log = recording.stop()
     assert status == 0, log
     upstream.stop()
     assert upstream.requests[0]["headers"]["x-goog-api-key"] == API_KEY
 
-    [path] = cassettes(directory)
-    assert API_KEY.encode() not in path.read_bytes()
-    models = [o for o in load(path) if o["kind"] == "model"]
-    assert [o["provider"] for o in models] == ["gemini"] * 4
-    assert [o["url"].rpartition(":")[2] for o in models] == \
-        ["generateContent"] * 2 + ["streamGenerateContent?alt=sse"] * 2
-    assert all(o["usage"] == USAGE and o["stop_reason"] == "STOP" for o in models)
+    # one run per conversation, as for any provider: the JSON loop and the streamed one
+    paths = cassettes(directory)
+    assert len(paths) == 2, paths
+    by_kind = {}
+    for path in paths:
+        assert API_KEY.encode() not in path.read_bytes()
+        models = [o for o in load(path) if o["kind"] == "model"]
+        assert [o["provider"] for o in models] == ["gemini"] * 2
+        assert all(o["usage"] == USAGE and o["stop_reason"] == "STOP" for o in models)
+        endpoints = {o["url"].rpartition(":")[2] for o in models}
+        assert len(endpoints) == 1, endpoints
+        by_kind[endpoints.pop()] = path
+    assert set(by_kind) == {"generateContent", "streamGenerateContent?alt=sse"}
 
-    replaying = proxy("--replay", str(path))
-    replayed = loop(replaying.url, stream=False) + loop(replaying.url, stream=True)
-    status, log = replaying.stop()
-    assert status == 0, log
-    assert ": identical" in log and "steps:      4/4 served" in log, log
-    assert replayed == recorded
+    for stream, endpoint in ((False, "generateContent"),
+                             (True, "streamGenerateContent?alt=sse")):
+        replaying = proxy("--replay", str(by_kind[endpoint]))
+        replayed = loop(replaying.url, stream=stream)
+        status, log = replaying.stop()
+        assert status == 0, log
+        assert ": identical" in log and "steps:      3/3 served" in log, log  # 2 calls, a tool
+        assert replayed == recorded[stream]
