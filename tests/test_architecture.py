@@ -502,13 +502,9 @@ WIRE_KEYS = frozenset({"messages", "tool_use", "tool_result", "choices", "functi
                        "content_block_delta", "input_json_delta", "contents",
                        "functionCall", "functionResponse", "candidates"})
 WIRE_PACKAGES = ("recorder.providers", "recorder.testing")
-# Modules that still read a wire format themselves, each until the provider seam answers
-# what it asks (the conversation, tool calls and results, stub turns, stream framing). A
-# module leaves this list when it asks its provider instead; nothing may join it.
-READS_WIRE_FORMAT = {
-    "viewer.content": "lays out a conversation's blocks",
-    "viewer.widgets": "draws tool calls and results",
-}
+# Modules that still read a wire format themselves, with what they ask: none now (every
+# reader asks its provider, or the conversation accessors). Nothing may join it.
+READS_WIRE_FORMAT: dict[str, str] = {}
 
 
 def _wire_reads(tree: ast.AST) -> Iterator[tuple[int, str]]:

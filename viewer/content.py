@@ -177,7 +177,7 @@ def _named_results(items: list[Block], names: dict[str, Any]) -> list[Block]:
 
 def conversation(request: Any, obs: Mapping[str, Any], clip: Clip,
                  keep: int | None = None) -> dict[str, Any]:
-    """A model step as a conversation: system, the request's messages, the response.
+    """A model step as a conversation: ``system``, the request's ``turns``, the ``response``.
 
     Read through the step's provider (:meth:`recorder.providers.Provider.conversation`),
     so an OpenAI call reads like an Anthropic one: who said what, tool calls with their
@@ -215,7 +215,7 @@ def conversation(request: Any, obs: Mapping[str, Any], clip: Clip,
                     "status": (obs.get("response") or {}).get("status"),
                     "streamed": is_streamed(obs)}
     return {"model": body.get("model") or obs.get("model"), "system": system,
-            "messages": messages, "response": response, "error": obs.get("error")}
+            "turns": messages, "response": response, "error": obs.get("error")}
 
 
 def tool_call(obs: Mapping[str, Any], clip: Clip) -> dict[str, Any]:

@@ -41,9 +41,10 @@ from viewer.content import searchable_text
 log = logging.getLogger("deja.viewer")
 
 LEGACY_NAME = ".index.duckdb"  # where deja kept the index before: inside DIR itself
-SCHEMA_VERSION = 4  # 2: steps.text, the searchable words of each step; 3: steps.t,
+SCHEMA_VERSION = 5  # 2: steps.text, the searchable words of each step; 3: steps.t,
 #   edited, within (what the timeline shows, so that it never parses a payload); 4: a run
-#   that ended in error has status failed (the one vocabulary of run statuses)
+#   that ended in error has status failed (the one vocabulary of run statuses); 5: a model
+#   step's words read through its provider's conversation (Gemini's, Bedrock's)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key VARCHAR PRIMARY KEY, value VARCHAR);

@@ -138,12 +138,12 @@ def conversation(conv: dict[str, Any]) -> None:
     if conv["system"]:
         with st.chat_message("system", avatar=":material/settings:"):
             blocks(conv["system"])
-    earlier = [m for m in conv["messages"] if not m["new"]]
+    earlier = [m for m in conv["turns"] if not m["new"]]
     if earlier:
         with st.expander(md("Earlier messages of the conversation ({})", len(earlier))):
             for msg in earlier:
                 message(msg)
-    for msg in conv["messages"]:
+    for msg in conv["turns"]:
         if msg["new"]:
             message(msg)
     response = conv["response"]

@@ -348,12 +348,12 @@ def test_the_viewer_reads_a_toy_step_as_a_conversation(plugin: Path, toy: ToySer
     assert conv["model"] == MODEL
     assert [b["text"] for b in conv["system"]] == [RULES]
     assert [(m["role"], [b["type"] for b in m["blocks"]], m["new"])
-            for m in conv["messages"]] == [
+            for m in conv["turns"]] == [
         ("user", ["text"], False), ("assistant", ["text"], False),
         ("assistant", ["tool_use"], False), ("user", ["tool_result"], False),
         ("assistant", ["text"], True), ("assistant", ["tool_use"], True),
         ("user", ["tool_result"], True)]
-    call, result = conv["messages"][5]["blocks"][0], conv["messages"][6]["blocks"][0]
+    call, result = conv["turns"][5]["blocks"][0], conv["turns"][6]["blocks"][0]
     assert (call["name"], call["input"]) == ("lookup", {"word": "again"})
     assert result["tool_use_id"] == call["id"] and result["name"] == "lookup"
     assert result["blocks"] == [{"type": "text", "text": "again: French for 'already'"}]

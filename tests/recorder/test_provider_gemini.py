@@ -341,9 +341,9 @@ def test_show_and_diff_read_a_gemini_run(stub: Stub, tmp_path: Path) -> None:
     second = model_lines(a)[1]
     conv = content.conversation(cassette.request_of(second["seq"]), second, content.Clip())
     assert [b["text"] for b in conv["system"]] == ["Answer in one sentence."]
-    assert [(m["role"], [b["type"] for b in m["blocks"]]) for m in conv["messages"]] == [
+    assert [(m["role"], [b["type"] for b in m["blocks"]]) for m in conv["turns"]] == [
         ("user", ["text"]), ("assistant", ["text", "tool_use"]), ("user", ["tool_result"])]
-    result = conv["messages"][2]["blocks"][0]
+    result = conv["turns"][2]["blocks"][0]
     assert result["name"] == "get_weather"
     assert conv["response"]["stop_reason"] == "STOP"
     assert conv["response"]["usage"] == USAGE

@@ -62,9 +62,9 @@ def test_a_gemini_step_reads_as_tool_blocks_and_is_found_by_what_it_says(run: Pa
 
     second = queries.step_detail(run, 1).conversation
     assert second is not None
-    assert [(m["role"], m["new"]) for m in second["messages"]] == [
+    assert [(m["role"], m["new"]) for m in second["turns"]] == [
         ("user", False), ("assistant", True), ("user", True)]
-    [result] = second["messages"][2]["blocks"]
+    [result] = second["turns"][2]["blocks"]
     assert (result["type"], result["tool_use_id"], result["name"]) == \
         ("tool_result", call["id"], "get_weather")
     assert [b["raw"] for b in result["blocks"]] == [FORECAST]

@@ -95,15 +95,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def roles(conv: dict[str, Any]) -> list[str]:
-    return [m["role"] for m in conv["messages"]]
+    return [m["role"] for m in conv["turns"]]
 
 
 def test_a_chat_tool_call_and_its_result_read_as_a_conversation(run: Path) -> None:
     first = queries.step_detail(run, 0).conversation
     assert first is not None
     assert first["system"] == [{"type": "text", "text": SYSTEM}]  # lifted from messages
-    assert roles(first) == ["user"] and first["messages"][0]["new"]
-    text, image = first["messages"][0]["blocks"]
+    assert roles(first) == ["user"] and first["turns"][0]["new"]
+    text, image = first["turns"][0]["blocks"]
     assert text == {"type": "text", "text": QUESTION}
     assert image["type"] == "image" and image["data"] == base64.b64decode(PNG_B64)
     assert image["media_type"] == "image/png"
@@ -121,10 +121,10 @@ def test_a_chat_tool_call_and_its_result_read_as_a_conversation(run: Path) -> No
     second = queries.step_detail(run, 2).conversation
     assert second is not None
     assert roles(second) == ["user", "assistant", "tool"]
-    assert [m["new"] for m in second["messages"]] == [False, True, True]
-    echoed = second["messages"][1]["blocks"]
+    assert [m["new"] for m in second["turns"]] == [False, True, True]
+    echoed = second["turns"][1]["blocks"]
     assert [b["type"] for b in echoed] == ["text", "tool_use"] and echoed[1]["id"] == call["id"]
-    [result] = second["messages"][2]["blocks"]
+    [result] = second["turns"][2]["blocks"]
     assert result["type"] == "tool_result" and result["tool_use_id"] == call["id"]
     assert result["name"] == "weather"
     assert result["blocks"] == [{"type": "text", "text": "東京: sunny, 22°C"}]
@@ -142,7 +142,7 @@ def test_a_responses_tool_loop_reads_as_a_conversation(run: Path) -> None:
     assert first is not None
     assert first["system"] == [{"type": "text", "text": SYSTEM}]  # the instructions
     assert roles(first) == ["developer", "user"]
-    assert first["messages"][0]["blocks"] == [{"type": "text", "text": "Answer in one line."}]
+    assert first["turns"][0]["blocks"] == [{"type": "text", "text": "Answer in one line."}]
     reply = first["response"]
     assert [b["type"] for b in reply["blocks"]] == ["text", "tool_use"]
     assert reply["blocks"][0]["text"] == LOOKING
@@ -156,11 +156,11 @@ def test_a_responses_tool_loop_reads_as_a_conversation(run: Path) -> None:
     # the echoed output items, then the function call's output; the first two were sent
     # by the earlier call
     assert roles(second) == ["developer", "user", "assistant", "assistant", "tool"]
-    assert [m["new"] for m in second["messages"]] == [False, False, True, True, True]
-    assert second["messages"][2]["blocks"] == [{"type": "text", "text": LOOKING}]
-    [echoed] = second["messages"][3]["blocks"]
+    assert [m["new"] for m in second["turns"]] == [False, False, True, True, True]
+    assert second["turns"][2]["blocks"] == [{"type": "text", "text": LOOKING}]
+    [echoed] = second["turns"][3]["blocks"]
     assert echoed["type"] == "tool_use" and echoed["id"] == call["id"]
-    [result] = second["messages"][4]["blocks"]
+    [result] = second["turns"][4]["blocks"]
     assert (result["type"], result["tool_use_id"], result["name"]) == \
         ("tool_result", call["id"], "weather")
     assert result["blocks"] == [{"type": "text", "text": "東京: sunny, 22°C"}]

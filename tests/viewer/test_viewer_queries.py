@@ -307,7 +307,7 @@ def test_step_detail_renders_a_streamed_conversation(corpus: Corpus) -> None:
     conv = detail.conversation
     assert conv is not None and not detail.truncated and detail.editable
     assert conv["system"] == [{"type": "text", "text": "You are a travel helper."}]
-    [user] = conv["messages"]
+    [user] = conv["turns"]
     assert user["role"] == "user" and user["new"]
     text, image = user["blocks"]
     assert text == {"type": "text", "text": GREETING}
@@ -329,10 +329,10 @@ def test_step_detail_renders_a_streamed_conversation(corpus: Corpus) -> None:
 
     second = queries.step_detail(path, 2)
     conv = second.conversation
-    assert [m["new"] for m in conv["messages"]] == [False, True, True]
-    assistant = conv["messages"][1]["blocks"]
+    assert [m["new"] for m in conv["turns"]] == [False, True, True]
+    assistant = conv["turns"][1]["blocks"]
     assert [b["type"] for b in assistant] == ["thinking", "text", "tool_use"]
-    [result] = conv["messages"][2]["blocks"]
+    [result] = conv["turns"][2]["blocks"]
     assert result["type"] == "tool_result" and not result["is_error"]
     assert result["blocks"] == [{"type": "text", "text": "東京: sunny, 22°C"}]
     assert result["tool_use_id"] == assistant[2]["id"]
