@@ -108,6 +108,7 @@ def _script_from(cassette: Any) -> Any:
         made = script_from_cassette(cassette)
     except StubScriptError as exc:
         if not rules:
+            _refuse_plugins(cassette)
             reasons = "; ".join(skipped.values())
             raise StubScriptError(
                 f"{cassette.path}: run {cassette.run} holds no model call a stub can answer: "
@@ -133,6 +134,24 @@ def _script_from(cassette: Any) -> Any:
     return CassetteScript(
         script={**made.script, "rules": [*rules, *made.script["rules"]]}, run=made.run,
         calls=made.calls + calls, skipped=(*others, *skipped.values()))
+
+
+def _refuse_plugins(cassette: Any) -> None:
+    """Raise when the run's model calls are a provider the stub does not speak (a plugin):
+    naming it, and what serves such a run back instead."""
+    from recorder.cassette.schema import Kind
+    from recorder.testing.server import StubScriptError
+    from replayer.stub import STUB_PROVIDERS
+
+    others = sorted({str(obs.get("provider")) for obs in cassette.observations
+                     if obs.get("kind") == Kind.MODEL and obs.get("provider")
+                     and obs.get("provider") not in STUB_PROVIDERS})
+    if others:
+        named = ", ".join(repr(name) for name in others)
+        raise StubScriptError(
+            f"{cassette.path}: run {cassette.run}'s model calls are provider {named}, which "
+            "the stub does not speak (it answers the Anthropic Messages API, Bedrock, OpenAI "
+            f"and Gemini); serve this run back with `deja proxy --replay {cassette.path}`")
 
 
 def _stub_script_from(cassette: Path, allow_unverified: bool) -> Any:
@@ -167,8 +186,8 @@ def _stub_script_from(cassette: Path, allow_unverified: bool) -> Any:
               help="Write the base URL to this file once the server listens.")
 def stub(script: Path | None, from_cassette: Path | None, output: Path | None,
          allow_unverified: bool, port: int, ready_file: Path | None) -> None:
-    """Serve a stub model API on 127.0.0.1 (Anthropic Messages, OpenAI Chat Completions
-    and Responses, Gemini generateContent), answering from a script.
+    """Serve a stub model API on 127.0.0.1 (Anthropic Messages, Claude on Bedrock, OpenAI
+    Chat Completions and Responses, Gemini generateContent), answering from a script.
 
     --script FILE serves a script; --from CASSETTE serves what a recorded run received, and
     --from CASSETTE -o FILE writes that script instead. Point an agent at the server with

@@ -25,7 +25,6 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from recorder import providers
 from recorder.canonical import content_decoded, decode_body
@@ -65,9 +64,17 @@ class _Request:
     answers: list[tuple[int, dict[str, Any]]]  # (seq, turn), in recorded order
 
 
+# The providers whose calls a stub answers: the Messages format (Anthropic's API and
+# Bedrock's, which the stub matches alike), OpenAI's and Gemini's. A plugin provider's run
+# is served back by ``deja proxy --replay`` instead.
+STUB_PROVIDERS = frozenset({"anthropic", "bedrock", "openai", "gemini"})
+_MESSAGES_PROVIDERS = ("anthropic", "bedrock")
+
+
 def _is_messages_call(obs: Mapping[str, Any]) -> bool:
-    path = urlsplit(str(obs.get("url") or "")).path.rstrip("/")
-    return obs.get("provider") == "anthropic" and path.endswith("/v1/messages")
+    name = obs.get("provider") or "anthropic"
+    return name in _MESSAGES_PROVIDERS and providers.get(str(name)).is_model_call(
+        "POST", str(obs.get("url") or ""))
 
 
 def _error_turn(status: int, headers: dict[str, str], text: str) -> dict[str, Any]:
@@ -107,17 +114,19 @@ def recorded_turn(obs: Mapping[str, Any], body: Any) -> tuple[dict[str, Any] | N
         return {"drop": "before_headers"}, ""
     status = response.get("status")
     headers = [(str(k), str(v)) for k, v in response.get("headers") or []]
-    raw = decode_body(response.get("body", ""), response.get("encoding"))
-    try:
-        text = content_decoded(raw, headers).decode("utf-8")
+    raw = content_decoded(decode_body(response.get("body", ""), response.get("encoding")),
+                          headers)
+    provider = providers.for_line(obs)
+    streamed = provider.is_stream(headers)
+    try:  # a stream as its events' text, whatever its framing (Bedrock's is binary)
+        text = provider.stream_text(raw) if streamed else raw.decode("utf-8")
     except UnicodeDecodeError:
         return None, "its response body is not UTF-8"
     if isinstance(status, int) and 400 <= status <= 599:
         return _error_turn(status, {k.lower(): v for k, v in headers}, text), ""
     if status != 200:
         return None, f"its response has status {status}"
-    provider = providers.for_line(obs)
-    if provider.is_stream(headers):
+    if streamed:
         if "data:" not in text:
             return None, "its event stream holds no event"
         return {"sse": text}, ""
@@ -144,7 +153,8 @@ def retry_chain(answers: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
 
 
 def script_from_cassette(cassette: Cassette) -> CassetteScript:
-    """A script answering every Anthropic Messages call of ``cassette`` as it was answered.
+    """A script answering every Messages call of ``cassette`` (Anthropic's API or Bedrock's)
+    as it was answered.
 
     ``cassette`` is a loaded cassette (:func:`recorder.cassette.load`, which checks its
     signature). Raises :class:`StubScriptError` when it holds no such call.
@@ -157,7 +167,8 @@ def script_from_cassette(cassette: Cassette) -> CassetteScript:
             continue
         seq = obs["seq"]
         if not _is_messages_call(obs):
-            skipped.append(f"seq {seq}: {obs.get('url')} is not the Anthropic Messages API")
+            skipped.append(f"seq {seq}: {obs.get('url')} is not the Messages API "
+                           "(Anthropic's or Bedrock's)")
             continue
         body = cassette.request_of(seq)
         if not isinstance(body, dict) or not conversation.turns(

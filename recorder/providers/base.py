@@ -375,6 +375,11 @@ class Provider:
         """See :meth:`Format.stream_pieces` (``view``: a stream's text, as bytes)."""
         return self.format.stream_pieces(view)
 
+    def stream_text(self, body: bytes) -> str:
+        """A stream's text, the events its format reads, from its body as received
+        (:meth:`Carriage.text`). Raises ``ValueError`` when the body has none."""
+        return self.carriage.text(body)
+
     def assemble(self, body: bytes | str) -> dict[str, Any]:
         """The message a recorded stream delivers (``body`` as received; text is taken
         as its UTF-8 bytes)."""

@@ -255,3 +255,17 @@ def test_a_secret_streamed_in_pieces_is_taken_out_of_the_frames(stub: Stub,
             c.messages.stream(model=MODEL, max_tokens=64, messages=ask) as s:
         assert s.get_final_message().content[0].text == text  # what the cassette says
     assert replay.result is not None and replay.result.identical
+
+
+def test_a_stub_made_from_a_bedrock_run_answers_it_again(stub: Stub, tmp_path: Path) -> None:
+    server = stub(SCRIPT)
+    path = tmp_path / "run.jsonl"
+    with recorder.record(path):
+        recorded = agent(server.url, stream=True, **CREDENTIALS)
+    script = tmp_path / "script.json"
+    made = CliRunner().invoke(cli, ["stub", "--from", str(path), "-o", str(script)])
+    assert made.exit_code == 0, made.output
+    again = stub(json.loads(script.read_text()))  # the binary stream served as recorded
+    answered = agent(again.url, stream=True, **CREDENTIALS)
+    assert [m["content"] for m in answered] == [m["content"] for m in recorded]
+    assert [m["stop_reason"] for m in answered] == ["tool_use", "end_turn"]

@@ -332,6 +332,47 @@ def test_deja_export_reads_a_plugin_provider_as_genai_spans(plugin: Path, toy: T
 # ------------------------------------------------------------------ the viewer
 
 
+def test_deja_export_carries_a_plugin_providers_conversation(plugin: Path, toy: ToyServer,
+                                                             tmp_path: Path) -> None:
+    path = tmp_path / "toy.jsonl"
+    record(toy, path)
+    spans = exported_spans(plugin, path, "--content")
+    chats = [attrs for name, attrs in spans if name.startswith("chat ")]
+    tools = [attrs for name, attrs in spans if name.startswith("execute_tool ")]
+    calls = [t for t in toy.requests[2]["turns"] if t["kind"] == "call"]
+    results = [t for t in toy.requests[2]["turns"] if t["kind"] == "result"]
+    assert json.loads(chats[2]["gen_ai.system_instructions"]) == [
+        {"type": "text", "content": RULES}]
+    said = json.loads(chats[2]["gen_ai.input.messages"])
+    assert [(m["role"], [p["type"] for p in m["parts"]]) for m in said] == [
+        ("user", ["text"]), ("assistant", ["text"]), ("assistant", ["tool_call"]),
+        ("user", ["tool_call_response"]), ("assistant", ["text"]),
+        ("assistant", ["tool_call"]), ("user", ["tool_call_response"])]
+    assert said[2]["parts"][0] == {"type": "tool_call", "id": calls[0]["id"],
+                                   "name": "lookup", "arguments": {"word": "deja"}}
+    assert said[6]["parts"][0] == {"type": "tool_call_response", "id": results[1]["id"],
+                                   "response": "again: French for 'already'"}
+    reply = json.loads(chats[0]["gen_ai.output.messages"])
+    assert reply == [{"role": "assistant", "finish_reason": "call", "parts": [
+        {"type": "text", "content": "Looking up deja."},
+        {"type": "tool_call", "id": calls[0]["id"], "name": "lookup",
+         "arguments": {"word": "deja"}}]}]
+    assert [t["gen_ai.tool.call.id"] for t in tools] == [c["id"] for c in calls]
+
+
+def test_deja_stub_says_it_cannot_serve_a_plugin_provider(plugin: Path, toy: ToyServer,
+                                                          tmp_path: Path) -> None:
+    """The stub speaks the APIs it was written for; a plugin provider's run is served
+    back by the proxy instead, and the stub says so."""
+    path = tmp_path / "toy.jsonl"
+    record(toy, path)
+    done = deja(plugin, "stub", "--from", str(path), "-o", str(tmp_path / "script.json"),
+                cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert not (tmp_path / "script.json").exists()
+    assert "'toy'" in done.stderr and "deja proxy --replay" in done.stderr, done.stderr
+
+
 def test_the_viewer_reads_a_toy_step_as_a_conversation(plugin: Path, toy: ToyServer,
                                                       tmp_path: Path) -> None:
     path = tmp_path / "toy.jsonl"
