@@ -6,35 +6,62 @@
     def test_agent_handles_malformed_search():
         assert run_agent() == "gave up cleanly"
 
-By default the test replays the cassette offline; when the agent's code no longer makes
-the recorded calls the test fails with deja's report (the step, the reason, the diff of
-the recorded and the replayed request), not a traceback through the SDK.
+The test replays the cassette offline; when the agent's code no longer makes the recorded
+calls the test fails with deja's report (the step, the reason, the diff of the recorded
+and the replayed request), not a traceback through the SDK.
 
-Recording follows one rule: a flag never overwrites what it was not asked to.
+What a test does with its cassette is its **record mode** (vcrpy's names), given by
+``--deja-record-mode``:
 
-- ``pytest --deja-record`` records the cassettes that do not exist yet (new tests) and
-  replays the others.
-- ``pytest --deja-rerecord`` records every marked cassette anew (live calls; the file is
-  overwritten), except those marked ``record=False``.
-- ``@pytest.mark.deja(path, record=False)`` is a cassette no flag ever writes: an
-  incident, kept as it happened. It always replays; a missing one fails the test.
+=============  ==============================================  ========================
+mode           the cassette exists                             it does not
+=============  ==============================================  ========================
+none           replayed                                        the test fails
+                                                               (``CassetteNotFound``)
+once           replayed                                        recorded
+new_episodes   replayed; from the first call it does not       recorded
+               hold, live and recorded; the result replaces
+               the file if the test passes
+all            recorded anew; the result replaces the file     recorded
+               if the test passes
+rewrite        deleted first, then recorded (kept whatever     recorded
+               the test's outcome)
+=============  ==============================================  ========================
+
+A test's mode is the first of: ``--deja-record-mode`` (``--deja-record`` is ``once``,
+``--deja-rerecord`` is ``all``); the ``DEJA_RECORD_MODE`` environment variable; ``none``
+when ``CI`` is set (not empty, ``false`` or ``0``): CI never records unless told so; the
+marker's ``record_mode=``; the ``deja_config`` fixture's; ``once``.
+
+- ``@pytest.mark.deja(path, record=False)`` is a cassette no mode ever writes: an
+  incident, kept as it happened. It always replays (under ``new_episodes`` too: a new
+  call fails the test instead of going live); a missing one fails the test.
 - ``@pytest.mark.deja(path, ignore=[...], normalise=[...])`` is the replay policy
   (:class:`replayer.policy.ReplayPolicy`): JSON pointers left out of the match, and
   ``PATTERN=REPLACEMENT`` rewrites of the request's text (a date in a prompt).
+- ``allowed_hosts=[...]``: while a test replays, a connection to any other host (a
+  database driver, a raw socket, a client deja does not capture) fails it with
+  :class:`replayer.network.NetworkBlocked`; nothing is allowed unless listed,
+  ``localhost`` included.
+- The ``deja_config`` fixture (override it in a ``conftest.py`` or a test module, as
+  pytest-recording's ``vcr_config``) returns the defaults of the marker's ``record_mode``,
+  ``allow_unverified``, ``ignore``, ``normalise`` and ``allowed_hosts``; the marker's own
+  arguments win.
 
 A cassette recorded by the plugin stores the test itself as its command, ``python -m
 pytest <the test's node id>`` (no deja flags), and the directory pytest ran in, so
 ``deja replay``, ``deja fork`` and ``deja resume`` run that one test again. Under them
 (a session started from outside) the test runs in that session and the marker adds
 nothing. The ``deja_session`` fixture gives the active session (``.mode`` is ``"record"``
-or ``"replay"``).
+or ``"replay"``; ``"record"`` under ``new_episodes``, which may go live).
 
 The cassette's signature is checked before the test runs: a cassette that does not
 verify fails the test; one signed with a key this machine does not have is refused too,
 unless unverified cassettes are allowed (``pytest --deja-allow-unverified``,
 ``@pytest.mark.deja(path, allow_unverified=True)`` or ``DEJA_ALLOW_UNVERIFIED=1``: a CI
 job that was never given the key). Such a test is marked in its report and the session
-ends with a list of every cassette that was replayed NOT VERIFIED.
+ends with a list of every cassette that was replayed NOT VERIFIED. ``new_episodes`` signs
+the grown cassette anew, so it refuses an unverified one.
 
 The replay starts once the test's own fixtures are set up, so a fixture may set the
 environment it needs (``DEJA_OLD_KEYS``, a base URL) with ``monkeypatch``.
@@ -50,21 +77,35 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from recorder.capture import session as _session
-from recorder.errors import ConfigError, Divergence
-from recorder.record import RecordSession
+from recorder.errors import CassetteNotFound, ConfigError, Divergence
+from replayer import _pytest_modes as _modes
+from replayer.network import NetworkBlocked, SocketGuard
 
 if TYPE_CHECKING:
     from replayer.policy import ReplayPolicy
 
+__all__ = ["NetworkBlocked", "command_for", "deja_config", "deja_session"]
+
+_MODES_HELP = (
+    "How @pytest.mark.deja tests treat their cassettes. none: replay only (a missing "
+    "cassette fails the test); once: record the missing ones, replay the others; "
+    "new_episodes: replay, and from the first call a cassette does not hold go live and "
+    "record the rest (the result replaces the cassette only if the test passes); all: "
+    "record every cassette anew (the new file replaces the old only if the test passes); "
+    "rewrite: as all, but the old file is deleted first, even if the test then fails "
+    "(its own recording is left). Without this flag: DEJA_RECORD_MODE if set, else "
+    "none when CI is set, else the marker's or deja_config's record_mode, else once. A "
+    "cassette marked record=False is never recorded.")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("deja")
+    group.addoption("--deja-record-mode", choices=_modes.MODES, default=None,
+                    help=_MODES_HELP)
     group.addoption("--deja-record", action="store_true", default=False,
-                    help="Record the cassettes of @pytest.mark.deja tests that do not exist "
-                         "yet (new tests); the others replay.")
+                    help="The same as --deja-record-mode=once.")
     group.addoption("--deja-rerecord", action="store_true", default=False,
-                    help="Record every @pytest.mark.deja cassette anew (live calls, files "
-                         "overwritten), except those marked record=False.")
+                    help="The same as --deja-record-mode=all.")
     group.addoption("--deja-allow-unverified", action="store_true", default=False,
                     help="Replay cassettes signed with a key this machine does not have "
                          "(unchecked; each is listed as NOT VERIFIED at the end).")
@@ -72,10 +113,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "deja(cassette, allow_unverified=False, record=True): replay the test "
-                   "against CASSETTE (--deja-record records it if it does not exist, "
-                   "--deja-rerecord anew; record=False: never recorded by a flag)")
+        "markers", "deja(cassette, record=True, record_mode=None, allow_unverified=False, "
+                   "ignore=(), normalise=(), allowed_hosts=()): replay the test against "
+                   "CASSETTE, or record it as --deja-record-mode says (none, once, "
+                   "new_episodes, all, rewrite; default none on CI, else once); "
+                   "record=False: never recorded by any mode; defaults from the "
+                   "deja_config fixture")
+    _modes.run_mode(config)  # conflicting flags, or a bad DEJA_RECORD_MODE: said now
     config.stash[_UNVERIFIED] = []
+    config.stash[_WRITTEN] = []
     # A session started from outside (deja replay/fork/resume of a recorded test): the
     # tests run in it.
     config.stash[_OUTER] = _session.active()
@@ -91,6 +137,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    written = config.stash.get(_WRITTEN, [])
+    if written:
+        terminalreporter.section("deja: cassettes written", bold=True)
+        for nodeid, note in written:
+            terminalreporter.line(f"{nodeid}: {note}")
     unverified = config.stash.get(_UNVERIFIED, [])
     if not unverified:
         return
@@ -102,52 +153,35 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
                           "DEJA_OLD_KEYS) to check them.", yellow=True)
 
 
-def _cassette_of(request: pytest.FixtureRequest) -> Path | None:
-    marker = request.node.get_closest_marker("deja")
-    if marker is None:
-        return None
-    if not marker.args and "cassette" not in marker.kwargs:
-        raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.deja needs a cassette "
-                                "path, e.g. @pytest.mark.deja('cassettes/run.jsonl')")
-    path = Path(marker.kwargs.get("cassette") or marker.args[0])
-    return path if path.is_absolute() else Path(request.config.rootpath) / path
-
-
-def _recordable(request: pytest.FixtureRequest) -> bool:
-    """The marker's ``record=``: False for a cassette no flag may write."""
-    value = request.node.get_closest_marker("deja").kwargs.get("record", True)
-    if not isinstance(value, bool):
-        raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.deja(record=...) is "
-                                f"True or False, not {value!r}")
-    return value
-
-
-def _policy(request: pytest.FixtureRequest, marker: pytest.Mark) -> ReplayPolicy:
-    """The marker's ``ignore=`` (JSON pointers) and ``normalise=`` (``PATTERN=REPLACEMENT``
+def _policy(nodeid: str, settings: _modes.Settings) -> ReplayPolicy:
+    """The test's ``ignore=`` (JSON pointers) and ``normalise=`` (``PATTERN=REPLACEMENT``
     items): what may differ between the recording and the test's run."""
     from replayer.policy import ReplayPolicy
 
-    ignore, normalise = marker.kwargs.get("ignore", ()), marker.kwargs.get("normalise", ())
-    if isinstance(ignore, str) or isinstance(normalise, str):
-        raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.deja(ignore=..., "
-                                "normalise=...) take lists of strings")
     try:
-        return ReplayPolicy.parse(ignore, normalise)
+        return ReplayPolicy.parse(settings.ignore, settings.normalise)
     except ConfigError as exc:
-        raise pytest.UsageError(f"{request.node.nodeid}: @pytest.mark.deja: {exc}") from None
+        raise pytest.UsageError(f"{nodeid}: @pytest.mark.deja: {exc}") from None
 
 
-def _should_record(request: pytest.FixtureRequest, cassette: Path) -> bool:
-    """Whether this run records ``cassette`` (see the module docstring for the rule)."""
-    rerecord = request.config.getoption("deja_rerecord")
-    new = request.config.getoption("deja_record") or rerecord
-    if not _recordable(request):
-        if not cassette.exists() and new:
-            pytest.fail(f"{cassette} does not exist, and the test is marked record=False (a "
-                        "cassette no flag records, such as an incident): restore the file "
-                        "(e.g. from version control) or drop record=False", pytrace=False)
-        return False
-    return rerecord or (new and not cassette.exists())
+def _plan(request: pytest.FixtureRequest, settings: _modes.Settings) -> _modes.Plan:
+    """What this run does with the test's cassette; a missing cassette that will not be
+    recorded fails the test here, saying how to record it."""
+    __tracebackhide__ = True
+    cassette, shown = settings.cassette, settings.shown
+    mode, why = _modes.mode_of(request.config, settings)
+    plan = _modes.plan_for(mode, cassette.exists(), settings.record)
+    if plan is not _modes.Plan.REPLAY or cassette.exists():
+        return plan
+    if not settings.record:
+        pytest.fail(f"{shown} does not exist, and the test is marked record=False (a "
+                    "cassette no mode records, such as an incident): restore the file "
+                    "(e.g. from version control) or drop record=False", pytrace=False)
+    raise CassetteNotFound(
+        f"{shown} does not exist, and the record mode is none ({why}), which only "
+        "replays. Record it where the model can be reached: pytest --deja-record-mode=once "
+        f"{request.node.nodeid} (or DEJA_RECORD_MODE=once), then commit the cassette",
+        path=cassette)
 
 
 def command_for(item: pytest.Item) -> list[str]:
@@ -160,78 +194,111 @@ def command_for(item: pytest.Item) -> list[str]:
 
 
 _CONTEXT = pytest.StashKey[object]()
-_RECORDING = pytest.StashKey[RecordSession]()
+_RECORDING = pytest.StashKey[_modes.Recording]()
+_GUARD = pytest.StashKey[SocketGuard]()
 _UNVERIFIED = pytest.StashKey[list[tuple[str, str]]]()
+_WRITTEN = pytest.StashKey[list[tuple[str, str]]]()
 _OUTER = pytest.StashKey[object]()
 _REPORTED = pytest.StashKey[bool]()
 
 
+@pytest.fixture(scope="module")
+def deja_config() -> dict[str, Any]:
+    """The defaults of the ``@pytest.mark.deja`` tests' arguments (``record_mode``,
+    ``allow_unverified``, ``ignore``, ``normalise``, ``allowed_hosts``); none here.
+    Override it in a ``conftest.py`` or a test module; the marker's own arguments win."""
+    return {}
+
+
 @pytest.fixture
-def _deja_marked(request: pytest.FixtureRequest) -> Iterator[None]:
-    cassette = _cassette_of(request)
+def _deja_marked(request: pytest.FixtureRequest, deja_config: Any) -> Iterator[None]:
+    marker = request.node.get_closest_marker("deja")
     outer = request.config.stash.get(_OUTER, None)
-    if cassette is None or (outer is not None and _session.active() is outer):
+    if marker is None or (outer is not None and _session.active() is outer):
         yield
         return
-    if _should_record(request, cassette):
-        cassette.parent.mkdir(parents=True, exist_ok=True)
-        rec = RecordSession(cassette, argv=command_for(request.node), overwrite=True).start()
-        request.node.stash[_RECORDING] = rec
-        try:
-            yield
-        finally:  # normally closed at the end of the test's call, with its outcome
-            if request.node.stash.get(_RECORDING, None) is not None:
-                del request.node.stash[_RECORDING]
-                rec.close()
+    nodeid = request.node.nodeid
+    settings = _modes.settings_of(nodeid, marker, deja_config, Path(request.config.rootpath))
+    plan = _plan(request, settings)
+    if plan is _modes.Plan.REPLAY:
+        yield from _replayed(request, settings)
         return
+    recording = _modes.start_recording(plan, settings.cassette, command_for(request.node),
+                                       _policy(nodeid, settings))
+    request.node.stash[_RECORDING] = recording
+    try:
+        yield
+    finally:  # normally finished at the end of the test's call, with its outcome
+        if request.node.stash.get(_RECORDING, None) is not None:
+            del request.node.stash[_RECORDING]
+            _written(request.node, recording, recording.finish(None, ran=False))
+
+
+def _written(item: pytest.Item, recording: _modes.Recording, note: str | None) -> None:
+    """Note for the session's summary what became of the test's cassette."""
+    if note is None:
+        return
+    shown = recording.target
+    root = Path(item.config.rootpath)
+    if shown.is_relative_to(root):
+        shown = shown.relative_to(root)
+    item.config.stash.setdefault(_WRITTEN, []).append((item.nodeid, f"{shown}: {note}"))
+
+
+def _replayed(request: pytest.FixtureRequest, settings: _modes.Settings) -> Iterator[None]:
+    """Replay the test's cassette around the test, with the network blocked."""
     from replayer.replay import replay
 
-    marker = request.node.get_closest_marker("deja")
-    allowed = (bool(marker.kwargs.get("allow_unverified"))
-               or request.config.getoption("deja_allow_unverified"))
-    context = replay(cassette, allow_unverified=True if allowed else None,
-                     policy=_policy(request, marker))
+    node = request.node
+    allowed = settings.allow_unverified or request.config.getoption("deja_allow_unverified")
+    context = replay(settings.cassette, allow_unverified=True if allowed else None,
+                     policy=_policy(node.nodeid, settings))
     current = context.__enter__()
     if not current.cassette.verified:
         note = current.cassette.verify_note
-        request.config.stash.setdefault(_UNVERIFIED, []).append((request.node.nodeid, note))
-        request.node.user_properties.append(("deja_signature", note))
-        request.node.add_report_section("setup", "deja", f"{cassette}: {note}")
-    request.node.stash[_CONTEXT] = context
+        request.config.stash.setdefault(_UNVERIFIED, []).append((node.nodeid, note))
+        node.user_properties.append(("deja_signature", note))
+        node.add_report_section("setup", "deja", f"{settings.cassette}: {note}")
+    node.stash[_CONTEXT] = context
+    node.stash[_GUARD] = SocketGuard(settings.allowed_hosts, settings.shown).start()
     try:
         yield
     finally:
         # Normally finished at the end of the test's call (see below); this covers a test
         # that failed before or during setup.
-        if request.node.stash.get(_CONTEXT, None) is not None:
-            del request.node.stash[_CONTEXT]
+        guard = node.stash.get(_GUARD, None)
+        if guard is not None:
+            del node.stash[_GUARD]
+            guard.stop()
+        if node.stash.get(_CONTEXT, None) is not None:
+            del node.stash[_CONTEXT]
             context.__exit__(None, None, None)
 
 
-def _finish_replay(item: pytest.Item, context: Any, exc: BaseException | None) -> None:
-    """End the replay; a divergence fails the test with deja's report as its message
-    (no traceback: its frames would be the SDK's), the diff shown once. A test that failed
-    before its first recorded call fails with its own error: the steps it never asked for
-    say nothing about a change."""
+def _finish_replay(item: pytest.Item, context: Any, exc: BaseException | None) -> str | None:
+    """End the replay; deja's report of a divergence, to fail the test with (no traceback:
+    its frames would be the SDK's). A test that failed before its first recorded call
+    fails with its own error: the steps it never asked for say nothing about a change."""
     try:
         context.__exit__(type(exc) if exc else None, exc, exc.__traceback__ if exc else None)
     except Divergence:
         pass  # the result holds it
     result = context.result
     if result is None or result.divergence is None:
-        return
+        return None
     if exc is not None and not isinstance(exc, Divergence) and result.steps_served == 0:
         item.add_report_section("call", "deja", (
             f"the test failed before its first recorded call ({type(exc).__name__}), so "
             f"nothing of {result.path} was served: its error is below"))
-        return
-    message = result.report(advice=(
+        return None
+    message = str(result.report(advice=(
         "the agent's code or inputs changed since the cassette was recorded: fix the agent, "
-        "re-record with pytest --deja-rerecord (not for a record=False cassette), or fork "
-        "the run at this step (deja fork) to test the change"))
+        "re-record with pytest --deja-rerecord (--deja-record-mode=all; not for a "
+        "record=False cassette), or fork the run at this step (deja fork) to test the "
+        "change")))
     if exc is not None and not isinstance(exc, Divergence):
         message += f"\n  then the test failed: {type(exc).__name__}: {exc}"
-    pytest.fail(message, pytrace=False)
+    return message
 
 
 @pytest.hookimpl(wrapper=True)
@@ -251,15 +318,33 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 
 
 def _end_of_call(item: pytest.Item, error: BaseException | None) -> None:
-    rec = item.stash.get(_RECORDING, None)
-    if rec is not None:
+    recording = item.stash.get(_RECORDING, None)
+    if recording is not None:
         del item.stash[_RECORDING]
-        rec.close(error=error)
+        _written(item, recording, recording.finish(error))
+    guard = item.stash.get(_GUARD, None)
+    blocked = guard.stop() if guard is not None else []
+    if guard is not None:
+        del item.stash[_GUARD]
     context = item.stash.get(_CONTEXT, None)
+    report = None
     if context is not None:
         del item.stash[_CONTEXT]
+        report = _finish_replay(item, context, error)
+    if blocked and not isinstance(error, NetworkBlocked):
+        # The program caught the refusal (a client that retries, a bare except): the test
+        # fails all the same, with what was blocked first and what followed.
+        message = f"{type(blocked[0]).__name__}: {blocked[0]}"
+        if len(blocked) > 1:
+            message += f"\n  ({len(blocked) - 1} more connection(s) blocked)"
+        report = message + (f"\n  and then {report}" if report else "")
+    elif isinstance(error, NetworkBlocked) and report:
+        # The blocked connection is the failure; the steps it kept the run from are below.
+        item.add_report_section("call", "deja", report)
+        report = None
+    if report is not None:
         item.stash[_REPORTED] = True
-        _finish_replay(item, context, error)
+        pytest.fail(report, pytrace=False)
 
 
 @pytest.hookimpl(wrapper=True)
