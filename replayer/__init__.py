@@ -5,6 +5,7 @@ from recorder.errors import Divergence, DivergenceInfo
 from replayer.continuation import ContinuationSession
 from replayer.diff import RunDiff, compare
 from replayer.fork import ForkPlan, fork, plan_fork
+from replayer.network import NetworkBlocked
 from replayer.policy import ReplayPolicy
 from replayer.replay import ReplaySession, replay, start
 from replayer.result import ReplayResult
@@ -15,6 +16,7 @@ __all__ = [
     "Divergence",
     "DivergenceInfo",
     "ForkPlan",
+    "NetworkBlocked",
     "ReplayPolicy",
     "ReplayResult",
     "ReplaySession",

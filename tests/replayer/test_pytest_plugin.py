@@ -131,7 +131,8 @@ def live(stub: Callable[[dict], StubServer], monkeypatch: pytest.MonkeyPatch) ->
 def test_deja_record_records_only_new_cassettes(pytester: pytest.Pytester,
                                                 live: StubServer) -> None:
     cassette = _agent_project(pytester)
-    _pytest(pytester).assert_outcomes(errors=1)  # no cassette and no flag: nothing to replay
+    # replay only (the default in CI): no cassette, nothing to replay
+    _pytest(pytester, "--deja-record-mode=none").assert_outcomes(errors=1)
     assert not cassette.exists()
 
     _pytest(pytester, "--deja-record").assert_outcomes(passed=1)
