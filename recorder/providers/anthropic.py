@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from recorder.providers._anthropic_sse import assemble, synthesize
@@ -31,6 +32,18 @@ def provider() -> Provider:
 
 
 class MessagesFormat(Format):
+    def volatile_request_fields(self) -> tuple[str, ...]:
+        """The user id in ``metadata`` (for abuse tracking only) and every
+        ``cache_control`` marker (where the cache breaks is no part of the conversation)."""
+        return ("/metadata/user_id", "/**/cache_control")
+
+    def is_request_id(self, holder: str | None, obj: Mapping[str, Any], key: str) -> bool:
+        """A tool call's ``id`` (``tool_use``, ``server_tool_use``, ``mcp_tool_use``) and a
+        result's ``tool_use_id``."""
+        kind = obj.get("type")
+        return key == "tool_use_id" or (key == "id" and isinstance(kind, str)
+                                        and kind.endswith("tool_use"))
+
     def stream_pieces(self, text: bytes) -> list[list[tuple[int, int]]]:
         """Text, thinking and tool input deltas, per content block."""
         if b"_delta" not in text:

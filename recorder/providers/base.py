@@ -139,6 +139,48 @@ class Format(ABC):
         """Does the request body ask for a streamed response?"""
         return bool(body.get("stream")) if isinstance(body, dict) else False
 
+    # -- what changes from one run to the next
+
+    def volatile_request_fields(self) -> tuple[str, ...]:
+        """The request fields that change from one run of a program to the next without
+        changing what the call means (a user id for abuse tracking, a prompt-cache marker
+        that moves along the conversation), as a replay policy's JSON pointers: ``*``
+        stands for any key or list index, ``**`` for any depth. A replay leaves them out of
+        the match when its policy takes the providers' declarations
+        (``ReplayPolicy(providers=True)``, what deja's own configuration builds). None by
+        default."""
+        return ()
+
+    def is_request_id(self, holder: str | None, obj: Mapping[str, Any], key: str) -> bool:
+        """Is the string ``obj[key]`` an id minted anew in every run that only pairs one
+        part of the request with another (a tool call with its result)? ``holder`` is the
+        key ``obj`` sits under in its parent (a list's key, for its items; None at the
+        top). No id is, by default."""
+        return False
+
+    def stable_request_ids(self, body: Any) -> Any:
+        """A copy of request ``body`` with each id :meth:`is_request_id` names renamed by
+        its order of first appearance (``id#1``, ``id#2`` ...), the same id the same name
+        wherever it appears: two runs whose calls and results pair alike read the same
+        whatever ids they were given, and a result paired with another call still
+        differs."""
+        names: dict[str, str] = {}
+
+        def walk(value: Any, holder: str | None) -> Any:
+            if isinstance(value, list):
+                return [walk(item, holder) for item in value]
+            if not isinstance(value, dict):
+                return value
+            out = {}
+            for key, item in value.items():
+                if isinstance(item, str) and self.is_request_id(holder, value, key):
+                    out[key] = names.setdefault(item, f"id#{len(names) + 1}")
+                else:
+                    out[key] = walk(item, key)
+            return out
+
+        return walk(body, None)
+
     # -- responses
 
     def stream_pieces(self, text: bytes) -> list[list[tuple[int, int]]]:

@@ -41,6 +41,7 @@ anywhere.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -126,6 +127,11 @@ class GeminiFormat(Format):
         if isinstance(body, dict) and isinstance(body.get("contents"), list):
             return "contents"
         return None
+
+    def is_request_id(self, holder: str | None, obj: Mapping[str, Any], key: str) -> bool:
+        """The ``id`` of a ``functionCall`` and of the ``functionResponse`` that answers
+        it (when the model gave one)."""
+        return key == "id" and holder in ("functionCall", "functionResponse")
 
     def request_model(self, body: Any) -> Any:
         """None: the body does not name the model (its URL does)."""

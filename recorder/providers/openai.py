@@ -34,6 +34,7 @@ way: OpenAI counts cached prompt tokens inside its input count
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from recorder.providers._openai_sse import (
@@ -117,6 +118,22 @@ class OpenAIFormat(Format):
                      "max_output_tokens" if "input" in body and "messages" not in body
                      else "max_completion_tokens")
         return {**body, field: limit}
+
+    def volatile_request_fields(self) -> tuple[str, ...]:
+        """Who the end user is (``user``, and ``safety_identifier``, which replaces it),
+        the key a request's prompt cache is kept under (``prompt_cache_key``), and the
+        ``cache_control`` markers a compatible gateway passes on to Claude: none changes
+        what the model is asked."""
+        return ("/user", "/safety_identifier", "/prompt_cache_key", "/**/cache_control")
+
+    def is_request_id(self, holder: str | None, obj: Mapping[str, Any], key: str) -> bool:
+        """A chat message's ``tool_calls[].id`` and ``tool_call_id``; a Responses item's
+        ``call_id``, and the ``id`` of an item the program sends back (``fc_...``,
+        ``msg_...``: the server mints them in every run)."""
+        if key in ("tool_call_id", "call_id"):
+            return True
+        return key == "id" and (holder == "tool_calls" or (
+            holder == "input" and isinstance(obj.get("type"), str)))
 
     def history_field(self, body: Any) -> str | None:
         """Chat Completions' ``messages``, or a Responses request's ``input`` items (an
