@@ -34,9 +34,15 @@ directory (or the file named by ``DEJA_CONFIG``)::
     patterns = ["corp-[0-9a-f]{32}"]
     query = ["session"]
 
+    [tool.deja.match]          # what a replay may find changed (replayer.policy)
+    ignore = ["/metadata/session"]                      # JSON pointers
+    normalise = ['[0-9]{4}-[0-9]{2}-[0-9]{2}=DATE']     # PATTERN=REPLACEMENT
+    providers = true           # and what each provider declares volatile (the default)
+
 Explicit arguments win over the file; the file wins over the defaults. Redaction rules
-add up instead: the file's and the arguments' all apply. Anything malformed is a
-:class:`ConfigError` naming the file and key, raised when the run starts.
+add up instead: the file's and the arguments' all apply, and so do a replay's ``match``
+rules and those its caller gives. Anything malformed is a :class:`ConfigError` naming the
+file and key, raised when the run (or the replay) starts.
 """
 
 from __future__ import annotations
@@ -55,8 +61,9 @@ from recorder.harness.guards import BreakerSettings, Budgets, LoopSettings
 from recorder.providers.pricing import PriceTable
 
 DEFAULT_BUDGETS = Budgets(turns=200, seconds=3600.0)
-_KEYS = {"fsync", "budgets", "loop", "breaker", "prices", "redact"}
+_KEYS = {"fsync", "budgets", "loop", "breaker", "prices", "redact", "match"}
 _REDACT_KEYS = ("headers", "body_paths", "patterns", "query")
+_MATCH_LISTS = ("ignore", "normalise")
 
 
 def find_pyproject(start: Path | None = None) -> Path | None:
@@ -173,3 +180,44 @@ def _redact_table(table: Any, where: str) -> dict[str, list[str]]:
             raise ConfigError(f"{where}.{key}: {exc}") from None
         out[key] = list(values)
     return out
+
+
+@dataclass(frozen=True)
+class MatchSettings:
+    """``[tool.deja.match]``: what a replay may find changed without diverging. ``ignore``
+    holds JSON pointers, ``normalise`` ``PATTERN=REPLACEMENT`` rewrites (checked by the
+    replay policy that reads them); ``providers``: whether the fields each provider
+    declares volatile are left out too. ``where`` names the table, for messages."""
+
+    ignore: tuple[str, ...] = ()
+    normalise: tuple[str, ...] = ()
+    providers: bool = True
+    where: str = "[tool.deja.match]"
+
+
+def match_settings(start: Path | None = None) -> MatchSettings:
+    """The project's ``[tool.deja.match]`` (the nearest ``pyproject.toml`` at or above
+    ``start``, the working directory by default, or ``DEJA_CONFIG``); the defaults when
+    there is none."""
+    table, path = project_settings(start)
+    where = f"{path}: [tool.deja.match]" if path else "[tool.deja.match]"
+    given = table.get("match")
+    if given is None:
+        return MatchSettings(where=where)
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"{where} must be a table with ignore, normalise and providers")
+    unknown = sorted(set(given) - {*_MATCH_LISTS, "providers"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: ignore, "
+                          "normalise, providers")
+    lists = {}
+    for key in _MATCH_LISTS:
+        values = given.get(key, [])
+        if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+            raise ConfigError(f"{where}.{key} must be a list of non-empty strings, not "
+                              f"{values!r}")
+        lists[key] = tuple(values)
+    providers = given.get("providers", True)
+    if not isinstance(providers, bool):
+        raise ConfigError(f"{where}.providers is true or false, not {providers!r}")
+    return MatchSettings(lists["ignore"], lists["normalise"], providers, where)
