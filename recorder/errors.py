@@ -210,6 +210,16 @@ class DivergenceInfo:
     diff: str
     # the recorded request nearest to the one sent, ranked field by field, and how it differs
     nearest: str | None = None
+    # the kind of change (replayer.verdicts.Change: different_tool, different_arguments,
+    # extra_call, missing_call, reordered, changed_request) and, for a changed request,
+    # what changed (model, prompt, parameters: ...)
+    category: str | None = None
+    changed: tuple[str, ...] = ()
+    # the nearest recorded call's step, the fields it differs in, and how many times the
+    # recorded call(s) it stands for were already played in this replay
+    nearest_step: int | None = None
+    fields: tuple[str, ...] = ()
+    played: int | None = None
 
 
 class Divergence(DejaError):

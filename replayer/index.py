@@ -10,6 +10,11 @@ Effects are grouped twice: by name and call site (file and function), which is h
 are served, and by name alone, the fallback for a call site that recorded none (and the
 only grouping for cassettes written before effects named their site). An observation
 sits in both queues; whichever serves it first marks it used, the other skips it.
+
+Model and HTTP calls are grouped twice too: by their stored fingerprint (an exact match)
+and, once a call matches none, by their key under the replay policy
+(:meth:`Index.take_loose`, an equivalent match), keyed then, at the first such call, so
+that a replay whose calls all match exactly never reads a request under the policy.
 """
 
 from __future__ import annotations
@@ -45,12 +50,15 @@ def tool_key(name: str, args_key: Any) -> tuple[str, str]:
 class Index:
     """Unused observations by key, plus the first unused one of each family."""
 
-    def __init__(self, cassette: Cassette,
-                 net_key: Callable[[Mapping[str, Any]], str] | None = None) -> None:
-        """``net_key``: what a model or HTTP line is keyed by, when not its stored
-        fingerprint (a replay policy's key, :meth:`replayer.policy.ReplayPolicy.line_key`)."""
+    def __init__(self, cassette: Cassette) -> None:
         self._lock = threading.Lock()
         self._queues: dict[tuple[str, str], deque[Mapping[str, Any]]] = {}
+        # every line of each key, served or not, and each line's key
+        self._recorded: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+        self._key_of: dict[int, tuple[str, str]] = {}
+        # model and HTTP lines by their key under the replay policy, once a call needs it
+        self._loose: dict[str, list[Mapping[str, Any]]] | None = None
+        self._loose_of: dict[int, str] = {}
         # effects by (name, file, function) of their call site
         self._sites: dict[tuple[str, str, str], deque[Mapping[str, Any]]] = {}
         self._order: dict[str, list[Mapping[str, Any]]] = {"net": [], "tool": [], "effect": []}
@@ -83,9 +91,9 @@ class Index:
             key = key_of(obs)
             if key is None or "within" in obs:  # made inside a tool body: served with the tool
                 continue
-            if net_key is not None and key[0] == "net":
-                key = ("net", net_key(obs))
             self._queues.setdefault(key, deque()).append(obs)
+            self._recorded.setdefault(key, []).append(obs)
+            self._key_of[obs["seq"]] = key
             self._order[key[0]].append(obs)
             self.total += 1
             site = Site.parse(obs.get("site")) if key[0] == "effect" else None
@@ -94,16 +102,65 @@ class Index:
                 self._sites.setdefault(where, deque()).append(obs)
 
     def take(self, key: tuple[str, str]) -> Mapping[str, Any] | None:
+        """The first unused observation of ``key``, marked used (None: none is left)."""
         with self._lock:
-            queue = self._queues.get(key)
-            if not queue:
-                return None
-            obs = queue.popleft()
-            self.used.add(obs["seq"])
-            outcome = self.outcomes.get(obs["seq"])
-            if outcome is not None:
-                self.used.add(outcome["seq"])
+            obs = self._next_unused(self._queues.get(key))
+            if obs is not None:
+                self._use(obs)
             return obs
+
+    def _use(self, obs: Mapping[str, Any]) -> None:
+        self.used.add(obs["seq"])
+        outcome = self.outcomes.get(obs["seq"])
+        if outcome is not None:
+            self.used.add(outcome["seq"])
+
+    def take_loose(self, key: str,
+                   line_key: Callable[[Mapping[str, Any]], str]) -> Mapping[str, Any] | None:
+        """The first unused model or HTTP line whose key under the replay policy
+        (``line_key``, :meth:`replayer.policy.ReplayPolicy.line_key`) is ``key``, marked
+        used. The lines are keyed at the first call."""
+        with self._lock:
+            group = self._loose_group(key, line_key)
+            obs = next((o for o in group if o["seq"] not in self.used), None)
+            if obs is not None:
+                self._use(obs)
+            return obs
+
+    def loose_group(self, key: str,
+                    line_key: Callable[[Mapping[str, Any]], str]) -> list[Mapping[str, Any]]:
+        """Every model or HTTP line whose key under the replay policy is ``key``, served or
+        not, in recorded order."""
+        with self._lock:
+            return list(self._loose_group(key, line_key))
+
+    def _loose_group(self, key: str,
+                     line_key: Callable[[Mapping[str, Any]], str]) -> list[Mapping[str, Any]]:
+        if self._loose is None:
+            self._loose = {}
+            for obs in self._order["net"]:
+                self._loose_of[obs["seq"]] = loose = line_key(obs)
+                self._loose.setdefault(loose, []).append(obs)
+        return self._loose.get(key, [])
+
+    def recorded(self, key: tuple[str, str]) -> list[Mapping[str, Any]]:
+        """Every observation of ``key``, served or not, in recorded order."""
+        return list(self._recorded.get(key, ()))
+
+    def played(self, seq: int) -> int:
+        """How many of the observations that answer what ``seq`` answers (its key; for a
+        model or HTTP line, under the replay policy once lines are keyed so) were served."""
+        with self._lock:
+            loose = self._loose_of.get(seq)
+            if loose is not None and self._loose is not None:
+                group = self._loose[loose]
+            else:
+                group = self._recorded.get(self._key_of.get(seq, ("", "")), [])
+            return sum(1 for obs in group if obs["seq"] in self.used)
+
+    def family(self, family: str) -> list[Mapping[str, Any]]:
+        """The recorded observations of ``family``, served or not, in recorded order."""
+        return list(self._order[family])
 
     def take_effect(self, name: str, file: str | None,
                     function: str | None) -> tuple[Mapping[str, Any] | None, bool]:

@@ -59,10 +59,10 @@ from recorder.errors import (
     SessionError,
     ToolReplayError,
 )
-from replayer.diff import unified
-from replayer.index import Index, tool_key
-from replayer.policy import ReplayPolicy, nearest
+from replayer.index import FAMILY, Index, tool_key
+from replayer.policy import ReplayPolicy
 from replayer.result import ReplayResult
+from replayer.verdicts import Asked, Change, Referee, Tally, recorded_request
 
 log = logging.getLogger("deja.replayer")
 
@@ -163,10 +163,12 @@ class ReplaySession(session.Session, Source):
         self.missed = False  # a miss passed on (on_miss="pass"): closed from here on
         self.path = cassette.path
         self.raise_on_divergence = raise_on_divergence  # read by replay()'s scope
-        # what a request is matched on: the stored fingerprints, or the policy's keys
+        # what a request is matched on: the stored fingerprints (exact), else its key
+        # under the policy (equivalent); each call graded, each divergence named
         self.policy = policy or ReplayPolicy()
-        self.index = Index(cassette, None if self.policy.exact
-                           else self.policy.line_key(cassette.requests))
+        self.index = Index(cassette)
+        self.referee = Referee(cassette, self.index, self.policy)
+        self.tally = Tally()
         # Exactly the rules the recording used, so requests fingerprint the same way.
         self.redaction = Redaction.from_header(cassette.header.get("redact"))
         self._parts = Parts()  # the history the agent resends, hashed once
@@ -236,12 +238,11 @@ class ReplaySession(session.Session, Source):
             session.deactivate(self)
         unused = tuple(self.index.unused())
         if self.divergence is None and unused:
-            first = next(o for o in self.cassette.observations if o["seq"] == unused[0])
-            self.divergence = DivergenceInfo(
-                step=first["seq"], kind=first["kind"],
-                reason=f"the run ended before step {first['seq']}: {len(unused)} recorded "
-                       "step(s) were never requested",
-                expected=_describe(self.cassette, first), actual=None, diff="")
+            self.divergence = self.referee.missing(unused)
+            self.tally.diverged(Change.MISSING_CALL, sum(
+                1 for o in self.cassette.observations
+                if o["seq"] in unused and o.get("kind") in FAMILY))
+        grades, kinds, equivalent = self.tally.summary()
         end: Mapping[str, Any] = self.cassette.end or {}
         serving = (self._last or self._first or 0.0) - (self._first or 0.0)
         self.result = ReplayResult(
@@ -252,7 +253,7 @@ class ReplaySession(session.Session, Source):
             seconds=round(serving, 6), notes=tuple(self.notes),
             totals=run_totals(self.cassette),
             recorded_exit_code=end.get("exit_code") if isinstance(end.get("exit_code"), int)
-            else None)
+            else None, grades=grades, kinds=kinds, equivalent=equivalent)
         return self.result
 
     # -- as a source
@@ -300,40 +301,15 @@ class ReplaySession(session.Session, Source):
 
     # -- divergence
 
-    def _diverge(self, family: str, kind: str, actual: Any, what: str) -> Divergence:
+    def _diverge(self, asked: Asked, what: str) -> Divergence:
+        """The divergence of a call nothing recorded answers, named and counted."""
         self._tick()
-        expected = self.index.expected(family)
-        if expected is None:
-            info = DivergenceInfo(step=None, kind=kind, reason=f"{what}, but the recording "
-                                  f"has no more {family if family != 'net' else 'model/HTTP'} "
-                                  "calls", expected=None, actual=actual,
-                                  diff=unified(None, actual))
-        else:
-            exp = _describe(self.cassette, expected)
-            info = DivergenceInfo(step=expected["seq"], kind=expected["kind"],
-                                  reason=f"{what} that does not match the recording",
-                                  expected=exp, actual=actual, diff=unified(exp, actual),
-                                  nearest=self._nearest(family, actual))
+        info = self.referee.divergence(asked, what)
+        self.tally.diverged(Change(info.category or Change.CHANGED_REQUEST))
         with self._lock:
             if self.divergence is None:
                 self.divergence = info
         return Divergence(info, path=self.path)
-
-    def _nearest(self, family: str, actual: Any) -> str | None:
-        """The unserved recorded request nearest to ``actual`` (ranked field by field, under
-        the policy), and how it differs, as a sentence."""
-        if family != "net":
-            return None
-        found = nearest(self.policy.request(actual),
-                        ((obs["seq"], self.policy.request(_describe(self.cassette, obs)))
-                         for obs in self.index.unserved(family)))
-        if found is None:
-            return None
-        seq, differ = found
-        shown = ", ".join(differ[:8]) + (f" and {len(differ) - 8} more" if len(differ) > 8
-                                         else "")
-        return (f"nearest recorded request: step {seq}, which differs in "
-                f"{shown or 'nothing the policy reads'}")
 
     # -- the capture seam
 
@@ -359,17 +335,23 @@ class ReplaySession(session.Session, Source):
                                                      request.body, self.redaction,
                                                      self._requests)
         url = self.redaction.url(request.url)
-        if self.policy.exact:
-            fp = request_fingerprint(kind, provider, request.method, url, body, self._parts,
-                                     texts)
-        else:
-            fp = self.policy.key(kind, provider, request.method, url, body)
-        obs = self.index.take(("net", fp))
+        actual: Any = body if kind == Kind.MODEL else {
+            "method": request.method.upper(), "url": url, "body": body}
+        obs = self.index.take(("net", request_fingerprint(kind, provider, request.method, url,
+                                                          body, self._parts, texts)))
+        if obs is not None:
+            self.tally.exact()
+            self._tick()
+            return obs
+        # no exact match: the request as the policy reads it (ids renamed, declared fields
+        # left out, text normalised), against the recorded ones read alike
+        asked = Asked("net", actual, kind, provider, request.method, url,
+                      self.policy.key(kind, provider, request.method, url, body))
+        obs = self.index.take_loose(str(asked.key), self.referee.line_key)
         if obs is None:
-            actual: Any = body if kind == Kind.MODEL else {
-                "method": request.method.upper(), "url": url, "body": body}
-            what = f"the agent sent a {kind} request ({request.method} {url})"
-            raise self._diverge("net", kind, actual, what)
+            raise self._diverge(asked, f"the agent sent a {kind} request "
+                                       f"({request.method} {url})")
+        self.tally.equivalent_call(obs["seq"], self.referee.equivalent_fields(obs, actual))
         self._tick()
         return obs
 
@@ -405,8 +387,9 @@ class ReplaySession(session.Session, Source):
         key = self.redaction.value(_values.args_key(args))
         obs = self.index.take(tool_key(tool.name, key))
         if obs is None:
-            raise self._diverge("tool", Kind.TOOL.value, {"name": tool.name, "args": key},
-                                f"the agent called tool {tool.name!r}")
+            raise self._diverge(Asked("tool", {"name": tool.name, "args": key},
+                                      Kind.TOOL.value), f"the agent called tool {tool.name!r}")
+        self.tally.exact()
         self._tick()
         return obs
 
@@ -428,7 +411,7 @@ class ReplaySession(session.Session, Source):
             step=intent["seq"], kind=Kind.INTENT.value,
             reason=f"the recording ended inside side-effecting tool {tool.name!r} (intent "
                    f"at seq {intent['seq']} has no outcome); resume the run to settle it",
-            expected=_describe(self.cassette, intent), actual=None, diff="")
+            expected=recorded_request(self.cassette, intent), actual=None, diff="")
         with self._lock:
             if self.divergence is None:
                 self.divergence = info
@@ -455,8 +438,9 @@ class ReplaySession(session.Session, Source):
             asked: dict[str, Any] = {"effect": name}
             if site is not None:
                 asked["site"] = site.record()
-            raise self._diverge("effect", Kind.EFFECT.value, asked,
+            raise self._diverge(Asked("effect", asked, Kind.EFFECT.value),
                                 f"the agent asked for effect {name!r}")
+        self.tally.exact()
         self._tick()
         at = Site.parse(obs.get("site")) if moved else None
         if at is not None and site is not None:
@@ -473,20 +457,6 @@ class ReplaySession(session.Session, Source):
         if "error" in obs:
             raise _rebuild_error(f"effect {obs['name']}", obs["error"])
         return _values.decode(obs.get("value"))
-
-
-def _describe(cassette: Cassette, obs: Mapping[str, Any]) -> Any:
-    """The recorded request of ``obs``, in the form a divergence diff compares."""
-    kind = obs["kind"]
-    if kind == Kind.MODEL:
-        return cassette.request_of(obs["seq"])
-    if kind == Kind.HTTP:
-        return {"method": obs["method"], "url": obs["url"], "body": obs["request"]["body"]}
-    if kind in (Kind.TOOL, Kind.INTENT):
-        return {"name": obs["name"], "args": obs["args"]}
-    if kind == Kind.EFFECT:
-        return {"effect": obs["name"], **({"site": obs["site"]} if "site" in obs else {})}
-    return {k: v for k, v in obs.items() if k not in ("sig",)}
 
 
 def _rebuild_error(tool: str, error: Mapping[str, Any]) -> BaseException:
@@ -525,14 +495,19 @@ def replay(path: str | Path, *, keyring: Keyring | None = None, require_signatur
     VERIFIED``. ``require_signature`` refuses it even then. A torn last line is refused
     unless ``allow_torn``; a cassette without an end line (truncated, or a crashed run)
     unless ``allow_incomplete``. ``policy`` says what may differ between the recording and
-    the replay (:class:`replayer.policy.ReplayPolicy`: ignored fields, normalised text).
+    the replay (:class:`replayer.policy.ReplayPolicy`: ignored fields, normalised text);
+    the project's ``[tool.deja.match]`` adds to it. Without one, the replay takes what
+    the project and each provider declare volatile
+    (:meth:`~replayer.policy.ReplayPolicy.configured`).
     """
     def open_replay() -> ReplaySession:
+        chosen = ReplayPolicy.configured() if policy is None else \
+            policy.merged(ReplayPolicy.configured())
         loaded = load(path, keyring=keyring or load_keyring(create=False),
                       require_signature=require_signature, allow_unverified=allow_unverified,
                       allow_torn=allow_torn, allow_incomplete=allow_incomplete)
         return ReplaySession(loaded, raise_on_divergence=raise_on_divergence,
-                             policy=policy).start()
+                             policy=chosen).start()
 
     return session.Scope(open_replay, lambda replay_session, exc: replay_session.finish(),
                          check=_check_replay, name=f"replay({path})")
@@ -542,9 +517,11 @@ def start(path: str | Path, *, progress: bool = False, policy: ReplayPolicy | No
           **kwargs: Any) -> ReplaySession:
     """Start a replay without a ``with`` block (used by the ``deja replay`` bootstrap);
     ``progress`` draws a bar on stderr when it is a terminal (:meth:`show_progress`);
-    ``policy`` as for :func:`replay`."""
+    ``policy``: the command line's rules, added to what the project and each provider
+    declare volatile (:meth:`~replayer.policy.ReplayPolicy.configured`)."""
     keyring = kwargs.pop("keyring", None) or load_keyring(create=False)
-    replay_session = ReplaySession(load(path, keyring=keyring, **kwargs), policy=policy).start()
+    chosen = ReplayPolicy.configured(policy)
+    replay_session = ReplaySession(load(path, keyring=keyring, **kwargs), policy=chosen).start()
     if progress:
         replay_session.show_progress()
     return replay_session

@@ -23,6 +23,14 @@ class ReplayResult:
     from the first call the program made to the last one answered (the interpreter's
     start-up and the program's imports are not in it). ``totals`` is the recorded run's
     :func:`recorder.cassette.rows.run_totals`.
+
+    ``grades`` counts the calls served ``exact`` or ``equivalent`` and those that
+    ``diverged``; ``kinds`` the divergences by kind (:class:`replayer.verdicts.Change`;
+    ``missing_call`` counts the recorded calls a run that otherwise matched never asked
+    for); ``equivalent`` names each equivalent call's step and the fields it differed in.
+    ``verdict`` sums them up: ``identical``, ``equivalent`` or ``diverged``.
+    ``identical`` says whether the replay passed (no divergence, every step asked for),
+    whether its calls were exact or equivalent.
     """
 
     path: str
@@ -39,6 +47,9 @@ class ReplayResult:
     notes: tuple[str, ...] = ()
     totals: dict[str, Any] | None = None
     recorded_exit_code: int | None = None  # the recorded program's exit status, if known
+    grades: dict[str, int] | None = None
+    kinds: dict[str, int] | None = None
+    equivalent: tuple[dict[str, Any], ...] = ()
 
     @property
     def complete(self) -> bool:
@@ -49,12 +60,22 @@ class ReplayResult:
     def identical(self) -> bool:
         return self.divergence is None and self.complete
 
+    @property
+    def verdict(self) -> str:
+        """``identical`` (every call exact), ``equivalent`` (some only equivalent, none
+        diverged) or ``diverged``."""
+        if not self.identical:
+            return "diverged"
+        return "equivalent" if (self.grades or {}).get("equivalent") else "identical"
+
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["unused"] = list(self.unused)
         out["notes"] = list(self.notes)
+        out["equivalent"] = list(self.equivalent)
         out["identical"] = self.identical
         out["complete"] = self.complete
+        out["verdict"] = self.verdict
         return out
 
     def report(self, code: int | None = None, *, advice: str | None = None) -> str:
@@ -72,17 +93,19 @@ def render(result: Mapping[str, Any], code: int | None = None, *,
     d = result.get("divergence")
     failed_early = bool(d) and not result["steps_served"] and code not in (0, None) and \
         bool(result.get("program_error"))
-    verdict = "identical" if result["identical"] else \
-        "FAILED BEFORE ITS FIRST CALL" if failed_early else "DIVERGED"
+    verdict = "FAILED BEFORE ITS FIRST CALL" if failed_early else _HEADLINES.get(
+        result.get("verdict") or ("identical" if result["identical"] else "diverged"),
+        "DIVERGED")
     if not result.get("verified"):
         verdict += " (NOT VERIFIED: what was served is unchecked)"
     recorded_exit = result.get("recorded_exit_code")
     lines = [f"replay of {result['run']} ({result['path']}): {verdict}",
              f"  steps:      {result['steps_served']}/{result['steps_recorded']} served "
-             f"in {result['seconds']:.3f}s",
-             f"  signature:  {result['verify_note']}",
-             f"  recorded:   {result['recorded_status'] or 'no end line'}"
-             + (f", exit status {recorded_exit}" if recorded_exit is not None else "")]
+             f"in {result['seconds']:.3f}s"]
+    lines.extend(_calls(result))
+    lines += [f"  signature:  {result['verify_note']}",
+              f"  recorded:   {result['recorded_status'] or 'no end line'}"
+              + (f", exit status {recorded_exit}" if recorded_exit is not None else "")]
     if code is not None:  # the program's, when deja ran it
         lines.append(f"  replayed:   exit status {code}"
                      + (f" ({result['program_error']})" if result.get("program_error")
@@ -96,15 +119,57 @@ def render(result: Mapping[str, Any], code: int | None = None, *,
                      "nothing was compared: fix what its error says (a missing setting, "
                      "file or dependency) and replay again")
     elif d:
-        step = d["step"] if d["step"] is not None else "end"
-        lines.append(f"  divergence: step {step} ({d['kind']}): {d['reason']}")
-        if d.get("nearest"):
-            lines.append(f"              {d['nearest']}")
-        lines.extend("    " + line for line in (d.get("diff") or "").splitlines())
-        lines.append("  next:       " + (advice or (
-            "the agent's code or inputs changed since the run was recorded: fix it, record "
-            "the run again" + (f", or fork it at this step (deja fork {result['path']} --at "
-                               f"{step} ...) to test the change" if d["step"] is not None
-                               else ""))))
+        lines.extend(_divergence(d, result["path"], advice))
     lines.extend(f"  note:       {note}" for note in result.get("notes") or ())
     return "\n".join(lines)
+
+
+_HEADLINES = {"identical": "identical",
+              "equivalent": "equivalent: identical but for declared-volatile fields",
+              "diverged": "DIVERGED"}
+_SHOWN_EQUIVALENT = 5  # equivalent calls listed in the report (all are in the JSON)
+
+
+def _calls(result: Mapping[str, Any]) -> list[str]:
+    """The calls by grade, the divergences by kind, and the fields each equivalent call
+    differed in (none for a result from before calls were graded)."""
+    grades = result.get("grades")
+    if not grades:
+        return []
+    line = ", ".join(f"{count} {grade}" for grade, count in grades.items() if count) or "none"
+    kinds = {kind: count for kind, count in (result.get("kinds") or {}).items() if count}
+    if kinds:
+        line += " (" + ", ".join(f"{kind}: {count}" for kind, count in kinds.items()) + ")"
+    lines = [f"  calls:      {line}"]
+    equivalent = result.get("equivalent") or ()
+    for call in equivalent[:_SHOWN_EQUIVALENT]:
+        lines.append(f"  equivalent: step {call['step']}, differing only in "
+                     + ", ".join(call["fields"] or ["nothing"]))
+    if len(equivalent) > _SHOWN_EQUIVALENT:
+        lines.append(f"              and {len(equivalent) - _SHOWN_EQUIVALENT} more "
+                     "equivalent call(s)")
+    return lines
+
+
+def _divergence(d: Mapping[str, Any], path: str, advice: str | None) -> list[str]:
+    """The divergence: where, its kind, the nearest recorded call and how often it was
+    played already, the diff, and what to do."""
+    step = d["step"] if d["step"] is not None else "end"
+    lines = [f"  divergence: step {step} ({d['kind']}): {d['reason']}"]
+    if d.get("category"):
+        changed = d.get("changed") or ()
+        lines.append(f"              kind: {d['category']}"
+                     + (f" ({', '.join(changed)})" if changed else ""))
+    if d.get("nearest"):
+        lines.append(f"              {d['nearest']}")
+    if d.get("nearest_step") is not None and d.get("played") is not None:
+        times = d["played"]
+        lines.append(f"              the nearest recording, step {d['nearest_step']}, was "
+                     f"already played {times} time{'' if times == 1 else 's'}")
+    lines.extend("    " + line for line in (d.get("diff") or "").splitlines())
+    lines.append("  next:       " + (advice or (
+        "the agent's code or inputs changed since the run was recorded: fix it, record "
+        "the run again" + (f", or fork it at this step (deja fork {path} --at "
+                           f"{step} ...) to test the change" if d["step"] is not None
+                           else ""))))
+    return lines
