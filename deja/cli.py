@@ -18,6 +18,7 @@ import shlex
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -53,6 +54,9 @@ from deja._common import (
 )
 from deja._launch import _echo_split, _launch, _where_to_run, _writer_lock
 from replayer.result import render as replay_report
+
+if TYPE_CHECKING:
+    from replayer.policy import ReplayPolicy
 
 # What deja cannot do for an agent it sees only through the proxy.
 PROXY_TOOLS_WARNING = ("deja: WARNING: this run was recorded through deja proxy: deja serves "
@@ -181,8 +185,11 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
     key this machine does not have is refused unless --allow-unverified, and even then
     its recorded command is only run when given as CMD or with --run-recorded-command.
     --ignore and --normalise say what may differ from the recording (a user id, today's
-    date in a prompt) without being a divergence.
-    Exit 0 identical, 1 diverged, 2 bad cassette.
+    date in a prompt) without being a divergence, added to the project's
+    [tool.deja.match] and what each provider declares volatile (tool-use ids). The
+    report grades the calls exact or equivalent and names the kind of a divergence;
+    --json prints them (verdict, grades, kinds, equivalent).
+    Exit 0 identical or equivalent, 1 diverged, 2 bad cassette.
     """
     from deja import launcher
     from deja.boot import child_env
@@ -206,8 +213,11 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
     if not argv:
         raise _no_command(cassette, loaded.header, "replay")
     cwd = _where_to_run(cassette, loaded.header, argv, given=bool(command), cwd=cwd)
+    project = _project_match(cwd or Path.cwd())  # checked before the program runs
     if isinstance(loaded.header.get("proxy"), dict):  # an agent in any language
         click.secho(PROXY_TOOLS_WARNING, err=True, fg="yellow")
+        policy_args += [*(f"--ignore={p}" for p in project.ignore),
+                        *(f"--normalise={p}={r}" for p, r in project.normalise)]
         sys.exit(cli_proxy.through_proxy(
             ["--replay", str(cassette.resolve()), *policy_args,
              *([] if loaded.verified else ["--allow-unverified"])], argv, cwd))
@@ -235,6 +245,18 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
     else:
         click.echo(replay_report(result, ended.status))
     sys.exit(0 if result["identical"] else EXIT_DIVERGED)
+
+
+def _project_match(cwd: Path) -> ReplayPolicy:
+    """The ``[tool.deja.match]`` of the project the program runs in (what it adds to a
+    replay's policy), checked before the program runs."""
+    from recorder.errors import ConfigError
+    from replayer.policy import ReplayPolicy
+
+    try:
+        return ReplayPolicy.configured(start=cwd)
+    except ConfigError as exc:
+        raise BadInput(str(exc)) from None
 
 
 @click.command(cls=RunsCommand)

@@ -38,7 +38,11 @@ marker's ``record_mode=``; the ``deja_config`` fixture's; ``once``.
   call fails the test instead of going live); a missing one fails the test.
 - ``@pytest.mark.deja(path, ignore=[...], normalise=[...])`` is the replay policy
   (:class:`replayer.policy.ReplayPolicy`): JSON pointers left out of the match, and
-  ``PATTERN=REPLACEMENT`` rewrites of the request's text (a date in a prompt).
+  ``PATTERN=REPLACEMENT`` rewrites of the request's text (a date in a prompt). The
+  project's ``[tool.deja.match]`` and what each provider declares volatile (tool-use
+  ids, a user id, cache markers) add to it. A call that matches only under it is
+  *equivalent*; the failure report of a divergence names its kind
+  (:mod:`replayer.verdicts`).
 - ``allowed_hosts=[...]``: while a test replays, a connection to any other host (a
   database driver, a raw socket, a client deja does not capture) fails it with
   :class:`replayer.network.NetworkBlocked`; nothing is allowed unless listed,
@@ -153,15 +157,21 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
                           "DEJA_OLD_KEYS) to check them.", yellow=True)
 
 
-def _policy(nodeid: str, settings: _modes.Settings) -> ReplayPolicy:
-    """The test's ``ignore=`` (JSON pointers) and ``normalise=`` (``PATTERN=REPLACEMENT``
-    items): what may differ between the recording and the test's run."""
+def _policy(nodeid: str, settings: _modes.Settings, root: Path) -> ReplayPolicy:
+    """What may differ between the recording and the test's run: the project's
+    ``[tool.deja.match]`` (the ``pyproject.toml`` at or above ``root``, pytest's rootdir),
+    what each provider declares volatile, and the test's ``ignore=`` (JSON pointers) and
+    ``normalise=`` (``PATTERN=REPLACEMENT`` items)."""
     from replayer.policy import ReplayPolicy
 
     try:
-        return ReplayPolicy.parse(settings.ignore, settings.normalise)
+        marked = ReplayPolicy.parse(settings.ignore, settings.normalise)
     except ConfigError as exc:
         raise pytest.UsageError(f"{nodeid}: @pytest.mark.deja: {exc}") from None
+    try:
+        return ReplayPolicy.configured(marked, start=root)
+    except ConfigError as exc:
+        raise pytest.UsageError(f"{nodeid}: {exc}") from None
 
 
 def _plan(request: pytest.FixtureRequest, settings: _modes.Settings) -> _modes.Plan:
@@ -224,7 +234,7 @@ def _deja_marked(request: pytest.FixtureRequest, deja_config: Any) -> Iterator[N
         yield from _replayed(request, settings)
         return
     recording = _modes.start_recording(plan, settings.cassette, command_for(request.node),
-                                       _policy(nodeid, settings))
+                                       _policy(nodeid, settings, request.config.rootpath))
     request.node.stash[_RECORDING] = recording
     try:
         yield
@@ -252,7 +262,7 @@ def _replayed(request: pytest.FixtureRequest, settings: _modes.Settings) -> Iter
     node = request.node
     allowed = settings.allow_unverified or request.config.getoption("deja_allow_unverified")
     context = replay(settings.cassette, allow_unverified=True if allowed else None,
-                     policy=_policy(node.nodeid, settings))
+                     policy=_policy(node.nodeid, settings, request.config.rootpath))
     current = context.__enter__()
     if not current.cassette.verified:
         note = current.cassette.verify_note
