@@ -8,8 +8,9 @@ back to the client chunk by chunk as it arrives and is teed; a whole (JSON) resp
 passed on once complete; both within ``max_response`` bytes (:mod:`deja.proxy._bounds`).
 ``end_http`` logs the exchange once it is complete, after its last byte is sent, so the
 client does not wait for the write (a large one is logged in a worker thread, the run's
-next request waiting for it). Either way the run is told how its call went (failed, when
-it was answered, the calls a Responses reply asks for: :mod:`deja.proxy._tool_steps`), and
+next request waiting for it). Either way the run is told how its call went: failed, when
+it was answered, and, read by its provider, whether its reply left the turn to the agent
+(asked for tools) and the calls a Responses reply asks for (:mod:`deja.proxy._tool_steps`);
 every response carries the run's id (``x-deja-run-id``).
 """
 
@@ -20,6 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -71,6 +73,7 @@ class Exchange:
     started: bool = False
     run: str | None = None
     note: str = ""
+    answered: bool = False  # the response came whole, with a status below 400
 
 
 @dataclass
@@ -158,6 +161,7 @@ class Responder:
         await send({"type": "http.response.body", "body": body, "more_body": False})
         run.last_failed = served.status >= 400 or refused
         run.answered = time.time()
+        ex.answered = not run.last_failed
         if seam is not None and served.status < 400:
             try:
                 plain = await off_loop(len(served.body), decoded_within, served.body,
@@ -167,10 +171,9 @@ class Responder:
                 return
             summary = seam.summarize(served.status, served.headers, plain)
             run.last_stop_reason = summary.get("stop_reason")
-            run.awaiting_tools = False
-            if is_responses(ex.path):
-                await off_loop(len(plain), read_reply, self.registry, run, seam,
-                               served.headers, plain)
+            run.awaiting_tools = None
+            await off_loop(len(plain), partial(read_reply, chained=is_responses(ex.path)),
+                           self.registry, run, seam, served.headers, plain)
 
     async def forward(self, run: ProxyRun, rec: Any, request: HttpRequest, receive: Receive,
                       send: Send, ex: Exchange) -> None:
@@ -280,9 +283,9 @@ class Responder:
 
     async def _log(self, f: _Forwarding, error: BaseException | None) -> None:
         """Log the exchange (in a thread when it is large: the other clients are served
-        meanwhile) and read what a Responses reply says of the run's tools."""
+        meanwhile) and read what a successful reply says of the run's tools."""
         seam = providers.for_url(f.request.method, f.request.url) \
-            if error is None and f.meta.status < 400 and is_responses(f.ex.path) else None
+            if error is None and f.meta.status < 400 else None
         timing = f.passing.timing(f.start, f.t0)
 
         def log_it() -> None:
@@ -291,7 +294,8 @@ class Responder:
                 f.run.last_stop_reason = (obs or {}).get("stop_reason")
             if seam is not None:
                 read_reply(self.registry, f.run, seam, f.meta.headers,
-                           decoded_within(f.meta.body, f.meta.headers, self.max_response))
+                           decoded_within(f.meta.body, f.meta.headers, self.max_response),
+                           chained=is_responses(f.ex.path))
 
         try:
             if not f.held and len(f.meta.body) + len(f.request.body) > OFFLOAD_BYTES:
@@ -320,4 +324,5 @@ class Responder:
             ex.note = str(error) or type(error).__name__
         run.last_failed = error is not None or meta.status >= 400
         run.answered = time.time()
-        run.awaiting_tools = False
+        ex.answered = not run.last_failed
+        run.awaiting_tools = None  # until its reply is read

@@ -1,115 +1,209 @@
 """The agent's tool steps as the proxy sees them: in the conversation its requests carry.
 
 An agent behind the proxy runs its tools itself; the proxy sees a tool step only as a
-call in one response and its result in a later request. So:
+call in one response and its result in a later request. So a request's tool results are
+read once, through its provider (the proxy knows it from the URL), with the id each has in
+the run (:func:`read_results`), and then:
 
-- a request's tool results the run has not seen yet are logged as tool steps, with the
-  time since the last response as their duration, and the guards see them
-  (:func:`boundary`);
+- the results the run has not seen yet are logged as tool steps, with the time since the
+  last response as their duration, and the guards see them (:func:`boundary`);
 - in a served run (a replay, a fork's prefix), a tool result other than the recorded one
   is a divergence at that tool's step (:func:`check_results`);
 - a fork at a tool step puts the edited result in place of what the agent sends, in that
   request and every later one (:func:`substitute`);
+- once the request is taken, its conversation ends with it (:func:`follow`);
 - a reply names the tool calls it asks for, which a Responses request continuing it by
   ``previous_response_id`` (:func:`is_responses`) answers without repeating them, whether
   it leaves the turn to the agent, and its id, by which such a request finds its run
   (:func:`read_reply`).
 
-Calls and results are read through the request's conversation, whatever its provider
-(:mod:`recorder.providers.conversation`); a result's content is what the agent sent,
-where its provider's format finds it in the body (``Provider.tool_result_slots``), so that
-it is logged, compared and edited as sent.
+A result's id is the run's (:class:`deja.proxy.runs.Dialogues`): unique in the run, so that
+two conversations of a named run that both answer Gemini's id-less ``lookup`` log two
+steps. A request that continues its conversation is read only in the items it adds,
+numbered on from where its conversation left off; the whole request is read when every
+result counts (a served run checks them all, a fork edits them all) or when its
+conversation is new to the run. Calls and results are read through the request's
+conversation (:mod:`recorder.providers.conversation`); a result's content is what the
+agent sent, where its provider's format finds it in the body
+(``Provider.tool_result_slots``), so that it is logged, compared and edited as sent.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
-from deja.proxy.runs import ProxyRun, Registry, calls_by_id, conversation_items
+from deja.proxy.runs import Dialogue, ProxyRun, Registry, calls_by_id, conversation_items
 from recorder import providers
 from recorder.cassette.schema import Kind
 from recorder.errors import Divergence, DivergenceInfo
 from recorder.providers import Provider, conversation
+from recorder.providers.base import Conversation
 from recorder.providers.conversation import PlacedResult
 
-__all__ = ["boundary", "check_results", "is_responses", "read_reply", "substitute"]
+__all__ = ["Reading", "Result", "boundary", "check_results", "follow", "is_responses",
+           "read_reply", "read_results", "substitute"]
 
 
-def _first_new(run: ProxyRun, body: dict[str, Any], items: list[Any],
-               keys: list[str] | None) -> int:
-    """Where the items a request adds to the run's last one start."""
-    if isinstance(body.get("previous_response_id"), str):
-        return 0  # a Responses request that continues one: every item is new
-    n = len(run.last_keys)
-    if keys is not None and keys[:n] == run.last_keys:
-        return n
-    return max(0, len(items) - 1)
+@dataclass(frozen=True)
+class Result:
+    """A tool result a request carries: its id in the run and in its conversation
+    (numbered, :func:`recorder.providers.conversation.numbered_results`), where it is in
+    the body, and whether it is new (in the items the request adds)."""
+
+    run_id: str
+    local: str
+    placed: PlacedResult
+    fresh: bool
 
 
-def _new_results(run: ProxyRun, body: dict[str, Any], keys: list[str] | None,
-                 seam: Provider | None) -> tuple[Provider, list[PlacedResult]] | None:
-    """The provider that reads ``body`` and the tool results it adds that the run has not
-    logged yet (None: it adds none). The added items are read first, alone (cheap); the
-    whole request only when they hold a result (its ids are numbered in the whole)."""
+@dataclass
+class Reading:
+    """A model request's tool results as its run knows them (:func:`read_results`)."""
+
+    provider: Provider
+    body: dict[str, Any]
+    keys: list[str]
+    dialogue: Dialogue | None  # the conversation it continues (None: it starts one)
+    chained: bool  # it continues a Responses reply by previous_response_id
+    results: list[Result] = field(default_factory=list)
+    calls: dict[str, tuple[str, Any]] = field(default_factory=dict)  # of the items read
+    whole: bool = False  # every item was read (else those it adds)
+    # its conversation's counts of call and result ids (Dialogue.calls, .results), after it
+    counts: tuple[dict[str, int], dict[str, int]] = field(default_factory=lambda: ({}, {}))
+    given: dict[str, str] = field(default_factory=dict)  # new run ids -> their raw ids
+
+
+def _number(seen: dict[str, int], raw: str | None) -> str | None:
+    """``raw``, or ``raw#n`` for its n-th use among those ``seen`` (counted on)."""
+    if raw is None:
+        return None
+    count = seen[raw] = seen.get(raw, 0) + 1
+    return raw if count == 1 else f"{raw}#{count}"
+
+
+def _numbered(reading: Reading, conv: Conversation, seed: Dialogue | None
+              ) -> list[tuple[str | None, str | None]]:
+    """Read ``conv``'s calls into ``reading`` and return its results' (id, numbered id),
+    in order: numbered as :mod:`recorder.providers.conversation` numbers a whole
+    request, on from ``seed``'s counts (the items before these, in its conversation)."""
+    calls_seen = dict(seed.calls) if seed is not None else {}
+    results_seen = dict(seed.results) if seed is not None else {}
+    numbered: list[tuple[str | None, str | None]] = []
+    for turn in conversation.turns(conv):
+        if conversation.role(turn) == "assistant":
+            for call in conversation.tool_calls(turn):
+                local = _number(calls_seen, call.id)
+                if local is not None:
+                    reading.calls[local] = (str(call.name), call.input)
+        else:
+            numbered += [(result.tool_use_id, _number(results_seen, result.tool_use_id))
+                         for result in conversation.tool_results(turn)]
+    reading.counts = (calls_seen, results_seen)
+    return numbered
+
+
+def read_results(run: ProxyRun, body: dict[str, Any], keys: list[str] | None,
+                 seam: Provider, *, whole: bool = False,
+                 retry: bool | None = None) -> Reading | None:
+    """The tool results of model request ``body`` (message ``keys``) of provider ``seam``,
+    each with its id in ``run``: those it adds to its conversation (new ones get the run's
+    next id), and with ``whole`` every one it carries. ``retry``: whether the client says
+    the request is a retry (:meth:`deja.proxy.runs.Dialogues.find`). None: it holds no
+    conversation."""
     items = conversation_items(body, seam)
-    history = seam.history_field(body) if seam is not None else providers.history_field(body)
-    if items is None or history is None:
+    history = seam.history_field(body)
+    if items is None or history is None or not keys:
         return None
-    start = _first_new(run, body, items, keys)
-    added = {history: items[start:]}
-    provider = seam or conversation.reader_of(added)
-    if provider is None or not conversation.placed_results(provider, added):
-        return None
-    offset = sum(isinstance(item, dict) for item in items[:start])  # turns before them
-    fresh = [p for p in conversation.placed_results(provider, body) if p.turn >= offset
-             and p.result.tool_use_id is not None and p.result.tool_use_id not in run.logged]
-    return (provider, fresh) if fresh else None
+    chained = isinstance(body.get("previous_response_id"), str)  # every item is new
+    dialogue = None if chained else run.dialogues.find(keys, retry)
+    start = 0 if chained else len(dialogue.keys) if dialogue is not None \
+        else max(0, len(items) - 1)  # met mid-way (a named run's): its last item is new
+    reading = Reading(seam, body, keys, dialogue, chained,
+                      whole=whole or (dialogue is None and start > 0))
+    read = body if reading.whole else {history: items[start:]}
+    conv = seam.conversation(read)
+    numbered = _numbered(reading, conv, None if reading.whole else dialogue)
+    offset = sum(isinstance(item, dict) for item in items[:start]) if reading.whole else 0
+    for placed, (raw, local) in zip(conversation.placed_results(seam, read, conv), numbered,
+                                    strict=True):
+        if raw is None or local is None:
+            continue
+        fresh = placed.turn >= offset
+        run_id = _fresh_id(run, reading, raw, local) if fresh else \
+            dialogue.ids.get(local, local) if dialogue is not None else local
+        reading.results.append(Result(run_id, local, placed, fresh))
+    return reading
 
 
-def boundary(run: ProxyRun, rec: Any, body: dict[str, Any], keys: list[str] | None,
-             seam: Provider | None = None) -> None:
-    """Log the tool results this request brings that the run has not seen yet (and
-    let the guards see them). ``seam``: the request's provider (found from the body when
-    not given, :func:`recorder.providers.conversation.reader_of`)."""
-    found = _new_results(run, body, keys, seam)
-    if found is None:
-        return
-    provider, results = found
-    turns = conversation.turns(provider.conversation(body))
-    calls = {**run.calls, **calls_by_id(conversation.numbered_calls(turns))}
+def _fresh_id(run: ProxyRun, reading: Reading, raw: str, local: str) -> str:
+    """The run's id for a new result (``raw``, numbered ``local`` in its conversation): a
+    Responses call's own (unique, and a retry of the request gets it again), else
+    ``local`` unless another conversation of the run has it
+    (:meth:`deja.proxy.runs.Dialogues.fresh`)."""
+    known = reading.dialogue.ids.get(local) if reading.dialogue is not None else None
+    run_id = local if reading.chained else known or run.dialogues.fresh(raw, local, reading.given)
+    reading.given[run_id] = raw
+    return run_id
+
+
+def follow(run: ProxyRun, reading: Reading | None) -> Dialogue | None:
+    """The request ``reading`` read was taken: the ids it gave are the run's, and its
+    conversation (returned: its caller says when it is answered, ``Dialogue.settled``)
+    now ends with it."""
+    if reading is None:
+        return None
+    run.dialogues.take(reading.given)
+    if reading.chained:
+        return None
+    dialogue = run.dialogues.advance(reading.dialogue, reading.keys)
+    dialogue.calls, dialogue.results = reading.counts
+    dialogue.ids.update((r.local, r.run_id) for r in reading.results if r.fresh)
+    return dialogue
+
+
+def _call_of(run: ProxyRun, reading: Reading, result: Result) -> tuple[str, Any]:
+    """(name, input) of the call ``result`` answers: in the items read, in a Responses
+    reply the request continues, else in the whole request (its name alone, when the
+    agent answered a call the conversation does not hold)."""
+    found = reading.calls.get(result.local) or run.calls.get(result.local)
+    if found is None and not reading.whole:
+        whole = Reading(reading.provider, reading.body, reading.keys, None, reading.chained)
+        _numbered(whole, reading.provider.conversation(reading.body), None)
+        found = whole.calls.get(result.local)
+    return found or (result.placed.result.name or "unknown", None)
+
+
+def boundary(run: ProxyRun, rec: Any, reading: Reading) -> None:
+    """Log the tool results of the request ``reading`` read that the run has not seen yet
+    (and let the guards see them)."""
     now = time.time()
     since = run.answered  # the tools ran between the last response and this request
-    for placed in results:
-        call = str(placed.result.tool_use_id)
-        name, args = calls.get(call, (placed.result.name or "unknown", None))
-        run.logged.add(call)
+    for result in reading.results:
+        if not result.fresh or result.run_id in run.logged:
+            continue
+        name, args = _call_of(run, reading, result)
+        run.logged.add(result.run_id)
         rec.observe_tool(name, args if isinstance(args, dict) else {"input": args},
-                         placed.sent, call_id=call, is_error=placed.result.is_error,
-                         start=since or now,
+                         result.placed.sent, call_id=result.run_id,
+                         is_error=result.placed.result.is_error, start=since or now,
                          ms=(now - since) * 1000 if since is not None else None)
 
 
-def _placed(body: dict[str, Any], seam: Provider | None) -> list[PlacedResult]:
-    """Every tool result ``body`` carries, read by its provider (``seam``, or the one
-    whose format reads the body)."""
-    provider = seam or conversation.reader_of(body)
-    return conversation.placed_results(provider, body) if provider is not None else []
-
-
-def check_results(run: ProxyRun, body: dict[str, Any], seam: Provider | None = None) -> None:
+def check_results(run: ProxyRun, reading: Reading) -> None:
     """A served run (a replay, a fork's prefix): a tool result that is not what the
     recording observed for its call is a divergence at that tool's step, the step
     ``deja diff`` would name, rather than at the model request that carries it."""
     from replayer.diff import unified
 
-    for placed in _placed(body, seam):
-        call = placed.result.tool_use_id
-        obs = run.recorded.get(call) if call is not None else None
+    for result in reading.results:
+        call = result.run_id
+        obs = run.recorded.get(call)
         if obs is None or obs.get("edited"):
             continue
-        got, is_error = placed.sent, placed.result.is_error
+        got, is_error = result.placed.sent, result.placed.result.is_error
         if got == obs.get("result") and is_error == bool(obs.get("is_error")):
             continue
         expected = {"name": obs["name"], "args": obs.get("args"), "result": obs.get("result")}
@@ -129,20 +223,20 @@ def check_results(run: ProxyRun, body: dict[str, Any], seam: Provider | None = N
         raise Divergence(info, path=getattr(served, "path", None))
 
 
-def substitute(body: dict[str, Any], edits: dict[str, Any], raw: bytes,
-               seam: Provider | None = None) -> bytes:
+def substitute(reading: Reading, edits: dict[str, Any], raw: bytes) -> bytes:
     """The request with each edited tool result in place of what the agent sent (a fork
-    at a tool step: the model sees the edit in every later request too); ``body`` is
-    edited in place."""
+    at a tool step: the model sees the edit in every later request too); the body
+    ``reading`` read (whole) is edited in place."""
     changed = False
-    for placed in _placed(body, seam) if edits else ():
-        call = placed.result.tool_use_id
-        if call in edits and placed.slot is not None and placed.sent != edits[call]:
-            placed.slot.put(edits[call])
+    for result in reading.results:
+        slot = result.placed.slot
+        if result.run_id in edits and slot is not None \
+                and result.placed.sent != edits[result.run_id]:
+            slot.put(edits[result.run_id])
             changed = True
     if not changed:
         return raw
-    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return json.dumps(reading.body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def is_responses(path: str) -> bool:
@@ -151,19 +245,23 @@ def is_responses(path: str) -> bool:
 
 
 def read_reply(registry: Registry, run: ProxyRun, seam: providers.Provider,
-               headers: list[tuple[str, str]], body: bytes) -> None:
-    """What a reply means for the run's boundaries: the tool calls it asks for (a
-    Responses request continuing it by ``previous_response_id`` sends their results
-    without them), whether it leaves the turn to the agent (how an idle run ends), and
-    its id, by which such a request finds the run."""
+               headers: list[tuple[str, str]], body: bytes, *, chained: bool) -> None:
+    """What a successful reply means for the run's boundaries, read by its provider:
+    whether it leaves the turn to the agent (it asks for tools, or its stop reason says
+    so: how an idle run ends, :meth:`ProxyRun.end_status`). A reply that can be
+    ``chained`` (a Responses reply: a request continuing it by ``previous_response_id``
+    sends the results of the calls it asks for without the calls) also gives those
+    calls, and its id, by which such a request finds the run."""
     try:
         message = seam.message(headers, body)
     except ValueError:
         return
     if not isinstance(message, dict):
         return
+    run.awaiting_tools = conversation.reply_unfinished(seam, message)
+    if not chained:
+        return
     answer = conversation.reply(seam.conversation(None, message))
     run.calls.update(calls_by_id(conversation.numbered_calls([answer] if answer else [])))
-    run.awaiting_tools = conversation.reply_unfinished(seam, message)
     if isinstance(message.get("id"), str):
         registry.replied(run, message["id"])

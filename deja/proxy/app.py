@@ -37,7 +37,14 @@ from typing import Any
 
 from deja.proxy._bounds import BODY_TIMEOUT, MAX_RESPONSE, off_loop
 from deja.proxy._respond import RUN_ID_HEADER, ClientGone, Exchange, Receive, Responder, Send
-from deja.proxy._tool_steps import boundary, check_results, substitute
+from deja.proxy._tool_steps import (
+    Reading,
+    boundary,
+    check_results,
+    follow,
+    read_results,
+    substitute,
+)
 from deja.proxy._wire import Callers, ProxyError, error_body, forwardable, upstream_path
 from deja.proxy.runs import (
     RUN_NAME,
@@ -253,7 +260,8 @@ class Proxy:
         run.in_flight += 1
         run.used = time.monotonic()
         try:
-            await self._exchange(run, request, parsed, keys, receive, send, ex)
+            await self._exchange(run, request, (provider, parsed, keys, _retry(named)),
+                                 receive, send, ex)
         finally:
             run.in_flight -= 1
             run.used = time.monotonic()
@@ -294,7 +302,7 @@ class Proxy:
             raise ProxyError(400, "invalid_request_error",
                              f"deja proxy: the body of {ex.method} {ex.path} {what}; a model "
                              "request is a JSON object. Nothing was sent upstream")
-        items = conversation_items(parsed)
+        items = conversation_items(parsed, provider)
         if items is None:
             return parsed, None
         # the body's texts are those of its history: the conversation's items when they are
@@ -315,8 +323,7 @@ class Proxy:
                              f"deja proxy: {RUN_HEADER} must be 1-128 letters, digits and "
                              "_ . : @ -, starting with a letter or digit")
         who = credential(headers)
-        count = named.get("x-stainless-retry-count", "")
-        retry = (count != "0") if count.isdigit() else None
+        retry = _retry(named)
         run = self.registry.find(who, name, keys if name is None else None, retry, previous)
         if run is not None:
             return run
@@ -338,9 +345,12 @@ class Proxy:
         log.info("run %s started%s", run.run_id, f" ({name})" if name else "")
         return run
 
-    async def _exchange(self, run: ProxyRun, request: HttpRequest, parsed: Any,
-                        keys: list[str] | None, receive: Receive, send: Send,
-                        ex: Exchange) -> None:
+    async def _exchange(self, run: ProxyRun, request: HttpRequest,
+                        model: tuple[Provider | None, Any, list[str] | None, bool | None],
+                        receive: Receive, send: Send, ex: Exchange) -> None:
+        """Hand one request to its run: ``model`` is its provider, parsed body, message
+        keys (None for each: not a model call) and whether the client says it retries."""
+        provider, parsed, keys, retry = model
         if run.logging.locked():  # a large line of this run is being written: it goes first
             async with run.logging:
                 pass
@@ -349,15 +359,15 @@ class Proxy:
         if run.closed and run is not self.single:
             raise ProxyError(400, "invalid_request_error",
                              f"deja proxy: run {run.run_id} is closed")
-        if isinstance(parsed, dict) and run.edits:
-            parsed = copy.deepcopy(parsed)  # the reader keeps the messages it parsed
-            request.body = substitute(parsed, run.edits, request.body)
+        reading: Reading | None = None
         try:
             rec = run.recording
-            if isinstance(parsed, dict) and rec is not None:
-                boundary(run, rec, parsed, keys)
-            elif isinstance(parsed, dict) and run.recorded:
-                check_results(run, parsed)
+            if provider is not None and isinstance(parsed, dict):
+                reading = self._results(run, rec, provider, parsed, keys, request, retry)
+            if reading is not None and rec is not None:
+                boundary(run, rec, reading)
+            elif reading is not None and run.recorded:
+                check_results(run, reading)
             writer = None if run.session.consults_log else run.session.recorder()
             if writer is not None:  # a recording: the body is read for the log later
                 writer.before_call(request)
@@ -377,17 +387,42 @@ class Proxy:
             raise ProxyError(400, "invalid_request_error", f"deja proxy: {exc}") from None
         if keys is not None:
             run.last_keys = keys
+        dialogue = follow(run, reading)
         if served is not None:
             await self._responder.serve(run, served, send, ex)
-            return
-        rec = run.recording
-        await self._responder.forward(run, rec, request, receive, send, ex)
+        else:
+            await self._responder.forward(run, run.recording, request, receive, send, ex)
+        if dialogue is not None:  # a repeat of an answered request is no retry of it
+            dialogue.settled = ex.answered
+
+    @staticmethod
+    def _results(run: ProxyRun, rec: Any, provider: Provider, parsed: dict[str, Any],
+                 keys: list[str] | None, request: HttpRequest,
+                 retry: bool | None) -> Reading | None:
+        """The request's tool results, read by its provider, with their ids in the run;
+        in a fork, the edited ones put in place (in a copy of the body: the reader keeps
+        the messages it parsed). Every one is read where every one counts: edited, or
+        checked against a served run's recording."""
+        if run.edits:
+            parsed = copy.deepcopy(parsed)
+        reading = read_results(run, parsed, keys, provider, retry=retry,
+                               whole=bool(run.edits) or (rec is None and bool(run.recorded)))
+        if reading is not None and run.edits:
+            request.body = substitute(reading, run.edits, request.body)
+        return reading
 
     def _stopped(self, run: ProxyRun, stop: RunStopped) -> None:
         """A guard stopped the run (or a replay reached the recorded stop): close it."""
         run.stopped = stop
         self._close(run, stop.reason, error=stop)
         log.warning("run %s stopped: %s", run.run_id, stop)
+
+
+def _retry(named: dict[str, str]) -> bool | None:
+    """Whether the client says a request is a retry (the SDKs' ``x-stainless-retry-count``
+    above 0); None when it does not say."""
+    count = named.get("x-stainless-retry-count", "")
+    return (count != "0") if count.isdigit() else None
 
 
 def _writer_of(run: ProxyRun) -> Any:

@@ -39,6 +39,14 @@ the call that asked for it in the assistant turn just before (or in the response
 ``functionCall`` (paired by the function's name when the model gave the call no id). Each
 new result is logged as a ``tool`` line marked ``observed``
 (:meth:`recorder.record.RecordSession.observe_tool`), and the loop guard sees it there.
+
+A named run may hold several conversations (:class:`Dialogues`): each request continues
+the one whose history it extends. A tool result's id is unique in the run, not only in its
+conversation: Gemini names a call by its function when the model gives it no id, so two
+conversations of a run may both answer a ``lookup`` (and a ``lookup#2``, their second);
+the second conversation's are numbered on in the run (``lookup#3``, ``lookup#4``), as
+later ``lookup`` results of one conversation are. A run of one conversation keeps the ids
+its conversation gives.
 """
 
 from __future__ import annotations
@@ -61,8 +69,8 @@ from recorder.errors import RunStopped
 from recorder.providers import Provider, conversation
 from recorder.record import RecordSession
 
-__all__ = ["ProxyRun", "Registry", "calls_by_id", "conversation_items", "credential",
-           "message_keys", "parse_labels", "tool_calls", "tool_results"]
+__all__ = ["Dialogue", "Dialogues", "ProxyRun", "Registry", "calls_by_id", "conversation_items",
+           "credential", "message_keys", "parse_labels", "tool_calls", "tool_results"]
 
 log = logging.getLogger("deja.proxy")
 
@@ -156,6 +164,99 @@ def tool_results(items: list[Any]) -> list[dict[str, Any]]:
             if placed.result.tool_use_id is not None]
 
 
+@dataclass(eq=False)
+class Dialogue:
+    """One conversation of a run, as its last request left it: its message keys, how many
+    times each tool-use id has come up in it so far (the next one is numbered from there,
+    as :func:`recorder.providers.conversation.numbered_calls` numbers a whole request), and
+    the ids its tool results have in the run."""
+
+    keys: list[str]
+    calls: dict[str, int] = field(default_factory=dict)  # call id -> its uses so far
+    results: dict[str, int] = field(default_factory=dict)  # result id -> its uses so far
+    ids: dict[str, str] = field(default_factory=dict)  # result id, numbered -> the run's
+    used: int = 0  # when it was last continued (an order)
+    settled: bool = False  # its last request was answered (whole, a status below 400)
+
+
+class Dialogues:
+    """The conversations of one run, each found again by the history its next request
+    resends (an unnamed run holds one; a named run one per conversation its client had
+    through it), and the tool-result ids the run has given out."""
+
+    def __init__(self) -> None:
+        self._tails: dict[tuple[int, str], list[Dialogue]] = {}
+        self._clock = 0
+        self.given: dict[str, int] = {}  # a result's id in its conversation -> times given
+        self.taken: set[str] = set()  # the ids given
+
+    def find(self, keys: list[str], retry: bool | None = None) -> Dialogue | None:
+        """The conversation a request of message ``keys`` continues: the one whose last
+        request is the longest start of it (the latest continued among equals); None: the
+        request starts one. A conversation's last request sent again is its retry when the
+        client says so (``retry``: the SDKs' ``x-stainless-retry-count``) or, when it does
+        not say, when that request had no answer (failed, or still in flight); else it is
+        another conversation that repeats this one word for word so far, and continues the
+        one it extends, if any (the same request again adds nothing either way). A probe
+        per message at most, longest first."""
+        again = self._ending(keys, len(keys))
+        unsettled = [d for d in again if not d.settled]
+        if again and (retry or (retry is None and unsettled)):
+            return _latest(again if retry else unsettled)
+        for n in range(len(keys) - 1, 0, -1):
+            found = self._ending(keys, n)
+            if found:
+                return _latest(found)
+        return _latest(again) if again else None
+
+    def _ending(self, keys: list[str], n: int) -> list[Dialogue]:
+        """The conversations whose last request is ``keys``' first ``n`` messages."""
+        if n == 0:
+            return []
+        return [d for d in self._tails.get((n, keys[n - 1]), ()) if d.keys == keys[:n]]
+
+    def advance(self, dialogue: Dialogue | None, keys: list[str]) -> Dialogue:
+        """``dialogue`` (a new one when None) now ends with the request of ``keys``."""
+        if dialogue is None:
+            dialogue = Dialogue(keys)
+        else:
+            listed = self._tails.get((len(dialogue.keys), dialogue.keys[-1])) \
+                if dialogue.keys else None
+            if listed is not None and dialogue in listed:
+                listed.remove(dialogue)
+        dialogue.keys = keys
+        self._clock += 1
+        dialogue.used, dialogue.settled = self._clock, False
+        if keys:
+            self._tails.setdefault((len(keys), keys[-1]), []).append(dialogue)
+        return dialogue
+
+    def fresh(self, raw: str, local: str, pending: Mapping[str, str]) -> str:
+        """The run's id for a new result whose id is ``raw`` (``local`` as its conversation
+        numbers it): ``local`` unless the run has given it (to another conversation's
+        result), else the next of ``raw#2``, ``raw#3`` ... not given, counting those a
+        request is giving (``pending``: run id -> ``raw``) too. A run of one conversation
+        keeps its conversation's ids."""
+        if local not in self.taken and local not in pending:
+            return local
+        n = self.given.get(raw, 0) + sum(given == raw for given in pending.values())
+        while True:
+            n += 1
+            candidate = raw if n == 1 else f"{raw}#{n}"
+            if candidate not in self.taken and candidate not in pending:
+                return candidate
+
+    def take(self, given: Mapping[str, str]) -> None:
+        """The ids a request gave (run id -> its id in its conversation) are the run's."""
+        for run_id, raw in given.items():
+            self.given[raw] = self.given.get(raw, 0) + 1
+            self.taken.add(run_id)
+
+
+def _latest(dialogues: list[Dialogue]) -> Dialogue:
+    return max(dialogues, key=lambda d: d.used)
+
+
 @dataclass
 class ProxyRun:
     """One run seen through the proxy: its session, and what its boundaries need."""
@@ -171,13 +272,15 @@ class ProxyRun:
     used: float = field(default_factory=time.monotonic)
     answered: float | None = None  # when the last response ended (epoch seconds)
     logged: set[str] = field(default_factory=set)  # tool call ids with a line already
+    dialogues: Dialogues = field(default_factory=Dialogues, repr=False)
     edits: dict[str, Any] = field(default_factory=dict)  # call id -> edited result (a fork)
     # call id -> the observed tool line a served run recorded for it (replay, a fork's prefix)
     recorded: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     # call id -> (name, input) of the function calls its Responses replies asked for: a
     # request that continues one by previous_response_id sends the results, not the calls
     calls: dict[str, tuple[str, Any]] = field(default_factory=dict)
-    awaiting_tools: bool = False  # its last Responses reply asked for function calls
+    # its last reply left the turn to the agent (asked for tools); None: not read
+    awaiting_tools: bool | None = None
     response_ids: list[str] = field(default_factory=list)  # its Responses replies' ids
     stopped: RunStopped | None = None
     closed: bool = False
@@ -222,13 +325,20 @@ class ProxyRun:
                     self.edits[call] = obs.get("result")
 
     def end_status(self) -> tuple[str, str | None]:
-        """How an idle or shut-down run ends: completed when its last turn ended."""
+        """How an idle or shut-down run ends: completed when its last turn ended. Whether
+        it did is its last reply's to say, as its provider reads it (it asks for tools:
+        an Anthropic ``tool_use``, OpenAI ``tool_calls``, a Gemini ``functionCall``, which
+        stops with ``STOP`` all the same); of a reply not read, its stop reason's."""
         if self.cut:
             return EndStatus.INTERRUPTED, "a call was cut short when the proxy shut down"
         if self.last_failed:
             return EndStatus.ERROR, "its last call failed"
-        if self.awaiting_tools or self.last_stop_reason is None \
-                or conversation.stop_unfinished(self.last_stop_reason):
+        if self.awaiting_tools:
+            return EndStatus.INTERRUPTED, "its last response asked for tools, whose " \
+                "results never came"
+        if self.last_stop_reason is None or (self.awaiting_tools is None and
+                                             conversation.stop_unfinished(
+                                                 self.last_stop_reason)):
             return EndStatus.INTERRUPTED, "no request came after its last response"
         return EndStatus.COMPLETED, None
 
