@@ -188,8 +188,9 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
     date in a prompt) without being a divergence, added to the project's
     [tool.deja.match] and what each provider declares volatile (tool-use ids). The
     report grades the calls exact or equivalent and names the kind of a divergence;
-    --json prints them (verdict, grades, kinds, equivalent).
-    Exit 0 identical or equivalent, 1 diverged, 2 bad cassette.
+    --json prints them (verdict, grades, kinds, equivalent). An equivalent replay passes
+    as an identical one does.
+    Exit 0 identical, 1 diverged, 2 bad cassette.
     """
     from deja import launcher
     from deja.boot import child_env
