@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +81,18 @@ def anthropic_agent(url: str, *, wrong_pairing: bool = False, user: str = "u-1",
     return client.messages.create(messages=messages, **ask).content[0].text  # type: ignore[union-attr]
 
 
-@pytest.fixture
-def rekeyed(stub: Any, tmp_path: Path) -> Path:
+def recorded(stub: Any, path: Path, agent: Callable[[str], Any], answer: Any) -> Path:
+    """``agent`` recorded at ``path`` against the stub asking for two tool calls."""
     server = stub(TWO_CALLS)
-    path = tmp_path / "rekeyed.jsonl"
     with recorder.record(path):
-        assert anthropic_agent(server.url) == ANSWER
+        assert agent(server.url) == answer
     server.stop()
     return path
+
+
+@pytest.fixture
+def rekeyed(stub: Any, tmp_path: Path) -> Path:
+    return recorded(stub, tmp_path / "rekeyed.jsonl", anthropic_agent, ANSWER)
 
 
 def test_regenerated_tool_use_ids_never_diverge(rekeyed: Path) -> None:
@@ -163,11 +168,7 @@ def openai_agent(url: str) -> list[str]:
 
 
 def test_openai_call_ids_and_user_are_declared_volatile(stub: Any, tmp_path: Path) -> None:
-    server = stub(TWO_CALLS)
-    path = tmp_path / "openai.jsonl"
-    with recorder.record(path):
-        assert openai_agent(server.url) == [ANSWER, ANSWER]
-    server.stop()
+    path = recorded(stub, tmp_path / "openai.jsonl", openai_agent, [ANSWER, ANSWER])
     with replayer.replay(path) as run:
         assert openai_agent(OFFLINE) == [ANSWER, ANSWER]
     result = run.result
@@ -206,11 +207,7 @@ def gemini_agent(url: str) -> str:
 
 
 def test_gemini_function_call_ids_are_declared_volatile(stub: Any, tmp_path: Path) -> None:
-    server = stub(TWO_CALLS)
-    path = tmp_path / "gemini.jsonl"
-    with recorder.record(path):
-        assert gemini_agent(server.url) == ANSWER
-    server.stop()
+    path = recorded(stub, tmp_path / "gemini.jsonl", gemini_agent, ANSWER)
     with replayer.replay(path) as run:
         assert gemini_agent(OFFLINE) == ANSWER
     assert run.result is not None and run.result.verdict == "equivalent", run.result.report()
