@@ -144,7 +144,7 @@ def _calls(result: Mapping[str, Any]) -> list[str]:
     equivalent = result.get("equivalent") or ()
     for call in equivalent[:_SHOWN_EQUIVALENT]:
         lines.append(f"  equivalent: step {call['step']}, differing only in "
-                     + ", ".join(call["fields"] or ["nothing"]))
+                     + ", ".join(call["fields"]))
     if len(equivalent) > _SHOWN_EQUIVALENT:
         lines.append(f"              and {len(equivalent) - _SHOWN_EQUIVALENT} more "
                      "equivalent call(s)")
