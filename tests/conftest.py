@@ -53,6 +53,28 @@ def stub() -> Iterator[Callable[[dict], StubServer]]:
 def _collect_clients_after_module() -> Iterator[None]:
     yield
     _collect_clients()
+    gc.freeze()  # what outlived the module: see pytest_collection_finish
+
+
+def pytest_collectstart(collector: pytest.Collector) -> None:
+    """What the modules collected so far imported is left out of Python's own full
+    collections while the next one imports more (see pytest_collection_finish)."""
+    if isinstance(collector, pytest.Module):
+        gc.freeze()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Leave the objects that exist now out of every later full collection.
+
+    Collecting imports every SDK, Streamlit, pandas and the rest: some 600,000 objects
+    that live as long as the process, which each ``gc.collect()`` (one per test that starts
+    a stub, and Python's own full collections) would otherwise walk again, for most of a
+    second each time. Objects made later, by the tests, are collected as before; the same
+    is done again after each module, for what its tests imported.
+    """
+    gc.unfreeze()  # what the imports left as garbage goes now, then the rest is set aside
+    gc.collect()
+    gc.freeze()
 
 
 def _collect_clients() -> None:
