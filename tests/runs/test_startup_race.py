@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -26,39 +27,81 @@ LAUNCHES = max(1, ROUNDS // 3)
 RACERS = 4
 UP_TIMEOUT = 120.0  # two interpreters and the engine on two busy cores
 
-# Each racer imports what it needs, says so, and waits for the go (a file) to open the
-# database as serve and a worker do.
-RACER = """\
-import os, sys, time
+# The racers of every round are forked from one process that has imported what serve and a
+# worker import (the engine takes seconds to import; forty fresh interpreters would spend
+# most of the test importing it). For each round it reads "URL GO DIR" on stdin and forks
+# RACERS processes, which share nothing yet but the imported modules: each says it is
+# ready (DIR/N.ready), waits for the go (a file) and opens the database as serve and a
+# worker do; its outcome goes to DIR/N.out. The forker answers "done" once all have exited.
+FORKER = """\
+import os, sys, time, traceback
 from deja.runs import engine
 from deja.runs.store import Store
-url, go = sys.argv[1], sys.argv[2]
-print("ready", flush=True)
-while not os.path.exists(go):
-    time.sleep(0.0005)
-Store(url).close()
-engine.prepare(url)
-print("ok", flush=True)
+
+def race(url, go, out):
+    open(out + ".ready", "w").close()
+    while not os.path.exists(go):
+        time.sleep(0.0005)
+    try:
+        Store(url).close()
+        engine.prepare(url)
+    except BaseException:
+        with open(out + ".out", "w") as f:
+            f.write(traceback.format_exc())
+        return 1
+    with open(out + ".out", "w") as f:
+        f.write("ok")
+    return 0
+
+for line in sys.stdin:
+    url, go, folder = line.split()
+    pids = []
+    for n in range(int(sys.argv[1])):
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = race(url, go, os.path.join(folder, str(n)))
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    print("done", *codes, flush=True)
 """
 
 
 def test_processes_creating_the_tables_at_one_instant_all_succeed(tmp_path: Path) -> None:
     failures = []
-    for round_ in range(ROUNDS):
-        url = f"sqlite:///{tmp_path / f'round{round_}.sqlite'}"
-        go = tmp_path / f"go{round_}"
-        racers = [subprocess.Popen([sys.executable, "-c", RACER, url, str(go)],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                  for _ in range(RACERS)]
-        for racer in racers:
-            assert racer.stdout is not None
-            assert racer.stdout.readline().strip() == "ready", racer.communicate()
-        go.touch()
-        for racer in racers:
-            out, err = racer.communicate(timeout=120)
-            if racer.returncode != 0 or out.strip() != "ok":
-                failures.append(f"round {round_}: exit {racer.returncode}: "
-                                f"{err.strip().splitlines()[-12:] or out}")
+    forker = subprocess.Popen([sys.executable, "-c", FORKER, str(RACERS)], text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    assert forker.stdin is not None and forker.stdout is not None
+    try:
+        for round_ in range(ROUNDS):
+            url = f"sqlite:///{tmp_path / f'round{round_}.sqlite'}"
+            go, folder = tmp_path / f"go{round_}", tmp_path / f"racers{round_}"
+            folder.mkdir()
+            forker.stdin.write(f"{url} {go} {folder}\n")
+            forker.stdin.flush()
+            ready = [folder / f"{n}.ready" for n in range(RACERS)]
+            deadline = time.monotonic() + UP_TIMEOUT
+            while not all(r.exists() for r in ready):  # every racer waits for the go
+                assert forker.poll() is None, forker.communicate()
+                assert time.monotonic() < deadline, f"round {round_}: racers not ready"
+                time.sleep(0.005)
+            go.touch()
+            answered, _, _ = select.select([forker.stdout], [], [], UP_TIMEOUT)
+            assert answered, f"round {round_}: the racers did not finish"
+            codes = forker.stdout.readline().split()
+            assert codes[:1] == ["done"], (codes, forker.poll())
+            for n, code in enumerate(codes[1:]):
+                out = (folder / f"{n}.out").read_text()
+                if code != "0" or out != "ok":
+                    failures.append(f"round {round_}: exit {code}: "
+                                    f"{out.strip().splitlines()[-12:]}")
+    finally:
+        forker.communicate(timeout=60)  # closes its stdin: it exits
     assert not failures, "\n".join(failures)
 
 
