@@ -16,28 +16,58 @@ import recorder
 WORKERS = 16
 CALLS = 20
 
-# One worker: import everything, say "ready", wait for "go" on stdin (so that all workers
-# record at the same time), make CALLS model calls under record(<shared dir>), then print
-# its run id and cassette path.
+# The workers: one process imports everything once and forks WORKERS processes, which share
+# nothing yet but the imported modules (sixteen fresh interpreters would spend most of the
+# test importing the SDK). It says "ready" once they all wait for the go, and on "go" (on
+# stdin) lets them all go at once; each makes CALLS model calls under record(<shared dir>)
+# and prints its run id and cassette path. Last it prints "exit" and their exit statuses.
 CHILD = r"""
+import os
 import sys
+import traceback
 
 import anthropic
 
 import recorder
 
-url, out, model, worker, calls = sys.argv[1:6]
+url, out, model, workers, calls = sys.argv[1:6]
 calls = int(calls)
+
+
+def work(worker):
+    with recorder.record(out, labels={"worker": worker}) as run:
+        with anthropic.Anthropic(base_url=url, api_key="sk-test", max_retries=0) as client:
+            for i in range(calls):
+                message = client.messages.create(
+                    model=model, max_tokens=16,
+                    messages=[{"role": "user", "content": f"worker {worker} call {i}"}])
+                assert message.content[0].text == f"ok worker {worker} call {i}", message
+    os.write(1, f"{run.run_id} {run.path}\n".encode())  # one write: lines never mix
+
+
+go_read, go_write = os.pipe()
+pids = []
+for n in range(int(workers)):
+    pid = os.fork()
+    if pid == 0:
+        os.close(go_write)
+        os.read(go_read, 1)  # returns when the go closes the pipe: every worker at once
+        code = 1
+        try:
+            work(str(n))
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    pids.append(pid)
+os.close(go_read)
 print("ready", flush=True)
 sys.stdin.readline()
-with recorder.record(out, labels={"worker": worker}) as run:
-    with anthropic.Anthropic(base_url=url, api_key="sk-test", max_retries=0) as client:
-        for i in range(calls):
-            message = client.messages.create(
-                model=model, max_tokens=16,
-                messages=[{"role": "user", "content": f"worker {worker} call {i}"}])
-            assert message.content[0].text == f"ok worker {worker} call {i}", message
-print(run.run_id, run.path, flush=True)
+os.close(go_write)
+codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+print("exit", *codes, flush=True)
 """
 
 
@@ -46,31 +76,26 @@ def test_sixteen_processes_record_into_one_directory(stub, tmp_path: Path) -> No
     out = tmp_path / "cassettes"
     out.mkdir()
     env = dict(os.environ, PYTHONWARNINGS="error")
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", CHILD, server.url, str(out), MODEL, str(n), str(CALLS)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=env) for n in range(WORKERS)]
-    try:
-        for proc in procs:
-            assert proc.stdout is not None
+    with subprocess.Popen(
+            [sys.executable, "-c", CHILD, server.url, str(out), MODEL, str(WORKERS),
+             str(CALLS)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env=env) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
             line = proc.stdout.readline()
             assert line == "ready\n", (line, proc.stderr.read() if proc.stderr else "")
-        started = time.perf_counter()
-        for proc in procs:  # all workers go at once
-            assert proc.stdin is not None
-            proc.stdin.write("go\n")
+            started = time.perf_counter()
+            proc.stdin.write("go\n")  # all workers go at once
             proc.stdin.flush()
-        results = []
-        for proc in procs:
             stdout, stderr = proc.communicate(timeout=60)
-            assert proc.returncode == 0, stderr
-            results.append(stdout.split())
-        elapsed = time.perf_counter() - started
-    finally:
-        for proc in procs:
+            elapsed = time.perf_counter() - started
+        finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+    *lines, codes = stdout.splitlines()
+    assert proc.returncode == 0 and codes == "exit" + " 0" * WORKERS, (codes, stderr)
+    results = [line.split() for line in lines]
     assert len(server.requests) == WORKERS * CALLS
 
     run_ids = [run_id for run_id, _ in results]
