@@ -118,6 +118,19 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 
 @pytest.fixture
+def pytester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """pytest's own, whose runs in a subprocess leave out LangSmith's pytest plugin.
+
+    LangGraph brings LangSmith into this suite's virtualenv, and with it a pytest plugin
+    that takes most of a second to import in every pytest process started; it has nothing
+    to do with deja's plugin, which those runs test. (Pytester clears PYTEST_ADDOPTS when
+    it starts; this sets it again, for the test's duration.)
+    """
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:langsmith_plugin")
+    return pytester
+
+
+@pytest.fixture
 def proxy(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """``proxy(*args, env=None, workdir=None)`` starts ``deja proxy ARGS`` as a real process
     (in ``tmp_path`` unless told otherwise) and returns its ``ProxyProcess``
