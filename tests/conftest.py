@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import importlib.util
 import json
+import os
 import signal
 import sys
 import warnings
@@ -20,6 +21,7 @@ from recorder.testing.server import StubServer
 # A model the SDK knows and does not warn about (warnings are errors in this suite).
 MODEL = "claude-sonnet-4-6"
 API_KEY = "sk-ant-test-SECRET-4f1c9e"
+TEST_KEY = "test-key-0123456789abcdef"  # every test's signing key (DEJA_KEY)
 
 
 @pytest.fixture(autouse=True)
@@ -27,10 +29,21 @@ def deja_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monk
     """Every test gets its own key home and a fixed signing key."""
     home = tmp_path_factory.mktemp("deja-home")
     monkeypatch.setenv("DEJA_HOME", str(home))
-    monkeypatch.setenv("DEJA_KEY", "test-key-0123456789abcdef")
+    monkeypatch.setenv("DEJA_KEY", TEST_KEY)
     monkeypatch.delenv("DEJA_OLD_KEYS", raising=False)
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     return home
+
+
+@pytest.fixture(scope="module")
+def module_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment for what a module-scoped fixture records once for all the module's
+    tests: a key home of its own and every test's signing key, so that what it records
+    verifies in each test. (A module's fixtures are made before a test's own key home is
+    set: they must give this environment to what they start.)"""
+    env = {k: v for k, v in os.environ.items() if k not in ("DEJA_OLD_KEYS", "ANTHROPIC_API_KEY")}
+    env.update(DEJA_HOME=str(tmp_path_factory.mktemp("deja-home-module")), DEJA_KEY=TEST_KEY)
+    return env
 
 
 @pytest.fixture

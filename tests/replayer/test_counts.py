@@ -13,6 +13,7 @@ import os
 import pty
 import re
 import select
+import shutil
 import subprocess
 import sys
 import time
@@ -59,9 +60,36 @@ def record(project: Path, name: str, url: str, **env: str) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory, module_env: dict[str, str]) -> Path:
+    """The runs the tests read, recorded once for the module (each test gets copies, in its
+    own project): ``run``, whole; ``resumed``, killed before its third turn, then resumed
+    (a ``resumed`` line in the middle); ``long``, 300 effects and no model call."""
+    project = tmp_path_factory.mktemp("counts")
+    (project / "agent.py").write_text(AGENT.read_text())
+    with StubServer(SCRIPT) as server:
+        record(project, "run", server.url, **module_env)
+        crashed = record(project, "resumed", server.url, AGENT_DIE_AT="2", **module_env)
+        assert read_lines(crashed)[-1]["kind"] != "end"
+        proc = deja("resume", str(crashed), env={**module_env, "ANTHROPIC_BASE_URL": server.url})
+        assert proc.returncode == 0, output(proc)
+    record(project, "long", "http://127.0.0.1:9", AGENT_EFFECTS="300", AGENT_TURNS="0",
+           **module_env)
+    return project / "cassettes"
+
+
+def copy_of(recorded: Path, name: str, project: Path) -> Path:
+    """The recorded run ``name`` in ``project``, where it would have been recorded (its
+    header names the directory it ran in relative to the cassette)."""
+    out = project / "cassettes" / f"{name}.jsonl"
+    out.parent.mkdir(exist_ok=True)
+    shutil.copyfile(recorded / f"{name}.jsonl", out)
+    return out
+
+
 @pytest.fixture
-def run(project: Path, stub: Callable[[dict], StubServer]) -> Path:
-    return record(project, "run", stub(SCRIPT).url)
+def run(project: Path, recorded: Path) -> Path:
+    return copy_of(recorded, "run", project)
 
 
 def output(proc: subprocess.CompletedProcess[str]) -> str:
@@ -124,14 +152,9 @@ def test_served_in_is_the_time_spent_serving_not_the_start_up(run: Path) -> None
 
 
 @pytest.fixture
-def resumed(project: Path, stub: Callable[[dict], StubServer]) -> Path:
+def resumed(project: Path, recorded: Path) -> Path:
     """A run killed before its third turn, then resumed: a ``resumed`` line in the middle."""
-    url = stub(SCRIPT).url
-    crashed = record(project, "resumed", url, AGENT_DIE_AT="2")
-    assert read_lines(crashed)[-1]["kind"] != "end"
-    proc = deja("resume", str(crashed), env={"ANTHROPIC_BASE_URL": url})
-    assert proc.returncode == 0, output(proc)
-    return crashed
+    return copy_of(recorded, "resumed", project)
 
 
 def test_diff_of_a_fork_of_a_resumed_run_names_steps_by_seq(
@@ -256,8 +279,8 @@ def _run_in_pty(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[int, b
 
 
 @pytest.fixture
-def long_run(project: Path) -> Path:
-    return record(project, "long", "http://127.0.0.1:9", AGENT_EFFECTS="300", AGENT_TURNS="0")
+def long_run(project: Path, recorded: Path) -> Path:
+    return copy_of(recorded, "long", project)
 
 
 def test_a_long_replay_shows_progress_on_a_terminal(long_run: Path, project: Path) -> None:
