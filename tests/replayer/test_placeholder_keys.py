@@ -7,6 +7,7 @@ plugin; and a test that fails before its first call is reported as that, not as 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,18 +36,31 @@ def _without_keys() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in KEY_VARS}
 
 
-@pytest.fixture
-def recorded(tmp_path: Path) -> tuple[Path, str]:
-    """A run of AGENT recorded through ``deja record`` with a key; the stub's URL."""
-    (tmp_path / "agent.py").write_text(AGENT)
+@pytest.fixture(scope="module")
+def recorded_once(tmp_path_factory: pytest.TempPathFactory,
+                  module_env: dict[str, str]) -> tuple[Path, str]:
+    """A run of AGENT recorded through ``deja record`` with a key, once for the module;
+    the stub's URL (nothing listens there any more)."""
+    folder = tmp_path_factory.mktemp("placeholder-keys")
+    (folder / "agent.py").write_text(AGENT)
+    without_keys = {k: v for k, v in module_env.items() if k not in KEY_VARS}
     with StubServer({"default": {"text": "hello"}}) as server:
         done = subprocess.run(
             [sys.executable, "-m", "deja", "record", "-o", "run.jsonl", "--", "python",
-             "agent.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
-            env={**_without_keys(), "ANTHROPIC_API_KEY": "sk-real-looking",
+             "agent.py"], cwd=folder, capture_output=True, text=True, timeout=120,
+            env={**without_keys, "ANTHROPIC_API_KEY": "sk-real-looking",
                  "ANTHROPIC_BASE_URL": server.url})
     assert done.returncode == 0, done.stderr
-    return tmp_path / "run.jsonl", server.url
+    return folder / "run.jsonl", server.url
+
+
+@pytest.fixture
+def recorded(tmp_path: Path, recorded_once: tuple[Path, str]) -> tuple[Path, str]:
+    """The recorded run and its agent, copied into this test's folder; the stub's URL."""
+    path, url = recorded_once
+    for name in ("agent.py", "run.jsonl"):
+        shutil.copyfile(path.parent / name, tmp_path / name)
+    return tmp_path / "run.jsonl", url
 
 
 def test_deja_replay_runs_an_agent_without_a_key(recorded: tuple[Path, str]) -> None:
