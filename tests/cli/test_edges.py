@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -212,6 +213,23 @@ def recorded(project: Path, env: dict[str, str], name: str = "run.jsonl") -> Pat
     return project / "cassettes" / name
 
 
+@pytest.fixture(scope="module")
+def completed_run(tmp_path_factory: pytest.TempPathFactory, module_env: dict[str, str]) -> Path:
+    """A completed run of AGENT, recorded once for the module (see :func:`checked_out`)."""
+    root = tmp_path_factory.mktemp("edges") / "project"
+    root.mkdir()
+    (root / "agent.py").write_text(AGENT)
+    with StubServer({"default": {"text": "ok"}}) as server:
+        return recorded(root, {**module_env, "ANTHROPIC_BASE_URL": server.url,
+                               "ANTHROPIC_API_KEY": "sk-test", "PYTHONUNBUFFERED": "1"})
+
+
+def checked_out(project: Path, completed_run: Path) -> Path:
+    """The completed run, in ``project`` where :func:`recorded` would have recorded it."""
+    (project / "cassettes").mkdir(exist_ok=True)
+    return Path(shutil.copyfile(completed_run, project / "cassettes" / "run.jsonl"))
+
+
 def interrupted(project: Path, env: dict[str, str], name: str, launch: Launch) -> Path:
     """A run stopped by SIGTERM to ``deja record`` after its first call."""
     run = launch(["record", "-o", f"cassettes/{name}", "--", "python", "agent.py"],
@@ -227,8 +245,8 @@ def interrupted(project: Path, env: dict[str, str], name: str, launch: Launch) -
 
 
 def test_fork_and_resume_take_a_relative_path_from_another_directory(
-        project: Path, env: dict[str, str], launch: Launch) -> None:
-    recorded(project, env)
+        project: Path, env: dict[str, str], completed_run: Path, launch: Launch) -> None:
+    checked_out(project, completed_run)
     forked = deja("fork", "../cassettes/run.jsonl", "--at", "1", "--set", 'result="edited"',
                   "-o", "../cassettes/fork.jsonl", env=env, cwd=project / "sub")
     assert forked.returncode == 0, forked.stderr
@@ -363,8 +381,8 @@ def test_a_signal_as_the_interpreter_starts_ends_the_run_interrupted(
                                   b'{"seq":3,"kind":"mo'],
                          ids=["zeros", "zeros-with-a-newline", "an-object", "a-fragment"])
 def test_repair_cuts_junk_after_the_end_line(project: Path, env: dict[str, str],
-                                             junk: bytes) -> None:
-    cassette = recorded(project, env)
+                                             completed_run: Path, junk: bytes) -> None:
+    cassette = checked_out(project, completed_run)
     whole = cassette.read_bytes()
     cassette.write_bytes(whole + junk)
 
@@ -391,8 +409,9 @@ def test_repair_cuts_junk_after_the_end_line(project: Path, env: dict[str, str],
     assert again.returncode == 0 and "nothing to cut" in again.stdout
 
 
-def test_repair_then_resume_a_crashed_run_with_junk(project: Path, env: dict[str, str]) -> None:
-    cassette = recorded(project, env)
+def test_repair_then_resume_a_crashed_run_with_junk(project: Path, env: dict[str, str],
+                                                    completed_run: Path) -> None:
+    cassette = checked_out(project, completed_run)
     cut = load(cassette).end_offset
     assert cut is not None
     cassette.write_bytes(cassette.read_bytes()[:cut] + b"\0" * 100 + b"\n" + b"\0" * 20)
@@ -407,8 +426,9 @@ def test_repair_then_resume_a_crashed_run_with_junk(project: Path, env: dict[str
     assert load(cassette, allow_incomplete=False).end["status"] == "completed"
 
 
-def test_repair_refuses_edited_lines(project: Path, env: dict[str, str]) -> None:
-    cassette = recorded(project, env)
+def test_repair_refuses_edited_lines(project: Path, env: dict[str, str],
+                                     completed_run: Path) -> None:
+    cassette = checked_out(project, completed_run)
     lines = cassette.read_bytes().splitlines(keepends=True)
     for name, data in (("a line twice", b"".join([*lines, lines[1], b"\0\0"])),
                        ("an edited line", b"".join(
@@ -422,8 +442,8 @@ def test_repair_refuses_edited_lines(project: Path, env: dict[str, str]) -> None
         assert not cassette.with_name("run.jsonl.bak").exists(), name
 
 
-def test_repair_needs_the_key(project: Path, env: dict[str, str]) -> None:
-    cassette = recorded(project, env)
+def test_repair_needs_the_key(project: Path, env: dict[str, str], completed_run: Path) -> None:
+    cassette = checked_out(project, completed_run)
     cassette.write_bytes(cassette.read_bytes() + b"\0\0")
     refused = deja("repair", str(cassette), env={**env, "DEJA_KEY": "another-key-0123456789"},
                    cwd=project)
@@ -469,8 +489,9 @@ def test_import_refuses_a_billion_laughs(tmp_path: Path, env: dict[str, str]) ->
 # ------------------------------------------------------------------ --json, also on errors
 
 
-def test_verify_json_and_json_errors_on_stdout(project: Path, env: dict[str, str]) -> None:
-    cassette = recorded(project, env)
+def test_verify_json_and_json_errors_on_stdout(project: Path, env: dict[str, str],
+                                               completed_run: Path) -> None:
+    cassette = checked_out(project, completed_run)
     ok = deja("verify", "--json", str(cassette), env=env, cwd=project)
     assert ok.returncode == 0, ok.stderr
     said = json.loads(ok.stdout)
@@ -494,7 +515,8 @@ def test_verify_json_and_json_errors_on_stdout(project: Path, env: dict[str, str
 # ------------------------------------------------------------------ deja wait
 
 
-def test_deja_wait_for_a_port_and_for_steps(project: Path, env: dict[str, str]) -> None:
+def test_deja_wait_for_a_port_and_for_steps(project: Path, env: dict[str, str],
+                                            completed_run: Path) -> None:
     import socket
 
     with socket.socket() as server:
@@ -509,7 +531,7 @@ def test_deja_wait_for_a_port_and_for_steps(project: Path, env: dict[str, str]) 
     bad = deja("wait", "nowhere", env=env, cwd=project)
     assert bad.returncode == 2 and "--steps N" in bad.stderr
 
-    cassette = recorded(project, env)  # 2 steps and an end line
+    cassette = checked_out(project, completed_run)  # 2 steps and an end line
     steps = len(load(cassette).observations)
     assert deja("wait", str(cassette), "--steps", str(steps), "--timeout", "5", env=env,
                 cwd=project).returncode == 0
