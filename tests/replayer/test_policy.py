@@ -29,10 +29,10 @@ from replayer.policy import ReplayPolicy, nearest
 
 
 def agent(base_url: str, *, date: str, user: str, question: str = "What is due?") -> str:
-    client = anthropic.Anthropic(base_url=base_url, api_key="sk-stub", max_retries=0)
-    reply = client.messages.create(
-        model=MODEL, max_tokens=64, system=f"Today is {date}. You are a billing assistant.",
-        metadata={"user_id": user}, messages=[{"role": "user", "content": question}])
+    with anthropic.Anthropic(base_url=base_url, api_key="sk-stub", max_retries=0) as client:
+        reply = client.messages.create(
+            model=MODEL, max_tokens=64, system=f"Today is {date}. You are a billing assistant.",
+            metadata={"user_id": user}, messages=[{"role": "user", "content": question}])
     return reply.content[0].text  # type: ignore[union-attr]
 
 
