@@ -247,13 +247,16 @@ def policy_options(func: Any) -> Any:
     ])
 
 
-def replay_policy(ignore: tuple[str, ...], normalise: tuple[str, ...]) -> Any:
+def replay_policy(ignore: tuple[str, ...], normalise: tuple[str, ...],
+                  *, configured: bool = False) -> Any:
     """The :class:`replayer.policy.ReplayPolicy` of ``--ignore`` and ``--normalise``,
-    checked here, before anything runs."""
+    checked here, before anything runs; ``configured``: added to the project's
+    ``[tool.deja.match]`` and the providers' declared volatile fields, as a replay does."""
     from recorder.errors import ConfigError
     from replayer.policy import ReplayPolicy
 
     try:
-        return ReplayPolicy.parse(ignore, normalise)
+        given = ReplayPolicy.parse(ignore, normalise)
+        return ReplayPolicy.configured(given) if configured else given
     except ConfigError as exc:
         raise BadInput(str(exc)) from None

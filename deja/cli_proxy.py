@@ -137,7 +137,7 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
                            idle=idle, grace=grace,
                            ready_file=ready_file, record=record, labels=label_map,
                            replay=replay, allow_unverified=allow_unverified or None,
-                           policy=replay_policy(ignore, normalise),
+                           policy=replay_policy(ignore, normalise, configured=True),
                            fork=fork, at=at, edit=edit, out=output)
     try:
         resolve_settings(budgets=budgets, loop_guard=record["loop_guard"],
