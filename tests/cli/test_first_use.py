@@ -35,17 +35,33 @@ def deja(*args: str, cwd: Path, env: dict[str, str] | None = None,
                           stdin=stdin)
 
 
-@pytest.fixture
-def project(tmp_path: Path, stub: Callable[[dict], StubServer]) -> Path:
+def recorded_project(proj: Path, env: dict[str, str]) -> Path:
     """A project with an agent and a cassette recorded in it, the way a user commits one."""
-    proj = tmp_path / "proj"
     (proj / "cassettes").mkdir(parents=True)
     (proj / "agent.py").write_text(AGENT)
-    server = stub({"default": {"text": "hello"}})
-    done = deja("record", "-o", "cassettes/run.jsonl", "--", "python", "agent.py", cwd=proj,
-                env={"ANTHROPIC_BASE_URL": server.url})
+    with StubServer({"default": {"text": "hello"}}) as server:
+        done = deja("record", "-o", "cassettes/run.jsonl", "--", "python", "agent.py",
+                    cwd=proj, env={**env, "ANTHROPIC_BASE_URL": server.url})
     assert done.returncode == 0, done.stderr
     return proj
+
+
+@pytest.fixture(scope="module")
+def committed(tmp_path_factory: pytest.TempPathFactory, module_env: dict[str, str]) -> Path:
+    return recorded_project(tmp_path_factory.mktemp("first-use") / "proj", module_env)
+
+
+@pytest.fixture
+def project(tmp_path: Path, committed: Path) -> Path:
+    """The project as it was committed (recorded once for the module), checked out here."""
+    return Path(shutil.copytree(committed, tmp_path / "proj"))
+
+
+@pytest.fixture
+def recorded_here(tmp_path: Path) -> Path:
+    """The project recorded by this test, under its own key home, which then holds the
+    run's status record."""
+    return recorded_project(tmp_path / "proj", {})
 
 
 def header(path: Path) -> dict:
@@ -220,7 +236,8 @@ def test_a_missing_cassette_is_not_found_with_the_closest_names(project: Path) -
 # --------------------------------------------------------------------------- status
 
 def test_status_takes_a_cassette_and_reads_it_without_a_status_record(
-        project: Path, tmp_path: Path) -> None:
+        recorded_here: Path, tmp_path: Path) -> None:
+    project = recorded_here
     cassette = project / "cassettes" / "run.jsonl"
     done = deja("status", str(cassette), cwd=project)
     assert done.returncode == 0, done.stderr
@@ -241,7 +258,8 @@ def test_status_takes_a_cassette_and_reads_it_without_a_status_record(
 
 
 def test_status_and_cancel_take_a_run_id_from_a_cassette_only_once_it_verifies(
-        project: Path, tmp_path: Path) -> None:
+        recorded_here: Path, tmp_path: Path) -> None:
+    project = recorded_here
     cassette = project / "cassettes" / "run.jsonl"
     run = header(cassette)["run"]
     forged = tmp_path / "forged.jsonl"  # names a real run, signed by nobody
