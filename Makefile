@@ -59,9 +59,10 @@ postgres:
 check: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/mypy
 
-# Two test processes, each taking whole files (a file's servers and ports stay together).
+# Two test processes, each taking whole files (a file's servers and ports stay together),
+# in the order tests/conftest.py collects them: the longest files first.
 test: $(STAMP) chromium node postgres check
-	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # Long sweeps; the last writes the chaos table, docs/chaos.md (as root: full disks are tmpfs).
 stress: $(STAMP) node postgres

@@ -69,6 +69,48 @@ def _collect_clients_after_module() -> Iterator[None]:
     gc.freeze()  # what outlived the module: see pytest_collection_finish
 
 
+# The files that take longest, about longest first. `make test` runs the suite in two
+# processes that take whole files in the order they are collected (--dist loadfile
+# --no-loadscope-reorder): a long file taken last would run on while the other process
+# sits idle, so these are collected first, and the many short files fill in at the end.
+SLOWEST_FIRST = (
+    "tests/replayer/test_crash_resume.py",
+    "tests/replayer/test_tamper.py",
+    "tests/viewer/test_viewer_browser.py",
+    "tests/cli/test_install.py",
+    "tests/replayer/test_pytest_plugin.py",
+    "tests/cli/test_docs.py",
+    "tests/runs/test_worker_death.py",
+    "tests/cli/test_integrity.py",
+    "tests/replayer/test_counts.py",
+    "tests/cli/test_first_use.py",
+    "tests/cli/test_edges.py",
+    "tests/cli/test_cli.py",
+    "tests/replayer/test_fork.py",
+    "tests/runs/test_chaos.py",
+    "tests/runs/test_runs_cli.py",
+    "tests/proxy/test_proxy_agents.py",
+    "tests/recorder/test_stubserver_cli.py",
+    "tests/runs/test_agent_death.py",
+    "tests/replayer/test_signal_cuts.py",
+    "tests/viewer/test_viewer_safety.py",
+    "tests/runs/test_schedules.py",
+    "tests/viewer/test_viewer_app.py",
+    "tests/viewer/test_viewer_submitted_open.py",
+    "tests/frameworks/test_openai_agents.py",
+    "tests/runs/test_fault_edges.py",
+    "tests/runs/test_api.py",
+)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of SLOWEST_FIRST first, in its order; the rest as collected. A file's
+    tests keep their order."""
+    rank = {path: n for n, path in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 def pytest_collectstart(collector: pytest.Collector) -> None:
     """What the modules collected so far imported is left out of Python's own full
     collections while the next one imports more (see pytest_collection_finish)."""
