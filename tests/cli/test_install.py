@@ -83,11 +83,16 @@ class Project:
 
 
 def user_env(home: Path) -> dict[str, str]:
-    """A new user's shell: no key, no deja settings, nothing of this suite's venv."""
+    """A new user's shell: no key, no deja settings, nothing of this suite's venv. Its
+    home is a new one (no ~/.deja); pip keeps the machine's download cache, as a user's
+    own pip would have one, so that the dependencies this suite's virtualenv was installed
+    with are not all downloaded from the index again."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DEJA_", "ANTHROPIC_", "OPENAI_", "PYTHON", "VIRTUAL_ENV"))}
     suite_bin = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if p != suite_bin)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pip"
+    env.setdefault("PIP_CACHE_DIR", str(cache))
     env.update(HOME=str(home), COLUMNS="160", NO_COLOR="1")
     return env
 
