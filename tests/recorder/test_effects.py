@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -273,16 +274,26 @@ def test_a_fork_can_give_a_refused_effect_a_value(tmp_path: Path, capsys: pytest
 # ------------------------------------------------------------------------ the command line
 
 
-@pytest.fixture
-def cli_cassette(tmp_path: Path) -> tuple[Path, dict[str, str]]:
-    """effects_agent.py recorded by `deja record`, plan first, with its refusal."""
-    path = tmp_path / "cli.jsonl"
+@pytest.fixture(scope="module")
+def cli_recorded(tmp_path_factory: pytest.TempPathFactory,
+                 module_env: dict[str, str]) -> tuple[Path, dict[str, str]]:
+    """effects_agent.py recorded by `deja record`, plan first, with its refusal (once)."""
+    path = tmp_path_factory.mktemp("effects") / "cli.jsonl"
     proc = deja("record", "-o", str(path), "--", "python", AGENT,
-                env={"EFFECTS_REFUSE": "1", "EFFECTS_ORDER": "plan-first", "EFFECTS_MOVED": "0"})
+                env={**module_env, "EFFECTS_REFUSE": "1", "EFFECTS_ORDER": "plan-first",
+                     "EFFECTS_MOVED": "0"})
     assert proc.returncode == 0, proc.stderr
     recorded = by_call(proc.stdout)
     assert set(recorded) == {"plan", "act", "refused"}
     return path, recorded
+
+
+@pytest.fixture
+def cli_cassette(tmp_path: Path,
+                 cli_recorded: tuple[Path, dict[str, str]]) -> tuple[Path, dict[str, str]]:
+    """The recording, copied for this test; what the agent printed."""
+    path, recorded = cli_recorded
+    return Path(shutil.copyfile(path, tmp_path / "cli.jsonl")), recorded
 
 
 def test_deja_replay_serves_swapped_effects_by_call_site(
