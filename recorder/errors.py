@@ -240,7 +240,9 @@ class Divergence(DejaError):
 
     def _message(self) -> str:
         where = f"step {self.info.step}" if self.info.step is not None else "after the last step"
-        head = f"replay diverged at {where} ({self.info.kind}): {self.info.reason}"
+        kind = self.info.kind + (f", {self.info.category.replace('_', ' ')}"
+                                 if self.info.category else "")
+        head = f"replay diverged at {where} ({kind}): {self.info.reason}"
         if self.path:
             head += f"\n  cassette: {self.path}"
         if self.info.nearest:

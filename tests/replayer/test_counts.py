@@ -246,7 +246,7 @@ def test_a_divergence_in_a_fork_is_one_message_without_traceback(
                      "AGENT_PROMPT": "Find the token refresh code."})
     assert proc.returncode != 0, output(proc)
     text = output(proc)
-    assert "deja: Divergence: replay diverged at step 0 (model)" in text
+    assert "deja: Divergence: replay diverged at step 0 (model, changed request)" in text
     assert text.count("--- recorded") == 1 and text.count("Find the token refresh code.") == 1
     assert "Traceback" not in text and "_base_client" not in text
 
