@@ -260,3 +260,56 @@ def replay_policy(ignore: tuple[str, ...], normalise: tuple[str, ...],
         return ReplayPolicy.configured(given) if configured else given
     except ConfigError as exc:
         raise BadInput(str(exc)) from None
+
+
+def tool_policy_options(func: Any) -> Any:
+    """``--live-tool NAME`` and ``--tool NAME=RULE``: the tool policy of a run's live part
+    (:mod:`replayer.tool_policy`)."""
+    func = click.option(
+        "--tool", "tool_rules", multiple=True, metavar="NAME=RULE",
+        help="What tool NAME does after the fork step: live, recorded (the recorded "
+             "answer to the same arguments, else refused), refuse, or static:JSON. NAME * "
+             "is every tool without a rule of its own (but *=live never runs a side "
+             "effect).")(func)
+    return click.option(
+        "--live-tool", "live_tools", multiple=True, metavar="NAME",
+        help="Run side-effecting tool NAME for real after the fork step. Without it a "
+             "tool declared side_effect=True never runs live: it is served its recorded "
+             "answer, or refused.")(func)
+
+
+def tool_policy(rules: tuple[str, ...], live: tuple[str, ...]) -> Any:
+    """The :class:`replayer.tool_policy.ToolPolicy` of ``--tool`` and ``--live-tool``,
+    checked before anything runs."""
+    from recorder.errors import ConfigError
+    from replayer.tool_policy import ToolPolicy
+
+    try:
+        return ToolPolicy.parse(rules, live)
+    except ConfigError as exc:
+        raise BadInput(str(exc)) from None
+
+
+def policy_rows(path: Path) -> list[str]:
+    """The report's rows of the tool calls a run's tool policy answered without running
+    them (its lines marked ``policy``), read back from the cassette."""
+    from recorder.cassette import load
+    from recorder.errors import DejaError
+
+    try:
+        run = load(path, allow_incomplete=True, allow_torn=True, allow_unverified=True)
+    except DejaError:  # the run's own report said what is wrong with it
+        return []
+    rows = []
+    for obs in run.observations:
+        rule = obs.get("policy")
+        if not rule:
+            continue
+        said = {"refuse": "refused: not run",
+                "static": "not run: answered with the static value given",
+                "recorded": "not run: served the recorded answer"}.get(str(rule), str(rule))
+        source = obs.get("from")
+        if isinstance(source, dict):
+            said += f" (run {source.get('run')} step {source.get('seq')})"
+        rows.append(f"  step {obs['seq']}: tool {obs.get('name')!r} {said}")
+    return rows

@@ -319,6 +319,7 @@ def _start_continuation(spec: LaunchSpec) -> _ExitWatch:
     from replayer import continuation
     from replayer.fork import plan_fork, start_fork
     from replayer.resume import plan_resume, start_resume
+    from replayer.tool_policy import ToolPolicy
 
     mode = spec.mode
     if mode == "fork":
@@ -331,8 +332,9 @@ def _start_continuation(spec: LaunchSpec) -> _ExitWatch:
                      require_signature=True, allow_incomplete=True)
                 if spec.then_replay else None)
         context = continuation.scope(  # the fork's command runs here (the recorded
-            lambda: start_fork(fork_plan, then_replay=then, ran_in=Path.cwd()),  # directory,
-            abandon_on_divergence=False, name="deja fork")  # or --cwd)
+            lambda: start_fork(fork_plan, then_replay=then, ran_in=Path.cwd(),  # directory,
+                               tools=ToolPolicy.parse(spec.tools)),  # or --cwd)
+            abandon_on_divergence=False, name="deja fork")
     else:
         loaded = plan_resume(spec.cassette)
         context = continuation.scope(lambda: start_resume(loaded), abandon_on_divergence=True,

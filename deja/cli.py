@@ -49,13 +49,17 @@ from deja._common import (
     budgets_of,
     guard_options,
     policy_options,
+    policy_rows,
     redaction_options,
     replay_policy,
+    tool_policy,
+    tool_policy_options,
 )
 from deja._launch import _echo_split, _launch, _where_to_run, _writer_lock
 from replayer.result import render as replay_report
 
 if TYPE_CHECKING:
+    from replayer.fork import ForkPlan
     from replayer.policy import ReplayPolicy
 
 # What deja cannot do for an agent it sees only through the proxy.
@@ -278,6 +282,7 @@ def _project_match(cwd: Path) -> ReplayPolicy:
                    "going live.")
 @click.option("--show-document", is_flag=True,
               help="Print the editable document of step --at and exit.")
+@tool_policy_options
 @click.option("--allow-torn", is_flag=True,
               help="Fork a parent whose last line is torn (a crash mid-write) from its "
                    "intact lines.")
@@ -285,7 +290,7 @@ def _project_match(cwd: Path) -> ReplayPolicy:
 def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...],
          patch_file: Path | None, replace_file: Path | None, output: Path | None,
          then_replay: Path | None, show_document: bool, allow_torn: bool,
-         cwd: Path | None) -> None:
+         tool_rules: tuple[str, ...], live_tools: tuple[str, ...], cwd: Path | None) -> None:
     """Re-run a recorded run with step N edited: deja fork CASSETTE --at N --set ... [-- CMD].
 
     Steps before N replay from the parent (its signature must verify), step N is the
@@ -295,11 +300,17 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
     written. Tool steps are edited as {"result": ...}, model steps as the assembled
     message (content, stop_reason, usage), HTTP steps as {"status", "headers", "body"},
     effects as {"value": ...}; --show-document prints it.
+
+    A tool declared side_effect=True never runs for real after the fork step unless
+    named with --live-tool: it is served the recorded answer to the same arguments, or
+    refused (the agent sees ToolRefused, the cassette and the report say so). --tool
+    sets any tool's rule: live, recorded, refuse or static:JSON.
     """
     from recorder.errors import DejaError
     from replayer import edit
     from replayer.fork import plan_fork
 
+    policy = tool_policy(tool_rules, live_tools)
     patch = _read_json_file(patch_file, "patch file") if patch_file else None
     replace = _read_json_file(replace_file, "replacement file") if replace_file else None
     try:
@@ -321,7 +332,7 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
     if not argv:
         raise _no_command(cassette, plan.parent.header, "fork")
     cwd = _where_to_run(cassette, plan.parent.header, argv, given=bool(command), cwd=cwd)
-    warning = plan.side_effect_warning() if then_replay is None else None
+    warning = plan.side_effect_warning(policy) if then_replay is None else None
     if warning is not None:  # said before anything runs
         click.secho(f"deja: WARNING: {warning}", err=True, fg="yellow")
     if isinstance(plan.parent.header.get("proxy"), dict):  # an agent in any language
@@ -342,15 +353,26 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
         code = _launch("fork", argv, plan.out, cwd, lock=lock,
                        cassette=str(cassette.resolve()), at=at, patch=plan.patch,
                        out=str(plan.out.resolve()), run_id=plan.run_id, allow_torn=allow_torn,
-                       then_replay=str(then_replay.resolve()) if then_replay else None)
+                       then_replay=str(then_replay.resolve()) if then_replay else None,
+                       tools=[f"{name}={spec}" for name, spec in policy.to_header().items()])
     finally:
         lock.release()
     if _header_run(plan.out) == plan.run_id:
-        click.echo(f"deja: forked run {plan.run_id} from {plan.parent.run} at step {at} "
-                   f"-> {plan.out}", err=True)
-        _echo_split(plan.out)
-        click.echo(f"deja: compare them with: deja diff {cassette} {plan.out}", err=True)
+        _forked(cassette, plan)
     sys.exit(code)
+
+
+def _forked(cassette: Path, plan: ForkPlan) -> None:
+    """What a fork that ran says: where it is, what it cost, which tool calls its tool
+    policy answered without running them, and how to compare it with its parent."""
+    click.echo(f"deja: forked run {plan.run_id} from {plan.parent.run} at step {plan.at} "
+               f"-> {plan.out}", err=True)
+    _echo_split(plan.out)
+    rows = policy_rows(plan.out)
+    if rows:
+        click.echo(f"deja: {len(rows)} tool call(s) not run live (the tool policy):", err=True)
+        click.echo("\n".join(rows), err=True)
+    click.echo(f"deja: compare them with: deja diff {cassette} {plan.out}", err=True)
 
 
 @click.command(cls=RunsCommand)

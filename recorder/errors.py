@@ -37,6 +37,8 @@
     │                            does not hold at that point
     ├── ToolReplayError          replay: a recorded tool raised; the original exception
     │                            class could not be rebuilt, so this stands in for it
+    ├── ToolRefused              a fork, replay-then-live or suite did not run a tool: its
+    │                            tool policy refuses it (a side effect not named live)
     ├── ExportFailed             a run's spans could not be delivered to the tracing
     │                            backend (unreachable, or it refused them)
     ├── ResponseTooLarge         the recording proxy: an upstream response over its limit
@@ -260,6 +262,16 @@ class ToolReplayError(DejaError):
         self.tool = tool
         self.error_type = error_type
         super().__init__(f"{error_type}: {message} (recorded error of tool {tool!r})")
+
+
+class ToolRefused(DejaError):
+    """A tool call a fork, a replay-then-live or a suite did not run: its tool policy
+    refuses it (a side-effecting tool is never live there unless named). The agent sees it
+    as the tool's error; the cassette holds it as the tool's line, marked ``policy``."""
+
+    def __init__(self, message: str, *, tool: str | None = None) -> None:
+        self.tool = tool
+        super().__init__(message)
 
 
 def sdk_passthrough(exc: DejaError) -> DejaError:

@@ -218,6 +218,8 @@ class LaunchSpec:
     patch: tuple[Any, ...] | None = None
     out: str | None = None
     then_replay: str | None = None
+    # fork: its tool policy, NAME=RULE (replayer.tool_policy.ToolPolicy.parse)
+    tools: tuple[str, ...] = ()
     # the launcher's own
     launcher_pid: int | None = None
     lock_fd: int | None = None
@@ -228,7 +230,7 @@ class LaunchSpec:
         set_ = object.__setattr__  # frozen: the values given are normalised once, here
         set_(self, "mode", LaunchMode(self.mode))
         for name in ("argv", "redact_headers", "redact_body", "redact_patterns",
-                     "redact_query", "patch", "ignore", "normalise"):
+                     "redact_query", "patch", "ignore", "normalise", "tools"):
             value = getattr(self, name)
             if isinstance(value, list):
                 set_(self, name, tuple(value))

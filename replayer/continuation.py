@@ -28,11 +28,12 @@ from recorder.cassette import Cassette, CassetteWriter
 from recorder.cassette.keys import Keyring
 from recorder.cassette.schema import Kind, add_step, replayed_totals
 from recorder.effects import call_site
-from recorder.errors import Divergence, KeyMissing, NeedsAttention
+from recorder.errors import Divergence, KeyMissing, NeedsAttention, ToolRefused
 from recorder.harness.guards import Budgets
 from recorder.intents import Effect, Intent, Settled
 from recorder.record import RecordSession
-from replayer.replay import ReplaySession
+from replayer.replay import ReplaySession, rebuild_error
+from replayer.tool_policy import RecordedTools, Rule, ToolPolicy
 
 log = logging.getLogger("deja.replayer")
 
@@ -68,7 +69,8 @@ class ContinuationSession(RecordSession):
     def __init__(self, prefix: Cassette, writer: CassetteWriter, *,
                  on_live: Callable[[ContinuationSession], None] | None = None,
                  then_replay: Cassette | None = None, sources: Sequence[Source] = (),
-                 mode: str = "fork", **kwargs: Any) -> None:
+                 mode: str = "fork", tool_policy: ToolPolicy | None = None,
+                 recorded_runs: Sequence[Cassette] = (), **kwargs: Any) -> None:
         # The run keeps the guards it was recorded with (its header); counters carry over
         # from the prefix once the guard exists (start).
         recorded = prefix.header
@@ -88,6 +90,10 @@ class ContinuationSession(RecordSession):
         self.sources: tuple[Source, ...] = (self.prefix, *after, *sources)
         self.live = False
         self._on_live = on_live
+        # what a tool call none of them answers does (None: it runs, as in a recording)
+        self.tool_policy = tool_policy
+        self._recorded = RecordedTools(recorded_runs or (prefix,)) if tool_policy else None
+        self.policy_calls: list[dict[str, Any]] = []  # the calls it answered, for a report
         for obs in prefix.observations:
             self._count(obs)
 
@@ -190,7 +196,54 @@ class ContinuationSession(RecordSession):
                 self.go_live()
                 return self._settle(tool, args, obs)
             return Decision.answer(source.tool_value(tool, obs))
-        return Decision.run()
+        return self._by_policy(tool, args)
+
+    def _by_policy(self, tool: session.ToolSpec, args: dict[str, Any]) -> Decision:
+        """A live call under the tool policy: run, or answered (recorded, static) or
+        refused without running, logged with its rule (:mod:`replayer.tool_policy`)."""
+        if self.tool_policy is None or self._recorded is None:
+            return Decision.run()
+        rule = self.tool_policy.rule_for(tool.name, side_effect=tool.side_effect)
+        if rule.rule is Rule.LIVE:
+            return Decision.run()
+        key = self._lines.args_key(args)
+        self.before_tool(tool, args, key)  # the guards see it as they see a live call
+        served = self._recorded.take(tool.name, key) if rule.rule is Rule.RECORDED else None
+        if served is not None:
+            cassette, answer = served
+            self._policy_line(tool, args, Rule.RECORDED, {k: answer[k] for k in
+                                                         ("result", "error") if k in answer},
+                              source={"run": cassette.run, "seq": answer["seq"]})
+            if "error" in answer:
+                raise rebuild_error(tool.name, answer["error"])
+            value = _values.decode(answer.get("result"))
+            return Decision.answer(tool.decode(value) if tool.decode else value)
+        if rule.rule is Rule.STATIC:
+            self._policy_line(tool, args, Rule.STATIC,
+                              {"result": _values.encode(rule.value, where=f"static result of "
+                                                        f"tool {tool.name!r}")})
+            return Decision.answer(tool.decode(rule.value) if tool.decode else rule.value)
+        why = ("it has side effects and is never run live here unless named"
+               if tool.side_effect else "the tool policy refuses it")
+        refused = ToolRefused(
+            f"tool {tool.name!r} was not run: {why} (--live-tool {tool.name} runs it; "
+            f"{tool.name}=static:JSON answers it)", tool=tool.name)
+        self._policy_line(tool, args, Rule.REFUSE, {"error": self._lines.error(refused)})
+        raise refused
+
+    def _policy_line(self, tool: session.ToolSpec, args: dict[str, Any], rule: Rule,
+                     answer: dict[str, Any], source: dict[str, Any] | None = None) -> None:
+        """Log a call the tool policy answered as the tool's line, marked with its rule."""
+        obs, _ = self._lines.tool(tool, args, round(time.time(), 3), 0.0, result=None,
+                                  error=None, intent=None, step=-1)
+        obs.pop("result", None)
+        obs.update(answer, policy=rule.value)
+        if source is not None:
+            obs["from"] = source
+        line = self.append_line(obs, sync=tool.side_effect)
+        self._count(obs)
+        self.policy_calls.append({"seq": line["seq"], "tool": tool.name, "rule": rule.value,
+                                  **({"from": source} if source else {})})
     def _settle(self, tool: session.ToolSpec, args: dict[str, Any],
                 obs: Mapping[str, Any]) -> Decision:
         """Ask the tool's settle function whether the intent ``obs`` took effect: its

@@ -21,6 +21,7 @@ Every input is checked before anything is written.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,6 +34,7 @@ from recorder.launch import launch_dir, new_run_id, portable_launch
 from replayer import continuation
 from replayer import edit as _edit
 from replayer.continuation import ContinuationSession
+from replayer.tool_policy import Rule, ToolPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,9 +49,9 @@ class ForkPlan:
     out: Path
     run_id: str
 
-    def side_effect_warning(self) -> str | None:
+    def side_effect_warning(self, tools: ToolPolicy | None = None) -> str | None:
         """What to say before running the fork (:func:`side_effect_warning`)."""
-        return side_effect_warning(self.parent, self.at)
+        return side_effect_warning(self.parent, self.at, tools)
 
 
 def side_effects_after(parent: Cassette, at: int) -> list[tuple[int, str]]:
@@ -60,17 +62,26 @@ def side_effects_after(parent: Cassette, at: int) -> list[tuple[int, str]]:
             if o["seq"] > at and o.get("kind") == Kind.INTENT]
 
 
-def side_effect_warning(parent: Cassette, at: int) -> str | None:
-    """What to say before a fork at ``at`` runs about those calls (None: there are none)."""
+def side_effect_warning(parent: Cassette, at: int,
+                        tools: ToolPolicy | None = None) -> str | None:
+    """What to say before a fork at ``at`` runs about those calls (None: there are none):
+    which of them the fork's tool policy lets run live, and what the others get."""
     found = side_effects_after(parent, at)
     if not found:
         return None
+    policy = tools if tools is not None else ToolPolicy()
     named = ", ".join(f"{name} (step {seq})" for seq, name in found[:8])
     more = f" and {len(found) - 8} more" if len(found) > 8 else ""
-    return (f"after step {at} the recorded run called {len(found)} side-effecting "
-            f"tool(s): {named}{more}. The fork goes live after the edited step: whatever "
-            "its program calls then runs for real, these included (a program can check "
-            "recorder.mode() or DEJA_MODE, which say 'fork')")
+    live = sorted({name for _, name in found
+                   if policy.rule_for(name, side_effect=True).rule is Rule.LIVE})
+    said = (f"after step {at} the recorded run called {len(found)} side-effecting "
+            f"tool(s): {named}{more}. ")
+    if live:
+        return said + (f"This fork runs {', '.join(live)} live, for real (named with "
+                       "--live-tool); any other is served its recorded answer or refused")
+    return said + ("In this fork they do not run: each call is served the recorded answer "
+                   "to the same arguments, or refused (the agent sees ToolRefused); "
+                   "--live-tool NAME runs one for real")
 
 
 def plan_fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | None = None,
@@ -122,8 +133,14 @@ def fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | None = 
          replace: Any = None, sets: list[str] | tuple[str, ...] = (),
          out: str | Path | None = None, then_replay: str | Path | None = None,
          keyring: Keyring | None = None, fsync: str = "turn",
-         allow_torn: bool = False) -> Scope[ContinuationSession]:
-    """Fork ``cassette`` at step ``at`` with an edit; see the module docstring."""
+         allow_torn: bool = False, tools: ToolPolicy | None = None,
+         live_tools: Sequence[str] = ()) -> Scope[ContinuationSession]:
+    """Fork ``cassette`` at step ``at`` with an edit; see the module docstring.
+    ``tools`` and ``live_tools``: the tool policy of the live part
+    (:mod:`replayer.tool_policy`; by default a side effect is never run live)."""
+    policy = ToolPolicy.parse(live=live_tools) if tools is None else tools
+    if tools is not None and live_tools:
+        policy = ToolPolicy({**tools.rules, **ToolPolicy.parse(live=live_tools).rules})
     ring = keyring or load_keyring(create=False)
     plan = plan_fork(cassette, at, patch=patch, replace=replace, sets=sets, out=out,
                      keyring=ring, allow_torn=allow_torn)
@@ -131,22 +148,27 @@ def fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | None = 
     other = (load(then_replay, keyring=ring, require_signature=True, allow_incomplete=True)
              if then_replay else None)
     return continuation.scope(
-        lambda: start_fork(plan, then_replay=other, keyring=ring, fsync=fsync),
+        lambda: start_fork(plan, then_replay=other, keyring=ring, fsync=fsync,
+                           tools=policy),
         abandon_on_divergence=False, name=f"fork({cassette})")
 
 
 def start_fork(plan: ForkPlan, *, then_replay: Cassette | None = None,
                keyring: Keyring | None = None, fsync: str = "turn",
-               ran_in: Path | None = None) -> ContinuationSession:
+               ran_in: Path | None = None,
+               tools: ToolPolicy | None = None) -> ContinuationSession:
     """Write the fork's prefix and return its (not yet started) session. ``ran_in``: the
-    directory the fork's command runs in (default: the parent's, else this one)."""
+    directory the fork's command runs in (default: the parent's, else this one);
+    ``tools``: the tool policy of its live part (default: side effects never live)."""
+    tools = tools if tools is not None else ToolPolicy()
     ring = keyring or load_keyring()
     parent, at = plan.parent, plan.at
     signing = ring.signing or continuation.signing_key(parent, ring)
     header = {k: v for k, v in parent.header.items() if k not in ("format", "key_id")}
     header.update(run=plan.run_id, created=utc_stamp(), parent={"run": parent.run, "step": at,
                                            "prefix_sig": parent.sigs[at],
-                                           "path": str(parent.path)})
+                                           "path": str(parent.path)},
+                  tools=tools.to_header())
     if ran_in is None:
         try:  # the fork re-runs the parent's command: from the parent's directory
             ran_in = launch_dir(parent.path, parent.header)
@@ -163,5 +185,6 @@ def start_fork(plan: ForkPlan, *, then_replay: Cassette | None = None,
                   sync=True)
     prefix = dataclasses.replace(parent, observations=(*parent.observations[:at], plan.edited),
                                  end=None)
+    recorded = (parent, then_replay) if then_replay is not None else (parent,)
     return ContinuationSession(prefix, writer, then_replay=then_replay, fsync=fsync,
-                               keyring=ring)
+                               keyring=ring, tool_policy=tools, recorded_runs=recorded)

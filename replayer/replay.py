@@ -406,7 +406,7 @@ class ReplaySession(session.Session, Source):
                 raise self.unsettled(tool, obs)
             obs = outcome
         if "error" in obs:
-            raise _rebuild_error(tool.name, obs["error"])
+            raise rebuild_error(tool.name, obs["error"])
         value = _values.decode(obs.get("result"))
         return tool.decode(value) if tool.decode else value
 
@@ -460,11 +460,11 @@ class ReplaySession(session.Session, Source):
     def effect_value(self, obs: Mapping[str, Any]) -> Any:
         """The value of a recorded effect, or the refusal it recorded, raised again."""
         if "error" in obs:
-            raise _rebuild_error(f"effect {obs['name']}", obs["error"])
+            raise rebuild_error(f"effect {obs['name']}", obs["error"])
         return _values.decode(obs.get("value"))
 
 
-def _rebuild_error(tool: str, error: Mapping[str, Any]) -> BaseException:
+def rebuild_error(tool: str, error: Mapping[str, Any]) -> BaseException:
     try:
         cls: Any = importlib.import_module(error.get("module", "builtins"))
         for part in str(error["type"]).split("."):

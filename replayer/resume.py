@@ -25,6 +25,7 @@ from recorder.cassette.schema import Control
 from recorder.errors import NotResumable
 from replayer import continuation
 from replayer.continuation import ContinuationSession
+from replayer.tool_policy import ToolPolicy
 
 log = logging.getLogger("deja.replayer")
 
@@ -67,5 +68,7 @@ def start_resume(loaded: Cassette, *, keyring: Keyring | None = None,
     def on_live(session: ContinuationSession) -> None:
         session.log_control(Control.RESUMED, detail)
 
+    # a fork resumed keeps its tool policy (a side effect stays not live unless named);
+    # any other run continues as it was recorded, every tool live
     return ContinuationSession(loaded, writer, on_live=on_live, fsync=fsync, keyring=ring,
-                               mode="resume")
+                               mode="resume", tool_policy=ToolPolicy.from_header(loaded.header))

@@ -40,6 +40,7 @@ from viewer.step import (
     launch_fork,
     load_cassette,
     recorded_base_url,
+    side_effect_tools,
     step_detail,
     validate_edit,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "run_header",
     "run_path",
     "run_steps",
+    "side_effect_tools",
     "step_detail",
     "timeline",
     "usage_over_time",

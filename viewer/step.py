@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -33,7 +33,8 @@ from recorder.cassette.schema import Kind, Observation
 from recorder.errors import DejaError, EditError, NoSuchStep
 from recorder.harness.progress import read_status
 from replayer import edit
-from replayer.fork import plan_fork, side_effect_warning
+from replayer.fork import plan_fork, side_effect_warning, side_effects_after
+from replayer.tool_policy import ToolPolicy
 from viewer import content
 
 # ---------------------------------------------------------------------- cassettes
@@ -186,12 +187,20 @@ def fork_document(path: str | Path, seq: int) -> Any:
     return edit.view(_observation(load_cassette(path), seq))
 
 
-def fork_warnings(path: str | Path, seq: int) -> list[str]:
+def side_effect_tools(path: str | Path, seq: int) -> list[str]:
+    """The side-effecting tools the recorded run called after step ``seq``: those a fork
+    there may let run live (the Fork panel's choice)."""
+    return sorted({name for _, name in side_effects_after(load_cassette(path), seq)})
+
+
+def fork_warnings(path: str | Path, seq: int, live_tools: Sequence[str] = ()) -> list[str]:
     """What to say before a fork at ``seq`` runs: the side-effecting tools the recorded
-    run called after it (the live part may call them again, for real), and, for a run
-    recorded through the proxy, that the agent's own tools run for real."""
+    run called after it and what the fork does with them (run for real only those in
+    ``live_tools``), and, for a run recorded through the proxy, that the agent's own tools
+    run for real."""
     parent = load_cassette(path)
-    said = [w for w in (side_effect_warning(parent, seq),) if w]
+    policy = ToolPolicy.parse(live=live_tools)
+    said = [w for w in (side_effect_warning(parent, seq, policy),) if w]
     if isinstance(parent.header.get("proxy"), dict):
         said.append("this run was recorded through deja proxy: deja serves the model's "
                     "answers, but the agent's own tools run in its process, for real")
@@ -309,9 +318,11 @@ def fork_failure(launched: LaunchedFork, log: str, returncode: int | None) -> st
 
 
 def launch_fork(path: str | Path, seq: int, document: Any, *, live_url: str | None = None,
-                out_dir: str | Path | None = None) -> LaunchedFork:
+                out_dir: str | Path | None = None,
+                live_tools: Sequence[str] = ()) -> LaunchedFork:
     """Start ``deja fork PATH --at SEQ --replace FILE -o OUT`` (``--patch`` for a patch
-    list) in the background; ``live_url`` becomes its ANTHROPIC_BASE_URL."""
+    list) in the background; ``live_url`` becomes its ANTHROPIC_BASE_URL, and each of
+    ``live_tools`` a ``--live-tool`` (a side effect run for real)."""
     path = Path(path)
     if isinstance(document, str):
         args, error = _parse_edit(document)
@@ -331,7 +342,8 @@ def launch_fork(path: str | Path, seq: int, document: Any, *, live_url: str | No
     with log.open("wb") as sink:
         process = subprocess.Popen(
             [sys.executable, "-m", "deja", "fork", str(path), "--at", str(seq), option,
-             str(edit_file), "-o", str(out)],
+             str(edit_file), "-o", str(out),
+             *(f"--live-tool={name}" for name in live_tools)],
             stdout=sink, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     return LaunchedFork(out, process, log, path, seq, live_url or None)
 

@@ -397,16 +397,23 @@ def fork_editor(header: dict[str, Any], detail: queries.StepDetail, *,
         st.info("The document is unchanged: a fork would serve the recorded value.")
     else:
         st.success("The edit is valid.")
-    try:
-        warnings = queries.fork_warnings(header["path"], detail.seq)
+    try:  # a side effect runs for real only if ticked here (deja fork --live-tool)
+        live_tools = [name for name in queries.side_effect_tools(header["path"], detail.seq)
+                      if st.checkbox(md("Run {} live, for real", name),
+                                     key=f"live_tool:{header['path']}:{detail.seq}:{name}",
+                                     help="Unticked, the fork serves this side-effecting "
+                                          "tool its recorded answer to the same arguments, "
+                                          "or refuses it (the agent sees ToolRefused).")]
+        warnings = queries.fork_warnings(header["path"], detail.seq, live_tools)
     except DejaError:
-        warnings = []
+        live_tools, warnings = [], []
     for warning in warnings:  # before the button: what the live part may do for real
         st.warning(md("Before you fork: {}.", warning.rstrip(".")))
     if st.button("Fork", key="fork_btn", type="primary", disabled=bool(error)):
         try:
             launched = queries.launch_fork(header["path"], detail.seq, text,
-                                           live_url=live_url or None, out_dir=out_dir)
+                                           live_url=live_url or None, out_dir=out_dir,
+                                           live_tools=live_tools)
         except (DejaError, OSError) as exc:
             st.error(md("The fork did not start: {}", exc))
             return

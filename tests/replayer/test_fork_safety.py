@@ -1,7 +1,7 @@
-"""A fork goes live after its edited step, so whatever the program calls then runs for real:
-deja says so before anything runs, naming the side-effecting tools the recorded run called
-after the fork step, and the program can tell what deja is doing with it
-(``recorder.mode()``, ``DEJA_MODE``)."""
+"""A fork goes live after its edited step, but a side-effecting tool does not run again
+unless named (--live-tool): deja says so before anything runs, naming the side-effecting
+tools the recorded run called after the fork step, and the program can tell what deja is
+doing with it (``recorder.mode()``, ``DEJA_MODE``)."""
 
 from __future__ import annotations
 
@@ -72,11 +72,19 @@ def test_a_fork_says_which_side_effects_may_run_again_and_the_program_knows_its_
                   "fork.jsonl", cwd=root, env=env)
     assert forked.returncode == 0, forked.stderr
     warning = ("deja: WARNING: after step 0 the recorded run called 1 side-effecting tool(s): "
-               "refund (step 1). The fork goes live after the edited step")
+               "refund (step 1). In this fork they do not run: each call is served the "
+               "recorded answer to the same arguments, or refused (the agent sees "
+               "ToolRefused); --live-tool NAME runs one for real")
     assert warning in forked.stderr, forked.stderr
     assert forked.stderr.index(warning) < forked.stderr.index("deja: forked run")
     assert "mode fork fork" in forked.stdout
-    assert ledger.read_text() == "5\n5\n"  # what the warning said: it ran for real
+    assert ledger.read_text() == "5\n"  # what the warning said: not run again
+
+    named = deja("fork", "run.jsonl", "--at", "0", "--set", 'result={"i": 7}', "-o",
+                 "named.jsonl", "--live-tool", "refund", cwd=root, env=env)
+    assert named.returncode == 0, named.stderr
+    assert "This fork runs refund live, for real" in named.stderr, named.stderr
+    assert ledger.read_text() == "5\n5\n"  # named: it ran for real, once
 
     late = deja("fork", "run.jsonl", "--at", "3", "--set", 'result={"i": 8}', "-o",
                 "late.jsonl", cwd=root, env=env)
@@ -86,8 +94,7 @@ def test_a_fork_says_which_side_effects_may_run_again_and_the_program_knows_its_
 
     # the viewer says the same before its Fork button
     assert queries.fork_warnings(root / "run.jsonl", 0) == [warning.removeprefix(
-        "deja: WARNING: ") + ": whatever its program calls then runs for real, these "
-        "included (a program can check recorder.mode() or DEJA_MODE, which say 'fork')"]
+        "deja: WARNING: ")]
     assert queries.fork_warnings(root / "run.jsonl", 1) == []
 
 
