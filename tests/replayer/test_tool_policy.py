@@ -11,10 +11,12 @@ lists it; a resumed fork keeps its policy; a replay of the fork is identical. Re
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -220,3 +222,42 @@ def test_parse_and_defaults() -> None:
             ToolPolicy.parse([bad, "refund=refuse"] if said == "two rules" else [bad],
                              live=["refund"] if said == "two rules" else [])
     assert recorder.ToolRefused("no", tool="t").tool == "t"
+
+
+def test_the_viewers_fork_panel_offers_the_same_choice(
+        project: tuple[Path, dict[str, str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamlit.testing.v1 import AppTest
+
+    from viewer.safe import unescape
+
+    root, _, ledger = project
+    monkeypatch.setenv("LEDGER", str(ledger))
+    monkeypatch.setenv("DEJA_VIEW_DIR", str(root))
+    run = load(root / "run.jsonl").run
+    app = Path(__file__).resolve().parents[2] / "viewer" / "app.py"
+
+    def fork(live: bool) -> None:
+        at = AppTest.from_file(str(app), default_timeout=30)
+        at.query_params.update(run=run, step="0")
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+        box = at.checkbox(key=f"live_tool:{root / 'run.jsonl'}:0:refund")
+        assert unescape(box.label) == "Run refund live, for real" and not box.value
+        said = " ".join(unescape(str(w.value)) for w in at.warning)
+        assert "In this fork they do not run" in said, said
+        if live:
+            box.check().run()
+            said = " ".join(unescape(str(w.value)) for w in at.warning)
+            assert "This fork runs refund live, for real" in said, said
+        at.text_area[0].input(json.dumps({"result": {"order": "A7", "amount": 45}})).run()
+        at.button(key="fork_btn").click().run()
+        deadline = time.monotonic() + 90
+        while not any("finished" in unescape(str(s.value)) for s in at.success):
+            assert time.monotonic() < deadline, [unescape(str(e.value)) for e in at.error]
+            time.sleep(0.3)
+            at.run()
+
+    fork(live=False)
+    assert refunds(ledger) == [("A7", 30)]
+    fork(live=True)
+    assert refunds(ledger) == [("A7", 30), ("A7", 45)]
