@@ -322,7 +322,10 @@ def _start_continuation(spec: LaunchSpec) -> _ExitWatch:
     from replayer.tool_policy import ToolPolicy
 
     mode = spec.mode
-    if mode == "fork":
+    if mode == "fork" and spec.then_live:
+        context = continuation.scope(lambda: _then_live(spec), abandon_on_divergence=False,
+                                     name="deja replay --then live")
+    elif mode == "fork":
         if spec.at is None:
             raise ValueError("a fork's launch spec names no step (at)")
         fork_plan = plan_fork(spec.cassette, spec.at,
@@ -361,6 +364,19 @@ def _start_continuation(spec: LaunchSpec) -> _ExitWatch:
 
     atexit.register(finish)
     return watch
+
+
+def _then_live(spec: LaunchSpec) -> Any:
+    """The session of ``deja replay --then live``: the cassette served while the program
+    asks what it asked before, then live (:mod:`replayer.then_live`)."""
+    from replayer.policy import ReplayPolicy
+    from replayer.then_live import plan_then_live, start_then_live
+    from replayer.tool_policy import ToolPolicy
+
+    plan = plan_then_live(spec.cassette, out=spec.out, run_id=spec.run_id,
+                          allow_incomplete=spec.allow_incomplete)
+    return start_then_live(plan, policy=ReplayPolicy.parse(spec.ignore, spec.normalise),
+                           tools=ToolPolicy.parse(spec.tools), ran_in=Path.cwd())
 
 
 def _write_report(path: str, data: dict[str, Any]) -> None:

@@ -218,8 +218,11 @@ class LaunchSpec:
     patch: tuple[Any, ...] | None = None
     out: str | None = None
     then_replay: str | None = None
-    # fork: its tool policy, NAME=RULE (replayer.tool_policy.ToolPolicy.parse)
+    # fork: its tool policy, NAME=RULE (replayer.tool_policy.ToolPolicy.parse); a fork at
+    # the step the program leaves the cassette (replay, then live: replayer.then_live),
+    # matched under ignore and normalise
     tools: tuple[str, ...] = ()
+    then_live: bool = False
     # the launcher's own
     launcher_pid: int | None = None
     lock_fd: int | None = None

@@ -68,6 +68,7 @@ class ContinuationSession(RecordSession):
 
     def __init__(self, prefix: Cassette, writer: CassetteWriter, *,
                  on_live: Callable[[ContinuationSession], None] | None = None,
+                 on_leave: Callable[[ContinuationSession], None] | None = None,
                  then_replay: Cassette | None = None, sources: Sequence[Source] = (),
                  mode: str = "fork", tool_policy: ToolPolicy | None = None,
                  recorded_runs: Sequence[Cassette] = (), **kwargs: Any) -> None:
@@ -90,6 +91,7 @@ class ContinuationSession(RecordSession):
         self.sources: tuple[Source, ...] = (self.prefix, *after, *sources)
         self.live = False
         self._on_live = on_live
+        self._on_leave = on_leave  # called once, when a log that passes a miss on closes
         # what a tool call none of them answers does (None: it runs, as in a recording)
         self.tool_policy = tool_policy
         self._recorded = RecordedTools(recorded_runs or (prefix,)) if tool_policy else None
@@ -158,6 +160,7 @@ class ContinuationSession(RecordSession):
                 super().begin_http(request)
             obs = source.answer_http(request)
             if obs is None:
+                self._passed(source)
                 continue
             if source.copies:
                 if not early:
@@ -165,6 +168,13 @@ class ContinuationSession(RecordSession):
                 self._log_copied(source, obs)
             return source.response_of(obs)
         return super().begin_http(request)
+
+    def _passed(self, source: Source) -> None:
+        """A source passed a call on: if that closed it (a log that passes its first miss
+        on), the run has left it (a replay-then-live's fork point)."""
+        if source.passes and not source.open and self._on_leave is not None:
+            leave, self._on_leave = self._on_leave, None
+            leave(self)
 
     def _log_copied(self, source: Source, obs: Mapping[str, Any]) -> None:
         """Log an observation served from ``source`` as if it had come from the network."""
@@ -187,6 +197,7 @@ class ContinuationSession(RecordSession):
                 self.before_tool(tool, args)
             obs = source.answer_tool(tool, args)
             if obs is None:
+                self._passed(source)
                 continue
             if source.copies:
                 if not early:
@@ -324,6 +335,7 @@ class ContinuationSession(RecordSession):
         for source in self._asked():
             obs = source.answer_effect(name, site)
             if obs is None:
+                self._passed(source)
                 continue
             if source.copies:
                 # Logged as if live: with this run's call site, and the recorded value or

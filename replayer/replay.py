@@ -25,9 +25,9 @@ import os
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from recorder import providers
 from recorder import values as _values
@@ -63,6 +63,9 @@ from replayer.index import FAMILY, Index, tool_key
 from replayer.policy import ReplayPolicy
 from replayer.result import ReplayResult
 from replayer.verdicts import Asked, Change, Referee, Tally, recorded_request
+
+if TYPE_CHECKING:
+    from replayer.continuation import ContinuationSession
 
 log = logging.getLogger("deja.replayer")
 
@@ -487,10 +490,31 @@ def _check_replay(replay_session: ReplaySession, result: ReplayResult,
     raise Divergence(result.divergence, path=replay_session.path) from exc
 
 
+@overload
+def replay(path: str | Path, *, keyring: Keyring | None = ..., require_signature: bool = ...,
+           allow_unverified: bool | None = ..., allow_torn: bool = ...,
+           allow_incomplete: bool = ..., raise_on_divergence: bool = ...,
+           policy: ReplayPolicy | None = ..., on_divergence: Literal["raise"] = ...,
+           out: None = ..., live_tools: Sequence[str] = ...) -> session.Scope[ReplaySession]:
+    ...
+
+
+@overload
+def replay(path: str | Path, *, keyring: Keyring | None = ..., require_signature: bool = ...,
+           allow_unverified: bool | None = ..., allow_torn: bool = ...,
+           allow_incomplete: bool = ..., raise_on_divergence: bool = ...,
+           policy: ReplayPolicy | None = ..., on_divergence: Literal["live"],
+           out: str | Path | None = ..., live_tools: Sequence[str] = ...
+           ) -> session.Scope[ContinuationSession]:
+    ...
+
+
 def replay(path: str | Path, *, keyring: Keyring | None = None, require_signature: bool = False,
            allow_unverified: bool | None = None, allow_torn: bool = False,
            allow_incomplete: bool = False, raise_on_divergence: bool = True,
-           policy: ReplayPolicy | None = None) -> session.Scope[ReplaySession]:
+           policy: ReplayPolicy | None = None, on_divergence: str = "raise",
+           out: str | Path | None = None,
+           live_tools: Sequence[str] = ()) -> session.Scope[Any]:
     """Replay the cassette at ``path`` around a block or a decorated function.
 
     The signature chain is verified with the key the cassette names (from ``keyring``,
@@ -504,7 +528,20 @@ def replay(path: str | Path, *, keyring: Keyring | None = None, require_signatur
     the project's ``[tool.deja.match]`` adds to it. Without one, the replay takes what
     the project and each provider declare volatile
     (:meth:`~replayer.policy.ReplayPolicy.configured`).
+
+    ``on_divergence="live"`` replays until the program asks for something the cassette
+    does not hold, then goes live into a new cassette, ``out``, whose header names this
+    one and the step it left (:mod:`replayer.then_live`); ``live_tools``: the
+    side-effecting tools that may then run for real (none by default).
     """
+    if on_divergence == "live":
+        from replayer.then_live import then_live
+
+        return then_live(path, out=out, policy=policy, live_tools=live_tools,
+                         keyring=keyring)
+    if on_divergence != "raise":
+        raise ValueError(f"on_divergence: 'raise' or 'live', not {on_divergence!r}")
+
     def open_replay() -> ReplaySession:
         chosen = ReplayPolicy.configured() if policy is None else \
             policy.merged(ReplayPolicy.configured())

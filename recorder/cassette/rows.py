@@ -122,13 +122,14 @@ def live_from(cassette: Cassette) -> int:
     """The seq of the first step this run made itself (0 for a run recorded from scratch).
 
     A fork's steps up to the edited one and its ``fork_edit`` line come from the parent;
-    a resumed run's steps before its last ``resumed`` line were recorded by earlier
-    attempts and replayed by the last one.
+    a replay-then-live's steps before the one it left its parent at (``parent.mode``
+    ``then_live``) were served from the parent; a resumed run's steps before its last
+    ``resumed`` line were recorded by earlier attempts and replayed by the last one.
     """
     start = 0
     parent = cassette.header.get("parent")
     if isinstance(parent, dict) and isinstance(parent.get("step"), int):
-        start = parent["step"] + 1
+        start = parent["step"] + (0 if parent.get("mode") == "then_live" else 1)
     for obs in cassette.observations:
         event = control_event(obs)
         if event == Control.FORK_EDIT:
