@@ -16,7 +16,6 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -27,13 +26,13 @@ from deja import (
     cli_import,
     cli_inspect,
     cli_proxy,
+    cli_replay,
     cli_runs,
     cli_serve,
     cli_stub,
     cli_wait,
 )
 from deja._common import (
-    EXIT_DIVERGED,
     BadInput,
     RunsCommand,
     _allow_unverified_option,
@@ -43,29 +42,20 @@ from deja._common import (
     _labels,
     _load,
     _no_command,
-    _python_argv,
     _read_json_file,
-    _warn_unverified,
     budgets_of,
     guard_options,
     policy_options,
     policy_rows,
     redaction_options,
-    replay_policy,
     tool_policy,
     tool_policy_options,
 )
 from deja._launch import _echo_split, _launch, _where_to_run, _writer_lock
-from replayer.result import render as replay_report
+from deja.cli_replay import PROXY_TOOLS_WARNING
 
 if TYPE_CHECKING:
     from replayer.fork import ForkPlan
-    from replayer.policy import ReplayPolicy
-
-# What deja cannot do for an agent it sees only through the proxy.
-PROXY_TOOLS_WARNING = ("deja: WARNING: this run was recorded through deja proxy: deja serves "
-                       "the model's answers, but the agent's own tools run in its process, "
-                       "for real, as they did when it was recorded")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -160,9 +150,8 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
     sys.exit(code)
 
 
-@click.command(cls=RunsCommand)
-@click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
-@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.command(cls=cli_replay.ReplayCommand)
+@click.argument("cassettes", nargs=-1, required=True, metavar="CASSETTE|DIR...")
 @click.option("--require-signature", is_flag=True,
               help="Refuse a cassette whose signature cannot be checked, even when "
                    "unverified cassettes are allowed.")
@@ -175,14 +164,23 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
               help="Replay a cassette without an end line (a crashed run).")
 @click.option("--json", "as_json", is_flag=True,
               help="Print the replay result as JSON on stdout (the program's own output "
-                   "goes to stderr).")
+                   "goes to stderr); of many cassettes, one document: each one's result "
+                   "and the summary.")
+@click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE",
+              help="Also write a JUnit XML report to FILE, for CI: a test case per "
+                   "cassette (a divergence fails, a bad cassette is an error).")
+@click.option("--junit-cases", type=click.Choice(["cassettes", "steps"]), default="cassettes",
+              show_default=True,
+              help="What a JUnit test case is: a cassette, or a recorded step (the "
+                   "diverging step fails, the steps after it are skipped).")
 @policy_options
 @_cwd_option
-def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
-           allow_unverified: bool, run_recorded_command: bool, allow_torn: bool,
-           allow_incomplete: bool, as_json: bool, ignore: tuple[str, ...],
-           normalise: tuple[str, ...], cwd: Path | None) -> None:
-    """Replay a recorded run offline: deja replay CASSETTE [-- CMD ...].
+def replay(cassettes: tuple[str, ...], command: tuple[str, ...] | None,
+           require_signature: bool, allow_unverified: bool, run_recorded_command: bool,
+           allow_torn: bool, allow_incomplete: bool, as_json: bool, junit: Path | None,
+           junit_cases: str, ignore: tuple[str, ...], normalise: tuple[str, ...],
+           cwd: Path | None) -> None:
+    """Replay recorded runs offline: deja replay CASSETTE|DIR... [-- CMD ...].
 
     Runs the recorded command (or CMD) with every observation served from the cassette
     and the network blocked. The cassette's signature is checked first; one signed with a
@@ -194,74 +192,25 @@ def replay(cassette: Path, command: tuple[str, ...], require_signature: bool,
     report grades the calls exact or equivalent and names the kind of a divergence;
     --json prints them (verdict, grades, kinds, equivalent). An equivalent replay passes
     as an identical one does.
-    Exit 0 identical, 1 diverged, 2 bad cassette.
+
+    Many cassettes (several files, a shell glob such as runs/*.jsonl, or a directory: its
+    *.jsonl files, sorted) are replayed in turn, each with CMD or its own recorded
+    command, under the same rules; everything before -- is a cassette or a directory.
+    Each one's report goes to stderr as it finishes, and a table of them all (run,
+    verdict, steps served, where it diverged, seconds) and the totals to stdout. Under
+    GitHub Actions (GITHUB_ACTIONS=true) a divergence or a bad cassette is also an
+    ::error annotation on the cassette's line, an equivalent replay a ::notice.
+
+    Exit 0 identical, 1 diverged, 2 bad cassette. Of many cassettes: 0 when every one
+    passed (identical or equivalent), 1 when one diverged, 2 when one could not be
+    judged (a bad, torn or refused cassette, a program that failed before the replay
+    reported); 2 wins over 1.
     """
-    from deja import launcher
-    from deja.boot import child_env
-
-    replay_policy(ignore, normalise)  # a bad pointer or pattern: said before anything runs
-    policy_args = [*(f"--ignore={p}" for p in ignore), *(f"--normalise={n}" for n in normalise)]
-
-    loaded = _load(cassette, as_json=as_json, require_signature=require_signature,
-                   allow_unverified=allow_unverified, allow_torn=allow_torn,
-                   allow_incomplete=allow_incomplete)
-    recorded = list(loaded.header.get("argv") or [])
-    if not loaded.verified and not command and not run_recorded_command:
-        shown = " ".join(recorded) or "(none)"
-        raise BadInput(
-            f"{cassette}: {loaded.verify_note}. deja does not run the command an unverified "
-            f"header names ({shown}), since anyone could have written it there. Give the "
-            f"command yourself: deja replay {cassette} --allow-unverified -- CMD ..., or "
-            "pass --run-recorded-command if you have read it and trust it")
-    _warn_unverified(loaded)
-    argv = list(command) or recorded
-    if not argv:
-        raise _no_command(cassette, loaded.header, "replay")
-    cwd = _where_to_run(cassette, loaded.header, argv, given=bool(command), cwd=cwd)
-    project = _project_match(cwd or Path.cwd())  # checked before the program runs
-    if isinstance(loaded.header.get("proxy"), dict):  # an agent in any language
-        click.secho(PROXY_TOOLS_WARNING, err=True, fg="yellow")
-        policy_args += [*(f"--ignore={p}" for p in project.ignore),
-                        *(f"--normalise={p}={r}" for p, r in project.normalise)]
-        sys.exit(cli_proxy.through_proxy(
-            ["--replay", str(cassette.resolve()), *policy_args,
-             *([] if loaded.verified else ["--allow-unverified"])], argv, cwd))
-    with tempfile.TemporaryDirectory(prefix="deja-replay-") as tmp:
-        report = Path(tmp) / "report.json"
-        env = child_env("replay", cassette=str(cassette.resolve()), report=str(report),
-                        allow_torn=allow_torn, allow_incomplete=allow_incomplete,
-                        require_signature=require_signature,
-                        allow_unverified=not loaded.verified, ignore=ignore,
-                        normalise=normalise)
-        try:
-            ended = launcher.run(_python_argv(argv), env=env, cwd=cwd,
-                                 stdout=sys.stderr.fileno() if as_json else None)
-        except OSError as exc:
-            raise BadInput(f"cannot run {argv[0]!r}: {exc.strerror or exc}") from None
-        if ended.received is not None:
-            click.echo(f"deja: replay stopped by signal {ended.received}", err=True)
-            sys.exit(ended.status)
-        if not report.exists():
-            raise BadInput(f"the program exited with status {ended.status} before the replay "
-                           "could report (see the message above)")
-        result = json.loads(report.read_text())
-    if as_json:
-        click.echo(json.dumps(result, indent=2))
-    else:
-        click.echo(replay_report(result, ended.status))
-    sys.exit(0 if result["identical"] else EXIT_DIVERGED)
-
-
-def _project_match(cwd: Path) -> ReplayPolicy:
-    """The ``[tool.deja.match]`` of the project the program runs in (what it adds to a
-    replay's policy), checked before the program runs."""
-    from recorder.errors import ConfigError
-    from replayer.policy import ReplayPolicy
-
-    try:
-        return ReplayPolicy.configured(start=cwd)
-    except ConfigError as exc:
-        raise BadInput(str(exc)) from None
+    cli_replay.run(cassettes, command, cli_replay.ReplayOptions(
+        require_signature=require_signature, allow_unverified=allow_unverified,
+        run_recorded_command=run_recorded_command, allow_torn=allow_torn,
+        allow_incomplete=allow_incomplete, as_json=as_json, ignore=ignore,
+        normalise=normalise, cwd=cwd), junit=junit, junit_cases=junit_cases)
 
 
 @click.command(cls=RunsCommand)

@@ -1,0 +1,336 @@
+"""What ``deja replay`` does: replay one cassette, or many in turn, and report for a person
+(the report, a summary table), for a program (``--json``) and for CI (``--junit``, GitHub
+Actions annotations).
+
+The command line is ``deja replay CASSETTE|DIR... [-- CMD ...]``: everything before ``--``
+is a cassette or a directory (its ``*.jsonl`` files, sorted), everything after it the
+command to run. One cassette prints what it always did; several (or a directory) also end
+with a table. The click command itself, its options and its help, is in :mod:`deja.cli`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import click
+
+from deja import cli_proxy
+from deja._common import (
+    EXIT_DIVERGED,
+    BadInput,
+    RunsCommand,
+    _header_run,
+    _load,
+    _no_command,
+    _print_table,
+    _python_argv,
+    _warn_unverified,
+    replay_policy,
+)
+from deja._launch import _where_to_run
+from replayer.ci import Outcome, annotation, summary, write_junit
+from replayer.result import render
+
+if TYPE_CHECKING:
+    from replayer.policy import ReplayPolicy
+
+# What deja cannot do for an agent it sees only through the proxy.
+PROXY_TOOLS_WARNING = ("deja: WARNING: this run was recorded through deja proxy: deja serves "
+                       "the model's answers, but the agent's own tools run in its process, "
+                       "for real, as they did when it was recorded")
+TABLE = ["cassette", "run", "verdict", "steps", "divergence", "seconds"]
+
+
+class ReplayCommand(RunsCommand):
+    """``deja replay``'s parsing: click alone cannot tell where the cassettes end and the
+    command begins, so the first ``--`` splits them; what comes before it is parsed as
+    usual (options anywhere, the cassettes and directories), what comes after it is the
+    command, given to the callback as ``command`` (None when there is no ``--``)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        command = None
+        if "--" in args:
+            at = args.index("--")
+            args, command = args[:at], args[at + 1:]
+        rest = super().parse_args(ctx, args)
+        ctx.params["command"] = tuple(command) if command is not None else None
+        return rest
+
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return [*super().collect_usage_pieces(ctx), "[-- CMD ...]"]
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How to replay each cassette: the flags of ``deja replay``. ``many``: one of several
+    (the program's output and the reports go to stderr, the table to stdout);
+    ``wants_result``: the result is needed after the replay (for a table, a JUnit report
+    or an annotation), even of a run replayed through the proxy."""
+
+    require_signature: bool = False
+    allow_unverified: bool = False
+    run_recorded_command: bool = False
+    allow_torn: bool = False
+    allow_incomplete: bool = False
+    as_json: bool = False
+    ignore: tuple[str, ...] = ()
+    normalise: tuple[str, ...] = ()
+    cwd: Path | None = None
+    many: bool = False
+    wants_result: bool = False
+
+    @property
+    def quiet_stdout(self) -> bool:
+        """The program's own output goes to stderr: stdout is kept for JSON or a table."""
+        return self.as_json or self.many
+
+
+def run(words: Sequence[str], command: Sequence[str] | None, opts: ReplayOptions, *,
+        junit: Path | None = None, junit_cases: str = "cassettes") -> NoReturn:
+    """Replay the cassettes ``words`` name, each with ``command`` (or its recorded one),
+    and exit: one cassette with its own status (0 passed, 1 diverged, 2 bad cassette);
+    many with 2 when one could not be judged, else 1 when one diverged, else 0."""
+    replay_policy(opts.ignore, opts.normalise)  # a bad pointer or pattern: before anything runs
+    words, command = _split(words, command)
+    cassettes, many = _expand(words)
+    opts = replace(opts, many=many, wants_result=many or junit is not None or _on_github())
+    if many:
+        sys.exit(_many(cassettes, command, opts, junit, junit_cases))
+    outcome, failed = _attempt(cassettes[0], command, opts)
+    if outcome.result is not None:  # one cassette: its report on stdout, as always
+        click.echo(json.dumps(outcome.result, indent=2) if opts.as_json else
+                   render(outcome.result, outcome.code))
+    _annotate(outcome, opts)
+    _write_junit(junit, [outcome], junit_cases)
+    if failed is not None:
+        raise failed
+    sys.exit(outcome.status)
+
+
+def _split(words: Sequence[str],
+           command: Sequence[str] | None) -> tuple[list[str], tuple[str, ...]]:
+    """The cassettes and the command. Without ``--``, words that are not all cassettes
+    (``deja replay C.jsonl python agent.py``) are one cassette and its command."""
+    if command is None and len(words) > 1 and not all(
+            Path(word).is_dir() or word.endswith(".jsonl") for word in words):
+        return [words[0]], tuple(words[1:])
+    return list(words), tuple(command or ())
+
+
+def _expand(words: Sequence[str]) -> tuple[list[Path], bool]:
+    """The cassette files (a directory's ``*.jsonl``, sorted; each file once) and whether
+    there are many (more than one word, or a directory)."""
+    found: list[Path] = []
+    for word in words:
+        path = Path(word)
+        if path.is_dir():
+            inside = sorted(path.glob("*.jsonl"))
+            if not inside:
+                raise BadInput(f"{word} holds no cassettes (no *.jsonl files)")
+            found.extend(inside)
+        else:
+            found.append(path)
+    first: dict[Path, Path] = {}
+    for path in found:
+        first.setdefault(path.resolve(), path)
+    cassettes = list(first.values())
+    return cassettes, len(words) > 1 or any(Path(word).is_dir() for word in words)
+
+
+def _attempt(cassette: Path, command: tuple[str, ...],
+             opts: ReplayOptions) -> tuple[Outcome, click.ClickException | None]:
+    """Replay one cassette, timed; what kept it from being judged is its outcome's error
+    (and handed back, for one cassette to exit with as it always did)."""
+    started = time.monotonic()
+    try:
+        outcome, failed = replay_one(cassette, command, opts), None
+    except click.ClickException as exc:
+        outcome = Outcome(str(cassette), error=exc.format_message(),
+                          run=_header_run(cassette))
+        failed = exc
+    return replace(outcome, seconds=round(time.monotonic() - started, 3)), failed
+
+
+def _many(cassettes: list[Path], command: tuple[str, ...], opts: ReplayOptions,
+          junit: Path | None, junit_cases: str) -> int:
+    """Replay each cassette in turn, its report on stderr as it finishes, then the table
+    (or the JSON document); the status to exit with."""
+    outcomes = []
+    for n, cassette in enumerate(cassettes, start=1):
+        click.echo(f"deja: replaying {cassette} ({n}/{len(cassettes)})", err=True)
+        outcome, failed = _attempt(cassette, command, opts)
+        if failed is not None:
+            failed.show()
+        else:
+            click.echo(outcome.report(), err=True)
+        _annotate(outcome, opts)
+        outcomes.append(outcome)
+    _write_junit(junit, outcomes, junit_cases)
+    done = summary(outcomes)
+    rows = done.pop("rows")
+    if opts.as_json:
+        click.echo(json.dumps({"results": [_json_of(o) for o in outcomes], "summary": done},
+                              indent=2))
+    else:
+        _print_table(rows, TABLE, title=f"deja replay: {len(outcomes)} cassettes")
+        click.echo(_totals(done))
+    return int(done["exit_status"])
+
+
+def _json_of(outcome: Outcome) -> dict[str, Any]:
+    return {"cassette": outcome.cassette, "run": outcome.run_id, "verdict": outcome.verdict,
+            "exit_status": outcome.exit_status, "seconds": outcome.seconds,
+            "error": outcome.error, "result": outcome.result}
+
+
+def _totals(done: dict[str, Any]) -> str:
+    return (f"total: {done['cassettes']} cassettes, {done['passed']} passed "
+            f"({done['identical']} identical, {done['equivalent']} equivalent), "
+            f"{done['diverged']} diverged, {done['error']} not judged, in "
+            f"{done['seconds']:.2f}s; exit status {done['exit_status']}")
+
+
+def _on_github() -> bool:
+    return os.environ.get("GITHUB_ACTIONS") == "true"
+
+
+def _annotate(outcome: Outcome, opts: ReplayOptions) -> None:
+    """On GitHub Actions, the outcome's workflow command (an error or a notice): on stdout,
+    or with --json on stderr, which GitHub reads them from too."""
+    if _on_github():
+        line = annotation(outcome)
+        if line is not None:
+            click.echo(line, err=opts.as_json)
+
+
+def _write_junit(junit: Path | None, outcomes: list[Outcome], cases: str) -> None:
+    if junit is None:
+        return
+    try:
+        write_junit(junit, outcomes, cases)
+    except OSError as exc:
+        raise BadInput(f"cannot write the JUnit report {junit}: {exc.strerror or exc}") from None
+
+
+# --------------------------------------------------------------------------- one cassette
+
+def replay_one(cassette: Path, command: tuple[str, ...], opts: ReplayOptions) -> Outcome:
+    """Replay one cassette with ``command`` (or the one it records) and hand back what it
+    found; a cassette that cannot be replayed raises :class:`BadInput` (exit 2)."""
+    loaded = _load(cassette, as_json=opts.as_json and not opts.many,
+                   require_signature=opts.require_signature,
+                   allow_unverified=opts.allow_unverified, allow_torn=opts.allow_torn,
+                   allow_incomplete=opts.allow_incomplete)
+    recorded = list(loaded.header.get("argv") or [])
+    if not loaded.verified and not command and not opts.run_recorded_command:
+        shown = " ".join(recorded) or "(none)"
+        raise BadInput(
+            f"{cassette}: {loaded.verify_note}. deja does not run the command an unverified "
+            f"header names ({shown}), since anyone could have written it there. Give the "
+            f"command yourself: deja replay {cassette} --allow-unverified -- CMD ..., or "
+            "pass --run-recorded-command if you have read it and trust it")
+    _warn_unverified(loaded)
+    argv = list(command) or recorded
+    if not argv:
+        raise _no_command(cassette, loaded.header, "replay")
+    cwd = _where_to_run(cassette, loaded.header, argv, given=bool(command), cwd=opts.cwd)
+    project = _project_match(cwd or Path.cwd())  # checked before the program runs
+    if isinstance(loaded.header.get("proxy"), dict):  # an agent in any language
+        click.secho(PROXY_TOOLS_WARNING, err=True, fg="yellow")
+        return _through_proxy(cassette, loaded.verified, argv, cwd, project, opts)
+    return _in_process(cassette, loaded.verified, argv, cwd, opts)
+
+
+def _project_match(cwd: Path) -> ReplayPolicy:
+    """The ``[tool.deja.match]`` of the project the program runs in (what it adds to a
+    replay's policy), checked before the program runs."""
+    from recorder.errors import ConfigError
+    from replayer.policy import ReplayPolicy
+
+    try:
+        return ReplayPolicy.configured(start=cwd)
+    except ConfigError as exc:
+        raise BadInput(str(exc)) from None
+
+
+def _in_process(cassette: Path, verified: bool, argv: list[str], cwd: Path | None,
+                opts: ReplayOptions) -> Outcome:
+    """Run a Python program under the bootstrap, replaying the cassette in its process."""
+    from deja import launcher
+    from deja.boot import child_env
+
+    with tempfile.TemporaryDirectory(prefix="deja-replay-") as tmp:
+        report = Path(tmp) / "report.json"
+        env = child_env("replay", cassette=str(cassette.resolve()), report=str(report),
+                        allow_torn=opts.allow_torn, allow_incomplete=opts.allow_incomplete,
+                        require_signature=opts.require_signature,
+                        allow_unverified=not verified, ignore=opts.ignore,
+                        normalise=opts.normalise)
+        try:
+            ended = launcher.run(_python_argv(argv), env=env, cwd=cwd,
+                                 stdout=sys.stderr.fileno() if opts.quiet_stdout else None)
+        except OSError as exc:
+            raise BadInput(f"cannot run {argv[0]!r}: {exc.strerror or exc}") from None
+        if ended.received is not None:  # stopped by the user: no further cassette either
+            click.echo(f"deja: replay stopped by signal {ended.received}", err=True)
+            sys.exit(ended.status)
+        if not report.exists():
+            raise BadInput(f"the program exited with status {ended.status} before the replay "
+                           "could report (see the message above)")
+        result = json.loads(report.read_text())
+    return Outcome(str(cassette), result=result, code=ended.status,
+                   status=0 if result["identical"] else EXIT_DIVERGED)
+
+
+def _through_proxy(cassette: Path, verified: bool, argv: list[str], cwd: Path | None,
+                   project: ReplayPolicy, opts: ReplayOptions) -> Outcome:
+    """Run the program against ``deja proxy --replay`` (an agent in any language)."""
+    policy = [*(f"--ignore={p}" for p in (*opts.ignore, *project.ignore)),
+              *(f"--normalise={n}" for n in opts.normalise),
+              *(f"--normalise={p}={r}" for p, r in project.normalise)]
+    args = ["--replay", str(cassette.resolve()), *policy,
+            *([] if verified else ["--allow-unverified"])]
+    if not opts.wants_result:  # one cassette and nothing to write of it: the proxy reports
+        return Outcome(str(cassette), status=cli_proxy.through_proxy(args, argv, cwd))
+    with tempfile.TemporaryDirectory(prefix="deja-replay-") as tmp:
+        report = Path(tmp) / "report.json"
+        # through_proxy gives the proxy a --report-file of its own, before these arguments,
+        # and prints the report it finds there; click keeps an option's last value, so the
+        # proxy writes this one instead, and the report is printed with the others.
+        with _stdout_to_stderr(opts.quiet_stdout):
+            status = cli_proxy.through_proxy([*args, "--report-file", str(report)], argv, cwd)
+        if not report.is_file():
+            raise BadInput(f"the replay through deja proxy ended with status {status} before "
+                           "it could report (see the message above)")
+        result = json.loads(report.read_text())
+    # through_proxy hands back the proxy's status when it failed (1: diverged), else the
+    # program's: the program's is known when the replay passed.
+    return Outcome(str(cassette), result=result,
+                   code=status if result["identical"] else None, status=status)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    """While ``active``, what is written to file descriptor 1 (by a program started now,
+    which inherits it) goes to stderr, so that stdout holds only JSON or the table."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
