@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import click
 
 from deja import (
+    cli_drift,
     cli_export,
     cli_import,
     cli_inspect,
@@ -375,7 +376,7 @@ for command in (record, replay, cli_inspect.verify, cli_inspect.repair, cli_insp
                 cli_runs.status, cli_runs.cancel, cli_stub.stub, cli_proxy.proxy,
                 cli_export.export, cli_import.import_, cli_serve.worker, cli_serve.serve,
                 cli_serve.submit, cli_serve.runs_, cli_serve.answer, cli_serve.schedule,
-                cli_serve.check, cli_wait.wait):
+                cli_serve.check, cli_wait.wait, cli_drift.drift):
     main.add_command(command)
 
 
