@@ -7,6 +7,10 @@ Here they become a :class:`Plan` (replay, or which recording) and a :class:`Reco
 A recording that may replace a cassette is written beside it (``.<name>.<pid>.new.jsonl``)
 and renamed over it in one step (``os.replace``) once the test passed: the cassette is
 never half-written, and a failing test leaves it as it was.
+
+A dry run (``--deja-dry-run``, with ``all`` or ``rewrite``) records each test live into a
+temporary file that is never kept, and compares it with the cassette
+(:mod:`replayer.drift`): has the provider drifted? The cassette is not written.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +34,7 @@ from recorder.launch import new_run_id, portable_launch
 from recorder.record import RecordSession
 
 if TYPE_CHECKING:
+    from replayer.drift import DriftReport
     from replayer.policy import ReplayPolicy
     from replayer.replay import ReplaySession
 
@@ -37,6 +44,8 @@ CONFIG_KEYS = ("record_mode", "allow_unverified", "ignore", "normalise", "allowe
 MARKER_KEYS = ("cassette", "record", *CONFIG_KEYS)
 #: The older flags, each one mode.
 ALIASES = {"deja_record": ("--deja-record", "once"), "deja_rerecord": ("--deja-rerecord", "all")}
+#: The modes a dry run goes with: those that record every cassette anew.
+DRY_RUN_MODES = ("all", "rewrite")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +142,21 @@ def run_mode(config: pytest.Config) -> tuple[str, str] | None:
     return None
 
 
+def dry_run(config: pytest.Config) -> bool:
+    """Whether this is a dry run (``--deja-dry-run``); a usage error unless the run's mode
+    (the flag, or ``DEJA_RECORD_MODE``) records anew: ``all`` or ``rewrite``."""
+    if not config.getoption("deja_dry_run", False):
+        return False
+    given = run_mode(config)
+    if given is None or given[0] not in DRY_RUN_MODES:
+        said = f"{given[1]} asks for {given[0]}" if given else "no record mode was given"
+        raise pytest.UsageError(
+            "deja: --deja-dry-run runs the marked tests live into temporary files and "
+            "compares each with its cassette, which it never writes: it goes with "
+            f"--deja-record-mode=all or rewrite (or --deja-rerecord); {said}")
+    return True
+
+
 def mode_of(config: pytest.Config, settings: Settings) -> tuple[str, str]:
     """A test's mode and why, for messages: the run's (the flag, then
     ``DEJA_RECORD_MODE``), else ``none`` on CI, else the test's ``record_mode`` (its
@@ -156,12 +180,16 @@ class Plan(enum.Enum):
     ANEW = "anew"  # recorded beside the cassette; replaces it if the test passes (all)
     REWRITE = "rewrite"  # the old file deleted, then recorded at its path
     GROW = "grow"  # replayed, then live from the first call it does not hold
+    DRY = "dry"  # recorded into a temporary file, compared with the cassette, not kept
 
 
-def plan_for(mode: str, exists: bool, recordable: bool) -> Plan:
-    """What a test in ``mode`` does with a cassette that ``exists`` or not."""
+def plan_for(mode: str, exists: bool, recordable: bool, dry: bool = False) -> Plan:
+    """What a test in ``mode`` does with a cassette that ``exists`` or not (``dry``: in a
+    dry run)."""
     if not recordable or mode == "none" or (exists and mode == "once"):
         return Plan.REPLAY
+    if dry:
+        return Plan.DRY
     if not exists:
         return Plan.RECORD
     return {"new_episodes": Plan.GROW, "all": Plan.ANEW, "rewrite": Plan.REWRITE}[mode]
@@ -184,9 +212,12 @@ class Recording:
     """
 
     def __init__(self, session: RecordSession, target: Path, plan: Plan,
-                 temp: Path | None = None, source: ReplaySession | None = None) -> None:
+                 temp: Path | None = None, source: ReplaySession | None = None,
+                 allow_unverified: bool = False) -> None:
         self.session, self.target, self.plan = session, target, plan
         self.temp, self.source = temp, source
+        self.allow_unverified = allow_unverified
+        self.drift: DriftReport | None = None  # a dry run's comparison, once finished
 
     def _changed(self) -> bool:
         """Whether the run differs from the cassette: it left the log, or left some of
@@ -197,6 +228,8 @@ class Recording:
         """End the recording with the test's ``error`` (``ran``: the test's call ran to
         its end); what happened to the cassette, for the session's summary (None: it
         was left as it was, holding exactly what the test asked for)."""
+        if self.plan is Plan.DRY:
+            return self._compared(error)
         try:
             self.session.close(error=error)
         finally:
@@ -207,6 +240,27 @@ class Recording:
                 else:
                     self.temp.unlink(missing_ok=True)
         return self._note(keep, error is None and ran)
+
+    def _compared(self, error: BaseException | None) -> str:
+        """End a dry run: compare its live recording with the cassette (:attr:`drift`),
+        then remove it. What was found, in a few words."""
+        from recorder.errors import DejaError
+        from replayer.drift import drift
+
+        assert self.temp is not None
+        try:
+            self.session.close(error=error)
+            if not self.target.exists():
+                return "no cassette to compare with (the live run was not kept)"
+            self.drift = dataclasses.replace(
+                drift(self.target, self.temp,
+                      allow_unverified=True if self.allow_unverified else None),
+                live_kept=False)
+            return self.drift.summary()
+        except DejaError as exc:
+            return f"not compared: {type(exc).__name__}: {exc}"
+        finally:
+            shutil.rmtree(self.temp.parent, ignore_errors=True)
 
     def _note(self, kept: bool, passed: bool) -> str | None:
         if self.plan is Plan.RECORD:
@@ -225,9 +279,20 @@ class Recording:
         return f"grew: {used} of its {total} steps replayed, {how}"
 
 
-def start_recording(plan: Plan, cassette: Path, argv: list[str],
-                    policy: ReplayPolicy) -> Recording:
-    """Start the recording ``plan`` says for ``cassette`` (``argv``: the test's command)."""
+def start_recording(plan: Plan, cassette: Path, argv: list[str], policy: ReplayPolicy,
+                    allow_unverified: bool = False) -> Recording:
+    """Start the recording ``plan`` says for ``cassette`` (``argv``: the test's command;
+    ``allow_unverified``: a dry run compares with a cassette this machine cannot verify)."""
+    if plan is Plan.DRY:  # nothing is written where the cassette is
+        temp = Path(tempfile.mkdtemp(prefix="deja-dry-run-")) / cassette.name
+        where = portable_launch(argv, Path.cwd(), cassette)["cassette"]
+        try:
+            session = RecordSession(temp, argv=argv, overwrite=True,
+                                    header={"cassette": where}).start()
+        except BaseException:
+            shutil.rmtree(temp.parent, ignore_errors=True)
+            raise
+        return Recording(session, cassette, plan, temp=temp, allow_unverified=allow_unverified)
     cassette.parent.mkdir(parents=True, exist_ok=True)
     if plan is Plan.GROW:
         return _grow(cassette, argv, policy)

@@ -69,10 +69,20 @@ the grown cassette anew, so it refuses an unverified one.
 
 The replay starts once the test's own fixtures are set up, so a fixture may set the
 environment it needs (``DEJA_OLD_KEYS``, a base URL) with ``monkeypatch``.
+
+**A dry run** (``--deja-dry-run``, also ``--dry-run`` when no other plugin or initial
+conftest has taken that name) goes with ``--deja-record-mode=all`` or ``rewrite``: each
+marked test runs live and records into a temporary file, which is compared with its
+cassette (:mod:`replayer.drift`: same, equivalent, or changed and which fields) and then
+removed; no cassette is written. The session ends with a ``deja drift`` section, one line
+per test, and each test's report carries the whole comparison. A changed answer does not
+fail a test by itself: the test passes or fails by its own assertions, as it would live.
+A cassette marked ``record=False`` replays as always.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,6 +123,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--deja-allow-unverified", action="store_true", default=False,
                     help="Replay cassettes signed with a key this machine does not have "
                          "(unchecked; each is listed as NOT VERIFIED at the end).")
+    group.addoption("--deja-dry-run", action="store_true", default=False,
+                    dest="deja_dry_run", help=_DRY_RUN_HELP)
+
+
+_DRY_RUN_HELP = (
+    "With --deja-record-mode=all or rewrite: run the marked tests live into temporary "
+    "files and report, per cassette, whether the provider still answers the same (same, "
+    "equivalent or changed, and which fields) in a 'deja drift' section; no cassette is "
+    "written, and a changed answer fails a test only through its own assertions.")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_load_initial_conftests(parser: pytest.Parser) -> Iterator[None]:
+    """``--dry-run`` as a short name of ``--deja-dry-run``, added once every plugin and
+    the initial conftests have added their options, and only if none took the name."""
+    result = yield
+    try:
+        parser.getgroup("deja").addoption("--dry-run", action="store_true", default=False,
+                                          dest="deja_dry_run",
+                                          help="The same as --deja-dry-run.")
+    except (ValueError, argparse.ArgumentError):
+        pass  # another plugin's --dry-run: only --deja-dry-run is deja's
+    return result
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -124,8 +157,10 @@ def pytest_configure(config: pytest.Config) -> None:
                    "record=False: never recorded by any mode; defaults from the "
                    "deja_config fixture")
     _modes.run_mode(config)  # conflicting flags, or a bad DEJA_RECORD_MODE: said now
+    config.stash[_DRY] = _modes.dry_run(config)  # without all or rewrite: said now
     config.stash[_UNVERIFIED] = []
     config.stash[_WRITTEN] = []
+    config.stash[_DRIFTS] = []
     # A session started from outside (deja replay/fork/resume of a recorded test): the
     # tests run in it.
     config.stash[_OUTER] = _session.active()
@@ -141,6 +176,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    _drift_summary(terminalreporter, config)
     written = config.stash.get(_WRITTEN, [])
     if written:
         terminalreporter.section("deja: cassettes written", bold=True)
@@ -155,6 +191,22 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     terminalreporter.line("Their signatures were not checked: these tests prove nothing about "
                           "what was recorded. Give this machine the signing key (DEJA_KEY or "
                           "DEJA_OLD_KEYS) to check them.", yellow=True)
+
+
+def _drift_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    """A dry run's ``deja drift`` section: each test's cassette and what was found."""
+    if not config.stash.get(_DRY, False):
+        return
+    drifts = config.stash.get(_DRIFTS, [])
+    changed = sum(1 for _, _, verdict in drifts if verdict == "changed")
+    terminalreporter.section("deja drift", bold=True, red=bool(changed))
+    for nodeid, note, verdict in drifts:
+        terminalreporter.line(f"{nodeid}: {note}", red=verdict == "changed")
+    counts = {v: sum(1 for _, _, x in drifts if x == v) for v in ("same", "equivalent")}
+    terminalreporter.line(
+        f"dry run: no cassette was written; {changed} changed, {counts['equivalent']} "
+        f"equivalent, {counts['same']} same. A changed answer fails a test only through "
+        "its own assertions.")
 
 
 def _policy(nodeid: str, settings: _modes.Settings, root: Path) -> ReplayPolicy:
@@ -180,7 +232,8 @@ def _plan(request: pytest.FixtureRequest, settings: _modes.Settings) -> _modes.P
     __tracebackhide__ = True
     cassette, shown = settings.cassette, settings.shown
     mode, why = _modes.mode_of(request.config, settings)
-    plan = _modes.plan_for(mode, cassette.exists(), settings.record)
+    plan = _modes.plan_for(mode, cassette.exists(), settings.record,
+                           request.config.stash.get(_DRY, False))
     if plan is not _modes.Plan.REPLAY or cassette.exists():
         return plan
     if not settings.record:
@@ -210,6 +263,8 @@ _UNVERIFIED = pytest.StashKey[list[tuple[str, str]]]()
 _WRITTEN = pytest.StashKey[list[tuple[str, str]]]()
 _OUTER = pytest.StashKey[object]()
 _REPORTED = pytest.StashKey[bool]()
+_DRY = pytest.StashKey[bool]()
+_DRIFTS = pytest.StashKey[list[tuple[str, str, str | None]]]()
 
 
 @pytest.fixture(scope="module")
@@ -233,8 +288,10 @@ def _deja_marked(request: pytest.FixtureRequest, deja_config: Any) -> Iterator[N
     if plan is _modes.Plan.REPLAY:
         yield from _replayed(request, settings)
         return
+    allowed = settings.allow_unverified or request.config.getoption("deja_allow_unverified")
     recording = _modes.start_recording(plan, settings.cassette, command_for(request.node),
-                                       _policy(nodeid, settings, request.config.rootpath))
+                                       _policy(nodeid, settings, request.config.rootpath),
+                                       allow_unverified=bool(allowed))
     request.node.stash[_RECORDING] = recording
     try:
         yield
@@ -245,14 +302,23 @@ def _deja_marked(request: pytest.FixtureRequest, deja_config: Any) -> Iterator[N
 
 
 def _written(item: pytest.Item, recording: _modes.Recording, note: str | None) -> None:
-    """Note for the session's summary what became of the test's cassette."""
+    """Note for the session's summary what became of the test's cassette (in a dry run,
+    what its comparison found: the test's report carries the whole of it)."""
     if note is None:
         return
     shown = recording.target
     root = Path(item.config.rootpath)
     if shown.is_relative_to(root):
         shown = shown.relative_to(root)
-    item.config.stash.setdefault(_WRITTEN, []).append((item.nodeid, f"{shown}: {note}"))
+    if recording.plan is not _modes.Plan.DRY:
+        item.config.stash.setdefault(_WRITTEN, []).append((item.nodeid, f"{shown}: {note}"))
+        return
+    found = recording.drift
+    verdict = found.verdict if found is not None else None
+    item.config.stash.setdefault(_DRIFTS, []).append((item.nodeid, f"{shown}: {note}", verdict))
+    item.user_properties.append(("deja_drift", verdict or note))
+    item.add_report_section("call", "deja drift",
+                            found.render() if found is not None else f"{shown}: {note}")
 
 
 def _replayed(request: pytest.FixtureRequest, settings: _modes.Settings) -> Iterator[None]:
