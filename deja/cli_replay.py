@@ -174,7 +174,6 @@ def _many(cassettes: list[Path], command: tuple[str, ...], opts: ReplayOptions,
             click.echo(outcome.report(), err=True)
         _annotate(outcome, opts)
         outcomes.append(outcome)
-    _write_junit(junit, outcomes, junit_cases)
     done = summary(outcomes)
     rows = done.pop("rows")
     if opts.as_json:
@@ -183,6 +182,7 @@ def _many(cassettes: list[Path], command: tuple[str, ...], opts: ReplayOptions,
     else:
         _print_table(rows, TABLE, title=f"deja replay: {len(outcomes)} cassettes")
         click.echo(_totals(done))
+    _write_junit(junit, outcomes, junit_cases)
     return int(done["exit_status"])
 
 
