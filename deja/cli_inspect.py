@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NoReturn
 
 import click
 
@@ -211,35 +212,63 @@ def ls_(directory: Path, as_json: bool, allow_unverified: bool) -> None:
 
 
 @click.command()
-@click.argument("cassette_a", type=click.Path(path_type=Path, dir_okay=False))
-@click.argument("cassette_b", type=click.Path(path_type=Path, dir_okay=False))
-@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
+@click.argument("cassettes", nargs=-1, required=True,
+                type=click.Path(path_type=Path, dir_okay=False), metavar="A B [C ...]")
+@click.option("--json", "as_json", is_flag=True,
+              help='Print the comparison as JSON (for three runs or more: {"runs", "rows": '
+                   '[{"cells", "same", "changed"}], "first_divergence", "same"}).')
 @_allow_unverified_option
-def diff(cassette_a: Path, cassette_b: Path, as_json: bool, allow_unverified: bool) -> None:
-    """Compare two runs step by step. Exit 0 same, 1 different, 2 bad cassette.
+def diff(cassettes: tuple[Path, ...], as_json: bool, allow_unverified: bool) -> None:
+    """Compare runs step by step. Exit 0 same, 1 different, 2 bad cassette.
 
-    Collapses the identical prefix, names the first divergent step and lists the changed
-    fields of every differing step (request, response, tool args and result, tokens, cost).
-    Both signatures are checked first (--allow-unverified to compare a cassette signed
-    with a key this machine does not have; it is then marked NOT VERIFIED).
+    The runs are aligned by what their steps mean (the longest common subsequence of
+    their steps), so a step one run has and another has not leaves the rest aligned. Two
+    runs: collapses the identical prefix, names the first divergent step and lists the
+    changed fields of every differing step (request, response, tool args and result,
+    tokens, cost). Three runs or more: a column per run and a row per aligned step, each
+    run compared with the first (A), its first divergence from A marked. Every signature
+    is checked first (--allow-unverified to compare a cassette signed with a key this
+    machine does not have; it is then marked NOT VERIFIED).
     """
     from replayer.diff import compare, render
 
-    a, b = (_load(c, allow_torn=True, allow_incomplete=True,
-                  allow_unverified=allow_unverified, as_json=as_json)
-            for c in (cassette_a, cassette_b))
-    for c in (a, b):
+    if len(cassettes) < 2:
+        raise BadInput("deja diff compares two runs or more: give at least two cassettes")
+    loaded = [_load(c, allow_torn=True, allow_incomplete=True,
+                    allow_unverified=allow_unverified, as_json=as_json) for c in cassettes]
+    for c in loaded:
         _warn_unverified(c)
-    result = compare(a, b)
+    if len(loaded) > 2:
+        _diff_many(loaded, as_json)
+    result = compare(loaded[0], loaded[1], align="meaning")
     if as_json:
         out = result.to_dict()
-        out["signatures"] = {"a": a.verify_note, "b": b.verify_note}
+        out["signatures"] = {"a": loaded[0].verify_note, "b": loaded[1].verify_note}
         click.echo(json.dumps(out, indent=2, default=str))
     else:
-        for label, c in (("a", a), ("b", b)):
+        for label, c in zip(("a", "b"), loaded, strict=True):
             if not c.verified:
                 click.secho(f"{label}: {c.path}: {c.verify_note}", fg="yellow", bold=True)
         click.echo(render(result))
+    sys.exit(0 if result.same else EXIT_DIVERGED)
+
+
+def _diff_many(loaded: list[Any], as_json: bool) -> NoReturn:
+    """``deja diff`` of three runs or more: a column per run (see
+    :mod:`replayer.diff_many`); exits 0 when every run means the same as the first."""
+    from replayer.diff_many import TAGS, compare_many, dumps
+
+    if len(loaded) > len(TAGS):
+        raise BadInput(f"deja diff compares up to {len(TAGS)} runs, not {len(loaded)}")
+    result = compare_many(loaded)
+    if as_json:
+        click.echo(dumps(result, signatures={tag: c.verify_note
+                                             for tag, c in zip(TAGS, loaded, strict=False)}))
+    else:
+        for tag, c in zip(TAGS, loaded, strict=False):
+            if not c.verified:
+                click.secho(f"{tag}: {c.path}: {c.verify_note}", fg="yellow", bold=True)
+        click.echo(result.render())
     sys.exit(0 if result.same else EXIT_DIVERGED)
 
 

@@ -1,15 +1,22 @@
 """Compare two runs step by step: where they part, and how each changed step differs.
 
 Steps are those of :mod:`recorder.cassette.rows` and are named by their ``seq``; the headline
-counts are step counts (the end line is compared too, but is no step). The two runs are
-aligned step by step with the bookkeeping control lines (``fork_edit``, ``resumed``) left
-out, since a fork or a resumed run has them where the other run has none: after a fork
-step, a fork's seqs run one ahead of its parent's, and a changed step is named by both
-(``step 3 (A's 2)``). Each step is reduced to what it means (request, response
-message, tool args and result, tokens, cost), leaving out what differs between any two
-runs (message and request ids, timestamps, latencies, signatures), so two recordings of
-the same behaviour compare equal. Changed fields are listed as JSON-pointer paths with the
-value on each side.
+counts are step counts (the end line is compared too, but is no step). The bookkeeping
+control lines (``fork_edit``, ``resumed``) are left out, since a fork or a resumed run has
+them where the other run has none: after a fork step, a fork's seqs run one ahead of its
+parent's, and a changed step is named by both (``step 3 (A's 2)``). Each step is reduced
+to what it means (request, response message, tool args and result, tokens, cost), leaving
+out what differs between any two runs (message and request ids, timestamps, latencies,
+signatures), so two recordings of the same behaviour compare equal. Changed fields are
+listed as JSON-pointer paths with the value on each side.
+
+The two runs are aligned position by position (:func:`compare`'s default, which
+:mod:`replayer.drift` reads step by step), or by what their steps mean
+(``align="meaning"``, as ``deja diff`` and the viewer do; :func:`alignment`): the longest
+common subsequence of the steps' meanings, then of their kind, name and arguments, then of
+their kind and name, and what none matches paired in place. So a step only one run has
+is a step "only in" it, and the steps after it stay aligned. :mod:`replayer.diff_many`
+compares more than two runs the same way.
 
 A model step is read as a conversation by its provider
 (:meth:`recorder.providers.Provider.conversation`): every provider's request is compared
@@ -25,7 +32,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -35,7 +42,7 @@ from recorder import providers
 from recorder.canonical import decode_body
 from recorder.capture.exchange import pretty
 from recorder.cassette import Cassette
-from recorder.cassette.rows import step_count
+from recorder.cassette.rows import step_count, step_name
 from recorder.cassette.schema import Kind, Line, is_bookkeeping
 from recorder.providers import conversation
 from recorder.providers.conversation import BlockKind
@@ -242,37 +249,148 @@ def _message_labels(changes: tuple[FieldChange, ...], *sides: Any) -> dict[str, 
     return out
 
 
-def compare(a: Cassette, b: Cassette) -> RunDiff:
-    steps_a, steps_b = aligned(a), aligned(b)
+@dataclass(frozen=True)
+class Prepared:
+    """A run made ready to compare: its aligned lines (:func:`aligned`), what each means
+    (:func:`meaning`, tool-use ids numbered in the order the run first uses them) and the
+    keys it is aligned by, finest first (:func:`step_keys`)."""
+
+    cassette: Cassette
+    steps: list[Line]
+    meanings: list[dict[str, Any]]
+    keys: tuple[list[Hashable], ...]
+
+
+def prepare(c: Cassette) -> Prepared:
+    steps = aligned(c)
+    ids: dict[str, str] = {}
+    meanings = [conversation.stable_ids(meaning(c, obs), ids) for obs in steps]
+    keys = tuple(list(level) for level in zip(*(step_keys(obs, m) for obs, m in
+                                                zip(steps, meanings, strict=True)),
+                                              strict=True)) if steps else ([], [], [])
+    return Prepared(c, steps, meanings, keys)
+
+
+def step_keys(obs: Mapping[str, Any], meant: Mapping[str, Any]) -> tuple[Hashable, ...]:
+    """What makes two steps "the same step" when runs are aligned, finest first: all it
+    means; its kind, name and arguments (a tool's args, an HTTP call's method and URL); its
+    kind and name (a tool's name, a model call's model, a control line's event)."""
+    kind, name = str(obs.get("kind")), step_name(obs)
+    if kind == Kind.END:  # compared where the steps end, never matched by itself
+        return (Kind.END,) * 3
+    args = meant.get("args") if kind != Kind.HTTP else (meant.get("method"), meant.get("url"))
+    return (json.dumps(meant, sort_keys=True, default=str),
+            (kind, name, json.dumps(args, sort_keys=True, default=str)), (kind, name))
+
+
+Pair = tuple[int | None, int | None]
+"""Two aligned lines by their index in each run's :func:`aligned` list (None: none)."""
+
+MAX_ALIGNED = 4_000_000  # steps x steps of a stretch aligned by key; past it, by position
+
+
+def align_keys(a: Sequence[Sequence[Hashable]], b: Sequence[Sequence[Hashable]]) -> list[Pair]:
+    """Two sequences aligned by their keys (``a[level][i]``), finest level first: the
+    longest matching blocks of the finest keys are matched (:class:`difflib.SequenceMatcher`,
+    a longest common subsequence in all but pathological cases), each stretch between
+    matches is aligned by the next level's keys, and what no level matches is paired
+    position by position (a step changed in place lines up with the step it replaced; the
+    longer side's rest stands alone). A stretch too long to align by key
+    (:data:`MAX_ALIGNED`) is paired by position."""
+    return _align(a, b, 0, (0, len(a[0]) if a else 0), (0, len(b[0]) if b else 0))
+
+
+def _align(a: Sequence[Sequence[Hashable]], b: Sequence[Sequence[Hashable]], level: int,
+           span_a: tuple[int, int], span_b: tuple[int, int]) -> list[Pair]:
+    (lo_a, hi_a), (lo_b, hi_b) = span_a, span_b
+    out: list[Pair] = []
+    while level < len(a) and lo_a < hi_a and lo_b < hi_b \
+            and a[level][lo_a] == b[level][lo_b]:  # the same start: matched, quickly
+        out.append((lo_a, lo_b))
+        lo_a, lo_b = lo_a + 1, lo_b + 1
+    if level == len(a) or (hi_a - lo_a) * (hi_b - lo_b) > MAX_ALIGNED:
+        return out + [(lo_a + k if lo_a + k < hi_a else None,
+                       lo_b + k if lo_b + k < hi_b else None)
+                      for k in range(max(hi_a - lo_a, hi_b - lo_b))]
+    matcher = difflib.SequenceMatcher(None, a[level][lo_a:hi_a], b[level][lo_b:hi_b],
+                                      autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            out += [(lo_a + i1 + k, lo_b + j1 + k) for k in range(i2 - i1)]
+        else:
+            out += _align(a, b, level + 1, (lo_a + i1, lo_a + i2), (lo_b + j1, lo_b + j2))
+    return out
+
+
+def alignment(a: Prepared, b: Prepared) -> list[Pair]:
+    """Run ``b`` aligned with run ``a`` by what their steps mean (:func:`align_keys`), so
+    that a step one run has and the other has not leaves the steps after it aligned. The
+    end lines are never matched as such: each is compared where its run's steps end (a
+    run that stopped early shows its end line where the other went on)."""
+    ends = [(Kind.END, side) for side in ("a", "b")]
+    keys_a = [[*level[:-1], ends[0]] if a.cassette.end else level for level in a.keys]
+    keys_b = [[*level[:-1], ends[1]] if b.cassette.end else level for level in b.keys]
+    return align_keys(keys_a, keys_b)
+
+
+def step_diff(a: Prepared, b: Prepared, pair: Pair) -> StepDiff | None:
+    """How the lines of ``pair`` differ (None: they mean the same)."""
+    i, j = pair
+    ma = a.meanings[i] if i is not None else None
+    mb = b.meanings[j] if j is not None else None
+    if ma == mb:
+        return None
+    changes: tuple[FieldChange, ...]
+    if ma is None or mb is None:
+        changes = (FieldChange("", "missing" if mb is None else "added", ma, mb),)
+    elif ma["kind"] != mb["kind"]:
+        changes = (FieldChange("/kind", "replace", ma["kind"], mb["kind"]),)
+    else:
+        patch = jsonpatch.make_patch(ma, mb).patch
+        changes = tuple(FieldChange(op["path"], op["op"], _pointer_get(ma, op["path"]),
+                                    _pointer_get(mb, op["path"])) for op in patch)
+    seq_a = a.steps[i]["seq"] if i is not None else None
+    seq = b.steps[j]["seq"] if j is not None else seq_a
+    assert seq is not None  # a pair names a line of one run at least
+    return StepDiff(seq, (ma or {}).get("kind"), (mb or {}).get("kind"), changes, seq_a,
+                    _message_labels(changes, ma, mb))
+
+
+def run_diff(a: Prepared, b: Prepared, pairs: Sequence[Pair],
+             steps: Sequence[StepDiff | None] | None = None) -> RunDiff:
+    """The :class:`RunDiff` of two prepared runs aligned as ``pairs`` say; ``steps``: the
+    :func:`step_diff` of each pair, when it is known already."""
     diffs: list[StepDiff] = []
     first: int | None = None
     position = 0
-    ids_a: dict[str, str] = {}
-    ids_b: dict[str, str] = {}
-    for i in range(max(len(steps_a), len(steps_b))):
-        ma = conversation.stable_ids(meaning(a, steps_a[i]), ids_a) if i < len(steps_a) else None
-        mb = conversation.stable_ids(meaning(b, steps_b[i]), ids_b) if i < len(steps_b) else None
-        if ma == mb:
+    for row, pair in enumerate(pairs):
+        step = step_diff(a, b, pair) if steps is None else steps[row]
+        if step is None:
             continue
-        changes: tuple[FieldChange, ...]
-        if ma is None or mb is None:
-            changes = (FieldChange("", "missing" if mb is None else "added", ma, mb),)
-        elif ma["kind"] != mb["kind"]:
-            changes = (FieldChange("/kind", "replace", ma["kind"], mb["kind"]),)
-        else:
-            patch = jsonpatch.make_patch(ma, mb).patch
-            changes = tuple(FieldChange(op["path"], op["op"], _pointer_get(ma, op["path"]),
-                                        _pointer_get(mb, op["path"])) for op in patch)
-        seq = (steps_b[i] if i < len(steps_b) else steps_a[i])["seq"]
-        seq_a = steps_a[i]["seq"] if i < len(steps_a) else None
         if first is None:
-            first, position = seq, i
-        diffs.append(StepDiff(seq, (ma or {}).get("kind"), (mb or {}).get("kind"), changes,
-                              seq_a, _message_labels(changes, ma, mb)))
-    count_a, count_b = step_count(a), step_count(b)
+            first, position = step.seq, row
+        diffs.append(step)
+    count_a, count_b = step_count(a.cassette), step_count(b.cassette)
     # the steps before the first divergence, as aligned (bookkeeping lines left out)
     same_prefix = position if first is not None else min(count_a, count_b)
-    return RunDiff(a.run, b.run, count_a, count_b, same_prefix, first, tuple(diffs))
+    return RunDiff(a.cassette.run, b.cassette.run, count_a, count_b, same_prefix, first,
+                   tuple(diffs))
+
+
+def compare(a: Cassette, b: Cassette, *, align: str = "position") -> RunDiff:
+    """Run ``a`` compared with run ``b`` step by step. ``align="position"``: the n-th step
+    of one with the n-th of the other (bookkeeping lines left out); ``align="meaning"``:
+    aligned by what the steps mean (:func:`alignment`), so that one inserted step does
+    not set every step after it against another."""
+    pa, pb = prepare(a), prepare(b)
+    if align == "meaning":
+        pairs = alignment(pa, pb)
+    elif align == "position":
+        n, m = len(pa.steps), len(pb.steps)
+        pairs = [(i if i < n else None, i if i < m else None) for i in range(max(n, m))]
+    else:
+        raise ValueError(f"align must be 'position' or 'meaning', not {align!r}")
+    return run_diff(pa, pb, pairs)
 
 
 def _pair(a: Any, b: Any, width: int = 70) -> tuple[str, str]:
