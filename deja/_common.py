@@ -267,13 +267,14 @@ def tool_policy_options(func: Any) -> Any:
     (:mod:`replayer.tool_policy`)."""
     func = click.option(
         "--tool", "tool_rules", multiple=True, metavar="NAME=RULE",
-        help="What tool NAME does after the fork step: live, recorded (the recorded "
+        help="What tool NAME does in the live part (after the fork step; with --then, once "
+             "the program leaves the recording): live, recorded (the recorded "
              "answer to the same arguments, else refused), refuse, or static:JSON. NAME * "
              "is every tool without a rule of its own (but *=live never runs a side "
              "effect).")(func)
     return click.option(
         "--live-tool", "live_tools", multiple=True, metavar="NAME",
-        help="Run side-effecting tool NAME for real after the fork step. Without it a "
+        help="Run side-effecting tool NAME for real in the live part. Without it a "
              "tool declared side_effect=True never runs live: it is served its recorded "
              "answer, or refused.")(func)
 

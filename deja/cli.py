@@ -174,13 +174,24 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
               show_default=True,
               help="What a JUnit test case is: a cassette, or a recorded step (the "
                    "diverging step fails, the steps after it are skipped).")
+@click.option("--then", "then", type=click.Choice(["live", "stub"]),
+              help="Replay until the program asks for something the cassette does not "
+                   "hold, then go live (live: the program's own base URL; stub SCRIPT: a "
+                   "stub serving SCRIPT) into a new cassette, -o.")
+@click.option("--then-script", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              hidden=True)
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path),
+              help="With --then: the new cassette (a file, or a directory for <run>.jsonl; "
+                   "default: next to the recording).")
+@tool_policy_options
 @policy_options
 @_cwd_option
 def replay(cassettes: tuple[str, ...], command: tuple[str, ...] | None,
            require_signature: bool, allow_unverified: bool, run_recorded_command: bool,
            allow_torn: bool, allow_incomplete: bool, as_json: bool, junit: Path | None,
-           junit_cases: str, ignore: tuple[str, ...], normalise: tuple[str, ...],
-           cwd: Path | None) -> None:
+           junit_cases: str, then: str | None, then_script: Path | None,
+           output: Path | None, tool_rules: tuple[str, ...], live_tools: tuple[str, ...],
+           ignore: tuple[str, ...], normalise: tuple[str, ...], cwd: Path | None) -> None:
     """Replay recorded runs offline: deja replay CASSETTE|DIR... [-- CMD ...].
 
     Runs the recorded command (or CMD) with every observation served from the cassette
@@ -202,6 +213,13 @@ def replay(cassettes: tuple[str, ...], command: tuple[str, ...] | None,
     GitHub Actions (GITHUB_ACTIONS=true) a divergence or a bad cassette is also an
     ::error annotation on the cassette's line, an equivalent replay a ::notice.
 
+    --then live (or --then stub SCRIPT) tests a change against an incident: the recording
+    is served while the program asks what it asked before, and from the first call it
+    does not hold the run goes live into a new cassette whose header names the recording
+    and that step; the unchanged part costs no live call. A side-effecting tool is then
+    served its recorded answer or refused unless named with --live-tool; --tool sets any
+    tool's rule. It exits with the program's status.
+
     Exit 0 identical, 1 diverged, 2 bad cassette. Of many cassettes: 0 when every one
     passed (identical or equivalent), 1 when one diverged, 2 when one could not be
     judged (a bad, torn or refused cassette, a program that failed before the replay
@@ -211,7 +229,8 @@ def replay(cassettes: tuple[str, ...], command: tuple[str, ...] | None,
         require_signature=require_signature, allow_unverified=allow_unverified,
         run_recorded_command=run_recorded_command, allow_torn=allow_torn,
         allow_incomplete=allow_incomplete, as_json=as_json, ignore=ignore,
-        normalise=normalise, cwd=cwd), junit=junit, junit_cases=junit_cases)
+        normalise=normalise, cwd=cwd, then=then, then_script=then_script, output=output,
+        tool_rules=tool_rules, live_tools=live_tools), junit=junit, junit_cases=junit_cases)
 
 
 @click.command(cls=RunsCommand)

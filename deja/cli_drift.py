@@ -28,22 +28,16 @@ from deja._common import (
 )
 from deja._launch import _launch, _where_to_run, _writer_lock
 
-# The variables each SDK reads its base URL from, and what --base-url URL puts there:
-# the server's address, with /v1 for OpenAI's SDK (its base URL names the version).
-BASE_URL_VARIABLES = {"ANTHROPIC_BASE_URL": "", "ANTHROPIC_BEDROCK_BASE_URL": "",
-                      "OPENAI_BASE_URL": "/v1", "GOOGLE_GEMINI_BASE_URL": ""}
-
 
 def base_url_env(url: str) -> dict[str, str]:
-    """The environment that points every SDK deja records at the server ``url`` (one
-    that speaks each API at its usual paths, as ``deja stub`` does). A ``/v1`` at the end
-    of ``url`` is the OpenAI SDK's and is not given to the others."""
+    """The environment that points every SDK deja records at the server ``url``
+    (:func:`recorder.providers.base_url_env`), checked."""
+    from recorder import providers
+
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise BadInput(f"--base-url {url!r} is not an http:// or https:// address")
-    base = url.rstrip("/")
-    base = base[:-3] if base.endswith("/v1") else base
-    return {name: base + suffix for name, suffix in BASE_URL_VARIABLES.items()}
+    return providers.base_url_env(url)
 
 
 @contextlib.contextmanager

@@ -61,6 +61,7 @@ class ReplayCommand(RunsCommand):
         if "--" in args:
             at = args.index("--")
             args, command = args[:at], args[at + 1:]
+        args = _then_stub_script(args)
         rest = super().parse_args(ctx, args)
         ctx.params["command"] = tuple(command) if command is not None else None
         return rest
@@ -87,6 +88,13 @@ class ReplayOptions:
     cwd: Path | None = None
     many: bool = False
     wants_result: bool = False
+    # --then live|stub: replay until the program leaves the recording, then live (or
+    # against a stub serving then_script) into ``output``, under the tool policy
+    then: str | None = None
+    then_script: Path | None = None
+    output: Path | None = None
+    tool_rules: tuple[str, ...] = ()
+    live_tools: tuple[str, ...] = ()
 
     @property
     def quiet_stdout(self) -> bool:
@@ -102,6 +110,11 @@ def run(words: Sequence[str], command: Sequence[str] | None, opts: ReplayOptions
     replay_policy(opts.ignore, opts.normalise)  # a bad pointer or pattern: before anything runs
     words, command = _split(words, command)
     cassettes, many = _expand(words)
+    if opts.then is not None:
+        sys.exit(then_live(cassettes, command, opts, many=many))
+    if opts.output is not None or opts.tool_rules or opts.live_tools:
+        raise BadInput("-o, --tool and --live-tool go with --then live or --then stub SCRIPT: "
+                       "a replay alone writes nothing and runs no tool")
     opts = replace(opts, many=many, wants_result=many or junit is not None or _on_github())
     if many:
         sys.exit(_many(cassettes, command, opts, junit, junit_cases))
@@ -114,6 +127,16 @@ def run(words: Sequence[str], command: Sequence[str] | None, opts: ReplayOptions
     if failed is not None:
         raise failed
     sys.exit(outcome.status)
+
+
+def _then_stub_script(args: list[str]) -> list[str]:
+    """``--then stub SCRIPT`` as click takes it: ``--then stub --then-script SCRIPT``."""
+    out = list(args)
+    for n, word in enumerate(out[:-2]):
+        if word == "--then" and out[n + 1] == "stub" and not out[n + 2].startswith("-"):
+            out[n + 2:n + 2] = ["--then-script"]
+            break
+    return out
 
 
 def _split(words: Sequence[str],
@@ -334,3 +357,117 @@ def _stdout_to_stderr(active: bool) -> Iterator[None]:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
+
+
+# --------------------------------------------------------------------- replay, then live
+
+def then_live(cassettes: list[Path], command: tuple[str, ...], opts: ReplayOptions, *,
+              many: bool) -> int:
+    """``deja replay CASSETTE --then live|stub SCRIPT``: serve the recording while the
+    program asks what it asked before, then go live (:mod:`replayer.then_live`) into a
+    new cassette; the status to exit with is the program's."""
+    from deja._common import tool_policy
+
+    if many:
+        raise BadInput("--then takes one cassette; to try a change on a folder of incidents, "
+                       "run deja suite DIR --then live -- CMD")
+    if opts.then == "stub" and opts.then_script is None:
+        raise BadInput("--then stub needs the stub's script: --then stub SCRIPT")
+    if opts.then == "live" and opts.then_script is not None:
+        raise BadInput("a script goes with --then stub, not --then live")
+    policy = tool_policy(opts.tool_rules, opts.live_tools)
+    cassette = cassettes[0]
+    loaded = _load(cassette, require_signature=True, allow_incomplete=opts.allow_incomplete)
+    if isinstance(loaded.header.get("proxy"), dict):
+        raise BadInput(f"{cassette} was recorded through deja proxy: replay it then live "
+                       "through the proxy (deja proxy --replay CASSETTE --then live)")
+    argv = list(command) or list(loaded.header.get("argv") or [])
+    if not argv:
+        raise _no_command(cassette, loaded.header, "replay")
+    cwd = _where_to_run(cassette, loaded.header, argv, given=bool(command), cwd=opts.cwd)
+    _project_match(cwd or Path.cwd())  # a bad [tool.deja.match]: said before anything runs
+    with _live_target(opts) as target:
+        code, out = _launch_then_live(cassette, argv, cwd, opts, policy)
+    _said_then_live(cassette, out, target)
+    return code
+
+
+def _launch_then_live(cassette: Path, argv: list[str], cwd: Path | None, opts: ReplayOptions,
+                      policy: Any) -> tuple[int, Path]:
+    """Run the program in a replay-then-live; its exit status and the new cassette."""
+    from deja._launch import _launch, _writer_lock
+    from recorder.errors import DejaError
+    from replayer.then_live import plan_then_live
+
+    try:
+        plan = plan_then_live(cassette, out=opts.output, allow_incomplete=opts.allow_incomplete)
+    except DejaError as exc:
+        raise BadInput(str(exc)) from None
+    lock = _writer_lock(plan.out, plan.run_id, "deja replay --then")
+    try:
+        return _launch("fork", argv, plan.out, cwd, lock=lock,
+                       cassette=str(cassette.resolve()), out=str(plan.out.resolve()),
+                       run_id=plan.run_id, then_live=True, ignore=opts.ignore,
+                       normalise=opts.normalise, allow_incomplete=opts.allow_incomplete,
+                       tools=[f"{name}={spec}" for name, spec in policy.to_header().items()]
+                       ), plan.out
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def _live_target(opts: ReplayOptions) -> Iterator[str | None]:
+    """Where the live part goes: with ``--then stub SCRIPT``, a stub server serving the
+    script on 127.0.0.1, every SDK pointed at it while the program runs (its URL); with
+    ``--then live``, the program's own environment (None)."""
+    if opts.then != "stub" or opts.then_script is None:
+        yield None
+        return
+    from recorder import providers
+    from recorder.testing.script import StubScriptError, load_script
+    from recorder.testing.server import StubServer
+
+    try:
+        script = load_script(opts.then_script)
+    except (StubScriptError, OSError) as exc:
+        raise BadInput(f"--then stub {opts.then_script}: {exc}") from None
+    server = StubServer(script).start()
+    saved = dict(os.environ)
+    os.environ.update(providers.base_url_env(server.url))
+    try:
+        yield server.url
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        server.stop()
+
+
+def _said_then_live(cassette: Path, out: Path, target: str | None) -> None:
+    """What a replay-then-live did: where it left the recording, what the live part
+    spent, the tool calls its policy answered, and how to compare the runs."""
+    from deja._common import policy_rows
+    from deja._launch import _echo_split
+    from recorder.cassette.reader import peek_header
+
+    header = peek_header(out) if out.exists() else None
+    if header is None:
+        click.echo("deja: the program stopped before it left the recording; nothing new "
+                   "was written", err=True)
+        return
+    parent: dict[str, Any] = dict(header.get("parent") or {})
+    where = f" against the stub at {target}" if target else ""
+    step, why = parent.get("step"), dict(parent.get("divergence") or {})
+    if isinstance(step, int):
+        kind = ", ".join(str(v).replace("_", " ") for v in (why.get("kind"),
+                                                               why.get("category")) if v)
+        click.echo(f"deja: served the recording up to step {step}; there the program asked "
+                   f"for something else ({kind}): live from there{where} -> {out}", err=True)
+    else:
+        click.echo(f"deja: the program never left the recording (nothing went live) -> {out}",
+                   err=True)
+    _echo_split(out)
+    rows = policy_rows(out)
+    if rows:
+        click.echo(f"deja: {len(rows)} tool call(s) not run live (the tool policy):", err=True)
+        click.echo("\n".join(rows), err=True)
+    click.echo(f"deja: compare them with: deja diff {cassette} {out}", err=True)

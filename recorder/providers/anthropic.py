@@ -28,7 +28,8 @@ __all__ = ["MessagesFormat", "provider"]
 def provider() -> Provider:
     """The Messages format over Anthropic's API."""
     return Provider("anthropic", MessagesFormat(),
-                    Carriage(("/v1/messages",), key_env=("ANTHROPIC_API_KEY",)))
+                    Carriage(("/v1/messages",), key_env=("ANTHROPIC_API_KEY",),
+                             base_url_env={"ANTHROPIC_BASE_URL": ""}))
 
 
 class MessagesFormat(Format):

@@ -266,9 +266,13 @@ class Carriage:
     """
 
     def __init__(self, endpoints: tuple[str, ...] = (), *, key_env: tuple[str, ...] = (),
+                 base_url_env: Mapping[str, str] | None = None,
                  volatile_headers: frozenset[str] = VOLATILE_HEADERS,
                  volatile_header_prefixes: tuple[str, ...] = VOLATILE_HEADER_PREFIXES) -> None:
         self.endpoints = endpoints  # path suffixes of the POST requests that are model calls
+        # the environment variables its SDKs read a base URL from, each with what follows a
+        # server's address there (OpenAI's SDK names the version: /v1)
+        self.base_url_env: Mapping[str, str] = dict(base_url_env or {})
         # the environment variables its SDKs read an API key from: alternatives, the first
         # the one an offline replay sets a placeholder in (:meth:`placeholders`)
         self.key_env = key_env

@@ -79,6 +79,7 @@ class BedrockCarriage(Carriage):
             # a Bedrock API key, else AWS credentials (the SDK reads those through boto3):
             # when one is set, a replay adds no placeholder
             key_env=("AWS_BEARER_TOKEN_BEDROCK", "AWS_ACCESS_KEY_ID", "AWS_PROFILE"),
+            base_url_env={"ANTHROPIC_BEDROCK_BASE_URL": ""},
             volatile_headers=VOLATILE_HEADERS | {
                 "authorization", "x-amz-date", "x-amz-content-sha256",
                 "x-amz-security-token", "amz-sdk-invocation-id", "amz-sdk-request"},

@@ -108,6 +108,7 @@ class GeminiCarriage(Carriage):
         # enough. x-goog-api-client is the SDK's telemetry (its version and Python's), like
         # the x-stainless- headers.
         super().__init__((GENERATE, STREAM), key_env=("GEMINI_API_KEY", "GOOGLE_API_KEY"),
+                         base_url_env={"GOOGLE_GEMINI_BASE_URL": ""},
                          volatile_headers=VOLATILE_HEADERS | {"x-goog-api-client"})
 
     def request_model(self, url: str) -> str | None:

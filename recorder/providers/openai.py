@@ -99,7 +99,8 @@ def provider() -> Provider:
     """Both APIs' format over OpenAI's endpoints, at any host (a compatible server too)."""
     return Provider("openai", OpenAIFormat(),
                     Carriage(("/v1/chat/completions", "/v1/responses"),
-                             key_env=("OPENAI_API_KEY",)))
+                             key_env=("OPENAI_API_KEY",),
+                             base_url_env={"OPENAI_BASE_URL": "/v1"}))
 
 
 class OpenAIFormat(Format):

@@ -112,6 +112,21 @@ def placeholder_keys(environ: Mapping[str, str]) -> dict[str, str]:
     return added
 
 
+def base_url_env(url: str) -> dict[str, str]:
+    """The environment that points every registered provider's SDK at the server ``url``
+    (one that speaks each API at its usual paths, as ``deja stub`` does): each carriage's
+    base-URL variables (:attr:`Carriage.base_url_env`). A ``/v1`` that ends ``url`` is
+    the OpenAI SDK's, given only where a carriage asks for it."""
+    _plugins()
+    base = url.rstrip("/")
+    base = base.removesuffix("/v1")
+    out: dict[str, str] = {}
+    for provider in list(_providers.values()):
+        for var, suffix in provider.carriage.base_url_env.items():
+            out.setdefault(var, base + suffix)
+    return out
+
+
 def names() -> tuple[str, ...]:
     """The names of the registered providers."""
     _plugins()

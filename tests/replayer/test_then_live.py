@@ -151,3 +151,122 @@ def test_the_new_runs_totals_split_at_the_step_it_left(
     totals = run_totals(load(tmp_path / "fixed.jsonl"))
     assert totals["live_from"] == 3
     assert totals["replayed"]["model_calls"] == 2 and totals["live"]["model_calls"] == 1
+
+
+# ------------------------------------------------------------------ the command line
+
+PROGRAM = """\
+import json, os, sqlite3
+
+import anthropic
+import recorder
+
+
+@recorder.tool
+def lookup(order):
+    return {"order": order, "amount": 30}
+
+
+@recorder.tool(side_effect=True)
+def refund(order, amount):
+    with sqlite3.connect(os.environ["LEDGER"]) as db:
+        db.execute("CREATE TABLE IF NOT EXISTS refunds (ord TEXT, amount INTEGER)")
+        db.execute("INSERT INTO refunds VALUES (?, ?)", (order, amount))
+    return {"refunded": amount}
+
+
+client = anthropic.Anthropic(max_retries=0)
+
+
+def ask(text):
+    reply = client.messages.create(model="claude-sonnet-4-6", max_tokens=64,
+                                   messages=[{"role": "user", "content": text}])
+    return reply.content[0].text
+
+
+print(ask("What is order A7?"))
+info = lookup("A7")
+print(ask(f"Order {info}: refund it?"))
+print(ask("Summarise in one line." if os.environ.get("FIXED") else "Summarise."))
+try:
+    print("refund", json.dumps(refund("A7", int(os.environ.get("AMOUNT", info["amount"])))))
+except recorder.ToolRefused as exc:
+    print("refused", exc)
+"""
+
+
+def deja(*args: str, cwd: Path, env: dict[str, str]) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "deja", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.fixture
+def project(stub: Callable[[dict], StubServer], tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    import os
+
+    (tmp_path / "agent.py").write_text(PROGRAM)
+    server = stub({"default": {"text": "recorded answer"}})
+    env = {**os.environ, "LEDGER": str(tmp_path / "ledger.db"),
+           "ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "sk-stub"}
+    done = deja("record", "-o", "incident.jsonl", "--", "python", "agent.py", cwd=tmp_path,
+                env=env)
+    assert done.returncode == 0, done.stderr
+    server.stop()
+    (tmp_path / "fix.stub.json").write_text('{"default": {"text": "a new summary"}}')
+    return tmp_path, env
+
+
+def test_deja_replay_then_stub_goes_live_at_the_changed_step(
+        project: tuple[Path, dict[str, str]]) -> None:
+    root, env = project
+    ran = deja("replay", "incident.jsonl", "--then", "stub", "fix.stub.json", "-o",
+               "fixed.jsonl", cwd=root, env={**env, "FIXED": "1"})
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.splitlines() == ["recorded answer", "recorded answer", "a new summary",
+                                       'refund {"refunded": 30}']
+    assert "served the recording up to step 3; there the program asked for something else " \
+           "(model, changed request): live from there against the stub at" in ran.stderr
+    assert "step 4: tool 'refund' not run: served the recorded answer" in ran.stderr
+    assert "deja diff incident.jsonl fixed.jsonl" in ran.stderr
+    fixed = load(root / "fixed.jsonl")
+    assert fixed.header["parent"]["step"] == 3
+    assert fixed.header["parent"]["run"] == load(root / "incident.jsonl").run
+    assert refunds(root / "ledger.db") == [("A7", 30)]
+    # the new run replays the fixed program offline, as any recording
+    again = deja("replay", "fixed.jsonl", cwd=root, env={**env, "FIXED": "1"})
+    assert again.returncode == 0, again.stdout + again.stderr
+
+
+def test_deja_replay_then_live_runs_a_named_side_effect_once(
+        project: tuple[Path, dict[str, str]], stub: Callable[[dict], StubServer]) -> None:
+    root, env = project
+    live = stub({"default": {"text": "live"}})
+    env = {**env, "ANTHROPIC_BASE_URL": live.url, "AMOUNT": "45"}
+    refused = deja("replay", "incident.jsonl", "--then", "live", "-o", "a.jsonl", cwd=root,
+                   env=env)
+    assert refused.returncode == 0, refused.stderr
+    assert "refused tool 'refund' was not run" in refused.stdout
+    assert refunds(root / "ledger.db") == [("A7", 30)]
+    named = deja("replay", "incident.jsonl", "--then", "live", "--live-tool", "refund", "-o",
+                 "b.jsonl", cwd=root, env=env)
+    assert named.returncode == 0, named.stderr
+    assert 'refund {"refunded": 45}' in named.stdout
+    assert refunds(root / "ledger.db") == [("A7", 30), ("A7", 45)]
+    assert load(root / "b.jsonl").header["parent"]["step"] == 4  # the refund's arguments
+    assert live.requests == []  # every model call was the recorded one
+
+
+def test_deja_replay_then_refuses_what_it_cannot_do(
+        project: tuple[Path, dict[str, str]]) -> None:
+    root, env = project
+    for args, said in (
+            (["--then", "stub"], "--then stub needs the stub's script"),
+            (["-o", "x.jsonl"], "-o, --tool and --live-tool go with --then"),
+            (["incident.jsonl", "--then", "live"], "--then takes one cassette"),
+            (["--then", "live", "--tool", "refund=maybe"], "one of live, recorded, refuse")):
+        ran = deja("replay", "incident.jsonl", *args, cwd=root, env=env)
+        assert ran.returncode == 2 and said in ran.stderr, (args, ran.stderr)
+    assert sorted(p.name for p in root.glob("*.jsonl")) == ["incident.jsonl"]
