@@ -31,7 +31,7 @@ def open_invoices(customer: str) -> list[dict]:
 
 def main() -> str:
     """Ask what ACME owes (or $QUESTION); the model's last answer."""
-    today = os.environ.get("TODAY") or datetime.date.today().isoformat()
+    today = os.environ.get("TODAY") or datetime.datetime.now(datetime.UTC).date().isoformat()
     question = os.environ.get("QUESTION", "What does ACME owe?")
     with anthropic.Anthropic() as client:
         messages: list = [{"role": "user", "content": question}]
