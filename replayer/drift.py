@@ -11,7 +11,8 @@ of the recorded run is then one of:
 - ``equivalent``: only what differs between any two live runs of the same behaviour
   differs: token counts and cost (``/usage``, ``/cost_usd``, the end line's token and
   cost totals), what the reply says about how it was produced (its ``usage``, the model
-  snapshot that served it, a serving tier or a system fingerprint: :data:`ANSWER_META`)
+  snapshot that served it, a serving tier or a system fingerprint: what each provider
+  declares, :func:`recorder.providers.answer_meta_keys`)
   and the values of effects (``recorder.now()``, ``uuid4()``, ``random()`` ...);
 - ``changed``: the first step that differs in anything else, with its changed fields as
   JSON pointers (recorded value, live value). What changed first says whose doing it is:
@@ -42,16 +43,11 @@ from recorder.cassette.rows import step_count
 from recorder.cassette.schema import Kind, Line
 from replayer.diff import FieldChange, StepDiff, _pair, aligned, compare
 
-__all__ = ["ANSWER_META", "DriftReport", "RunVersions", "StepDrift", "drift"]
+__all__ = ["DriftReport", "RunVersions", "StepDrift", "drift"]
 
 SAME, EQUIVALENT, CHANGED, AFTER_CHANGE = "same", "equivalent", "changed", "after_change"
 VERDICTS = (SAME, EQUIVALENT, CHANGED, AFTER_CHANGE)
 
-# Fields of a reply that say how it was produced rather than what it says: token counts
-# (Gemini calls them usageMetadata), the model snapshot that served it, OpenAI's serving
-# tier and system fingerprint. A reply that differs only in these says the same.
-ANSWER_META = ("usage", "usageMetadata", "model", "modelVersion", "service_tier",
-               "system_fingerprint")
 # The end line's totals that count tokens or money, not steps.
 _VOLATILE_TOTALS = ("input_tokens", "output_tokens", "cache_creation_input_tokens",
                     "cache_read_input_tokens", "cost_usd")
@@ -81,7 +77,7 @@ def volatile(kind: str | None, path: str) -> bool:
     if kind == Kind.MODEL:
         return parts[0] in ("usage", "cost_usd") or (
             parts[:2] == ["response", "message"] and len(parts) > 2
-            and parts[2] in ANSWER_META)
+            and parts[2] in providers.answer_meta_keys())
     if kind == Kind.EFFECT:
         return parts[0] == "value"
     if kind == Kind.END:

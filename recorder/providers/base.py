@@ -105,6 +105,10 @@ class Format(ABC):
 
     # Response message fields that differ between any two runs of the same behaviour.
     volatile_message_keys: tuple[str, ...] = ("id",)
+    # Response message fields that say how an answer was produced, not what it says:
+    # token counts and the model snapshot that served it. Two live answers that differ
+    # only in these say the same (deja drift).
+    answer_meta_keys: tuple[str, ...] = ("usage", "model")
 
     # -- requests
 

@@ -121,6 +121,7 @@ class GeminiCarriage(Carriage):
 class GeminiFormat(Format):
     # a response's id and (on Vertex AI) its creation time differ between any two runs
     volatile_message_keys: tuple[str, ...] = ("id", "responseId", "createTime")
+    answer_meta_keys: tuple[str, ...] = ("usageMetadata", "modelVersion")
 
     # -- requests
 

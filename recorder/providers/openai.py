@@ -106,6 +106,9 @@ def provider() -> Provider:
 class OpenAIFormat(Format):
     # a completion's creation time differs between any two runs, like its id
     volatile_message_keys: tuple[str, ...] = ("id", "created", "created_at")
+    # and its serving tier and system fingerprint say how it was served
+    answer_meta_keys: tuple[str, ...] = ("usage", "model", "service_tier",
+                                         "system_fingerprint")
 
     # -- requests
 

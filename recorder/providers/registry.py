@@ -127,6 +127,12 @@ def base_url_env(url: str) -> dict[str, str]:
     return out
 
 
+def answer_meta_keys() -> frozenset[str]:
+    """The response fields any registered format says tell how an answer was produced,
+    not what it says (:attr:`Format.answer_meta_keys`)."""
+    return frozenset(key for fmt in formats() for key in fmt.answer_meta_keys)
+
+
 def names() -> tuple[str, ...]:
     """The names of the registered providers."""
     _plugins()

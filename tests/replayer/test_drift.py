@@ -20,9 +20,10 @@ import anthropic
 import pytest
 from conftest import TEST_KEY
 
+from recorder import providers
 from recorder.cassette import load
 from recorder.testing.server import StubServer
-from replayer.drift import ANSWER_META, drift, volatile
+from replayer.drift import drift, volatile
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -134,7 +135,7 @@ def test_the_versions_of_both_runs_are_read_from_headers_and_responses(project: 
 
 def test_what_differs_between_any_two_runs_is_equivalent() -> None:
     for path in ("/usage/output_tokens", "/cost_usd", "/response/message/usage/input_tokens",
-                 *(f"/response/message/{key}" for key in ANSWER_META)):
+                 *(f"/response/message/{key}" for key in providers.answer_meta_keys())):
         assert volatile("model", path), path
     assert volatile("effect", "/value") and volatile("end", "/totals/cost_usd")
     for kind, path in (("model", TEXT), ("model", "/request/messages/0/content"),
