@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -22,8 +22,12 @@ from deja._common import (
     policy_options,
     redaction_options,
     replay_policy,
+    tool_policy,
 )
 from replayer.result import render as replay_report
+
+if TYPE_CHECKING:
+    from deja.proxy.server import ServeResult
 
 
 @click.command()
@@ -39,6 +43,18 @@ from replayer.result import render as replay_report
               help="Where recorded runs are written, one <run id>.jsonl each.")
 @click.option("--replay", "replay", type=click.Path(path_type=Path, dir_okay=False),
               metavar="CASSETTE", help="Serve this cassette offline instead of forwarding.")
+@click.option("--then", "then", type=click.Choice(["live"]),
+              help="With --replay: serve the cassette while the agent asks what it asked "
+                   "before, then forward its first request the cassette does not hold, and "
+                   "every later one, to --upstream, into a new cassette (-o).")
+@click.option("--tool", "tool_rules", multiple=True, metavar="NAME=RULE",
+              help="With --then live: the tool policy for tool NAME after the run left the "
+                   "recording: live, refuse, recorded or static:JSON (* for every tool "
+                   "without a rule). The agent runs its own tools: the proxy reports a "
+                   "tool that ran against its rule, and gives the model the recorded or "
+                   "static answer in place of its result.")
+@click.option("--live-tool", "live_tools", multiple=True, metavar="NAME",
+              help="With --then live: tool NAME is live (NAME=live).")
 @click.option("--fork", "fork", type=click.Path(path_type=Path, dir_okay=False),
               metavar="CASSETTE", help="Serve this cassette up to --at, the edited step, "
                                        "then go live into a new cassette.")
@@ -50,7 +66,8 @@ from replayer.result import render as replay_report
 @click.option("--replace", "replace_file", type=click.Path(path_type=Path, dir_okay=False),
               help="With --fork: a JSON file that replaces the step's whole document.")
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path),
-              help="With --fork: the new cassette (default: next to the parent).")
+              help="With --fork or --then live: the new cassette, a file or a directory "
+                   "(default: next to the parent, <run id>.jsonl).")
 @click.option("--token", envvar="DEJA_PROXY_TOKEN",
               help="Clients must send this in the x-deja-token header (also "
                    "DEJA_PROXY_TOKEN); others get 401.")
@@ -91,6 +108,7 @@ from replayer.result import render as replay_report
 @_allow_unverified_option
 @policy_options
 def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | None,
+          then: str | None, tool_rules: tuple[str, ...], live_tools: tuple[str, ...],
           fork: Path | None, at: int | None, sets: tuple[str, ...], patch_file: Path | None,
           replace_file: Path | None, output: Path | None, token: str | None, idle: float,
           grace: float, max_body: int, max_response: int, body_timeout: float,
@@ -111,15 +129,21 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
     signed cassette per run, with the guards of deja record. A client names its run with
     an x-deja-run header; without one, a run is one conversation. --replay CASSETTE serves
     a recording offline (a divergence is a 400 naming the step; exit 1 if the replay was
-    not identical); --fork CASSETTE --at N with --set/--patch/--replace serves the steps
-    before N, the edited step, then goes live into a new cassette. Stop with SIGTERM or
-    Ctrl-C: in-flight streams finish (--grace) and every open run gets its end line.
+    not identical); with --then live it serves the recording while the agent asks what it
+    asked before and goes live to --upstream at the first request it does not hold (or
+    the first tool result other than the recorded one), into a new cassette that names
+    the parent and that step. --fork CASSETTE --at N with --set/--patch/--replace serves
+    the steps before N, the edited step, then goes live into a new cassette. Stop with
+    SIGTERM or Ctrl-C: in-flight streams finish (--grace) and every open run gets its end
+    line.
     """
     from deja.proxy.server import ProxyOptions, serve
     from recorder.errors import DejaError
     from recorder.harness.settings import resolve as resolve_settings
 
-    edit = _fork_edit(replay, fork, at, sets, patch_file, replace_file, output)
+    edit = _fork_edit(replay, fork, at, sets, patch_file, replace_file,
+                      output if then is None else None)
+    tools = _then_options(replay, then, tool_rules, live_tools, allow_unverified)
     label_map = _labels(labels)
     budgets = budgets_of(max_turns, max_tokens_total, max_tokens_per_turn, clamp_max_tokens,
                          max_seconds, max_dollars)
@@ -137,8 +161,9 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
                            idle=idle, grace=grace,
                            ready_file=ready_file, record=record, labels=label_map,
                            replay=replay, allow_unverified=allow_unverified or None,
-                           policy=replay_policy(ignore, normalise, configured=True),
-                           fork=fork, at=at, edit=edit, out=output)
+                           # a replay-then-live adds the configured rules itself
+                           policy=replay_policy(ignore, normalise, configured=then is None),
+                           then=then, tools=tools, fork=fork, at=at, edit=edit, out=output)
     try:
         resolve_settings(budgets=budgets, loop_guard=record["loop_guard"],
                          breaker=record["breaker"], redact_headers=redact_headers,
@@ -155,6 +180,11 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
         result = serve(options, app)
     except OSError as exc:  # the port is taken, say
         raise BadInput(f"deja proxy: cannot listen on {host}:{port}: {exc}") from None
+    _report(result, fork, report_file)
+
+
+def _report(result: ServeResult, fork: Path | None, report_file: Path | None) -> None:
+    """What the proxy did, said once it has stopped; exit 1 when its replay diverged."""
     if result.replay is not None:  # the report of deja replay, on stdout as there
         if report_file is not None:
             report_file.write_text(json.dumps(result.replay, default=str))
@@ -163,8 +193,28 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
     if result.fork is not None:
         click.echo(f"deja: the fork was written to {result.fork}; compare it with: deja diff "
                    f"{fork} {result.fork}", err=True)
+    if result.then_live is not None:
+        from deja.proxy.server import then_live_report
+
+        for line in then_live_report(result.then_live):
+            click.echo(f"deja: {line}", err=True)
     if result.identical is False:
         sys.exit(EXIT_DIVERGED)
+
+
+def _then_options(replay: Path | None, then: str | None, rules: tuple[str, ...],
+                  live: tuple[str, ...], allow_unverified: bool) -> Any:
+    """The tool policy of ``--then live`` (None without it), its options checked."""
+    if then is None:
+        if rules or live:
+            raise BadInput("--tool and --live-tool go with --replay CASSETTE --then live")
+        return None
+    if replay is None:
+        raise BadInput("--then live goes with --replay CASSETTE")
+    if allow_unverified:
+        raise BadInput("--then live copies the recording into a new signed run: its "
+                       "signature must verify (no --allow-unverified)")
+    return tool_policy(rules, live)
 
 
 def _fork_edit(replay: Path | None, fork: Path | None, at: int | None,
@@ -182,7 +232,8 @@ def _fork_edit(replay: Path | None, fork: Path | None, at: int | None,
             raise BadInput("--fork needs exactly one edit: --set PATH=VALUE (repeatable), "
                            "--patch FILE or --replace FILE")
     elif at is not None or edits or output is not None:
-        raise BadInput("--at, --set, --patch, --replace and -o go with --fork CASSETTE")
+        raise BadInput("--at, --set, --patch, --replace and -o go with --fork CASSETTE "
+                       "(-o also with --replay CASSETTE --then live)")
     if sets:
         return {"sets": list(sets)}
     if patch_file is not None:
@@ -208,8 +259,9 @@ def through_proxy(proxy_args: list[str], command: list[str], cwd: Path | None) -
     """Run ``command`` against a ``deja proxy PROXY_ARGS`` started for it on a free port
     (its ANTHROPIC_BASE_URL points there), then stop the proxy: how ``deja replay`` and
     ``deja fork`` take a run recorded through the proxy, whatever language its agent is
-    in. Returns the proxy's exit status when it failed (1: the replay diverged), else the
-    command's."""
+    in (a replay-then-live, ``--replay C --then live``, is a fork: it goes live, with the
+    client's own key). Returns the proxy's exit status when it failed (1: the replay
+    diverged), else the command's."""
     import os
     import signal
     import subprocess
@@ -218,7 +270,8 @@ def through_proxy(proxy_args: list[str], command: list[str], cwd: Path | None) -
 
     with tempfile.TemporaryDirectory(prefix="deja-through-proxy-") as tmp:
         ready, report = Path(tmp) / "ready.json", Path(tmp) / "report.json"
-        extra = ["--report-file", str(report)] if "--replay" in proxy_args else []
+        offline = "--replay" in proxy_args and "--then" not in proxy_args
+        extra = ["--report-file", str(report)] if offline else []
         server = subprocess.Popen([sys.executable, "-m", "deja", "proxy", "--port", "0",
                                    "--ready-file", str(ready), "-q", *extra, *proxy_args])
         try:
@@ -229,9 +282,9 @@ def through_proxy(proxy_args: list[str], command: list[str], cwd: Path | None) -
             url = json.loads(ready.read_text())["url"]
             click.echo(f"deja: {command[0]} talks to the proxy at {url}", err=True)
             env = {**os.environ, "ANTHROPIC_BASE_URL": url, "DEJA_MODE":
-                   "replay" if "--replay" in proxy_args else
-                   "fork" if "--fork" in proxy_args else "record"}
-            if "--replay" in proxy_args:  # offline: a client needs no real key
+                   "replay" if offline else "fork" if {"--fork", "--then"} & set(proxy_args)
+                   else "record"}
+            if offline:  # a client needs no real key
                 from recorder.providers import placeholder_keys
 
                 env.update(placeholder_keys(env))

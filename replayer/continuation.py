@@ -28,7 +28,7 @@ from recorder.cassette import Cassette, CassetteWriter
 from recorder.cassette.keys import Keyring
 from recorder.cassette.schema import Kind, add_step, replayed_totals
 from recorder.effects import call_site
-from recorder.errors import Divergence, KeyMissing, NeedsAttention, ToolRefused
+from recorder.errors import Divergence, DivergenceInfo, KeyMissing, NeedsAttention, ToolRefused
 from recorder.harness.guards import Budgets
 from recorder.intents import Effect, Intent, Settled
 from recorder.record import RecordSession
@@ -175,6 +175,15 @@ class ContinuationSession(RecordSession):
         if source.passes and not source.open and self._on_leave is not None:
             leave, self._on_leave = self._on_leave, None
             leave(self)
+
+    def leave(self, source: ReplaySession, divergence: DivergenceInfo) -> None:
+        """Leave ``source`` (a log that passes its first miss on) at a miss found outside
+        it, as if the log had missed there: the recording proxy's, a tool result the agent
+        sent other than the recorded one, which no call asks the log for."""
+        if source.divergence is None:
+            source.divergence = divergence
+        source.missed = True
+        self._passed(source)
 
     def _log_copied(self, source: Source, obs: Mapping[str, Any]) -> None:
         """Log an observation served from ``source`` as if it had come from the network."""

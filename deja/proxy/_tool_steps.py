@@ -8,9 +8,11 @@ the run (:func:`read_results`), and then:
 - the results the run has not seen yet are logged as tool steps, with the time since the
   last response as their duration, and the guards see them (:func:`boundary`);
 - in a served run (a replay, a fork's prefix), a tool result other than the recorded one
-  is a divergence at that tool's step (:func:`check_results`);
+  is a divergence at that tool's step (:func:`check_results`); a replay-then-live leaves
+  its recording there instead (:func:`changed_result`, :mod:`deja.proxy._then_live`);
 - a fork at a tool step puts the edited result in place of what the agent sends, in that
-  request and every later one (:func:`substitute`);
+  request and every later one (:func:`substitute`), as a replay-then-live puts the tool
+  policy's answer;
 - once the request is taken, its conversation ends with it (:func:`follow`);
 - a reply names the tool calls it asks for, which a Responses request continuing it by
   ``previous_response_id`` (:func:`is_responses`) answers without repeating them, whether
@@ -35,7 +37,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from deja.proxy.runs import Dialogue, ProxyRun, Registry, calls_by_id, conversation_items
+from deja.proxy.runs import (
+    Dialogue,
+    ProxyRun,
+    Registry,
+    calls_by_id,
+    conversation_items,
+    substituted,
+)
 from recorder import providers
 from recorder.cassette.schema import Kind
 from recorder.errors import Divergence, DivergenceInfo
@@ -43,8 +52,8 @@ from recorder.providers import Provider, conversation
 from recorder.providers.base import Conversation
 from recorder.providers.conversation import PlacedResult
 
-__all__ = ["Reading", "Result", "boundary", "check_results", "follow", "is_responses",
-           "read_reply", "read_results", "substitute"]
+__all__ = ["Reading", "Result", "boundary", "call_of", "changed_result", "check_results",
+           "follow", "is_responses", "read_reply", "read_results", "substitute"]
 
 
 @dataclass(frozen=True)
@@ -164,7 +173,7 @@ def follow(run: ProxyRun, reading: Reading | None) -> Dialogue | None:
     return dialogue
 
 
-def _call_of(run: ProxyRun, reading: Reading, result: Result) -> tuple[str, Any]:
+def call_of(run: ProxyRun, reading: Reading, result: Result) -> tuple[str, Any]:
     """(name, input) of the call ``result`` answers: in the items read, in a Responses
     reply the request continues, else in the whole request (its name alone, when the
     agent answered a call the conversation does not hold)."""
@@ -178,30 +187,36 @@ def _call_of(run: ProxyRun, reading: Reading, result: Result) -> tuple[str, Any]
 
 def boundary(run: ProxyRun, rec: Any, reading: Reading) -> None:
     """Log the tool results of the request ``reading`` read that the run has not seen yet
-    (and let the guards see them)."""
+    (and let the guards see them): by the run's session, or, in a replay-then-live, by
+    what follows its recording (which marks a result the model was given in the agent's
+    place)."""
     now = time.time()
     since = run.answered  # the tools ran between the last response and this request
+    observe = run.following.observe if run.following is not None else rec.observe_tool
     for result in reading.results:
         if not result.fresh or result.run_id in run.logged:
             continue
-        name, args = _call_of(run, reading, result)
+        name, args = call_of(run, reading, result)
         run.logged.add(result.run_id)
-        rec.observe_tool(name, args if isinstance(args, dict) else {"input": args},
-                         result.placed.sent, call_id=result.run_id,
-                         is_error=result.placed.result.is_error, start=since or now,
-                         ms=(now - since) * 1000 if since is not None else None)
+        observe(name, args if isinstance(args, dict) else {"input": args},
+                result.placed.sent, call_id=result.run_id,
+                is_error=result.placed.result.is_error, start=since or now,
+                ms=(now - since) * 1000 if since is not None else None)
 
 
-def check_results(run: ProxyRun, reading: Reading) -> None:
-    """A served run (a replay, a fork's prefix): a tool result that is not what the
-    recording observed for its call is a divergence at that tool's step, the step
-    ``deja diff`` would name, rather than at the model request that carries it."""
+def changed_result(run: ProxyRun, reading: Reading) -> tuple[int, DivergenceInfo] | None:
+    """The first tool result of the request ``reading`` read that is not what the
+    recording observed for its call (a served run: a replay, a fork's prefix, a
+    replay-then-live while it follows its recording), with its place among the reading's
+    results and the divergence at that tool's step; None: every one is as recorded.
+    Results the model was given in the agent's place (a fork's edit, a tool policy's
+    answer) are put in place afterwards, and not compared."""
     from replayer.diff import unified
 
-    for result in reading.results:
+    for place, result in enumerate(reading.results):
         call = result.run_id
         obs = run.recorded.get(call)
-        if obs is None or obs.get("edited"):
+        if obs is None or substituted(obs):
             continue
         got, is_error = result.placed.sent, result.placed.result.is_error
         if got == obs.get("result") and is_error == bool(obs.get("is_error")):
@@ -212,15 +227,26 @@ def check_results(run: ProxyRun, reading: Reading) -> None:
             actual["is_error"] = True
         if obs.get("is_error"):
             expected["is_error"] = True
-        info = DivergenceInfo(
+        return place, DivergenceInfo(
             step=obs["seq"], kind=Kind.TOOL.value,
             reason=f"the agent's tool {obs['name']!r} returned something other than "
                    f"the recorded result (call {call})",
             expected=expected, actual=actual, diff=unified(expected, actual))
-        served: Any = getattr(run.session, "prefix", run.session)  # a fork: its prefix
-        if getattr(served, "divergence", None) is None:
-            served.divergence = info
-        raise Divergence(info, path=getattr(served, "path", None))
+    return None
+
+
+def check_results(run: ProxyRun, reading: Reading) -> None:
+    """A served run (a replay, a fork's prefix): a tool result that is not what the
+    recording observed for its call is a divergence at that tool's step, the step
+    ``deja diff`` would name, rather than at the model request that carries it."""
+    changed = changed_result(run, reading)
+    if changed is None:
+        return
+    info = changed[1]
+    served: Any = getattr(run.session, "prefix", run.session)  # a fork: its prefix
+    if getattr(served, "divergence", None) is None:
+        served.divergence = info
+    raise Divergence(info, path=getattr(served, "path", None))
 
 
 def substitute(reading: Reading, edits: dict[str, Any], raw: bytes) -> bytes:

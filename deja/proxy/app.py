@@ -79,7 +79,7 @@ TOKEN_HEADER = "x-deja-token"
 
 class Proxy:
     """The ASGI app. ``new_run`` makes a new recorded run (record mode); ``single`` is the
-    one run every request goes to (replay, fork)."""
+    one run every request goes to (replay, fork, replay-then-live)."""
 
     def __init__(self, *, upstream: str, new_run: Callable[[str | None, dict[str, str]],
                                                            ProxyRun] | None = None,
@@ -128,7 +128,7 @@ class Proxy:
 
     def close_all(self, why: str) -> None:
         for run in self.registry.open_runs():
-            if run is not self.single or self.mode == "fork":
+            if run is not self.single or self.mode != "replay":  # a replay writes nothing
                 self._close(run, why)
         self.closed = True
 
@@ -388,6 +388,8 @@ class Proxy:
         if keys is not None:
             run.last_keys = keys
         dialogue = follow(run, reading)
+        if run.following is not None:
+            run.following.answered(served is not None)
         if served is not None:
             await self._responder.serve(run, served, send, ex)
         else:
@@ -400,13 +402,18 @@ class Proxy:
                  keys: list[str] | None, request: HttpRequest,
                  retry: bool | None) -> Reading | None:
         """The request's tool results, read by its provider, with their ids in the run;
-        in a fork, the edited ones put in place (in a copy of the body: the reader keeps
-        the messages it parsed). Every one is read where every one counts: edited, or
-        checked against a served run's recording."""
-        if run.edits:
-            parsed = copy.deepcopy(parsed)
+        in a fork, the edited ones put in place, and in a replay-then-live the tool
+        policy's answers (in a copy of the body: the reader keeps the messages it parsed).
+        Every one is read where every one counts: edited, or checked against a served
+        run's recording."""
+        following = run.following
+        if run.edits or (following is not None and following.tools.rules):
+            parsed = copy.deepcopy(parsed)  # it may be edited
+        served = rec is None or (following is not None and following.serving)
         reading = read_results(run, parsed, keys, provider, retry=retry,
-                               whole=bool(run.edits) or (rec is None and bool(run.recorded)))
+                               whole=bool(run.edits) or (served and bool(run.recorded)))
+        if reading is not None and following is not None:
+            following.take(run, reading)  # it may leave the recording; the policy's answers
         if reading is not None and run.edits:
             request.body = substitute(reading, run.edits, request.body)
         return reading

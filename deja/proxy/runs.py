@@ -60,7 +60,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from recorder import providers
 from recorder.capture.session import Session
@@ -69,8 +69,12 @@ from recorder.errors import RunStopped
 from recorder.providers import Provider, conversation
 from recorder.record import RecordSession
 
+if TYPE_CHECKING:
+    from deja.proxy._then_live import Following
+
 __all__ = ["Dialogue", "Dialogues", "ProxyRun", "Registry", "calls_by_id", "conversation_items",
-           "credential", "message_keys", "parse_labels", "tool_calls", "tool_results"]
+           "credential", "message_keys", "parse_labels", "substituted", "tool_calls",
+           "tool_results"]
 
 log = logging.getLogger("deja.proxy")
 
@@ -257,6 +261,13 @@ def _latest(dialogues: list[Dialogue]) -> Dialogue:
     return max(dialogues, key=lambda d: d.used)
 
 
+def substituted(obs: Mapping[str, Any]) -> bool:
+    """Is ``obs`` an observed tool line whose result the model was given in place of what
+    the agent sent: a fork's edit, or the answer of a replay-then-live's tool policy
+    (``static``, ``recorded``)? A replay puts it in place again."""
+    return bool(obs.get("edited")) or "policy" in obs
+
+
 @dataclass
 class ProxyRun:
     """One run seen through the proxy: its session, and what its boundaries need."""
@@ -276,6 +287,8 @@ class ProxyRun:
     edits: dict[str, Any] = field(default_factory=dict)  # call id -> edited result (a fork)
     # call id -> the observed tool line a served run recorded for it (replay, a fork's prefix)
     recorded: dict[str, Mapping[str, Any]] = field(default_factory=dict)
+    # a replay-then-live's recording, followed while the agent asks what it asked before
+    following: Following | None = None
     # call id -> (name, input) of the function calls its Responses replies asked for: a
     # request that continues one by previous_response_id sends the results, not the calls
     calls: dict[str, tuple[str, Any]] = field(default_factory=dict)
@@ -313,15 +326,21 @@ class ProxyRun:
         """The session that writes this run, while it writes (None: it only serves)."""
         return self.session.recorder() if self.session.writing_live() else None
 
-    def remember(self, observations: Sequence[Mapping[str, Any]]) -> None:
-        """The tool calls a recorded prefix holds (a fork): logged already, and the edited
-        ones substituted in every request that carries them."""
+    def remember(self, observations: Sequence[Mapping[str, Any]], *,
+                 logged: bool = True) -> None:
+        """The tool calls a recorded run holds (a replay, a fork's prefix, a
+        replay-then-live's parent): checked against what the agent sends while they are
+        served, and those whose result the model was given in the agent's place (an edit,
+        a tool policy's answer: :func:`substituted`) put in every request that carries
+        them. ``logged``: they are lines of this run already (a replay-then-live logs them
+        anew, as it copies the recording)."""
         for obs in observations:
             call = obs.get("call_id")
             if obs.get("kind") == Kind.TOOL and "observed" in obs and isinstance(call, str):
-                self.logged.add(call)
+                if logged:
+                    self.logged.add(call)
                 self.recorded[call] = obs
-                if obs.get("edited"):
+                if substituted(obs):
                     self.edits[call] = obs.get("result")
 
     def end_status(self) -> tuple[str, str | None]:

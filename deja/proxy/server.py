@@ -1,14 +1,17 @@
-"""Running the proxy: its three modes put together, and the server around them.
+"""Running the proxy: its four modes put together, and the server around them.
 
 ``record`` (the default) starts a recorded run per client run (:mod:`deja.proxy.runs`) in
-``directory``; ``replay`` serves one cassette offline; ``fork`` serves a cassette's steps
-up to the fork step, the edited step, then goes live into a new cassette whose header
-names its parent. The server is uvicorn: a readiness file once the socket listens, one log
-line per request, a client that does not send a request's headers within
-``header_timeout`` seconds is dropped (:mod:`recorder.serving`, which also binds the socket
-and reads each request body within bounds for it and ``deja serve``), and on SIGTERM or SIGINT a
-graceful stop (no new connections; in-flight streams get ``grace`` seconds to finish),
-after which every open cassette gets its end line.
+``directory``; ``replay`` serves one cassette offline; ``then_live`` serves it while the
+agent asks what it asked before, then goes live (:mod:`deja.proxy._then_live`); ``fork``
+serves a cassette's steps up to the fork step, the edited step, then goes live. A new
+cassette's header names its parent.
+
+The server is uvicorn: a readiness file once the socket listens, one log line per request,
+a client that does not send a request's headers within ``header_timeout`` seconds is
+dropped (:mod:`recorder.serving`, which also binds the socket and reads each request body
+within bounds for it and ``deja serve``), and on SIGTERM or SIGINT a graceful stop (no new
+connections; in-flight streams get ``grace`` seconds to finish), after which every open
+cassette gets its end line.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ from recorder.serving import (
     run_until_stopped,
     write_ready,
 )
+from replayer.tool_policy import ToolPolicy
 
 if TYPE_CHECKING:
     from replayer.policy import ReplayPolicy
     from replayer.replay import ReplaySession
 
-__all__ = ["ProxyOptions", "ServeResult", "build", "serve"]
+__all__ = ["ProxyOptions", "ServeResult", "build", "serve", "then_live_report"]
 
 log = logging.getLogger("deja.proxy")
 
@@ -76,15 +80,19 @@ class ProxyOptions:
     replay: Path | None = None
     allow_unverified: bool | None = None
     policy: ReplayPolicy | None = None  # what may differ from the recording (--ignore ...)
+    then: str | None = None  # "live": a replay that goes live at its first miss
+    tools: ToolPolicy | None = None  # the tool policy of its live part
     # fork
     fork: Path | None = None
     at: int | None = None
     edit: dict[str, Any] = field(default_factory=dict)  # patch= / replace= / sets=
-    out: Path | None = None
+    out: Path | None = None  # a fork's or a replay-then-live's new cassette
 
     @property
     def mode(self) -> str:
-        return "replay" if self.replay else "fork" if self.fork else "record"
+        if self.replay:
+            return "then_live" if self.then == "live" else "replay"
+        return "fork" if self.fork else "record"
 
 
 @dataclass
@@ -96,6 +104,7 @@ class ServeResult:
     replay: dict[str, Any] | None = None  # a replay's result (ReplayResult.to_dict())
     identical: bool | None = None  # a replay: no divergence, every step asked for
     fork: str | None = None  # a fork's new cassette
+    then_live: dict[str, Any] | None = None  # a replay-then-live's report (Following.report)
 
 
 def build(options: ProxyOptions) -> Proxy:
@@ -112,6 +121,8 @@ def build(options: ProxyOptions) -> Proxy:
                               "mode": options.mode,
                               "max_response": options.max_response,
                               "callers": Callers.of(options.host, options.allowed_hosts)}
+    if options.replay is not None and options.then == "live":
+        return _then_living(options, upstream, common)
     if options.replay is not None:
         return _replaying(options, upstream, common)
     if options.fork is not None:
@@ -170,6 +181,24 @@ def _forking(options: ProxyOptions, upstream: str, common: dict[str, Any]) -> Pr
     return Proxy(upstream=upstream, single=run, **common)
 
 
+def _then_living(options: ProxyOptions, upstream: str, common: dict[str, Any]) -> Proxy:
+    """Serve the cassette while the agent asks what it asked before, then go live into a
+    new cassette (:mod:`deja.proxy._then_live`)."""
+    from deja.proxy._then_live import Following
+    from replayer.then_live import plan_then_live, start_then_live
+
+    assert options.replay is not None
+    ring = load_keyring()
+    plan = plan_then_live(options.replay, out=options.out, keyring=ring)
+    tools = options.tools or ToolPolicy()
+    session = start_then_live(plan, policy=options.policy, tools=tools, keyring=ring,
+                              fsync=options.record.get("fsync") or "turn", ran_in=Path.cwd())
+    session.start(intercept=False)
+    run = Following(session, plan.parent, tools).attach(ProxyRun(session))
+    log.info("replaying %s, then live into %s (run %s)", plan.parent.path, plan.out, plan.run_id)
+    return Proxy(upstream=upstream, single=run, **common)
+
+
 def serve(options: ProxyOptions, proxy: Proxy | None = None) -> ServeResult:
     """Run the proxy until SIGTERM or SIGINT; close every run; say what it did."""
     import uvicorn
@@ -211,4 +240,22 @@ def _result(app: Proxy, options: ProxyOptions) -> ServeResult:
         result.replay, result.identical = replayed.to_dict(), replayed.identical
     elif run is not None and options.mode == "fork":
         result.fork = str(run.session.path)
+    elif run is not None and run.following is not None:
+        result.then_live = run.following.report()
     return result
+
+
+def then_live_report(report: dict[str, Any]) -> list[str]:
+    """A replay-then-live's report (:meth:`deja.proxy._then_live.Following.report`) as the
+    lines the proxy prints when it stops."""
+    from deja.proxy._then_live import left_at, told
+
+    left = report["left"]
+    where = "never left it: nothing went live" if left is None else \
+        f"left it at {left_at(left)}; {report['live_calls']} live call(s)"
+    lines = [f"replay, then live: served {report['served']} step(s) of run "
+             f"{report['parent_run']}, {where}"]
+    lines += [told(row) for row in report["ran_in_agent"]]
+    lines.append(f"the new run was written to {report['out']}; compare it with: deja diff "
+                 f"{report['parent']} {report['out']}")
+    return lines
