@@ -5,7 +5,9 @@ Each editable kind is shown as a small JSON document:
 - ``tool`` / ``outcome``: ``{"result": ...}`` or ``{"error": {"type", "module", "message"}}``
 - ``effect``: ``{"value": ...}`` (or ``{"error": {...}}`` for a refused value)
 - ``model``: the assembled message (``id``, ``content`` blocks, ``stop_reason``,
-  ``usage`` ...), whether it was received as JSON or as an SSE stream
+  ``usage`` ...), whether it was received as JSON or as an SSE stream; an edit may leave
+  an HTTP response instead, ``{"status", "headers", "body"}`` (the provider's error, a 429
+  say), which is served as it is, as JSON, to a streaming request too
 - ``http``: ``{"status", "headers", "body"}`` (the body parsed when it is JSON)
 
 An edit is an RFC 6902 JSON patch, a whole replacement document, or ``--set`` pairs
@@ -18,6 +20,7 @@ so streaming agents receive the edit too.
 from __future__ import annotations
 
 import copy
+import http.client
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -157,7 +160,10 @@ def rebuild(obs: Mapping[str, Any], doc: Any, prices: PriceTable | None = None) 
         return new
     response = dict(obs["response"])
     provider = providers.for_line(obs)
-    if kind == Kind.MODEL:
+    if kind == Kind.MODEL and is_response(doc):  # an API error in place of the message
+        response.update(_response_of(doc))
+        data = json.dumps(doc["body"], ensure_ascii=False).encode("utf-8")
+    elif kind == Kind.MODEL:
         if not isinstance(doc, dict):
             raise EditError("a model edit must leave a message object")
         streamed = provider.is_stream(response["headers"])
@@ -183,4 +189,29 @@ def rebuild(obs: Mapping[str, Any], doc: Any, prices: PriceTable | None = None) 
                    message_id=summary.get("message_id"),
                    cost_usd=provider.cost(summary.get("model") or obs.get("model"), usage,
                                           prices or PriceTable()))
+        new.pop("api_error", None)
+        if summary.get("error"):
+            new["api_error"] = summary["error"]
     return new
+
+
+def is_response(doc: Any) -> bool:
+    """A model step's edited document is an HTTP response (``{"status", "body"}``, and
+    ``headers``), not a message: no provider's message has both keys."""
+    return (isinstance(doc, dict) and {"status", "body"} <= set(doc)
+            and isinstance(doc["status"], int) and not isinstance(doc["status"], bool))
+
+
+def _response_of(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The status line and headers of an HTTP response a model step is edited into;
+    without headers, a JSON body's."""
+    status = doc["status"]
+    if not 100 <= status <= 599:
+        raise EditError(f"an edited response's status must be 100-599, not {status}")
+    headers = doc.get("headers") or {"content-type": "application/json"}
+    pairs = headers.items() if isinstance(headers, Mapping) else headers
+    if not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+        raise EditError('an edited response\'s headers are {"name": "value"} or '
+                        '[["name", "value"], ...]')
+    return {"status": status, "reason": http.client.responses.get(status, ""),
+            "headers": [[str(k), str(v)] for k, v in pairs]}
