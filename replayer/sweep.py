@@ -1,0 +1,566 @@
+"""What-if sweeps: fork one recorded run many times, each with one observation perturbed,
+and see which perturbations change how the run ends.
+
+A **rule** picks steps and the perturbations to try at each (``deja sweep --perturb``)::
+
+    tool=search:error,empty     every step of tool search: once raising, once empty
+    tool=*:timeout              every tool step: the tool raises TimeoutError
+    model:429,529               every model step: the provider answers 429, then 529
+    step=7:malformed            step 7 alone
+    tool=search:other=B.jsonl   the same tool's result in another recording
+
+Each perturbation is one edit document, the whole document of the step as the agent
+will see it (:mod:`replayer.edit`); each is one fork (:mod:`replayer.fork`) at that step,
+run as ``deja fork CASSETTE --at N --replace EDIT -o OUT [-- CMD]``. So the fork's edited
+step is what the agent saw, its ``fork_edit`` line holds the patch from the recorded
+document to it, and its header names the parent run and step, where the original is.
+
+The perturbations of a tool step (a ``tool`` line, or a side effect's ``outcome``):
+
+==============  ===========================================================================
+``error``       the tool raises ``RuntimeError("injected by deja sweep")``
+``timeout``     the tool raises ``TimeoutError``
+``empty``       the tool returns an empty value of its recorded result's type: ``""``,
+                ``[]``, ``{}``, else ``null``
+``malformed``   the tool returns its recorded result's JSON text (its own text, for a
+                string) cut in half: truncated JSON, and a string where a structure was
+``other=FILE``  the tool returns (or raises) what its k-th call returned in the recording
+                FILE, for the tool's k-th call here (FILE's last call, when it has fewer)
+==============  ===========================================================================
+
+A model step takes ``429`` and ``529``: the provider's own error response (the body its
+API sends, ``application/json``, with ``retry-after: 0``, ``retry-after-ms: 100`` and
+``x-should-retry: true``), served in place of the message, to a streaming request too. An
+SDK that retries asks again, live.
+
+**The final answer** of a run is the text of the reply of its last model step that got
+one (a response with a status below 400 and no error; its text blocks joined by
+newlines, whatever the provider); ``None`` when no model step did. A perturbation
+**changes the outcome** when its fork's final answer differs from the recording's, or
+its fork ends with another status (``completed``, ``failed``, ``stopped`` by a guard,
+``exhausted`` ...). A fork that could not run at all (no cassette, no end line) is an
+``error`` row, not a change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from recorder import providers
+from recorder.canonical import decode_body
+from recorder.cassette import Cassette, load
+from recorder.cassette.keys import Keyring, load_keyring
+from recorder.cassette.rows import run_status, run_totals
+from recorder.cassette.schema import Kind
+from recorder.errors import ConfigError, DejaError, EditError, NoSuchStep, PathTaken
+from recorder.providers import conversation
+from replayer import edit
+
+__all__ = ["MODEL_KINDS", "TOOL_KINDS", "Perturbation", "SweepJob", "SweepReport", "SweepRow",
+           "SweepRule", "final_answer", "plan_jobs", "plan_sweep", "run_sweep"]
+
+TOOL_KINDS = ("error", "timeout", "empty", "malformed", "other")
+MODEL_KINDS = ("429", "529")
+INJECTED = "injected by deja sweep"
+_TOOL_LINES = (Kind.TOOL, Kind.OUTCOME)
+
+
+# ------------------------------------------------------------------------------ rules
+
+
+@dataclass(frozen=True)
+class SweepRule:
+    """One ``--perturb`` rule: which steps (``tool`` NAME or ``*``, every ``model`` step,
+    or one ``step``) and the perturbations to try at each, as written (``other=FILE``)."""
+
+    select: str  # "tool", "model" or "step"
+    value: str | int | None
+    perturbations: tuple[str, ...]
+    text: str
+
+    @classmethod
+    def parse(cls, text: str) -> SweepRule:
+        head, sep, rest = text.partition(":")
+        head = head.strip()
+        names = tuple(p.strip() for p in rest.split(",")) if sep else ()
+        if not sep or not all(names):
+            raise ConfigError(f"--perturb {text!r}: write SELECTOR:PERTURBATION[,...], e.g. "
+                              "tool=search:error,empty, model:429 or step=7:timeout")
+        for name in names:
+            kind, _, arg = name.partition("=")
+            if kind not in (*TOOL_KINDS, *MODEL_KINDS) or (kind == "other") != bool(arg):
+                raise ConfigError(
+                    f"--perturb {text!r}: unknown perturbation {name!r}; a tool step takes "
+                    "error, timeout, empty, malformed or other=FILE, a model step 429 or 529")
+        if head == "model":
+            return cls("model", None, names, text)
+        select, eq, value = head.partition("=")
+        if select == "tool" and eq and value and not any(c.isspace() for c in value):
+            return cls("tool", value, names, text)
+        if select == "step" and eq and value.isdigit():
+            return cls("step", int(value), names, text)
+        raise ConfigError(f"--perturb {text!r}: the steps are tool=NAME (or tool=*), model, "
+                          "or step=N")
+
+    def selects(self, obs: Mapping[str, Any]) -> bool:
+        if "within" in obs:  # a call inside a tool's body: fork the tool's own step
+            return False
+        if self.select == "step":
+            return bool(obs["seq"] == self.value)
+        if self.select == "model":
+            return obs.get("kind") == Kind.MODEL and "response" in obs
+        return obs.get("kind") in _TOOL_LINES and self.value in ("*", obs.get("name"))
+
+
+# ---------------------------------------------------------------------- perturbations
+
+
+@dataclass(frozen=True)
+class Perturbation:
+    """One fork of a sweep: at ``step`` (a ``tool`` or ``model`` step, ``step_kind``) of
+    ``target`` (the tool's name, or the model's), the perturbation ``kind``; ``document``
+    is the step's whole edited document (``deja fork --replace``), ``source`` where an
+    ``other`` value came from."""
+
+    step: int
+    step_kind: str
+    target: str
+    kind: str
+    document: Any
+    source: str | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind} ({self.source})" if self.source else self.kind
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "step_kind": self.step_kind, "target": self.target,
+                "kind": self.kind, "source": self.source, "document": self.document}
+
+
+def _empty(value: Any) -> Any:
+    return "" if isinstance(value, str) else [] if isinstance(value, (list, tuple)) else \
+        {} if isinstance(value, dict) else None
+
+
+def _malformed(value: Any) -> str:
+    """The value's JSON text (a string's own text) cut in half: what a flaky backend that
+    cuts its response off mid-way returns, and a string where a structure may be due."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False,
+                                                          default=str)
+    cut = text[: len(text) // 2]
+    return cut if cut != value and cut else '{"truncat'
+
+
+def _tool_error(kind: str) -> dict[str, Any]:
+    if kind == "timeout":
+        return {"error": {"type": "TimeoutError", "module": "builtins",
+                          "message": f"{INJECTED}: the tool timed out"}}
+    return {"error": {"type": "RuntimeError", "module": "builtins", "message": INJECTED}}
+
+
+def provider_error(obs: Mapping[str, Any], status: int) -> dict[str, Any]:
+    """The HTTP response ``obs``'s provider sends for ``status`` (429 or 529): its error
+    body's shape, as a document a model step is edited into (:func:`replayer.edit.rebuild`)."""
+    name = providers.for_line(obs).name
+    limited = status == 429
+    message = "Number of requests has exceeded your rate limit" if limited else "Overloaded"
+    headers = {"content-type": "application/json", "retry-after": "0",
+               "retry-after-ms": "100", "x-should-retry": "true"}
+    body: dict[str, Any]
+    if name == "openai":
+        body = {"error": {"message": message, "type": "requests" if limited else "server_error",
+                          "param": None, "code": "rate_limit_exceeded" if limited else None}}
+    elif name == "gemini":
+        body = {"error": {"code": status, "message": message,
+                          "status": "RESOURCE_EXHAUSTED" if limited else "UNAVAILABLE"}}
+    elif name == "bedrock":
+        kind = "ThrottlingException" if limited else "ServiceUnavailableException"
+        headers["x-amzn-errortype"] = kind
+        body = {"message": message}
+    else:  # the Messages API's shape (Anthropic's, and a format deja does not name)
+        body = {"type": "error", "error": {"type": "rate_limit_error" if limited else
+                                           "overloaded_error", "message": message},
+                "request_id": "req_deja_sweep"}
+    return {"status": status, "headers": headers, "body": body}
+
+
+class _Others:
+    """Recordings named by ``other=FILE``, loaded once, each tool's calls in order."""
+
+    def __init__(self, keyring: Keyring) -> None:
+        self._keyring = keyring
+        self._calls: dict[str, dict[str, list[Mapping[str, Any]]]] = {}
+
+    def document(self, path: str, tool: str, nth: int) -> tuple[dict[str, Any], str]:
+        if path not in self._calls:
+            try:
+                other = load(path, keyring=self._keyring, allow_incomplete=True)
+            except DejaError as exc:
+                raise ConfigError(f"other={path}: {exc}") from None
+            calls: dict[str, list[Mapping[str, Any]]] = {}
+            for obs in other.observations:
+                if obs.get("kind") in _TOOL_LINES and "within" not in obs:
+                    calls.setdefault(str(obs.get("name")), []).append(obs)
+            self._calls[path] = calls
+        found = self._calls[path].get(tool)
+        if not found:
+            raise EditError(f"other={path}: that run never called tool {tool!r}; its tools "
+                            f"are: {', '.join(sorted(self._calls[path])) or 'none'}")
+        taken = found[min(nth, len(found) - 1)]
+        return edit.view(taken), f"{Path(path).name} step {taken['seq']}"
+
+
+def _tool_document(obs: Mapping[str, Any], kind: str, recorded: Mapping[str, Any],
+                   others: _Others, arg: str, nth: int) -> tuple[Any, str | None]:
+    if kind in ("error", "timeout"):
+        return _tool_error(kind), None
+    if kind == "other":
+        return others.document(arg, str(obs.get("name")), nth)
+    value = recorded.get("result")
+    return {"result": _empty(value) if kind == "empty" else _malformed(value)}, None
+
+
+def _perturb(obs: Mapping[str, Any], name: str, others: _Others,
+             nth: int) -> Perturbation:
+    """The perturbation ``name`` (``error``, ``other=FILE`` ...) of step ``obs``, checked:
+    its document must be one the fork can write and rebuild the step from."""
+    kind, _, arg = name.partition("=")
+    seq, line_kind = obs["seq"], obs.get("kind")
+    if line_kind in _TOOL_LINES and kind in TOOL_KINDS:
+        doc, source = _tool_document(obs, kind, edit.view(obs), others, arg, nth)
+        step_kind, target = "tool", str(obs.get("name"))
+    elif line_kind == Kind.MODEL and kind in MODEL_KINDS and "response" in obs:
+        doc, source = provider_error(obs, int(kind)), None
+        step_kind, target = "model", str(obs.get("model") or "model")
+    else:
+        what = ("a model step takes 429 or 529" if line_kind == Kind.MODEL else
+                "a tool step takes error, timeout, empty, malformed or other=FILE"
+                if line_kind in _TOOL_LINES else "a sweep perturbs tool and model steps")
+        raise EditError(f"step {seq} is a {line_kind} step: {what}, not {name!r}")
+    try:
+        json.dumps(doc, allow_nan=False)
+    except (TypeError, ValueError):
+        raise EditError(f"step {seq}: the {name} document is not JSON (the recorded value "
+                        "is not a JSON value); perturb it with a fork of its own") from None
+    edit.rebuild(obs, doc)  # raises EditError for a document the step cannot take
+    return Perturbation(seq, step_kind, target, kind, doc, source)
+
+
+def plan_sweep(cassette: str | Path | Cassette, rules: Iterable[str | SweepRule], *,
+               keyring: Keyring | None = None) -> list[Perturbation]:
+    """The perturbations ``rules`` make of ``cassette``'s steps, by step, each once.
+    A rule that selects no step, a perturbation a step cannot take, a step out of range
+    or a bad rule is a :class:`~recorder.errors.UsageError` naming it."""
+    ring = keyring or load_keyring(create=False)
+    parent = cassette if isinstance(cassette, Cassette) else load(
+        cassette, keyring=ring, require_signature=True, allow_incomplete=True)
+    parsed = [r if isinstance(r, SweepRule) else SweepRule.parse(r) for r in rules]
+    if not parsed:
+        raise ConfigError("give at least one --perturb rule, e.g. tool=search:error,empty")
+    others, seen, out = _Others(ring), set(), []
+    for rule in parsed:
+        steps: list[Mapping[str, Any]] = [o for o in parent.observations if rule.selects(o)]
+        if rule.select == "step" and not steps:
+            n = len(parent.observations)
+            raise NoSuchStep(f"--perturb {rule.text!r}: the run has steps 0-{n - 1}, and step "
+                             f"{rule.value} is not one a fork can edit")
+        if not steps:
+            raise ConfigError(f"--perturb {rule.text!r} selects no step; the run's tools are: "
+                              f"{', '.join(_tool_names(parent)) or 'none'}")
+        for obs in steps:
+            nth = _nth_call(parent, obs)
+            for name in rule.perturbations:
+                p = _perturb(obs, name, others, nth)
+                key = (p.step, p.kind, p.source)
+                if key not in seen:
+                    seen.add(key)
+                    out.append(p)
+    return sorted(out, key=lambda p: p.step)
+
+
+def _tool_names(run: Cassette) -> list[str]:
+    return sorted({str(o.get("name")) for o in run.observations if o.get("kind") in _TOOL_LINES})
+
+
+def _nth_call(run: Cassette, obs: Mapping[str, Any]) -> int:
+    """Which call of its tool ``obs`` is (0: the first)."""
+    return sum(1 for o in run.observations if o["seq"] < obs["seq"] and "within" not in o
+               and o.get("kind") in _TOOL_LINES and o.get("name") == obs.get("name"))
+
+
+# --------------------------------------------------------------------------- outcome
+
+
+def final_answer(run: Cassette) -> str | None:
+    """The text of the reply of ``run``'s last model step that got one (see the module)."""
+    for obs in reversed(run.observations):
+        response = obs.get("response")
+        if obs.get("kind") != Kind.MODEL or "within" in obs or not response or \
+                response.get("status", 0) >= 400 or obs.get("api_error") or obs.get("error"):
+            continue
+        provider = providers.for_line(obs)
+        try:
+            message = provider.message(response.get("headers", []),
+                                       decode_body(response["body"], response.get("encoding")))
+        except ValueError:
+            continue
+        reply = conversation.reply(provider.conversation(run.requests.get(obs["seq"]), message))
+        if reply is not None:
+            return conversation.text_of(reply)
+    return None
+
+
+@dataclass(frozen=True)
+class SweepJob:
+    """One fork to run: the perturbation, the files it writes and its command line."""
+
+    perturbation: Perturbation
+    out: Path  # the fork's cassette
+    edit: Path  # its --replace document
+    log: Path  # what ``deja fork`` and the program printed
+    argv: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"argv": list(self.argv), "out": str(self.out), "edit": str(self.edit),
+                "log": str(self.log)}
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """What one fork did: its end ``status`` and ``exit_code``, its final ``answer``, its
+    ``live`` totals (model, tool and HTTP calls, tokens, cost of what it ran live),
+    ``policy`` (tool calls its tool policy answered without running them), or the
+    ``error`` that kept it from running."""
+
+    perturbation: Perturbation
+    cassette: str
+    exit_code: int | None
+    status: str | None = None
+    answer: str | None = None
+    answer_changed: bool = False
+    status_changed: bool = False
+    live: Mapping[str, Any] = field(default_factory=dict)
+    policy: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def changed(self) -> bool:
+        return self.answer_changed or self.status_changed
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.perturbation.to_dict(), "cassette": self.cassette,
+                "exit_code": self.exit_code, "status": self.status, "answer": self.answer,
+                "answer_changed": self.answer_changed, "status_changed": self.status_changed,
+                "changed": self.changed, "live": dict(self.live), "policy_calls": self.policy,
+                "seconds": round(self.seconds, 3), "error": self.error}
+
+
+@dataclass(frozen=True)
+class SweepReport:
+    """A sweep of run ``run`` (``cassette``, which ended ``status`` with final answer
+    ``answer``): one row per perturbation, in step order."""
+
+    cassette: str
+    run: str
+    status: str
+    answer: str | None
+    rows: tuple[SweepRow, ...]
+    out_dir: str
+
+    @property
+    def changed(self) -> list[SweepRow]:
+        return [row for row in self.rows if row.error is None and row.changed]
+
+    @property
+    def errors(self) -> list[SweepRow]:
+        return [row for row in self.rows if row.error is not None]
+
+    @property
+    def exit_code(self) -> int:
+        """What ``deja sweep`` exits with: 2 when a fork could not run, else 1 when a
+        perturbation changed the outcome, else 0."""
+        return 2 if self.errors else 1 if self.changed else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cassette": self.cassette, "run": self.run, "out_dir": self.out_dir,
+                "recorded": {"status": self.status, "answer": self.answer},
+                "forks": len(self.rows), "changed": len(self.changed),
+                "errors": len(self.errors), "exit_code": self.exit_code,
+                "rows": [row.to_dict() for row in self.rows]}
+
+    def render(self) -> str:
+        """The table ``deja sweep`` prints, then which perturbations changed the outcome."""
+        lines = [f"deja sweep of run {self.run} ({self.cassette}): {len(self.rows)} fork(s), "
+                 f"{len(self.changed)} changed the outcome"
+                 + (f", {len(self.errors)} could not run" if self.errors else ""),
+                 f"recorded: {self.status}; final answer: {_quote(self.answer)}", ""]
+        table: list[tuple[str, ...]] = [("step", "target", "perturbation", "end status",
+                                         "exit", "final answer", "live calls", "cost",
+                                         "cassette")]
+        table += [_cells(row) for row in self.rows]
+        widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                  for r in table]
+        lines.append("")
+        if self.changed:
+            lines.append("changed the outcome:")
+            lines += [f"  {_what(row)}: {_how(self, row)}" for row in self.changed]
+        else:
+            lines.append("no perturbation changed the outcome")
+        lines += [f"could not run: {_what(row)}: {row.error}" for row in self.errors]
+        return "\n".join(lines)
+
+
+def _quote(text: str | None, width: int = 70) -> str:
+    if text is None:
+        return "(none)"
+    flat = " ".join(text.split())
+    return json.dumps(flat if len(flat) <= width else flat[: width - 1] + "…",
+                      ensure_ascii=False)
+
+
+def _what(row: SweepRow) -> str:
+    p = row.perturbation
+    return f"step {p.step} {p.target} {p.label}"
+
+
+def _how(report: SweepReport, row: SweepRow) -> str:
+    said = [f"{row.status} (recorded: {report.status})" if row.status_changed
+            else str(row.status)]
+    if row.answer_changed:
+        said.append(f"final answer {_quote(row.answer)}")
+    return "; ".join(said)
+
+
+def _cells(row: SweepRow) -> tuple[str, ...]:
+    p, live = row.perturbation, row.live
+    if row.error is not None:
+        result = ("error", "" if row.exit_code is None else str(row.exit_code), "-", "", "")
+    else:
+        calls = (f"{live.get('model_calls', 0)} model, {live.get('tool_calls', 0)} tool"
+                 + (f", {live['http_calls']} http" if live.get("http_calls") else "")
+                 + (f" ({row.policy} by policy)" if row.policy else ""))
+        result = (str(row.status) + (" *" if row.status_changed else ""),
+                  str(row.exit_code), "changed" if row.answer_changed else "same", calls,
+                  f"${float(live.get('cost_usd') or 0):.6f}")
+    return (str(p.step), f"{p.step_kind} {p.target}", p.label, *result, row.cassette)
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()[:40] or "step"
+
+
+def plan_jobs(cassette: str | Path, perturbations: Sequence[Perturbation], out_dir: str | Path,
+              *, command: Sequence[str] = (), cwd: str | Path | None = None,
+              live_tools: Sequence[str] = (), tool_rules: Sequence[str] = ()
+              ) -> list[SweepJob]:
+    """One job per perturbation: ``deja fork CASSETTE --at N --replace EDIT -o OUT``, with
+    the tool policy's flags and ``-- CMD``; its files in ``out_dir``
+    (``s007-search-error.jsonl``, ``.edit.json``, ``.log``), none of which may exist."""
+    out_dir, taken, jobs = Path(out_dir), set(), []
+    flags = [*(f"--live-tool={name}" for name in live_tools),
+             *(f"--tool={rule}" for rule in tool_rules),
+             *(["--cwd", str(cwd)] if cwd is not None else [])]
+    for p in perturbations:
+        stem = f"s{p.step:03d}-{_slug(p.target)}-{p.kind}"
+        n = 2
+        while stem in taken:
+            stem, n = f"s{p.step:03d}-{_slug(p.target)}-{p.kind}-{n}", n + 1
+        taken.add(stem)
+        out, doc, log = (out_dir / f"{stem}{suffix}" for suffix in (".jsonl", ".edit.json",
+                                                                   ".log"))
+        for path in (out, doc, log):
+            if path.exists():
+                raise PathTaken(f"{path} already exists; give the sweep another -o directory")
+        argv = (sys.executable, "-m", "deja", "fork", str(cassette), "--at", str(p.step),
+                "--replace", str(doc), "-o", str(out), *flags,
+                *(("--", *command) if command else ()))
+        jobs.append(SweepJob(p, out, doc, log, argv))
+    return jobs
+
+
+def run_sweep(cassette: str | Path, perturbations: Sequence[Perturbation], *,
+              out_dir: str | Path, command: Sequence[str] = (), jobs: int = 1,
+              cwd: str | Path | None = None, live_tools: Sequence[str] = (),
+              tool_rules: Sequence[str] = (), keyring: Keyring | None = None,
+              on_done: Callable[[SweepRow], None] | None = None) -> SweepReport:
+    """Run a fork per perturbation (:func:`plan_jobs`), ``jobs`` at a time, each a
+    ``deja fork`` process whose program goes live with the program's own environment (its
+    base URL, its keys) under the default tool policy plus ``live_tools`` and
+    ``tool_rules``; then compare each with the recording. ``on_done`` is called with each
+    row as its fork ends (from a worker thread)."""
+    ring = keyring or load_keyring(create=False)
+    parent = load(cassette, keyring=ring, require_signature=True, allow_incomplete=True)
+    planned = plan_jobs(cassette, perturbations, out_dir, command=command, cwd=cwd,
+                        live_tools=live_tools, tool_rules=tool_rules)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    for job in planned:
+        job.edit.write_text(json.dumps(job.perturbation.document, indent=2,
+                                       ensure_ascii=False) + "\n")
+    status, answer = run_status(parent), final_answer(parent)
+
+    def one(job: SweepJob) -> SweepRow:
+        row = run_job(job, status, answer, ring)
+        if on_done is not None:
+            on_done(row)
+        return row
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="deja-sweep") as pool:
+        rows = tuple(pool.map(one, planned))
+    return SweepReport(str(cassette), parent.run, status, answer, rows, str(out_dir))
+
+
+def run_job(job: SweepJob, status: str, answer: str | None,
+            keyring: Keyring | None = None) -> SweepRow:
+    """Run one fork (its output to its log) and compare how it ended with the recording's
+    end ``status`` and final ``answer``."""
+    started = time.monotonic()
+    with job.log.open("wb") as log:
+        done = subprocess.run(job.argv, stdout=log, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, env=os.environ.copy(), check=False)
+    return job_row(job, done.returncode, status, answer, time.monotonic() - started, keyring)
+
+
+def job_row(job: SweepJob, code: int | None, status: str, answer: str | None,
+            seconds: float = 0.0, keyring: Keyring | None = None) -> SweepRow:
+    """The row of a fork that ran (exit status ``code``), read back from its cassette."""
+    base = SweepRow(job.perturbation, str(job.out), code, seconds=seconds)
+    try:
+        fork = load(job.out, keyring=keyring, allow_incomplete=True, allow_torn=True)
+    except DejaError as exc:
+        return _failed(base, job, f"no fork was written ({type(exc).__name__})")
+    if fork.end is None:
+        return _failed(base, job, "the fork did not end")
+    totals = run_totals(fork)
+    start = totals["live_from"]
+    new_status, new_answer = run_status(fork), final_answer(fork)
+    return SweepRow(job.perturbation, str(job.out), code, new_status, new_answer,
+                    new_answer != answer, new_status != status, totals["live"] or {},
+                    sum(1 for o in fork.observations if o["seq"] >= start and o.get("policy")),
+                    seconds)
+
+
+def _failed(row: SweepRow, job: SweepJob, why: str) -> SweepRow:
+    """A fork that could not run: why, with the last line it printed."""
+    try:
+        said = [line for line in job.log.read_text(errors="replace").splitlines() if line]
+    except OSError:
+        said = []
+    last = f": {said[-1].strip()}" if said else ""
+    return SweepRow(row.perturbation, row.cassette, row.exit_code, seconds=row.seconds,
+                    error=f"{why}, exit status {row.exit_code}{last} (see {job.log})")
