@@ -4,7 +4,9 @@ Start it with ``deja view [DIR]`` (``streamlit run viewer/app.py -- DIR``; the d
 may also come from ``DEJA_VIEW_DIR``). The page is in the URL: ``?run=R&file=F&step=N``
 opens run R (the cassette file F in the folder: a copied cassette keeps its run id, so the
 file is what tells two copies apart) and one of its steps, ``?a=R1&a_file=F1&b=R2&b_file=F2``
-compares two runs, nothing lists the runs (``?q=words`` keeps the search),
+compares two runs (``&c=R3&c_file=F3`` ... more, :mod:`viewer.diff_page`),
+``?run=R&file=F&via=F0`` opens a run of another folder found in the fork tree of the
+folder's file F0 (:mod:`viewer.lineage`), nothing lists the runs (``?q=words`` keeps the search),
 ``?page=submitted`` shows the runs database (:mod:`viewer.submitted_page`); a reload or a
 shared link restores the view. This script only lays out: every question is
 a function of :mod:`viewer.queries`.
@@ -19,7 +21,6 @@ folder, where it is listed and opened as usual.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from datetime import UTC, datetime, timedelta
@@ -27,16 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import altair as alt
-import duckdb
 import pandas as pd
 import streamlit as st
 
 from recorder.errors import DejaError
-from viewer import queries, widgets
+from viewer import diff_page, lineage, queries, widgets
 from viewer.index import RunIndex
+from viewer.lineage import open_index, refresh, tree_panel
 from viewer.safe import md
-
-log = logging.getLogger("deja.viewer")
 
 STEP_COLUMNS = list(queries.TIMELINE_COLUMNS)
 EMPTY = "—"  # what a cell without a value shows
@@ -50,23 +49,6 @@ def directory() -> Path:
     if len(argv) > 1 and Path(argv[0]).resolve() in (here, here.with_name("serve.py")):
         return Path(argv[1])
     return Path(os.environ.get("DEJA_VIEW_DIR") or "cassettes")
-
-
-def open_index(folder: Path) -> RunIndex:
-    """This session's index of ``folder``, refreshed (incrementally) on every run."""
-    key = f"index:{folder.resolve()}"
-    index = st.session_state.get(key)
-    if index is None:
-        index = st.session_state[key] = RunIndex(folder)
-    refresh(index)
-    return index
-
-
-def refresh(index: RunIndex) -> None:
-    try:
-        index.refresh()
-    except duckdb.Error as exc:  # another session refreshing the same file: next time
-        log.warning("index refresh failed: %s", exc)
 
 
 def _int(value: Any) -> int | None:
@@ -174,13 +156,16 @@ def runs_table(rows: list[dict[str, Any]]) -> None:
 
 
 def run_page(index: RunIndex, run: str, *, submitted: str | None = None,
-             fork_dir: Path | None = None) -> None:
+             fork_dir: Path | None = None, via: str | None = None,
+             viewed: RunIndex | None = None) -> None:
     """Run ``run`` of ``index``; ``submitted``: its id in the runs database, opened from
-    Submitted runs (``run`` is then the cassette the database names); ``fork_dir``: where
-    its forks are written (next to it by default)."""
+    Submitted runs (``run`` is then the cassette the database names); ``via``: the run of
+    the viewed folder (``viewed``) whose fork tree it was reached through, for a run of
+    another folder; ``fork_dir``: where its forks are written (next to it by default)."""
+    marks = {k: v for k, v in (("submitted", submitted), ("via", via)) if v is not None}
     if submitted is None:
         st.button("← All runs", on_click=widgets.go, key="back")
-    found = run_header(index, run, submitted)
+    found = run_header(index, run, marks)
     if found is None:
         st.error(md("No run {!r} in {:code}.", run, index.directory))
         return
@@ -198,21 +183,22 @@ def run_page(index: RunIndex, run: str, *, submitted: str | None = None,
         now = state
         if state["poll"]:
             refresh(index)
-            header = run_header(index, run, submitted) or header
+            header = run_header(index, run, marks) or header
             now = live_state(header)
             if not now["poll"]:  # it ended: one full rerun, and the timer stops
                 st.rerun()
-        run_body(index, header, now["live"], fork_dir)
+        run_body(index, header, now["live"], fork_dir, viewed or index)
 
     body()
 
 
-def run_header(index: RunIndex, run: str, submitted: str | None) -> dict[str, Any] | None:
+def run_header(index: RunIndex, run: str, marks: dict[str, str]) -> dict[str, Any] | None:
     """:func:`queries.run_header`, marked with the run's id in the runs database when it
-    was opened from there (its links and diffs name it so)."""
+    was opened from there, or with the run it was reached through (``via``): its links
+    and diffs name it so."""
     header = queries.run_header(index, run)
-    if header is not None and submitted is not None:
-        header["submitted"] = submitted
+    if header is not None:
+        header.update(marks)
     return header
 
 
@@ -245,7 +231,7 @@ def ending(status: dict[str, Any] | None, grace_s: float = 30.0) -> bool:
 
 
 def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | None,
-             fork_dir: Path | None = None) -> None:
+             fork_dir: Path | None = None, viewed: RunIndex | None = None) -> None:
     # The timeline is sent before the totals and panels above it (filled in afterwards):
     # the browser starts drawing a long run's grid the soonest. What says the run is not
     # verified is sent before it.
@@ -276,6 +262,7 @@ def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | N
                        else f"{header['duration']:.3f}s")
     with panels:
         widgets.lineage_panel(index, header)
+        tree_panel(viewed or index, header)
         if status and status["record"] is not None:
             widgets.live_panel(header, status)
     # A long run's charts are drawn on request, so its timeline paints first.
@@ -375,92 +362,6 @@ def step_panel(index: RunIndex, header: dict[str, Any], names: dict[int, str],
         widgets.fork_editor(header, detail, out_dir=fork_dir)
 
 
-# ---------------------------------------------------------------------- diff
-
-
-def diff_page(index: RunIndex, a: str | Path, b: str | Path,
-              submitted: dict[str, str] | None = None) -> None:
-    """Runs ``a`` and ``b`` (see :func:`queries.diff`) side by side; ``submitted`` names
-    the sides opened from the runs database (``"a"``, ``"b"``) by their id there."""
-    st.button("← All runs", on_click=widgets.go, key="back")
-    st.title("Diff")
-    try:
-        view = queries.diff(index, a, b)
-    except (DejaError, OSError) as exc:
-        st.error(md("Cannot compare {} and {}: {}", a, b, exc))
-        return
-    for tag, run_id in (submitted or {}).items():
-        (view.a if tag == "a" else view.b)["submitted"] = run_id
-    left, right = st.columns(2)
-    for col, side, tag in ((left, view.a, "A"), (right, view.b, "B")):
-        col.markdown(md("**{}: {}** · {} steps", tag, side["name"], side["steps"]))
-        col.button(md("Open {}", tag), key=f"open_{tag}", on_click=widgets.go,
-                   kwargs=widgets.run_params(side))
-    result = view.result
-    if result.same:
-        st.success("Same: every step means the same in both runs.")
-        return
-    prefix = view.same_prefix
-    if prefix:
-        with st.expander("Step 0: identical" if prefix == 1 else
-                         md("Steps 0-{}: identical ({} steps)", prefix - 1, prefix)):
-            st.dataframe(_aligned_frame(view.rows[:prefix]), hide_index=True,
-                         placeholder=EMPTY)
-    st.error(md("First divergence: step {}", result.first_divergence))
-    rest = view.rows[prefix:]
-    frame = _aligned_frame(rest)
-    st.dataframe(frame.style.apply(
-        lambda row: ["background-color: rgba(255, 75, 75, 0.25)" if row["first"] else ""
-                     for _ in row], axis=1), hide_index=True, key="diff_table",
-                 placeholder=EMPTY, column_order=[c for c in frame.columns if c != "first"])
-    for row in rest:
-        changes = view.changes.get(row["step"])
-        if not changes:
-            continue
-        with st.expander(("▶ first divergence · " if row["first"] else "")
-                         + md("Step {}: A {} · B {}", row["step"],
-                              _side(row["seq_a"], row["kind_a"]),
-                              _side(row["seq_b"], row["kind_b"])),
-                         expanded=row["first"]):
-            st.dataframe(pd.DataFrame(widgets.changes_table(changes)), hide_index=True,
-                         placeholder=EMPTY)
-    with st.expander("As text (deja diff)"):
-        st.code(view.text, language=None)
-
-
-def _side(seq: Any, kind: Any) -> str:
-    """One run's side of an aligned step: its seq and kind, or that it has none."""
-    return f"seq {seq} {kind}" if seq is not None else "has no such step"
-
-
-# The aligned table's columns as a reader reads them: A's side, B's side, the verdict.
-_ALIGNED = {"step": "step", "seq_a": "A seq", "kind_a": "A kind", "name_a": "A name",
-            "status_a": "A status", "seq_b": "B seq", "kind_b": "B kind",
-            "name_b": "B name", "status_b": "B status", "verdict": "verdict",
-            "changed": "changed", "first": "first"}
-
-
-def _aligned_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
-    frame = pd.DataFrame([{**{c: r.get(c) for c in _ALIGNED},
-                           "verdict": "same" if r["same"] else "differs"} for r in rows],
-                         columns=list(_ALIGNED))
-    frame = frame.astype({"seq_a": "Int64", "seq_b": "Int64"})  # absent: <NA>, not 1.0
-    return frame.rename(columns=_ALIGNED)
-
-
-def diff_side(tag: str) -> tuple[str | Path | None, str | None]:
-    """What side ``tag`` of a diff's URL names: a run id or file name of the folder
-    (``a``, ``a_file``), or for ``a_submitted`` the cassette the runs database names for
-    that run; and that run's id there."""
-    run_id = st.query_params.get(f"{tag}_submitted")
-    if not run_id:
-        return st.query_params.get(f"{tag}_file") or st.query_params.get(tag), None
-    from viewer import submitted_page
-
-    found = submitted_page.run_record(run_id)  # None: it says why
-    return (Path(found["cassette"]) if found else None), run_id
-
-
 # ---------------------------------------------------------------------- submitted runs
 
 
@@ -481,6 +382,20 @@ def submitted_run_page(folder: Path, run_id: str) -> None:
         return
     run_page(open_index(path.parent), str(path), submitted=run_id,
              fork_dir=folder if folder.is_dir() else None)
+
+
+def via_run_page(viewed: RunIndex, via: str) -> None:
+    """A run of another folder, reached through the fork tree of ``via`` (a file of the
+    viewed folder): the address names runs, never a path. Its forks go to the viewed
+    folder, where they are listed."""
+    run, file = st.query_params.get("run"), st.query_params.get("file")
+    path = lineage.locate(viewed, via, run, file)
+    if path is None:
+        st.button("← All runs", on_click=widgets.go, key="back")
+        st.error(md("No run {} in the fork tree of {}.", run or file, via))
+        return
+    run_page(open_index(path.parent), str(path), via=via, viewed=viewed,
+             fork_dir=viewed.directory)
 
 
 # ---------------------------------------------------------------------- main
@@ -508,9 +423,10 @@ def main() -> None:
         return
     index = open_index(folder)
     params = st.query_params
-    (a, a_id), (b, b_id) = diff_side("a"), diff_side("b")
-    if a and b:
-        diff_page(index, a, b, {t: i for t, i in (("a", a_id), ("b", b_id)) if i})
+    if len(named := diff_page.sides(index)) >= 2:
+        diff_page.page(index, named)
+    elif via := params.get("via"):  # a run of another folder, in a fork tree of this one
+        via_run_page(index, via)
     elif ref := params.get("file") or params.get("run"):
         run_page(index, ref)
     else:

@@ -11,14 +11,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-from collections.abc import Mapping
-from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 from pathlib import Path
 from typing import Any
 
 from recorder.cassette import lock
-from recorder.cassette.rows import step_count, step_name, step_status
 from recorder.cassette.schema import Control, Kind, run_status
 from recorder.errors import NoSuchRun, UsageError
 from recorder.harness.progress import (
@@ -27,7 +24,7 @@ from recorder.harness.progress import (
     read_status,
     request_cancel,
 )
-from replayer.diff import FieldChange, RunDiff, aligned, compare, render
+from viewer.diffs import DiffView, diff_view
 from viewer.index import RunIndex
 from viewer.step import (
     LaunchedFork,
@@ -430,40 +427,13 @@ def waterfall(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------- diff and lineage
 
 
-@dataclass
-class DiffView:
-    """Two runs aligned step by step, for a side-by-side page."""
-
-    a: dict[str, Any]
-    b: dict[str, Any]
-    result: RunDiff
-    text: str
-    rows: list[dict[str, Any]]
-    changes: dict[int, tuple[FieldChange, ...]]  # by row position
-
-    @property
-    def first_divergence(self) -> int | None:
-        return self.result.first_divergence
-
-    @property
-    def same_prefix(self) -> int:
-        """How many aligned rows come before the first divergent one."""
-        return next((i for i, row in enumerate(self.rows) if row["first"]), len(self.rows))
-
-
-def _side(obs: Mapping[str, Any] | None) -> dict[str, Any]:
-    if obs is None:
-        return {"seq": None, "kind": None, "name": None, "status": None}
-    return {"seq": obs.get("seq"), "kind": obs.get("kind"), "name": step_name(obs),
-            "status": step_status(obs)}
-
-
-def diff(source: RunIndex | None, a: str | Path, b: str | Path) -> DiffView:
-    """Compare run ``a`` with run ``b``: a :class:`~pathlib.Path` is a cassette file; a
+def diff(source: RunIndex | None, a: str | Path, b: str | Path, *more: str | Path) -> DiffView:
+    """Compare runs ``a``, ``b`` and any ``more`` with ``a``, aligned by what their steps
+    mean (:func:`viewer.diffs.diff_view`): a :class:`~pathlib.Path` is a cassette file; a
     string is a run id or file name of the index ``source`` (never a path: it may come
     from a URL), or a path when there is no index."""
     paths = []
-    for run in (a, b):
+    for run in (a, b, *more):
         if isinstance(run, Path) or source is None:
             path: Path | None = Path(run)
         else:
@@ -471,28 +441,7 @@ def diff(source: RunIndex | None, a: str | Path, b: str | Path) -> DiffView:
         if path is None or not path.exists():
             raise NoSuchRun(f"no run {run!r}" + (f" in {source.directory}" if source else ""))
         paths.append(path)
-    ca, cb = load_cassette(paths[0]), load_cassette(paths[1])
-    result = compare(ca, cb)
-    steps_a, steps_b = aligned(ca), aligned(cb)
-    pending = list(result.steps)
-    rows: list[dict[str, Any]] = []
-    changes: dict[int, tuple[FieldChange, ...]] = {}
-    for i in range(max(len(steps_a), len(steps_b))):
-        left = _side(steps_a[i] if i < len(steps_a) else None)
-        right = _side(steps_b[i] if i < len(steps_b) else None)
-        key = right["seq"] if right["seq"] is not None else left["seq"]
-        same = True
-        if pending and pending[0].seq == key and pending[0].kind_a == left["kind"] \
-                and pending[0].kind_b == right["kind"]:
-            changes[i] = pending.pop(0).changes
-            same = False
-        rows.append({"step": i, **{f"{k}_a": v for k, v in left.items()},
-                     **{f"{k}_b": v for k, v in right.items()}, "same": same,
-                     "first": key == result.first_divergence and not same,
-                     "changed": ", ".join(c.path or "/" for c in changes.get(i, ()))})
-    side = [{"name": c.run, "run": c.run, "path": str(p), "steps": step_count(c)}
-            for c, p in ((ca, paths[0]), (cb, paths[1]))]
-    return DiffView(side[0], side[1], result, render(result), rows, changes)
+    return diff_view(paths)
 
 
 def lineage(index: RunIndex, run: str) -> dict[str, Any] | None:

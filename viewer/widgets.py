@@ -46,21 +46,27 @@ def go(**params: Any) -> None:
 def run_params(row: dict[str, Any]) -> dict[str, Any]:
     """The URL of a run's page: its id, and its file (what tells two copies apart); for a
     run opened from the runs database, its id there (``submitted``), which names its
-    cassette."""
+    cassette; for a run of another folder, the run of the viewed folder whose fork tree
+    it is in (``via``, :mod:`viewer.lineage`)."""
     if row.get("submitted"):
         return {"submitted": row["submitted"]}
-    return {"run": row.get("run"), "file": Path(row["path"]).name if row.get("path") else None}
+    params = {"run": row.get("run"),
+              "file": Path(row["path"]).name if row.get("path") else None}
+    return {**params, "via": row["via"]} if row.get("via") else params
 
 
-def diff_params(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """The URL of the diff of run rows ``a`` and ``b``."""
+def diff_params(*rows: dict[str, Any]) -> dict[str, Any]:
+    """The URL of the diff of run rows ``rows`` (tagged ``a``, ``b``, ... in order; the
+    first is the base)."""
     params: dict[str, Any] = {}
-    for tag, row in (("a", a), ("b", b)):
+    for tag, row in zip("abcdefghijklmnopqrstuvwxyz", rows, strict=False):
         side = run_params(row)
         if "submitted" in side:
             params[f"{tag}_submitted"] = side["submitted"]
         else:
             params.update({tag: side["run"], f"{tag}_file": side["file"]})
+            if side.get("via"):
+                params[f"{tag}_via"] = side["via"]
     return params
 
 
@@ -275,7 +281,7 @@ def lineage_panel(index: RunIndex, header: dict[str, Any]) -> None:
     """The run's parent and the forks of it in its folder. A run opened from the runs
     database lies outside the viewed folder, and so do they: named, not opened."""
     info = queries.lineage(index, header["path"]) or {}
-    here = not header.get("submitted")
+    here = not header.get("submitted") and not header.get("via")
     parent = info.get("parent")
     if parent:
         reachable = parent["indexed"] and here
