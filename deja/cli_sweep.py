@@ -1,0 +1,168 @@
+"""``deja sweep``: fork a recorded run once per perturbed observation, run the forks, and
+report which perturbations change how the run ends (:mod:`replayer.sweep`)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import click
+
+from deja._common import (
+    BadInput,
+    RunsCommand,
+    _cwd_option,
+    _fail,
+    _load,
+    _no_command,
+    tool_policy,
+    tool_policy_options,
+)
+from deja._launch import _where_to_run
+
+
+def junit_report(report: Any) -> ET.ElementTree:
+    """The sweep as a JUnit XML report: a test case per perturbation; one that changed the
+    outcome fails, a fork that could not run is an error."""
+    root = ET.Element("testsuites", name="deja sweep")
+    suite = ET.SubElement(root, "testsuite", name=f"deja sweep {report.run}")
+    for row in report.rows:
+        p = row.perturbation
+        case = ET.SubElement(suite, "testcase", classname=report.cassette,
+                             name=f"step {p.step} {p.step_kind} {p.target} {p.label}",
+                             time=f"{row.seconds:.3f}")
+        if row.error is not None:
+            ET.SubElement(case, "error", message=row.error, type="SweepForkError")
+        elif row.changed:
+            failure = ET.SubElement(case, "failure", type="OutcomeChanged",
+                                    message=f"ended {row.status} (recorded: {report.status}); "
+                                            f"final answer "
+                                            f"{'changed' if row.answer_changed else 'same'}")
+            failure.text = f"final answer: {row.answer}\nfork: {row.cassette}"
+    for element in (root, suite):
+        element.set("tests", str(len(report.rows)))
+        element.set("failures", str(len(report.changed)))
+        element.set("errors", str(len(report.errors)))
+        element.set("time", f"{sum(row.seconds for row in report.rows):.3f}")
+    tree = ET.ElementTree(root)
+    ET.indent(tree)
+    return tree
+
+
+def _plan(cassette: Path, rules: tuple[str, ...], output: Path | None,
+          command: tuple[str, ...], cwd: Path | None, policy: Any) -> tuple[Any, list[Any]]:
+    """Check everything before anything is written: the cassette, the command, the rules
+    and the files the forks will write. Returns the parent and the jobs."""
+    from recorder.errors import DejaError
+    from replayer.sweep import plan_jobs, plan_sweep
+
+    parent = _load(cassette, require_signature=True, allow_incomplete=True)
+    argv = list(command) or list(parent.header.get("argv") or [])
+    if not argv:
+        raise _no_command(cassette, parent.header, "fork")
+    _where_to_run(cassette, parent.header, argv, given=bool(command), cwd=cwd)
+    out_dir = output if output is not None else cassette.parent / f"{cassette.stem}-sweep"
+    try:
+        perturbations = plan_sweep(parent, rules)
+        jobs = plan_jobs(cassette, perturbations, out_dir, command=command, cwd=cwd,
+                         tool_rules=_rules(policy))
+    except DejaError as exc:
+        _fail(exc)
+    return parent, jobs
+
+
+def _rules(policy: Any) -> list[str]:
+    """The tool policy as ``deja fork --tool`` rules (a tool named live is NAME=live)."""
+    return [f"{name}={rule.spec()}" for name, rule in sorted(policy.rules.items())]
+
+
+def _progress(total: int) -> Any:
+    """Say each fork's end on stderr as it comes."""
+    done = [0]
+
+    def said(row: Any) -> None:
+        done[0] += 1
+        p = row.perturbation
+        how = (f"could not run: {row.error}" if row.error is not None else
+               f"{row.status}, final answer {'changed' if row.answer_changed else 'same'}")
+        click.echo(f"deja: [{done[0]}/{total}] step {p.step} {p.target} {p.label}: {how} "
+                   f"({row.seconds:.1f} s)", err=True)
+    return said
+
+
+@click.command(cls=RunsCommand)
+@click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.option("--perturb", "rules", multiple=True, required=True, metavar="RULE",
+              help="Steps and perturbations, SELECTOR:P[,P...]: tool=NAME (tool=* for every "
+                   "tool), model, or step=N; P is error, timeout, empty, malformed or "
+                   "other=FILE for a tool step, 429 or 529 for a model step (repeatable).")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Forks run at the same time.")
+@click.option("-o", "--output", "output", type=click.Path(path_type=Path, file_okay=False),
+              help="The directory for the forks' cassettes, edit documents and logs "
+                   "(default: CASSETTE's name with -sweep, next to it).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+@click.option("--junit", type=click.Path(path_type=Path, dir_okay=False), metavar="FILE",
+              help="Also write a JUnit XML report: a test case per perturbation, failed "
+                   "when it changed the outcome.")
+@click.option("--dry-run", is_flag=True,
+              help="Print the forks the rules make (and their commands) and run nothing.")
+@tool_policy_options
+@_cwd_option
+def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs: int,
+          output: Path | None, as_json: bool, junit: Path | None, dry_run: bool,
+          tool_rules: tuple[str, ...], live_tools: tuple[str, ...], cwd: Path | None) -> None:
+    """What if a tool had failed? deja sweep CASSETTE --perturb RULE ... [-j N] [-- CMD].
+
+    Forks the run once per perturbation (deja fork --at N --replace EDIT), runs the forks
+    (-j at a time; each re-runs the recorded command, or CMD, live after its step against
+    the program's own base URL), and reports, one row per perturbation: the step, the
+    fork's end status (completed, failed, stopped by a guard ...), whether its final answer
+    changed, its live calls and cost, and its cassette; then which perturbations changed
+    the outcome. The final answer is the text of the last model reply (the last model
+    step with a status below 400). A perturbation changes the outcome when the final
+    answer or the end status differs from the recording's.
+
+    Tool steps take error (RuntimeError), timeout (TimeoutError), empty ("", [], {} or
+    null, by the recorded type), malformed (the recorded JSON text cut in half) and
+    other=FILE (the same tool's result in another recording); model steps take 429 and
+    529 (the provider's error response). A side-effecting tool never runs in a fork unless
+    named with --live-tool. CASSETTE is never written.
+
+    Exit 0 no perturbation changed the outcome, 1 one did, 2 bad input (nothing is
+    written) or a fork that could not run.
+    """
+    from replayer.fork import side_effect_warning
+    from replayer.sweep import run_sweep
+
+    policy = tool_policy(tool_rules, live_tools)
+    parent, planned = _plan(cassette, rules, output, command, cwd, policy)
+    if dry_run:
+        click.echo(json.dumps([{**j.perturbation.to_dict(), **j.to_dict()} for j in planned],
+                              indent=2, ensure_ascii=False) if as_json else
+                   "\n".join(f"step {j.perturbation.step} {j.perturbation.target} "
+                             f"{j.perturbation.label}: {' '.join(j.argv[1:])}"
+                             for j in planned))
+        return
+    warning = side_effect_warning(parent, min(j.perturbation.step for j in planned), policy)
+    if warning is not None:
+        click.secho(f"deja: WARNING: {warning}", err=True, fg="yellow")
+    out_dir = planned[0].out.parent
+    click.echo(f"deja: sweeping run {parent.run}: {len(planned)} fork(s), {jobs} at a time, "
+               f"into {out_dir}", err=True)
+    report = run_sweep(cassette, [j.perturbation for j in planned], out_dir=out_dir,
+                       command=command, jobs=jobs, cwd=cwd, tool_rules=_rules(policy),
+                       on_done=_progress(len(planned)))
+    click.echo(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if as_json
+               else report.render())
+    if junit is not None:
+        try:
+            junit.parent.mkdir(parents=True, exist_ok=True)
+            junit_report(report).write(junit, encoding="utf-8", xml_declaration=True)
+        except OSError as exc:
+            raise BadInput(f"--junit {junit}: {exc.strerror or exc}") from None
+    sys.exit(report.exit_code)
