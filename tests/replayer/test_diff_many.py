@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,16 +28,10 @@ from recorder.testing.server import StubServer
 from replayer.diff import align_keys, compare
 from replayer.diff_many import compare_many
 
-PROMPT = "Where is the session refresh implemented?"
-TOOLS = [{"name": "find", "description": "Find files by query.",
-          "input_schema": {"type": "object", "properties": {"query": {"type": "string"}},
-                           "required": ["query"]}}]
-SCRIPT = {"select": "conversation", "turns": [
-    {"text": "Searching.", "tool_use": {"name": "find", "input": {"query": "session refresh"}},
-     "usage": {"input_tokens": 120, "output_tokens": 20}},
-    {"text": "Narrowing it down.", "tool_use": {"name": "find", "input": {"query": "auth/"}},
-     "usage": {"input_tokens": 180, "output_tokens": 22}},
-    {"text": "It is in auth/session.py.", "usage": {"input_tokens": 240, "output_tokens": 9}}]}
+if str(Path(__file__).parent) not in sys.path:  # loaded by path, from the viewer's tests
+    sys.path.append(str(Path(__file__).parent))
+from test_diff import PROMPT, SCRIPT, TOOLS  # the agent's prompt, tool and model script
+
 FOUND = {"session refresh": ["auth/session.py"], "auth/": ["auth/session.py", "auth/token.py"]}
 
 

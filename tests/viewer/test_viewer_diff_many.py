@@ -12,7 +12,6 @@ screenshots are left under the test's tmp_path.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 from collections.abc import Iterator
@@ -21,16 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_viewer_browser as browser
 from conftest import MODEL, _collect_clients
+from playwright.sync_api import expect
 from streamlit.testing.v1 import AppTest
-from test_viewer_browser import (
-    chromium_missing,
-    chromium_page,
-    grid,
-    open_page,
-    serve_viewer,
-    shot,
-)
+from test_viewer_queries import _load_module
 
 import replayer
 from recorder.cassette import load
@@ -43,15 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 APP = ROOT / "viewer" / "app.py"
 
 
-def _load(path: Path, name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-many = _load(ROOT / "tests" / "replayer" / "test_diff_many.py", "deja_test_viewer_many_runs")
+many = _load_module(ROOT / "tests" / "replayer" / "test_diff_many.py",
+                    "deja_test_viewer_many_runs")  # its four runs and their agent
 
 
 @dataclass(frozen=True)
@@ -283,19 +270,17 @@ def row_cells(table: Any, text: str) -> list[str]:
 
 
 def test_four_runs_and_the_tree_in_chromium(family: Family, tmp_path: Path) -> None:
-    missing = chromium_missing()
+    missing = browser.chromium_missing()
     if missing:
         pytest.fail(missing)
     query = "&".join(f"{k}={v}" for k, v in diff_params(family, *"abcd").items())
     model = f"model {MODEL}"
-    with serve_viewer(family.incidents, tmp_path / "view.log") as base, \
-            chromium_page({"width": 1400, "height": 1100}) as page:
-        open_page(page, f"{base}/?{query}")
-        from playwright.sync_api import expect
-
+    with browser.serve_viewer(family.incidents, tmp_path / "view.log") as base, \
+            browser.chromium_page({"width": 1400, "height": 1100}) as page:
+        browser.open_page(page, f"{base}/?{query}")
         expect(page.get_by_role("heading", name="Diff", exact=True)).to_be_visible()
         expect(page.get_by_text(re.compile("^First divergence from A"))).to_be_visible()
-        table = grid(page, 1)  # the aligned rows after the folded identical prefix
+        table = browser.grid(page, 1)  # the aligned rows after the folded identical prefix
         expect(table).to_contain_text("▶ 2 tool audit")
         # A row of the page is a row of the table: each run's step in one <tr>.
         assert row_cells(table, "▶ 2 tool audit")[1:5] == ["—", "—", "▶ 2 tool audit", "—"]
@@ -305,16 +290,15 @@ def test_four_runs_and_the_tree_in_chromium(family: Family, tmp_path: Path) -> N
                                                           "4 tool find", "▶ 3 tool find"]
         headers = table.locator("th").all_inner_texts()
         assert [h.split(" · ")[0] for h in headers[1:5]] == list("ABCD"), headers
-        shot(page, tmp_path / "diff-four-runs.png", full_page=True)
-    with serve_viewer(family.fixes, tmp_path / "view-fixes.log") as base, \
-            chromium_page({"width": 1400, "height": 1000}) as page:
-        open_page(page, f"{base}/?run={family.ids['a-fix']}&file=a-fix.jsonl")
+        browser.shot(page, tmp_path / "diff-four-runs.png", full_page=True)
+    with browser.serve_viewer(family.fixes, tmp_path / "view-fixes.log") as base, \
+            browser.chromium_page({"width": 1400, "height": 1000}) as page:
+        browser.open_page(page, f"{base}/?run={family.ids['a-fix']}&file=a-fix.jsonl")
         expect(page.get_by_text("Fork tree (5 runs)")).to_be_visible()
         expect(page.get_by_text(re.compile(r"^replay-then-live, left at step \d+ · completed$"))
                ).to_be_visible()
-        shot(page, tmp_path / "fork-tree.png")
+        browser.shot(page, tmp_path / "fork-tree.png")
         page.get_by_role("button", name=f"{family.ids['a']} · a.jsonl").click()
         expect(page.get_by_role("heading", name=f"Run {family.ids['a']}")).to_be_visible()
         assert "via=a-fix.jsonl" in page.url
         expect(page.get_by_text(f"{family.ids['a']} · a.jsonl (this run)")).to_be_visible()
-    assert json.loads(json.dumps(page.url is not None))
