@@ -586,14 +586,17 @@ def test_diff_of_a_proxied_and_an_in_process_recording(
     text = deja("diff", in_process["1"], proxied)
     assert text.returncode == 0 and "same: every step means the same" in text.stdout
 
-    # a plain function leaves no tool step in process: the runs part at the first tool
+    # a plain function leaves no tool step in process: the runs part at the first tool,
+    # a step only the proxied run has; the model steps after it still line up
     compared = deja("diff", "--json", in_process["0"], proxied)
     report = json.loads(compared.stdout)
     assert compared.returncode == 1, compared.stdout
     assert (report["steps_a"], report["steps_b"]) == (3, 5)
     assert report["first_divergence"] == 1
     first = report["steps"][0]
-    assert (first["seq"], first["kind_a"], first["kind_b"]) == (1, "model", "tool")
+    assert (first["seq"], first["kind_a"], first["kind_b"]) == (1, None, "tool")
+    assert [(s["kind_a"], s["kind_b"]) for s in report["steps"]] == [
+        (None, "tool"), (None, "tool"), ("end", "end")]  # its totals count the tools
     text = deja("diff", in_process["0"], proxied)
     assert text.returncode == 1 and "first divergence: step 1" in text.stdout
 
