@@ -183,16 +183,24 @@ def rebuild(obs: Mapping[str, Any], doc: Any, prices: PriceTable | None = None) 
                            for k, v in response["headers"]]
     new["response"] = response
     if kind == Kind.MODEL:
-        summary = provider.summarize(response["status"], response["headers"], data)
-        usage = summary.get("usage") or None
-        new.update(usage=usage, stop_reason=summary.get("stop_reason"),
-                   message_id=summary.get("message_id"),
-                   cost_usd=provider.cost(summary.get("model") or obs.get("model"), usage,
-                                          prices or PriceTable()))
-        new.pop("api_error", None)
-        if summary.get("error"):
-            new["api_error"] = summary["error"]
+        _summarized(new, provider, data, prices)
     return new
+
+
+def _summarized(new: dict[str, Any], provider: providers.Provider, data: bytes,
+                prices: PriceTable | None) -> None:
+    """What an edited model line's response says (usage, stop reason, API error) and
+    what it cost, set on the line as a recording sets them."""
+    response = new["response"]
+    summary = provider.summarize(response["status"], response["headers"], data)
+    usage = summary.get("usage") or None
+    new.update(usage=usage, stop_reason=summary.get("stop_reason"),
+               message_id=summary.get("message_id"),
+               cost_usd=provider.cost(summary.get("model") or new.get("model"), usage,
+                                      prices or PriceTable()))
+    new.pop("api_error", None)
+    if summary.get("error"):
+        new["api_error"] = summary["error"]
 
 
 def is_response(doc: Any) -> bool:
