@@ -118,7 +118,7 @@ def run(words: Sequence[str], command: Sequence[str] | None, opts: ReplayOptions
     opts = replace(opts, many=many, wants_result=many or junit is not None or _on_github())
     if many:
         sys.exit(_many(cassettes, command, opts, junit, junit_cases))
-    outcome, failed = _attempt(cassettes[0], command, opts)
+    outcome, failed = attempt(cassettes[0], command, opts)
     if outcome.result is not None:  # one cassette: its report on stdout, as always
         click.echo(json.dumps(outcome.result, indent=2) if opts.as_json else
                    render(outcome.result, outcome.code))
@@ -169,10 +169,11 @@ def _expand(words: Sequence[str]) -> tuple[list[Path], bool]:
     return cassettes, len(words) > 1 or any(Path(word).is_dir() for word in words)
 
 
-def _attempt(cassette: Path, command: tuple[str, ...],
-             opts: ReplayOptions) -> tuple[Outcome, click.ClickException | None]:
-    """Replay one cassette, timed; what kept it from being judged is its outcome's error
-    (and handed back, for one cassette to exit with as it always did)."""
+def attempt(cassette: Path, command: tuple[str, ...],
+            opts: ReplayOptions) -> tuple[Outcome, click.ClickException | None]:
+    """Replay one cassette, timed, without exiting (``deja replay`` of many, one incident
+    of ``deja suite``); what kept it from being judged is its outcome's error (and handed
+    back, for one cassette to exit with as it always did)."""
     started = time.monotonic()
     try:
         outcome, failed = replay_one(cassette, command, opts), None
@@ -190,7 +191,7 @@ def _many(cassettes: list[Path], command: tuple[str, ...], opts: ReplayOptions,
     outcomes = []
     for n, cassette in enumerate(cassettes, start=1):
         click.echo(f"deja: replaying {cassette} ({n}/{len(cassettes)})", err=True)
-        outcome, failed = _attempt(cassette, command, opts)
+        outcome, failed = attempt(cassette, command, opts)
         if failed is not None:
             failed.show()
         else:
@@ -366,17 +367,37 @@ def then_live(cassettes: list[Path], command: tuple[str, ...], opts: ReplayOptio
     """``deja replay CASSETTE --then live|stub SCRIPT``: serve the recording while the
     program asks what it asked before, then go live (:mod:`replayer.then_live`) into a
     new cassette; the status to exit with is the program's."""
-    from deja._common import tool_policy
-
     if many:
         raise BadInput("--then takes one cassette; to try a change on a folder of incidents, "
                        "run deja suite DIR --then live -- CMD")
+    ran = run_then_live(cassettes[0], command, opts)
+    _said_then_live(cassettes[0], ran.out, ran.target)
+    return ran.code
+
+
+@dataclass(frozen=True)
+class ThenLiveRun:
+    """What one replay-then-live did: the program's exit status, the new cassette's path
+    (written once the program left the recording, or at its end) and, with ``--then
+    stub``, the stub's address."""
+
+    code: int
+    out: Path
+    target: str | None
+
+
+def run_then_live(cassette: Path, command: tuple[str, ...], opts: ReplayOptions) -> ThenLiveRun:
+    """Replay ``cassette`` with ``command`` (or its recorded one) until the program leaves
+    the recording, then live (or against the stub of ``--then stub``) into
+    ``opts.output``; what is wrong with the input raises :class:`BadInput` (exit 2)
+    before anything runs. Nothing is printed: :func:`then_live` says what happened."""
+    from deja._common import tool_policy
+
     if opts.then == "stub" and opts.then_script is None:
         raise BadInput("--then stub needs the stub's script: --then stub SCRIPT")
     if opts.then == "live" and opts.then_script is not None:
         raise BadInput("a script goes with --then stub, not --then live")
     policy = tool_policy(opts.tool_rules, opts.live_tools)
-    cassette = cassettes[0]
     loaded = _load(cassette, require_signature=True, allow_incomplete=opts.allow_incomplete)
     if isinstance(loaded.header.get("proxy"), dict):
         raise BadInput(f"{cassette} was recorded through deja proxy: replay it then live "
@@ -388,8 +409,7 @@ def then_live(cassettes: list[Path], command: tuple[str, ...], opts: ReplayOptio
     _project_match(cwd or Path.cwd())  # a bad [tool.deja.match]: said before anything runs
     with _live_target(opts) as target:
         code, out = _launch_then_live(cassette, argv, cwd, opts, policy)
-    _said_then_live(cassette, out, target)
-    return code
+    return ThenLiveRun(code, out, target)
 
 
 def _launch_then_live(cassette: Path, argv: list[str], cwd: Path | None, opts: ReplayOptions,

@@ -21,8 +21,8 @@ from recorder.cassette.rows import step_name
 from recorder.cassette.schema import Kind
 from replayer.result import render
 
-__all__ = ["PASSED", "Outcome", "annotation", "junit_report", "step_lines", "summary",
-           "write_junit"]
+__all__ = ["PASSED", "Case", "Outcome", "annotation", "junit_of", "junit_report", "line_of",
+           "step_lines", "summary", "workflow_command", "write_junit", "write_report"]
 
 PASSED = ("identical", "equivalent")  # the verdicts of a replay that passes
 SUITE = "deja replay"
@@ -148,7 +148,7 @@ def step_lines(path: str | Path) -> tuple[list[tuple[int, dict[str, Any]]], int 
     return steps, end, number
 
 
-def _line_of(path: str | Path, step: int | None) -> int | None:
+def line_of(path: str | Path, step: int | None) -> int | None:
     """The line a divergence points at: its step's, or (after the last step) the end
     line, else the last line."""
     try:
@@ -178,25 +178,32 @@ def annotation(outcome: Outcome, cwd: Path | None = None) -> str | None:
     """The GitHub Actions workflow command for an outcome: ``::error`` for a divergence
     (at the diverging step's line of the cassette) or a cassette that could not be
     replayed, ``::notice`` for an equivalent replay; None for an identical one."""
-    here = cwd or Path.cwd()
-    file = os.path.relpath(Path(outcome.cassette).resolve(), here)
     if outcome.result is None:
         command, title, line = "error", "deja replay could not run", None
     elif outcome.verdict == "diverged":
         d = outcome.divergence or {}
         command, title = "error", f"deja replay diverged ({_kind(d)})"
-        line = _line_of(outcome.cassette, d.get("step"))
+        line = line_of(outcome.cassette, d.get("step"))
     elif outcome.verdict == "equivalent":
         first = next(iter(outcome.result.get("equivalent") or ()), None)
         command, title = "notice", "deja replay equivalent"
-        line = _line_of(outcome.cassette, first["step"]) if first else None
+        line = line_of(outcome.cassette, first["step"]) if first else None
     else:
         return None
+    message = outcome.headline() if outcome.result is not None else str(outcome.error)
+    return workflow_command(command, outcome.cassette, line, title, message, cwd)
+
+
+def workflow_command(command: str, cassette: str | Path, line: int | None, title: str,
+                     message: str, cwd: Path | None = None) -> str:
+    """A GitHub Actions workflow command (``error``, ``warning``, ``notice``) on a line of
+    a cassette file (its path relative to ``cwd``, this directory by default), escaped
+    as the runner reads it."""
+    file = os.path.relpath(Path(cassette).resolve(), cwd or Path.cwd())
     properties = [f"file={_escape_property(file)}"]
     if line is not None:
         properties.append(f"line={line}")
     properties.append(f"title={_escape_property(title)}")
-    message = outcome.headline() if outcome.result is not None else str(outcome.error)
     return f"::{command} {','.join(properties)}::{_escape_data(message)}"
 
 
@@ -219,18 +226,40 @@ def _classname(cassette: str) -> str:
     return Path(cassette).parent.as_posix()
 
 
+@dataclass(frozen=True)
+class Case:
+    """One JUnit test case: ``outcome`` is None (it passed), ``failure``, ``error`` or
+    ``skipped``, with its ``message`` and ``text``; ``kind`` is the failure's or error's
+    type (its default: ``Divergence``, ``DejaReplayError``)."""
+
+    classname: str
+    name: str
+    seconds: float | None = None
+    outcome: str | None = None
+    message: str = ""
+    text: str = ""
+    kind: str | None = None
+
+
+_KINDS = {"error": "DejaReplayError", "failure": "Divergence"}
+
+
 def _case(suite: ET.Element, classname: str, name: str, seconds: float | None = None,
           outcome: str | None = None, message: str = "", text: str = "") -> None:
-    case = ET.SubElement(suite, "testcase", classname=_text(classname), name=_text(name))
-    if seconds is not None:
-        case.set("time", _seconds(seconds))
-    if outcome is not None:
-        child = ET.SubElement(case, outcome, message=_text(message))
-        if outcome == "error":
-            child.set("type", "DejaReplayError")
-        elif outcome == "failure":
-            child.set("type", "Divergence")
-        child.text = _text(text) if text else None
+    _add(suite, Case(classname, name, seconds, outcome, message, text))
+
+
+def _add(suite: ET.Element, given: Case) -> None:
+    case = ET.SubElement(suite, "testcase", classname=_text(given.classname),
+                         name=_text(given.name))
+    if given.seconds is not None:
+        case.set("time", _seconds(given.seconds))
+    if given.outcome is not None:
+        child = ET.SubElement(case, given.outcome, message=_text(given.message))
+        kind = given.kind or _KINDS.get(given.outcome)
+        if kind is not None:
+            child.set("type", kind)
+        child.text = _text(given.text) if given.text else None
 
 
 def _by_cassette(suite: ET.Element, outcome: Outcome) -> None:
@@ -297,21 +326,42 @@ def junit_report(outcomes: Iterable[Outcome], cases: str = "cassettes") -> ET.El
     suite = ET.SubElement(root, "testsuite", name=SUITE)
     for outcome in outcomes:
         (_by_step if cases == "steps" else _by_cassette)(suite, outcome)
+    _count(root, suite, sum(o.seconds for o in outcomes))
+    return ET.ElementTree(root)
+
+
+def junit_of(cases: Iterable[Case], name: str) -> ET.ElementTree:
+    """A JUnit XML report of ``cases`` in one ``<testsuite>`` called ``name`` (``deja
+    suite`` writes one case per incident)."""
+    root = ET.Element("testsuites", name=name)
+    suite = ET.SubElement(root, "testsuite", name=name)
+    seconds = 0.0
+    for case in cases:
+        _add(suite, case)
+        seconds += case.seconds or 0.0
+    _count(root, suite, seconds)
+    return ET.ElementTree(root)
+
+
+def _count(root: ET.Element, suite: ET.Element, seconds: float) -> None:
+    """The counts CI reads, on the report and its suite."""
     counts = {what: sum(1 for case in suite for _ in case.iter(what))
               for what in ("failure", "error", "skipped")}
-    seconds = _seconds(sum(o.seconds for o in outcomes))
     for element in (root, suite):
         element.set("tests", str(len(suite)))
         element.set("failures", str(counts["failure"]))
         element.set("errors", str(counts["error"]))
-        element.set("time", seconds)
+        element.set("time", _seconds(seconds))
     suite.set("skipped", str(counts["skipped"]))
-    return ET.ElementTree(root)
 
 
 def write_junit(path: Path, outcomes: Iterable[Outcome], cases: str = "cassettes") -> None:
     """Write :func:`junit_report` to ``path`` (UTF-8, with its XML declaration)."""
-    tree = junit_report(outcomes, cases)
+    write_report(path, junit_report(outcomes, cases))
+
+
+def write_report(path: Path, tree: ET.ElementTree) -> None:
+    """Write a JUnit XML report to ``path`` (UTF-8, with its XML declaration)."""
     ET.indent(tree)
     path.parent.mkdir(parents=True, exist_ok=True)
     tree.write(path, encoding="utf-8", xml_declaration=True)

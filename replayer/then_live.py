@@ -144,8 +144,13 @@ def start_then_live(plan: ThenLive, *, policy: ReplayPolicy | None = None,
 
     def left(session: ContinuationSession) -> None:
         info = log.divergence
-        writer.open(info.step if info else None, None if info is None else {
-            "kind": info.kind, "category": info.category, "reason": info.reason})
+        if info is None:
+            writer.open(None, None)
+            return
+        # Past the recording's last step (an extra call) the run leaves it at the step it
+        # makes next: every step before it was served from the recording.
+        writer.open(info.step if info.step is not None else writer.next_seq,
+                    {"kind": info.kind, "category": info.category, "reason": info.reason})
 
     return ContinuationSession(empty, cast(CassetteWriter, writer), sources=[log],
                                mode="fork", on_leave=left, fsync=fsync, keyring=ring,
