@@ -4,6 +4,7 @@ report which perturbations change how the run ends (:mod:`replayer.sweep`)."""
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -145,7 +146,7 @@ def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs
         click.echo(json.dumps([{**j.perturbation.to_dict(), **j.to_dict()} for j in planned],
                               indent=2, ensure_ascii=False) if as_json else
                    "\n".join(f"step {j.perturbation.step} {j.perturbation.target} "
-                             f"{j.perturbation.label}: {' '.join(j.argv[1:])}"
+                             f"{j.perturbation.label}: {shlex.join(j.argv)}"
                              for j in planned))
         return
     warning = side_effect_warning(parent, min(j.perturbation.step for j in planned), policy)

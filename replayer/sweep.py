@@ -63,6 +63,7 @@ from recorder.cassette.keys import Keyring, load_keyring
 from recorder.cassette.rows import run_status, run_totals
 from recorder.cassette.schema import Kind
 from recorder.errors import ConfigError, DejaError, EditError, NoSuchStep, PathTaken
+from recorder.harness.child import preexec
 from recorder.providers import conversation
 from replayer import edit
 
@@ -471,7 +472,8 @@ def plan_jobs(cassette: str | Path, perturbations: Sequence[Perturbation], out_d
               ) -> list[SweepJob]:
     """One job per perturbation: ``deja fork CASSETTE --at N --replace EDIT -o OUT``, with
     the tool policy's flags and ``-- CMD``; its files in ``out_dir``
-    (``s007-search-error.jsonl``, ``.edit.json``, ``.log``), none of which may exist."""
+    (``s007-search-error.jsonl``, ``.edit.json``, ``.log``), none of which may exist. A
+    job's ``deja`` is this install's (``python -m deja``, :func:`run_job`)."""
     out_dir, taken, jobs = Path(out_dir), set(), []
     flags = [*(f"--live-tool={name}" for name in live_tools),
              *(f"--tool={rule}" for rule in tool_rules),
@@ -487,7 +489,7 @@ def plan_jobs(cassette: str | Path, perturbations: Sequence[Perturbation], out_d
         for path in (out, doc, log):
             if path.exists():
                 raise PathTaken(f"{path} already exists; give the sweep another -o directory")
-        argv = (sys.executable, "-m", "deja", "fork", str(cassette), "--at", str(p.step),
+        argv = ("deja", "fork", str(cassette), "--at", str(p.step),
                 "--replace", str(doc), "-o", str(out), *flags,
                 *(("--", *command) if command else ()))
         jobs.append(SweepJob(p, out, doc, log, argv))
@@ -530,9 +532,10 @@ def run_job(job: SweepJob, status: str, answer: str | None,
     """Run one fork (its output to its log) and compare how it ended with the recording's
     end ``status`` and final ``answer``."""
     started = time.monotonic()
-    with job.log.open("wb") as log:
-        done = subprocess.run(job.argv, stdout=log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, env=os.environ.copy(), check=False)
+    with job.log.open("wb") as log:  # a fork dies with the sweep (and its program with it)
+        done = subprocess.run([sys.executable, "-m", "deja", *job.argv[1:]], stdout=log,
+                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                              env=os.environ.copy(), check=False, preexec_fn=preexec())
     return job_row(job, done.returncode, status, answer, time.monotonic() - started, keyring)
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xmlschema
 
 from recorder.cassette import load
 from recorder.errors import ConfigError, EditError, NoSuchStep
@@ -84,6 +84,7 @@ SCRIPT = {
     "turns": [{"text": f"Reading page {k}.",
                "tool_use": {"name": "search", "input": {"page": k}}} for k in range(1, 11)],
 }
+JUNIT_SCHEMA = Path(__file__).resolve().parents[1] / "cli" / "junit-10.xsd"
 # seq 2k - 1 is the k-th search; model steps are the even seqs 0-20
 SEARCHES = [2 * k - 1 for k in range(1, 11)]
 
@@ -182,6 +183,7 @@ def test_a_sweep_over_ten_tool_calls_reports_which_change_the_final_answer(
     assert "answer: Done, but page 10 had nothing." in (
         project / "sweep" / "s019-search-empty.log").read_text()
 
+    xmlschema.XMLSchema(str(JUNIT_SCHEMA)).validate(str(project / "junit.xml"))
     suite = ET.parse(project / "junit.xml").getroot()
     assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("20", "3", "0")
     failed = [case.get("name") for case in suite.iter("testcase")
@@ -310,7 +312,7 @@ def test_dry_run_lists_the_forks_and_writes_nothing(project: Path) -> None:
     assert done.returncode == 0, done.stderr
     planned = json.loads(done.stdout)
     assert [p["step"] for p in planned] == list(range(0, 21, 2))
-    assert planned[0]["argv"][3:7] == ["fork", "run.jsonl", "--at", "0"]
+    assert planned[0]["argv"][:5] == ["deja", "fork", "run.jsonl", "--at", "0"]
     assert not (project / "out").exists()
 
 
@@ -331,63 +333,62 @@ def test_plan_sweep_in_python(project: Path) -> None:
 
 # ------------------------------------------------------------------ side effects
 
-REFUND_AGENT = """\
-import os, sqlite3
+CHARGE_AGENT = """\
+import os
 
 import recorder
 
 
 @recorder.tool
-def lookup(order):
-    return {"order": order, "amount": 30}
+def price(item):
+    return 30
 
 
 @recorder.tool(side_effect=True)
-def refund(order, amount):
-    with sqlite3.connect(os.environ["LEDGER"]) as db:
-        db.execute("CREATE TABLE IF NOT EXISTS refunds (ord TEXT, amount INTEGER)")
-        db.execute("INSERT INTO refunds VALUES (?, ?)", (order, amount))
-    return {"refunded": amount}
+def charge(amount):
+    with open(os.environ["LEDGER"], "a") as ledger:
+        ledger.write(f"{amount}\\n")
+    return "charged"
 
 
 try:
-    found = lookup("A7") or {"order": "A7", "amount": 0}
+    amount = price("book") or 0
 except Exception:
-    found = {"order": "A7", "amount": 0}
+    amount = 0
 try:
-    print("refund", refund(found["order"], found["amount"]))
+    print("charge", charge(amount))
 except recorder.ToolRefused as exc:
     print("refused", exc)
 """
 
 
-def refunds(ledger: Path) -> list[tuple[str, int]]:
-    with sqlite3.connect(ledger) as db:
-        return list(db.execute("SELECT ord, amount FROM refunds ORDER BY rowid"))
+def charges(ledger: Path) -> list[str]:
+    return ledger.read_text().split()
 
 
 def test_a_side_effect_never_runs_in_a_sweep_unless_named(tmp_path: Path) -> None:
-    (tmp_path / "agent.py").write_text(REFUND_AGENT)
-    ledger = tmp_path / "ledger.db"
+    (tmp_path / "agent.py").write_text(CHARGE_AGENT)
+    ledger = tmp_path / "ledger.txt"
     env = {"LEDGER": str(ledger)}
     made = deja("record", "-o", "run.jsonl", "--", sys.executable, "agent.py", cwd=tmp_path,
                 env=env)
     assert made.returncode == 0, made.stderr
-    assert refunds(ledger) == [("A7", 30)]
+    assert charges(ledger) == ["30"]
 
-    done = deja("sweep", "run.jsonl", "--perturb", "tool=lookup:error,empty", "-j", "2",
+    done = deja("sweep", "run.jsonl", "--perturb", "tool=price:error,empty", "-j", "2",
                 "--json", "-o", "safe", cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
     assert "In this fork they do not run" in done.stderr
-    assert refunds(ledger) == [("A7", 30)]  # neither fork wrote a refund
+    assert charges(ledger) == ["30"]  # neither fork charged
     for row in json.loads(done.stdout)["rows"]:
         assert row["policy_calls"] == 1 and row["status"] == "completed", row
         [line] = [o for o in load(tmp_path / row["cassette"]).observations if o.get("policy")]
-        assert (line["name"], line["policy"]) == ("refund", "refuse")
+        assert (line["name"], line["policy"], line["args"]) == ("charge", "refuse",
+                                                                 {"amount": 0})
 
-    done = deja("sweep", "run.jsonl", "--perturb", "tool=lookup:error", "--live-tool",
-                "refund", "--json", "-o", "live", cwd=tmp_path, env=env)
+    done = deja("sweep", "run.jsonl", "--perturb", "tool=price:error", "--live-tool",
+                "charge", "--json", "-o", "live", cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
-    assert refunds(ledger) == [("A7", 30), ("A7", 0)]  # named: it ran, once
+    assert charges(ledger) == ["30", "0"]  # named: it ran, once
     [row] = json.loads(done.stdout)["rows"]
     assert row["policy_calls"] == 0 and row["live"]["tool_calls"] == 1
