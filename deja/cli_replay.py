@@ -399,17 +399,51 @@ def run_then_live(cassette: Path, command: tuple[str, ...], opts: ReplayOptions)
         raise BadInput("a script goes with --then stub, not --then live")
     policy = tool_policy(opts.tool_rules, opts.live_tools)
     loaded = _load(cassette, require_signature=True, allow_incomplete=opts.allow_incomplete)
-    if isinstance(loaded.header.get("proxy"), dict):
-        raise BadInput(f"{cassette} was recorded through deja proxy: replay it then live "
-                       "through the proxy (deja proxy --replay CASSETTE --then live)")
     argv = list(command) or list(loaded.header.get("argv") or [])
     if not argv:
         raise _no_command(cassette, loaded.header, "replay")
     cwd = _where_to_run(cassette, loaded.header, argv, given=bool(command), cwd=opts.cwd)
-    _project_match(cwd or Path.cwd())  # a bad [tool.deja.match]: said before anything runs
+    project = _project_match(cwd or Path.cwd())  # a bad [tool.deja.match]: said first
     with _live_target(opts) as target:
-        code, out = _launch_then_live(cassette, argv, cwd, opts, policy)
+        if isinstance(loaded.header.get("proxy"), dict):  # an agent in any language
+            click.secho(PROXY_TOOLS_WARNING, err=True, fg="yellow")
+            code, out = _proxy_then_live(cassette, argv, cwd, opts, project, target)
+        else:
+            code, out = _launch_then_live(cassette, argv, cwd, opts, policy)
     return ThenLiveRun(code, out, target)
+
+
+def _proxy_then_live(cassette: Path, argv: list[str], cwd: Path | None, opts: ReplayOptions,
+                     project: ReplayPolicy, target: str | None) -> tuple[int, Path]:
+    """A run recorded through the proxy, replayed then live through it (``deja proxy
+    --replay C --then live``): live to the stub of ``--then stub``, else to where the
+    program's ANTHROPIC_BASE_URL points, else to the recorded upstream."""
+    from recorder.errors import DejaError
+    from replayer.then_live import plan_then_live
+
+    try:
+        out = plan_then_live(cassette, out=opts.output,
+                             allow_incomplete=opts.allow_incomplete).out
+    except DejaError as exc:
+        raise BadInput(str(exc)) from None
+    recorded = (_header_proxy(cassette).get("upstream") or "https://api.anthropic.com")
+    upstream = target or os.environ.get("ANTHROPIC_BASE_URL") or str(recorded)
+    args = ["--replay", str(cassette.resolve()), "--then", "live", "--upstream", upstream,
+            "-o", str(out.resolve()),
+            *(f"--tool={rule}" for rule in opts.tool_rules),
+            *(f"--live-tool={name}" for name in opts.live_tools),
+            *(f"--ignore={p}" for p in (*opts.ignore, *project.ignore)),
+            *(f"--normalise={n}" for n in opts.normalise),
+            *(f"--normalise={p}={r}" for p, r in project.normalise)]
+    return cli_proxy.through_proxy(args, argv, cwd), out
+
+
+def _header_proxy(cassette: Path) -> dict[str, Any]:
+    from recorder.cassette.reader import peek_header
+
+    header: Any = peek_header(cassette) or {}
+    proxy = header.get("proxy")
+    return dict(proxy) if isinstance(proxy, dict) else {}
 
 
 def _launch_then_live(cassette: Path, argv: list[str], cwd: Path | None, opts: ReplayOptions,

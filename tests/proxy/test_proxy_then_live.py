@@ -287,6 +287,28 @@ def test_a_command_run_through_a_replay_then_live_proxy_is_in_a_fork(
     assert load_verified(out).header["parent"]["step"] == 0
 
 
+def test_deja_replay_then_stub_takes_a_proxied_run_through_the_proxy(
+        parent: Path, tmp_path: Path) -> None:
+    """deja replay C --then stub SCRIPT of a run recorded through the proxy: the program
+    talks to a replay-then-live proxy whose upstream is the stub, into -o."""
+    import os
+    import subprocess
+
+    (tmp_path / "agent.py").write_text(AGENT_SCRIPT)
+    (tmp_path / "fix.stub.json").write_text(json.dumps(
+        {"model": MODEL, "default": {"text": "from the stub"}}))
+    ran = subprocess.run([sys.executable, "-m", "deja", "replay", str(parent), "--then", "stub",
+                          "fix.stub.json", "-o", "new.jsonl", "--", sys.executable, "agent.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                         env={k: v for k, v in os.environ.items()
+                              if k != "ANTHROPIC_BASE_URL"})
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split()[-3:] == ["from", "the", "stub"]
+    assert "recorded through deja proxy" in ran.stderr  # its tools run in the agent
+    new = load_verified(tmp_path / "new.jsonl")
+    assert new.header["parent"]["step"] == 0 and new.header["parent"]["mode"] == "then_live"
+
+
 # -- the TypeScript SDK agent --------------------------------------------------------------
 
 
