@@ -30,7 +30,8 @@ def open_invoices(customer: str) -> list[dict]:
 
 
 def main() -> str:
-    """Ask what ACME owes (or $QUESTION); the model's last answer."""
+    """Ask what ACME owes (or $QUESTION; $STYLE says how to answer, with the tool's
+    results); the model's last answer."""
     today = os.environ.get("TODAY") or datetime.datetime.now(datetime.UTC).date().isoformat()
     question = os.environ.get("QUESTION", "What does ACME owe?")
     with anthropic.Anthropic() as client:
@@ -43,10 +44,12 @@ def main() -> str:
                              "content": [b.model_dump(exclude_none=True) for b in reply.content]})
             if reply.stop_reason != "tool_use":
                 return "".join(b.text for b in reply.content if b.type == "text")
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": b.id,
-                 "content": json.dumps(open_invoices(**b.input))}
-                for b in reply.content if b.type == "tool_use"]})
+            results: list = [{"type": "tool_result", "tool_use_id": b.id,
+                              "content": json.dumps(open_invoices(**b.input))}
+                             for b in reply.content if b.type == "tool_use"]
+            if os.environ.get("STYLE"):  # how to answer, said with the results
+                results.append({"type": "text", "text": os.environ["STYLE"]})
+            messages.append({"role": "user", "content": results})
     return "gave up"
 
 
