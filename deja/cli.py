@@ -31,6 +31,7 @@ from deja import (
     cli_runs,
     cli_serve,
     cli_stub,
+    cli_suite,
     cli_sweep,
     cli_wait,
 )
@@ -396,7 +397,8 @@ for command in (record, replay, cli_inspect.verify, cli_inspect.repair, cli_insp
                 cli_runs.status, cli_runs.cancel, cli_stub.stub, cli_proxy.proxy,
                 cli_export.export, cli_import.import_, cli_serve.worker, cli_serve.serve,
                 cli_serve.submit, cli_serve.runs_, cli_serve.answer, cli_serve.schedule,
-                cli_serve.check, cli_wait.wait, cli_drift.drift, cli_sweep.sweep):
+                cli_serve.check, cli_wait.wait, cli_drift.drift, cli_suite.suite,
+                cli_sweep.sweep):
     main.add_command(command)
 
 

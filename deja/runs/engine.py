@@ -20,6 +20,13 @@ machines, one URL apart) and checkpoints between their steps. deja uses it this 
   occurrence's run under a deterministic id, so a backfill cannot submit twice.
 - **Recovery of a dead peer** uses the engine's own recovery call for that executor id,
   which re-enqueues the peer's pending workflows so that exactly one executor runs each.
+- **An incident suite** (``deja suite``) is a queue of its own, ``deja-suite-<suite id>``,
+  whose global concurrency is the suite's ``-j``; each incident is one workflow on it,
+  ``suite:<suite id>:<cassette>`` (a suite submitted again runs no incident twice), whose
+  one step runs the incident's job (``deja.runs.suites.JobStep``) and returns its verdict,
+  which the engine checkpoints: a worker that dies mid-suite loses no verdict, and the
+  incidents it had in flight are recovered like any pending workflow. Workers listen to
+  every queue in the database, so a suite's queue needs no worker restarted.
 
 The engine's API moves across releases: everything it offers deja goes through this
 module, and its version is pinned to the range tested (``pyproject.toml``). Pitfalls
@@ -52,6 +59,9 @@ RUNS_QUEUE = "deja-runs"
 SCHEDULES_QUEUE = "deja-schedules"
 RUN_WORKFLOW = "deja.run"
 OCCURRENCE_WORKFLOW = "deja.occurrence"
+SUITE_WORKFLOW = "deja.suite-job"
+SUITE_QUEUE = "deja-suite-"  # + the suite's id
+ENDED = ("SUCCESS", "ERROR", "CANCELLED", "MAX_RECOVERY_ATTEMPTS_EXCEEDED")
 ENGINE_ERRORS: tuple[type[BaseException], ...] = (dbos_error.DBOSException,)
 
 # What the workflows call, set by the worker before launch (the engine knows no agent).
@@ -59,8 +69,11 @@ _hooks: dict[str, Callable[..., Any]] = {}
 
 
 def set_hooks(*, agent: Callable[[dict[str, Any], str | None, str], dict[str, Any]],
-              occurrence: Callable[[str, str], dict[str, Any] | None]) -> None:
+              occurrence: Callable[[str, str], dict[str, Any] | None],
+              job: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> None:
     _hooks.update(agent=agent, occurrence=occurrence)
+    if job is not None:
+        _hooks["job"] = job
 
 
 @DBOS.step(name="deja.agent")
@@ -74,6 +87,22 @@ def _run_workflow(spec: dict[str, Any], answer: str | None = None) -> dict[str, 
     if outcome.get("status") == "failed":  # the engine's ERROR is deja's failure
         raise RunFailed(outcome.get("error") or "the run failed")
     return outcome
+
+
+@DBOS.step(name="deja.suite-job")
+def _suite_job_step(job: dict[str, Any]) -> dict[str, Any]:
+    return dict(_hooks["job"](job))
+
+
+@DBOS.workflow(name=SUITE_WORKFLOW, max_recovery_attempts=1000)
+def _suite_job_workflow(job: dict[str, Any]) -> dict[str, Any]:
+    return _suite_job_step(job)
+
+
+def suite_workflow_id(suite_id: str, key: str) -> str:
+    """The workflow of one incident of a suite: the same suite and incident, the same
+    workflow (``:`` never appears in a run's id, so it is no run's)."""
+    return f"suite:{suite_id}:{key}"
 
 
 @DBOS.step(name="deja.occurrence")
@@ -245,6 +274,26 @@ class Client:
 
     def remove_schedule(self, name: str) -> None:
         self._client.delete_schedule(f"deja-{name}")
+
+    def suite_queue(self, suite_id: str, concurrency: int) -> str:
+        """Register the queue of a suite, ``concurrency`` incidents at a time across all
+        workers (again: its limit updated); its name."""
+        name = SUITE_QUEUE + suite_id
+        self._client.register_queue(name, global_concurrency=concurrency,
+                                    polling_interval_sec=0.2, on_conflict="always_update")
+        return name
+
+    def enqueue_job(self, queue: str, workflow: str, job: dict[str, Any]) -> None:
+        """Enqueue one job of a suite as ``workflow`` (idempotent: a workflow id the
+        engine holds is not enqueued again, whatever became of it)."""
+        options = EnqueueOptions(workflow_name=SUITE_WORKFLOW, queue_name=queue,
+                                 workflow_id=workflow, app_version=APP_VERSION)
+        self._client.enqueue(options, job)
+
+    def remove_queue(self, name: str) -> None:
+        """Remove a suite's queue once every workflow on it has ended (a pending one
+        would never be dequeued again)."""
+        self._client.delete_queue(name)
 
 
 

@@ -77,6 +77,7 @@ from deja.runs.locks import DEAD_AFTER, RunLock, WorkerIdLock, WorkerStopping
 from deja.runs.output import StderrTail
 from deja.runs.spec import record_argv, resume_argv, workflow_id
 from deja.runs.store import DISK_ERROR, Store
+from deja.runs.suites import JobStep
 from recorder.ask import ANSWER_ENV, EXIT_INPUT_REQUIRED, WORKER_ENV
 from recorder.cassette.lock import describe, holder_of
 from recorder.cassette.schema import run_status
@@ -423,8 +424,10 @@ def serve(worker_id: str, url: str | None = None, concurrency: int = 1,
     check_shared(store, cassettes)
     worker = engine.Worker(url, worker_id, concurrency)
     step = AgentStep(store, worker_id, cassettes, worker.cancelled)
+    jobs = JobStep(worker_id)  # the incidents of deja suite
     engine.set_hooks(agent=step,
-                     occurrence=lambda name, when: schedules.occurrence(store, name, when))
+                     occurrence=lambda name, when: schedules.occurrence(store, name, when),
+                     job=jobs)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -451,4 +454,5 @@ def serve(worker_id: str, url: str | None = None, concurrency: int = 1,
                      "picked up again\n")
     sys.stderr.flush()
     step.stop()
+    jobs.stop()
     os._exit(0)  # without finishing the engine's steps in flight: they are resumed later

@@ -1,0 +1,180 @@
+"""Incident suites on the durable workers: each incident of a ``deja suite`` is one
+workflow of the engine, run by whichever ``deja worker`` takes it.
+
+- :func:`live_workers` says whether a worker runs against the database (a heartbeat newer
+  than :data:`deja.runs.locks.DEAD_AFTER`), without creating an embedded database that is
+  not there.
+- :class:`WorkersRunner` is a :class:`replayer.suite.Runner`: it registers the suite's
+  queue (``-j`` incidents at a time across the workers), enqueues each job under a
+  deterministic workflow id (a suite submitted again with the same id runs no incident
+  twice and collects the verdicts it already has), and polls the engine until every
+  workflow has ended; each verdict is the output of its workflow's step, which the engine
+  checkpointed. A job's command line is stored in the database, so one that holds a
+  secret is refused, as a submitted run's is.
+- :class:`JobStep` is the worker's side: the step runs the job as a child that dies with
+  the worker (:func:`replayer.suite.run_job`); a worker stopping (SIGTERM) stops its
+  children and leaves their workflows pending, for the next worker, instead of
+  checkpointing the verdict of an incident it cut short.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from deja.runs.config import is_sqlite, sqlite_path
+from deja.runs.errors import DatabaseUnavailable
+from deja.runs.locks import DEAD_AFTER, WorkerStopping
+from deja.runs.spec import _command
+from replayer.suite import Job, OnDone, Record, run_job
+
+log = logging.getLogger("deja.runs")
+
+POLL = 0.25  # seconds between looks at the engine while a suite runs
+NO_WORKER_NOTE = 20.0  # seconds without a live worker before the suite says so
+
+
+def live_workers(url: str) -> list[str] | None:
+    """The workers that beat within :data:`DEAD_AFTER` seconds; None when the database
+    cannot be reached. An embedded database that does not exist has none (and is not
+    created)."""
+    from deja.runs.store import Store
+
+    if is_sqlite(url) and not sqlite_path(url).exists():
+        return []
+    try:
+        store = Store(url)
+    except DatabaseUnavailable:
+        return None
+    try:
+        now = time.time()
+        return [w["worker_id"] for w in store.workers()
+                if now - w["beat"] <= DEAD_AFTER and w["taken_over_by"] is None]
+    except DatabaseUnavailable:
+        return None
+    finally:
+        store.close()
+
+
+def check_storable(jobs: Sequence[Job]) -> None:
+    """Refuse (``BadRunRequest``) a job whose command line holds a secret: it would be
+    stored in the runs database."""
+    for job in jobs:
+        _command({"command": list(job.argv)})
+
+
+class WorkersRunner:
+    """Run a suite's jobs on the workers of the database at ``url``; see the module
+    docstring. ``say`` reports what the suite waits for (no worker up)."""
+
+    def __init__(self, url: str, suite_id: str, say: Any = None) -> None:
+        self.url, self.suite_id = url, suite_id
+        self.say = say or (lambda text: None)
+
+    def __call__(self, jobs: Sequence[Job], parallel: int,
+                 on_done: OnDone | None) -> list[Record]:
+        from deja.runs import engine
+
+        check_storable(jobs)
+        client = engine.Client(self.url)
+        try:
+            queue = client.suite_queue(self.suite_id, parallel)
+            ids = [engine.suite_workflow_id(self.suite_id, job.key) for job in jobs]
+            for workflow, job in zip(ids, jobs, strict=True):
+                client.enqueue_job(queue, workflow, job.to_dict())
+            records = self._collect(client, ids, jobs, on_done)
+            client.remove_queue(queue)
+        finally:
+            client.close()
+        return records
+
+    def _collect(self, client: Any, ids: list[str], jobs: Sequence[Job],
+                 on_done: OnDone | None) -> list[Record]:
+        """Poll the engine until every workflow has ended; each one's record as it
+        ends, and all of them in the jobs' order."""
+        from deja.runs import engine
+
+        found: dict[str, Record] = {}
+        keys = dict(zip(ids, (job.key for job in jobs), strict=True))
+        alone_since: float | None = None
+        said = False
+        while len(found) < len(ids):
+            pending = [w for w in ids if w not in found]
+            for workflow, state in client.states(pending).items():
+                if state["status"] in engine.ENDED:
+                    found[workflow] = _record_of(keys[workflow], state)
+                    if on_done is not None:
+                        on_done(found[workflow])
+            if len(found) == len(ids):
+                break
+            alone_since, said = self._no_worker(alone_since, said)
+            time.sleep(POLL)
+        return [found[w] for w in ids]
+
+    def _no_worker(self, since: float | None, said: bool) -> tuple[float | None, bool]:
+        """Say once when no worker has been up for a while: the incidents wait in the
+        queue until one starts."""
+        now = time.monotonic()
+        if said or (since is not None and now - since < NO_WORKER_NOTE):
+            return since, said
+        if live_workers(self.url):
+            return None, False
+        if since is None:
+            return now, False
+        self.say(f"no worker has been up for {NO_WORKER_NOTE:.0f} s: the incidents wait in "
+                 f"the queue until one starts (deja worker), or run the suite again with "
+                 f"--inline --id {self.suite_id}")
+        return since, True
+
+
+def _record_of(key: str, state: dict[str, Any]) -> Record:
+    """An ended workflow's record: its output, or why it has none."""
+    output = state.get("output")
+    if state["status"] == "SUCCESS" and isinstance(output, dict):
+        return output
+    why = {"CANCELLED": "its workflow was cancelled",
+           "MAX_RECOVERY_ATTEMPTS_EXCEEDED": "its workflow was recovered too many times"
+           }.get(state["status"], f"its workflow failed: {state.get('error')}")
+    return {"incident": key, "verdict": "error", "error": f"{why} (on worker "
+                                                         f"{state.get('executor')})"}
+
+
+class JobStep:
+    """The engine's suite-job step on a worker: run the job, return its record."""
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.stopping = threading.Event()
+        self.children: set[subprocess.Popen[bytes]] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, job: dict[str, Any]) -> dict[str, Any]:
+        if self.stopping.is_set():
+            raise WorkerStopping
+        record = run_job(Job.from_dict(job), started=self._started)
+        if self.stopping.is_set():  # cut short by the stop: the next worker runs it again
+            raise WorkerStopping
+        return {**record, "worker": self.worker_id}
+
+    def _started(self, child: subprocess.Popen[bytes]) -> None:
+        with self._lock:
+            self.children = {c for c in self.children if c.poll() is None} | {child}
+
+    def stop(self) -> None:
+        """Stop the jobs running here (their workflows stay pending)."""
+        self.stopping.set()
+        with self._lock:
+            children = list(self.children)
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for child in children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(max(0.1, deadline - time.monotonic()))
