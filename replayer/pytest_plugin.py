@@ -52,6 +52,14 @@ marker's ``record_mode=``; the ``deja_config`` fixture's; ``once``.
   ``allow_unverified``, ``ignore``, ``normalise`` and ``allowed_hosts``; the marker's own
   arguments win.
 
+**A folder of incidents**: ``@pytest.mark.deja_suite("incidents/")`` makes one test
+case per cassette of the folder (its ``*.jsonl``, sorted; relative to pytest's rootdir),
+named by the file (``test_x[refund-1182]``), each replayed around the test's body as
+``@pytest.mark.deja(cassette, record=False)`` would: an incident is never recorded. The
+marker's other arguments (``ignore``, ``normalise``, ``allowed_hosts``,
+``allow_unverified``) go to each case; the test may take ``deja_incident``, the
+cassette's path.
+
 A cassette recorded by the plugin stores the test itself as its command, ``python -m
 pytest <the test's node id>`` (no deja flags), and the directory pytest ran in, so
 ``deja replay``, ``deja fork`` and ``deja resume`` run that one test again. Under them
@@ -156,6 +164,11 @@ def pytest_configure(config: pytest.Config) -> None:
                    "new_episodes, all, rewrite; default none on CI, else once); "
                    "record=False: never recorded by any mode; defaults from the "
                    "deja_config fixture")
+    config.addinivalue_line(
+        "markers", "deja_suite(folder, ignore=(), normalise=(), allowed_hosts=(), "
+                   "allow_unverified=False): one test case per cassette of FOLDER (its "
+                   "*.jsonl), each replayed as @pytest.mark.deja(cassette, record=False); "
+                   "the test may take deja_incident, the cassette's path")
     _modes.run_mode(config)  # conflicting flags, or a bad DEJA_RECORD_MODE: said now
     config.stash[_DRY] = _modes.dry_run(config)  # without all or rewrite: said now
     config.stash[_UNVERIFIED] = []
@@ -164,6 +177,36 @@ def pytest_configure(config: pytest.Config) -> None:
     # A session started from outside (deja replay/fork/resume of a recorded test): the
     # tests run in it.
     config.stash[_OUTER] = _session.active()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``@pytest.mark.deja_suite(folder)``: a case per cassette of the folder, each marked
+    ``@pytest.mark.deja(cassette, record=False)`` and given as ``deja_incident``."""
+    marker = metafunc.definition.get_closest_marker("deja_suite")
+    if marker is None:
+        return
+    where = metafunc.definition.nodeid
+    if metafunc.definition.get_closest_marker("deja") is not None:
+        raise pytest.UsageError(f"{where}: @pytest.mark.deja_suite gives each case its "
+                                "cassette; drop @pytest.mark.deja")
+    given = marker.kwargs.get("folder") or (marker.args[0] if marker.args else None)
+    if given is None:
+        raise pytest.UsageError(f"{where}: @pytest.mark.deja_suite needs a folder, e.g. "
+                                "@pytest.mark.deja_suite('incidents/')")
+    folder = Path(given)
+    if not folder.is_absolute():
+        folder = Path(metafunc.config.rootpath) / folder
+    cassettes = sorted(folder.glob("*.jsonl"))
+    if not cassettes:
+        raise pytest.UsageError(f"{where}: @pytest.mark.deja_suite({str(given)!r}): no "
+                                "cassettes there (no *.jsonl files)")
+    options = {k: v for k, v in marker.kwargs.items() if k != "folder"}
+    cases = [pytest.param(path, id=path.stem,
+                          marks=pytest.mark.deja(str(path), record=False, **options))
+             for path in cassettes]
+    if "deja_incident" not in metafunc.fixturenames:  # given to the test if it asks
+        metafunc.fixturenames.append("deja_incident")
+    metafunc.parametrize("deja_incident", cases)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
