@@ -276,7 +276,7 @@ def step_keys(obs: Mapping[str, Any], meant: Mapping[str, Any]) -> tuple[Hashabl
     means; its kind, name and arguments (a tool's args, an HTTP call's method and URL); its
     kind and name (a tool's name, a model call's model, a control line's event)."""
     kind, name = str(obs.get("kind")), step_name(obs)
-    if kind == Kind.END:  # compared where the steps end, never matched by itself
+    if kind == Kind.END:  # see alignment(): compared where the steps end
         return (Kind.END,) * 3
     args = meant.get("args") if kind != Kind.HTTP else (meant.get("method"), meant.get("url"))
     return (json.dumps(meant, sort_keys=True, default=str),
@@ -286,51 +286,134 @@ def step_keys(obs: Mapping[str, Any], meant: Mapping[str, Any]) -> tuple[Hashabl
 Pair = tuple[int | None, int | None]
 """Two aligned lines by their index in each run's :func:`aligned` list (None: none)."""
 
-MAX_ALIGNED = 4_000_000  # steps x steps of a stretch aligned by key; past it, by position
+EXACT = 40_000  # steps x steps of a stretch difflib aligns; a longer one: shortest edits
+MAX_ALIGNED = 4_000_000  # work the shortest edits of a long stretch may take
+
+Opcode = tuple[str, int, int, int, int]
+Opcodes = Sequence[Opcode]
+"""How two stretches match, as :meth:`difflib.SequenceMatcher.get_opcodes` says it."""
 
 
 def align_keys(a: Sequence[Sequence[Hashable]], b: Sequence[Sequence[Hashable]]) -> list[Pair]:
     """Two sequences aligned by their keys (``a[level][i]``), finest level first: the
-    longest matching blocks of the finest keys are matched (:class:`difflib.SequenceMatcher`,
-    a longest common subsequence in all but pathological cases), each stretch between
-    matches is aligned by the next level's keys, and what no level matches is paired
-    position by position (a step changed in place lines up with the step it replaced; the
-    longer side's rest stands alone). A stretch too long to align by key
-    (:data:`MAX_ALIGNED`) is paired by position."""
+    steps whose finest keys form a longest common subsequence are matched, each stretch
+    between matches is aligned by the next level's keys, and what no level matches is
+    paired position by position (a step changed in place lines up with the step it
+    replaced; the longer side's rest stands alone). See :func:`_opcodes` for how a level
+    is matched."""
     return _align(a, b, 0, (0, len(a[0]) if a else 0), (0, len(b[0]) if b else 0))
 
 
 def _align(a: Sequence[Sequence[Hashable]], b: Sequence[Sequence[Hashable]], level: int,
            span_a: tuple[int, int], span_b: tuple[int, int]) -> list[Pair]:
     (lo_a, hi_a), (lo_b, hi_b) = span_a, span_b
-    out: list[Pair] = []
-    while level < len(a) and lo_a < hi_a and lo_b < hi_b \
-            and a[level][lo_a] == b[level][lo_b]:  # the same start: matched, quickly
-        out.append((lo_a, lo_b))
-        lo_a, lo_b = lo_a + 1, lo_b + 1
-    if level == len(a) or (hi_a - lo_a) * (hi_b - lo_b) > MAX_ALIGNED:
-        return out + [(lo_a + k if lo_a + k < hi_a else None,
-                       lo_b + k if lo_b + k < hi_b else None)
-                      for k in range(max(hi_a - lo_a, hi_b - lo_b))]
-    matcher = difflib.SequenceMatcher(None, a[level][lo_a:hi_a], b[level][lo_b:hi_b],
-                                      autojunk=False)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+    head: list[Pair] = []
+    tail: list[Pair] = []
+    if level < len(a):  # the same start and end: matched at once
+        keys_a, keys_b = a[level], b[level]
+        while lo_a < hi_a and lo_b < hi_b and keys_a[lo_a] == keys_b[lo_b]:
+            head.append((lo_a, lo_b))
+            lo_a, lo_b = lo_a + 1, lo_b + 1
+        while lo_a < hi_a and lo_b < hi_b and keys_a[hi_a - 1] == keys_b[hi_b - 1]:
+            hi_a, hi_b = hi_a - 1, hi_b - 1
+            tail.insert(0, (hi_a, hi_b))
+    if level == len(a):
+        return head + [(lo_a + k if lo_a + k < hi_a else None,
+                        lo_b + k if lo_b + k < hi_b else None)
+                       for k in range(max(hi_a - lo_a, hi_b - lo_b))] + tail
+    for tag, i1, i2, j1, j2 in _opcodes(a[level][lo_a:hi_a], b[level][lo_b:hi_b]):
         if tag == "equal":
-            out += [(lo_a + i1 + k, lo_b + j1 + k) for k in range(i2 - i1)]
+            head += [(lo_a + i1 + k, lo_b + j1 + k) for k in range(i2 - i1)]
         else:
-            out += _align(a, b, level + 1, (lo_a + i1, lo_a + i2), (lo_b + j1, lo_b + j2))
+            head += _align(a, b, level + 1, (lo_a + i1, lo_a + i2), (lo_b + j1, lo_b + j2))
+    return head + tail
+
+
+def _opcodes(a: Sequence[Hashable], b: Sequence[Hashable]) -> Opcodes:
+    """How one level's keys of two stretches match. A short stretch: difflib's
+    :class:`~difflib.SequenceMatcher` (its longest matching blocks). A long one, where
+    difflib can take minutes when keys repeat: the shortest edit script (Myers' O(ND)
+    algorithm, a longest common subsequence) when the two differ in few enough steps to
+    find it within :data:`MAX_ALIGNED`; else difflib with its "popular" rule (a key found
+    in more than one place in a hundred is no anchor at this level)."""
+    if len(a) * len(b) <= EXACT:
+        return difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    found = _shortest_edits(a, b, MAX_ALIGNED // (len(a) + len(b)))
+    if found is not None:
+        return found
+    return difflib.SequenceMatcher(None, a, b, autojunk=True).get_opcodes()
+
+
+def _shortest_edits(a: Sequence[Hashable], b: Sequence[Hashable],
+                    most: int) -> Opcodes | None:
+    """Myers' shortest edit script of ``a`` into ``b`` as opcodes, or None when it takes
+    more than ``most`` edits. ``v[k]``: how far along ``a`` the furthest path on diagonal
+    ``k`` (``x - y``) got; each round's ``v`` is kept, to walk the path back."""
+    n, m = len(a), len(b)
+    v, rounds = {1: 0}, []
+    for d in range(min(most, n + m) + 1):
+        rounds.append(dict(v))
+        for k in range(-d, d + 1, 2):
+            x = v[k + 1] if k == -d or (k != d and v[k - 1] < v[k + 1]) else v[k - 1] + 1
+            y = x - k
+            while x < n and y < m and a[x] == b[y]:
+                x, y = x + 1, y + 1
+            v[k] = x
+            if x >= n and y >= m:
+                return _as_opcodes(_walked_back(rounds, n, m), n, m)
+    return None
+
+
+def _walked_back(rounds: list[dict[int, int]], n: int, m: int) -> list[tuple[int, int]]:
+    """The matched pairs of the shortest path that :func:`_shortest_edits` found."""
+    matched: list[tuple[int, int]] = []
+    x, y = n, m
+    for d in range(len(rounds) - 1, -1, -1):
+        v, k = rounds[d], x - y
+        before = k + 1 if k == -d or (k != d and v[k - 1] < v[k + 1]) else k - 1
+        start_x = v[before]
+        while x > start_x and y > start_x - before:
+            x, y = x - 1, y - 1
+            matched.append((x, y))
+        x, y = start_x, start_x - before
+    return matched[::-1]
+
+
+def _as_opcodes(matched: list[tuple[int, int]], n: int, m: int) -> Opcodes:
+    """Matched pairs (in order) as opcodes: runs of them ``equal``, what lies between
+    ``replace`` (one side may be empty)."""
+    out: list[Opcode] = []
+    i = j = 0
+    for x, y in [*matched, (n, m)]:
+        if (x, y) != (i, j):
+            out.append(("replace", i, x, j, y))
+        if (x, y) != (n, m):
+            if out and out[-1][0] == "equal" and out[-1][2] == x and out[-1][4] == y:
+                out[-1] = ("equal", out[-1][1], x + 1, out[-1][3], y + 1)
+            else:
+                out.append(("equal", x, x + 1, y, y + 1))
+        i, j = x + 1, y + 1
     return out
 
 
 def alignment(a: Prepared, b: Prepared) -> list[Pair]:
     """Run ``b`` aligned with run ``a`` by what their steps mean (:func:`align_keys`), so
     that a step one run has and the other has not leaves the steps after it aligned. The
-    end lines are never matched as such: each is compared where its run's steps end (a
-    run that stopped early shows its end line where the other went on)."""
-    ends = [(Kind.END, side) for side in ("a", "b")]
-    keys_a = [[*level[:-1], ends[0]] if a.cassette.end else level for level in a.keys]
-    keys_b = [[*level[:-1], ends[1]] if b.cassette.end else level for level in b.keys]
-    return align_keys(keys_a, keys_b)
+    end lines are not aligned by key: each is compared where its run's steps end, paired
+    in place with what follows the last step both runs have (so a run that stopped early
+    shows its end line where the other went on)."""
+    count_a = len(a.steps) - (1 if a.cassette.end else 0)
+    count_b = len(b.steps) - (1 if b.cassette.end else 0)
+    pairs = align_keys([level[:count_a] for level in a.keys],
+                       [level[:count_b] for level in b.keys])
+    kept = len(pairs)
+    while kept and None in pairs[kept - 1]:  # after the last step both runs have
+        kept -= 1
+    rest_a = [i for i, _ in pairs[kept:] if i is not None] + [count_a] * bool(a.cassette.end)
+    rest_b = [j for _, j in pairs[kept:] if j is not None] + [count_b] * bool(b.cassette.end)
+    return pairs[:kept] + [(rest_a[n] if n < len(rest_a) else None,
+                            rest_b[n] if n < len(rest_b) else None)
+                           for n in range(max(len(rest_a), len(rest_b)))]
 
 
 def step_diff(a: Prepared, b: Prepared, pair: Pair) -> StepDiff | None:

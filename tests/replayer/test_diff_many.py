@@ -10,8 +10,10 @@ step after it stays aligned with A's; D differs in place, at its second search.
 from __future__ import annotations
 
 import json
+import random
 import re
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ import recorder
 from deja.cli import main as cli
 from recorder.cassette import load
 from recorder.testing.server import StubServer
-from replayer.diff import align_keys, compare
+from replayer.diff import _shortest_edits, align_keys, compare
 from replayer.diff_many import compare_many
 
 if str(Path(__file__).parent) not in sys.path:  # loaded by path, from the viewer's tests
@@ -203,3 +205,44 @@ def test_keys_align_an_insertion_a_change_in_place_and_a_deletion() -> None:
     assert align_keys(base, deleted) == [(0, 0), (1, None), (2, 1), (3, 2), (4, 3)]
     other = levels("Ya Zb")  # nothing in common: paired in place, the rest alone
     assert align_keys(levels("Ma Tb Mc"), other) == [(0, 0), (1, 1), (2, None)]
+
+
+def test_a_long_run_with_one_inserted_step_stays_aligned() -> None:
+    """Four thousand steps, a tool call repeated with the same result between model calls
+    whose conversation grows: after one inserted step no model call means the same any
+    more, and the kind and name of every step repeat; the steps still line up, quickly."""
+    n = 4000
+    base = [[f"model {i}" if i % 2 == 0 else "tool" for i in range(n)],
+            ["model" if i % 2 == 0 else "tool" for i in range(n)]]
+    fixed = [list(level) for level in base]
+    for level in fixed:
+        level.insert(1000, "audit")
+    fixed[0] = [k + " (longer)" if i > 1000 and k != "tool" else k
+                for i, k in enumerate(fixed[0])]
+    started = time.monotonic()
+    pairs = align_keys(base, fixed)
+    assert time.monotonic() - started < 5
+    assert pairs == [(i, i) for i in range(1000)] + [(None, 1000)] + [
+        (i, i + 1) for i in range(1000, n)]
+
+
+def test_the_shortest_edits_of_a_long_stretch_are_a_longest_common_subsequence() -> None:
+    """Myers' algorithm, which aligns the long stretches, against the textbook dynamic
+    programme, on sequences of few keys (where ties abound)."""
+    chooser = random.Random(7)
+    for _ in range(500):
+        a = [chooser.choice("mtx") for _ in range(chooser.randint(0, 14))]
+        b = [chooser.choice("mtx") for _ in range(chooser.randint(0, 14))]
+        ops = _shortest_edits(a, b, len(a) + len(b))
+        assert ops is not None
+        assert [(op[1], op[3]) for op in ops[1:]] == [(op[2], op[4]) for op in ops[:-1]]
+        assert not ops or (ops[0][1], ops[0][3], ops[-1][2], ops[-1][4]) == (
+            0, 0, len(a), len(b))
+        assert all(a[i1:i2] == b[j1:j2] for tag, i1, i2, j1, j2 in ops if tag == "equal")
+        longest = [[0] * (len(b) + 1) for _ in range(len(a) + 1)]
+        for i in range(len(a) - 1, -1, -1):
+            for j in range(len(b) - 1, -1, -1):
+                longest[i][j] = longest[i + 1][j + 1] + 1 if a[i] == b[j] else max(
+                    longest[i + 1][j], longest[i][j + 1])
+        assert sum(op[2] - op[1] for op in ops if op[0] == "equal") == longest[0][0]
+    assert _shortest_edits(list("mmmm"), list("tttt"), 3) is None  # 8 edits: too many
