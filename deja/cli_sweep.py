@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
@@ -25,32 +24,27 @@ from deja._common import (
 from deja._launch import _where_to_run
 
 
-def junit_report(report: Any) -> ET.ElementTree:
-    """The sweep as a JUnit XML report: a test case per perturbation; one that changed the
-    outcome fails, a fork that could not run is an error."""
-    root = ET.Element("testsuites", name="deja sweep")
-    suite = ET.SubElement(root, "testsuite", name=f"deja sweep {report.run}")
+def junit_cases(report: Any) -> list[Any]:
+    """The sweep as JUnit test cases (:func:`replayer.ci.junit_of`), one per perturbation:
+    one that changed the outcome fails, a fork that could not run is an error."""
+    from replayer.ci import Case
+
+    cases = []
     for row in report.rows:
         p = row.perturbation
-        case = ET.SubElement(suite, "testcase", classname=report.cassette,
-                             name=f"step {p.step} {p.step_kind} {p.target} {p.label}",
-                             time=f"{row.seconds:.3f}")
+        name = f"step {p.step} {p.step_kind} {p.target} {p.label}"
         if row.error is not None:
-            ET.SubElement(case, "error", message=row.error, type="SweepForkError")
+            cases.append(Case(report.cassette, name, row.seconds, "error", row.error,
+                              kind="SweepForkError"))
         elif row.changed:
-            failure = ET.SubElement(case, "failure", type="OutcomeChanged",
-                                    message=f"ended {row.status} (recorded: {report.status}); "
-                                            f"final answer "
-                                            f"{'changed' if row.answer_changed else 'same'}")
-            failure.text = f"final answer: {row.answer}\nfork: {row.cassette}"
-    for element in (root, suite):
-        element.set("tests", str(len(report.rows)))
-        element.set("failures", str(len(report.changed)))
-        element.set("errors", str(len(report.errors)))
-        element.set("time", f"{sum(row.seconds for row in report.rows):.3f}")
-    tree = ET.ElementTree(root)
-    ET.indent(tree)
-    return tree
+            said = "changed" if row.answer_changed else "same"
+            cases.append(Case(report.cassette, name, row.seconds, "failure",
+                              f"ended {row.status} (recorded: {report.status}); final "
+                              f"answer {said}", f"final answer: {row.answer}\n"
+                              f"fork: {row.cassette}", kind="OutcomeChanged"))
+        else:
+            cases.append(Case(report.cassette, name, row.seconds))
+    return cases
 
 
 def _plan(cassette: Path, rules: tuple[str, ...], output: Path | None,
@@ -137,6 +131,7 @@ def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs
     Exit 0 no perturbation changed the outcome, 1 one did, 2 bad input (nothing is
     written) or a fork that could not run.
     """
+    from replayer.ci import junit_of, write_report
     from replayer.fork import side_effect_warning
     from replayer.sweep import run_sweep
 
@@ -162,8 +157,7 @@ def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs
                else report.render())
     if junit is not None:
         try:
-            junit.parent.mkdir(parents=True, exist_ok=True)
-            junit_report(report).write(junit, encoding="utf-8", xml_declaration=True)
+            write_report(junit, junit_of(junit_cases(report), f"deja sweep {report.run}"))
         except OSError as exc:
             raise BadInput(f"--junit {junit}: {exc.strerror or exc}") from None
     sys.exit(report.exit_code)
