@@ -15,7 +15,9 @@ provider, or a stub), and tool calls are decided by the tool policy
 (:mod:`replayer.tool_policy`: a side effect is never run live unless named).
 
 The new cassette's header names its parent and the step the run left it at
-(``parent.step``; ``parent.divergence`` says how: the kind of change and why). The file is
+(``parent.step``: the steps before it were served from the parent, the step itself is the
+first live one; ``parent.divergence`` says how: the kind of change, why, and the recorded
+call nearest to the one made instead). The file is
 written from that moment on, the copied lines first: until the run leaves the recording
 nothing new has happened. A run that never leaves it is written whole at its end, with
 no ``parent.step``; one stopped before it leaves, with what was served so far (one killed
@@ -147,10 +149,13 @@ def start_then_live(plan: ThenLive, *, policy: ReplayPolicy | None = None,
         if info is None:
             writer.open(None, None)
             return
-        # Past the recording's last step (an extra call) the run leaves it at the step it
-        # makes next: every step before it was served from the recording.
-        writer.open(info.step if info.step is not None else writer.next_seq,
-                    {"kind": info.kind, "category": info.category, "reason": info.reason})
+        # The run leaves at the step it makes next: every step before it was served from
+        # the recording, in the recording's order (the recorded call nearest to the one
+        # it made instead is the divergence's ``nearest``; past the recording's last step,
+        # none).
+        writer.open(writer.next_seq, {
+            "kind": info.kind, "category": info.category, "reason": info.reason,
+            **({"nearest": info.step} if info.step is not None else {})})
 
     return ContinuationSession(empty, cast(CassetteWriter, writer), sources=[log],
                                mode="fork", on_leave=left, fsync=fsync, keyring=ring,
