@@ -25,8 +25,9 @@ README = (ROOT / "README.md").read_text()
 # The pages under docs/, in the order the README lists them: their console blocks run after
 # the README's, in this order, in the same copy of the repository (a page may use what an
 # earlier one made, as a reader following them in order would).
-PAGES = ("replay.md", "ci.md", "drift.md", "guards.md", "fork-and-resume.md", "runs.md", "proxy.md", "viewer.md",
-         "integrations.md", "stub.md", "format.md", "trust.md", "benchmarks.md")
+PAGES = ("replay.md", "ci.md", "drift.md", "guards.md", "fork-and-resume.md", "diff.md",
+         "suite.md", "runs.md", "proxy.md", "viewer.md", "integrations.md", "stub.md", "format.md",
+         "trust.md", "benchmarks.md")
 DOCS = {"README.md": README} | {f"docs/{page}": (ROOT / "docs" / page).read_text()
                                 for page in PAGES}
 # Run elsewhere: the Install block builds a wheel and installs it into a new virtualenv.
