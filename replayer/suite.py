@@ -227,7 +227,8 @@ def replay_record(incident: str, cassette: str, result: Mapping[str, Any] | None
         return {**base, "run": result.get("run"), "recorded": recorded, "now": now,
                 "verdict": "changed", "changed_at": step,
                 "change": d.get("category") or d.get("kind")}
-    now = _state("completed" if code == 0 else "error", code)
+    same = code is not None and code == recorded["exit_code"]
+    now = recorded if same else _state("completed" if code == 0 else "error", code)
     return {**base, "run": result.get("run"), "recorded": recorded, "now": now,
             "verdict": _verdict(recorded, now, False, verdict)}
 

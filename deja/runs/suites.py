@@ -2,8 +2,8 @@
 workflow of the engine, run by whichever ``deja worker`` takes it.
 
 - :func:`live_workers` says whether a worker runs against the database (a heartbeat newer
-  than :data:`deja.runs.locks.DEAD_AFTER`), without creating an embedded database that is
-  not there.
+  than :data:`deja.runs.locks.DEAD_AFTER`, from a process that still lives when it is on
+  this machine), without creating an embedded database that is not there.
 - :class:`WorkersRunner` is a :class:`replayer.suite.Runner`: it registers the suite's
   queue (``-j`` incidents at a time across the workers), enqueues each job under a
   deterministic workflow id (a suite submitted again with the same id runs no incident
@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -44,10 +46,10 @@ def live_workers(url: str) -> list[str] | None:
     """The workers that beat within :data:`DEAD_AFTER` seconds; None when the database
     cannot be reached. An embedded database that does not exist has none (and is not
     created)."""
-    from deja.runs.store import Store
-
     if is_sqlite(url) and not sqlite_path(url).exists():
         return []
+    from deja.runs.store import Store  # the database layer: only when there is a database
+
     try:
         store = Store(url)
     except DatabaseUnavailable:
@@ -55,11 +57,26 @@ def live_workers(url: str) -> list[str] | None:
     try:
         now = time.time()
         return [w["worker_id"] for w in store.workers()
-                if now - w["beat"] <= DEAD_AFTER and w["taken_over_by"] is None]
+                if now - w["beat"] <= DEAD_AFTER and w["taken_over_by"] is None
+                and not _gone_here(w)]
     except DatabaseUnavailable:
         return None
     finally:
         store.close()
+
+
+def _gone_here(worker: dict[str, Any]) -> bool:
+    """A worker of this machine whose process is gone (stopped a moment ago: its last beat
+    is still fresh)."""
+    if worker["host"] != socket.gethostname():
+        return False
+    try:
+        os.kill(int(worker["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, ValueError, TypeError):
+        return False
+    return False
 
 
 def check_storable(jobs: Sequence[Job]) -> None:
