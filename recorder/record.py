@@ -25,10 +25,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from recorder import effects
+from recorder import capture, effects
 from recorder.canonical import digest
-from recorder.capture import session
-from recorder.capture import vcr as capture
+from recorder.capture import mcp, session
 from recorder.capture.exchange import HttpRequest, HttpResponse, Redaction
 from recorder.capture.sources import Interceptor
 from recorder.cassette import CassetteWriter, Fsync, compact
@@ -74,7 +73,7 @@ class _ToolCall:
     result: Any = None
 
 
-class RecordSession(session.Session):
+class RecordSession(session.Session, mcp.McpSeam):
     """Writes every observation of one run to its cassette as it happens."""
 
     mode = "record"
@@ -257,6 +256,8 @@ class RecordSession(session.Session):
             raise self.writer.failed
 
     def begin_http(self, request: HttpRequest) -> HttpResponse | None:
+        if mcp.carries(request.url):  # an MCP server's own traffic: its requests are logged
+            return None
         self.before_call(request)
         # Before anything is sent, as a replay matches it: a request the cassette cannot
         # hold is refused here (UnserializableValue), on replay at the same point.
@@ -277,7 +278,10 @@ class RecordSession(session.Session):
     def end_http(self, request: HttpRequest, response: HttpResponse | None, timing: session.Timing,
                  error: BaseException | None = None) -> dict[str, Any]:
         """Log a finished exchange (or a failed one, with ``error``), count it, and let the
-        guards see it; returns the observation as a reader sees it."""
+        guards see it; returns the observation as a reader sees it (an MCP server's own
+        traffic is no step: nothing)."""
+        if mcp.carries(request.url):
+            return {}
         kind, _, body = self._lines.classify(request)
         is_model = kind == Kind.MODEL
         obs, usage, cost = self._lines.exchange(request, response, timing, error)
@@ -307,7 +311,7 @@ class RecordSession(session.Session):
     # Lines redacted whole as they are appended (model and HTTP lines are redacted field by
     # field as they are built, StepLines.exchange: their bodies are large and redacted as
     # raw bytes).
-    _REDACTED_WHOLE = frozenset({Kind.TOOL, Kind.INTENT, Kind.OUTCOME, Kind.EFFECT,
+    _REDACTED_WHOLE = frozenset({Kind.TOOL, Kind.MCP, Kind.INTENT, Kind.OUTCOME, Kind.EFFECT,
                                  Kind.CONTROL})
 
     def append_line(self, obs: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
@@ -423,6 +427,26 @@ class RecordSession(session.Session):
             add_step(self.totals, obs)
         for interceptor in self.interceptors:
             interceptor.before_tool(name, obs["args"])
+
+    def mcp_answer(self, call: mcp.McpCall) -> mcp.McpReply | None:
+        """An MCP request goes to its server: a tool call through the guards first, as any
+        tool call."""
+        if call.tool is not None:
+            self.before_tool(call.spec(), call.arguments)
+        else:
+            self._check_writable()
+        return None
+
+    def mcp_log(self, call: mcp.McpCall, reply: mcp.McpReply, timing: session.Timing) -> None:
+        """Write an MCP request's line once its server answered, before the client sees
+        the answer (:meth:`StepLines.mcp`); a destructive tool's is forced to disk."""
+        assert self.writer is not None
+        obs, refused = self._lines.mcp(call, reply, timing, step=self.writer.next_seq)
+        self.append_line(obs, sync=call.destructive)
+        with self._lock:
+            add_step(self.totals, obs)
+        if refused is not None:
+            raise refused
 
     def effect(self, name: str, produce: Callable[[], Any]) -> Any:
         site = effects.call_site()

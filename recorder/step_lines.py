@@ -4,10 +4,10 @@
 A model or HTTP exchange: its request half redacted (URLs and request headers repeat call
 after call, so their redacted forms are kept), the response as recorded and, for a model
 response, its usage, stop reason and cost; a tool call, or the outcome of its intent; a
-tool call seen from outside (the recording proxy); an effect. A value the cassette cannot
-hold is refused with ``UnserializableValue``, and the refusal is put in the line as its
-``error`` first, so that a replay raises it at the same step. An error is stored as its
-:func:`error_record`, the message redacted and writable.
+tool call seen from outside (the recording proxy); a request to an MCP server; an effect.
+A value the cassette cannot hold is refused with ``UnserializableValue``, and the refusal
+is put in the line as its ``error`` first, so that a replay raises it at the same step.
+An error is stored as its :func:`error_record`, the message redacted and writable.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from recorder import effects, providers
 from recorder import values as _values
 from recorder.canonical import content_decoded, digest, fingerprint
-from recorder.capture import session
+from recorder.capture import mcp, session
 from recorder.capture.exchange import (
     HttpRequest,
     HttpResponse,
@@ -189,6 +189,42 @@ class StepLines:
                 refused = exc
                 obs["error"] = self.error(exc)
         return obs, refused
+
+    def mcp(self, call: mcp.McpCall, reply: mcp.McpReply, timing: session.Timing, *,
+            step: int) -> tuple[dict[str, Any], UnserializableValue | None]:
+        """The line, ``step``, of an MCP request its server answered: a ``tool`` line for a
+        tool call, else an ``mcp`` line (:mod:`recorder.capture.mcp.calls`); and the
+        refusal of a result the cassette cannot hold, in the line as its ``error``."""
+        part: dict[str, Any] = {"server": mcp.server_record(call.server, self.redaction),
+                                "method": call.method}
+        if reply.notifications:
+            part["notifications"] = reply.notifications
+        if call.destructive:
+            part["destructive"] = True
+        obs: dict[str, Any]
+        if call.tool is not None:
+            key = self.args_key(call.arguments)
+            obs = {"kind": Kind.TOOL.value, "name": call.tool, "args": key,
+                   "fp": digest(["tool", call.tool, key])}
+        else:
+            params = self.redaction.value(dict(call.params))
+            obs = {"kind": Kind.MCP.value, "params": params,
+                   "fp": mcp.line_key(part["server"], call.method, params)}
+        obs.update(t=round(timing.start, 3), ms=round(timing.ms, 2), mcp=part)
+        if reply.error is not None:
+            obs["error"] = mcp.error_record(reply.error, self.redaction.text(
+                str(reply.error.get("message", ""))))
+            return obs, None
+        try:
+            obs["result"] = _values.encode(reply.result, where=f"result of MCP {call.method} "
+                                                               f"(step {step})")
+        except UnserializableValue as exc:
+            obs["error"] = self.error(exc)
+            return obs, exc
+        if call.tool is not None and isinstance(reply.result, dict) \
+                and reply.result.get("isError") is True:
+            obs["is_error"] = True
+        return obs, None
 
     def observed_tool(self, name: str, args: Any, result: Any, *, call_id: str,
                       is_error: bool, start: float | None, ms: float | None, observed: str,

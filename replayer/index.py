@@ -1,7 +1,8 @@
 """The replay index: which recorded observation answers which call, in O(1).
 
 Observations are grouped by a key (the request fingerprint for model and HTTP calls,
-``tool`` + name + arguments for tools, the name for effects). Each group is a queue in
+``tool`` + name + arguments for tools, an MCP server's tools included, the server, method
+and params for its other requests, the name for effects). Each group is a queue in
 recorded order, so identical calls are served in the order they were recorded and
 concurrent calls can arrive in any order. When a call finds no entry, the first unused
 observation of the same family is what the run expected there.
@@ -30,7 +31,7 @@ from recorder.cassette.schema import STOPS, Kind
 from recorder.effects import Site
 
 FAMILY: dict[str, str] = {Kind.MODEL: "net", Kind.HTTP: "net", Kind.TOOL: "tool",
-                          Kind.INTENT: "tool", Kind.EFFECT: "effect"}
+                          Kind.INTENT: "tool", Kind.EFFECT: "effect", Kind.MCP: "mcp"}
 
 
 def key_of(obs: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -61,7 +62,8 @@ class Index:
         self._loose_of: dict[int, str] = {}
         # effects by (name, file, function) of their call site
         self._sites: dict[tuple[str, str, str], deque[Mapping[str, Any]]] = {}
-        self._order: dict[str, list[Mapping[str, Any]]] = {"net": [], "tool": [], "effect": []}
+        self._order: dict[str, list[Mapping[str, Any]]] = {"net": [], "tool": [], "effect": [],
+                                                           "mcp": []}
         self._cursor = {family: 0 for family in self._order}
         self.used: set[int] = set()
         self.total = 0

@@ -29,11 +29,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from recorder import providers
+from recorder import capture, providers
 from recorder import values as _values
 from recorder.canonical import Parts
-from recorder.capture import session
-from recorder.capture import vcr as capture
+from recorder.capture import mcp, session
 from recorder.capture.exchange import (
     HttpRequest,
     HttpResponse,
@@ -142,9 +141,10 @@ def _setattr(obj: Any, name: str, value: Any):
         setattr(obj, name, old)
 
 
-class ReplaySession(session.Session, Source):
+class ReplaySession(session.Session, Source, mcp.McpSeam, mcp.McpSource):
     """Serves a loaded cassette to the agent's calls: as the session of a replay, or as a
-    source of a continuing run (:mod:`recorder.capture.sources`).
+    source of a continuing run (:mod:`recorder.capture.sources`). An MCP client's requests
+    are served too (:mod:`recorder.capture.mcp`): its server is never started.
 
     As a source: ``until_used_up`` (a fork's or a resume's prefix) closes it once every
     step was served; ``on_miss="pass"`` closes it at the first call it cannot answer
@@ -275,26 +275,25 @@ class ReplaySession(session.Session, Source):
         log.info("%s: the run asked for something else at step %s; going live", self.path,
                  miss.info.step)
 
-    def answer_http(self, request: HttpRequest) -> Mapping[str, Any] | None:
+    def _answered(self, take: Callable[..., Mapping[str, Any]],
+                  *args: Any) -> Mapping[str, Any] | None:
         try:
-            return self.match_http(request)
+            return take(*args)
         except Divergence as miss:
             self._missed(miss)
             return None
+
+    def answer_http(self, request: HttpRequest) -> Mapping[str, Any] | None:
+        return self._answered(self.match_http, request)
 
     def answer_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> Mapping[str, Any] | None:
-        try:
-            return self.take_tool(tool, args)
-        except Divergence as miss:
-            self._missed(miss)
-            return None
+        return self._answered(self.take_tool, tool, args)
 
     def answer_effect(self, name: str, site: Site | None) -> Mapping[str, Any] | None:
-        try:
-            return self.take_effect(name, site)
-        except Divergence as miss:
-            self._missed(miss)
-            return None
+        return self._answered(self.take_effect, name, site)
+
+    def answer_mcp(self, call: mcp.McpCall) -> Mapping[str, Any] | None:
+        return self._answered(self.take_mcp, call)
 
     def outcome_of(self, intent: Mapping[str, Any]) -> Mapping[str, Any] | None:
         return self.index.outcomes.get(intent["seq"])
@@ -391,12 +390,27 @@ class ReplaySession(session.Session, Source):
 
     def take_tool(self, tool: session.ToolSpec, args: dict[str, Any]) -> Mapping[str, Any]:
         """The recorded observation that answers this call (a divergence if none does)."""
-        self.raise_recorded_stop()
         key = self.redaction.value(_values.args_key(args))
-        obs = self.index.take(tool_key(tool.name, key))
+        return self._take(tool_key(tool.name, key), Asked(
+            "tool", {"name": tool.name, "args": key}, Kind.TOOL.value),
+            f"the agent called tool {tool.name!r}")
+
+    def take_mcp(self, call: mcp.McpCall) -> Mapping[str, Any]:
+        """The recorded line that answers an MCP request (a divergence, naming the server,
+        if none does)."""
+        family, key, shown = call.match(self.redaction)
+        kind = Kind.TOOL if family == "tool" else Kind.MCP
+        return self._take((family, key), Asked(family, shown, kind.value),
+                          call.described(self.redaction))
+
+    def mcp_answer(self, call: mcp.McpCall) -> mcp.McpReply:
+        return mcp.reply_of(self.take_mcp(call))
+
+    def _take(self, key: tuple[str, str], asked: Asked, what: str) -> Mapping[str, Any]:
+        self.raise_recorded_stop()
+        obs = self.index.take(key)
         if obs is None:
-            raise self._diverge(Asked("tool", {"name": tool.name, "args": key},
-                                      Kind.TOOL.value), f"the agent called tool {tool.name!r}")
+            raise self._diverge(asked, what)
         self.tally.exact()
         self._tick()
         return obs

@@ -35,6 +35,7 @@ from enum import StrEnum
 from typing import Any
 
 from recorder import providers
+from recorder.capture import mcp
 from recorder.cassette import Cassette
 from recorder.cassette.schema import Kind
 from recorder.errors import DivergenceInfo
@@ -75,6 +76,11 @@ def recorded_request(cassette: Cassette, obs: Mapping[str, Any]) -> Any:
         return cassette.request_of(obs["seq"])
     if kind == Kind.HTTP:
         return {"method": obs["method"], "url": obs["url"], "body": obs["request"]["body"]}
+    part = obs.get("mcp")
+    if isinstance(part, Mapping) and kind in (Kind.MCP, Kind.TOOL):
+        shown = {"server": mcp.label(part["server"])}
+        return {**shown, "name": obs["name"], "args": obs["args"]} if kind == Kind.TOOL \
+            else {**shown, "method": part["method"], "params": obs.get("params", {})}
     if kind in (Kind.TOOL, Kind.INTENT):
         return {"name": obs["name"], "args": obs["args"]}
     if kind == Kind.EFFECT:
@@ -294,6 +300,8 @@ class Referee:
             return self._judge_request(asked)
         if asked.family == "tool":
             return self._judge_tool(asked.actual)
+        if asked.family == "mcp":
+            return self._judge_mcp(asked.actual)
         recorded = [o for o in self.index.family("effect")
                     if o["name"] == asked.actual.get("effect")]
         return _Judgement(Change.EXTRA_CALL, nearest=recorded[-1] if recorded else None)
@@ -310,6 +318,21 @@ class Referee:
         if unserved:
             return _Judgement(Change.DIFFERENT_TOOL, nearest=unserved[0], fields=("name",))
         return _Judgement(Change.EXTRA_CALL)
+
+    def _judge_mcp(self, actual: Mapping[str, Any]) -> _Judgement:
+        """An MCP request other than a tool call: made again, or another request than the
+        next one recorded for that server (its method, or its params, differ)."""
+        recorded = [o for o in self.index.family("mcp")
+                    if mcp.label(o["mcp"]["server"]) == actual["server"]]
+        unserved = [o for o in recorded if o["seq"] not in self.index.used]
+        same = [o for o in recorded if o["mcp"]["method"] == actual["method"]]
+        if same and not any(o in unserved for o in same):
+            return _Judgement(Change.EXTRA_CALL, nearest=same[-1])
+        if not unserved:
+            return _Judgement(Change.EXTRA_CALL)
+        near = next((o for o in unserved if o["mcp"]["method"] == actual["method"]), unserved[0])
+        fields = ("params",) if near["mcp"]["method"] == actual["method"] else ("method",)
+        return _Judgement(Change.CHANGED_REQUEST, (fields[0],), near, fields)
 
     def _judge_request(self, asked: Asked) -> _Judgement:
         """A model or HTTP request: sent again (all its recordings played), or compared

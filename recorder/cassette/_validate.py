@@ -127,6 +127,7 @@ _REQUIRED: dict[str, _Fields] = {
     Kind.MODEL: {"request": (dict,)},
     Kind.HTTP: {"method": (str,), "url": (str,), "request": (dict,)},
     Kind.TOOL: {"name": (str,)},
+    Kind.MCP: {"mcp": (dict,)},
     Kind.INTENT: {"name": (str,)},
     Kind.OUTCOME: {"name": (str,), "intent": (int,), "key": (str,)},
     Kind.EFFECT: {"name": (str,)},
@@ -137,12 +138,17 @@ _OPTIONAL_BY_KIND: dict[str, _Fields] = {
     Kind.MODEL: {"url": (str, int), "request_headers": (list, int), "provider": (str,),
                  "response": (dict,), "like": (int,)},
     Kind.HTTP: {"response": (dict,)},
-    Kind.TOOL: {"observed": (str,), "call_id": (str,), "is_error": (bool,)},
+    Kind.TOOL: {"observed": (str,), "call_id": (str,), "is_error": (bool,), "mcp": (dict,)},
+    Kind.MCP: {"params": (dict,)},
     Kind.CONTROL: {"detail": (dict, _OPTIONAL)},
     Kind.END: {"totals": (dict, _OPTIONAL), "reason": (str, _OPTIONAL),
                "exit_code": (int, _OPTIONAL)},
 }
 _OPTIONAL_OF = {kind: {**_COMMON, **_OPTIONAL_BY_KIND.get(kind, {})} for kind in _REQUIRED}
+_MCP_PART: tuple[_Fields, _Fields] = ({"server": (dict,), "method": (str,)},
+                                       {"notifications": (list,), "destructive": (bool,)})
+_MCP_SERVER: tuple[_Fields, _Fields] = (
+    {"transport": (str,)}, {"command": (list,), "url": (str,), "name": (str,), "version": (str,)})
 _RESPONSE = {"status": (int,), "headers": (list,), "body": (str,), "reason": (str,),
              "encoding": (str, _OPTIONAL), "headers_base": (int, _OPTIONAL)}
 
@@ -204,6 +210,21 @@ def check_header(header: dict[str, Any], path: Path) -> None:
                                    "path": (str,)}, "the header's parent", path, None)
 
 
+def _check_mcp(part: dict[str, Any], what: str, path: Path, seq: int) -> None:
+    """An MCP exchange's part of a line: its server and method, its notifications."""
+    _check_fields(part, *_MCP_PART, f"{what} mcp", path, seq)
+    _check_fields(part["server"], *_MCP_SERVER, f"{what} mcp server", path, seq)
+    command = part["server"].get("command")
+    if command is not None and not all(isinstance(a, str) for a in command):
+        raise CorruptCassette(f"{path}: {what}: an MCP server's command must be a list of "
+                              "strings", path=path, seq=seq)
+    for note in part.get("notifications") or ():
+        if not (isinstance(note, dict) and isinstance(note.get("method"), str)
+                and isinstance(note.get("params", {}), dict)):
+            raise CorruptCassette(f"{path}: {what}: an MCP notification is not an object with "
+                                  "a method and params", path=path, seq=seq)
+
+
 def check_line(line: dict[str, Any], path: Path, seq: int) -> None:
     """The fields of observation ``seq`` that readers use have the types deja writes."""
     kind: str = line["kind"]  # one of KINDS: the reader checked it
@@ -225,8 +246,10 @@ def check_line(line: dict[str, Any], path: Path, seq: int) -> None:
                                       "headers_base)", path=path, seq=seq)
     error = line.get("error")
     if isinstance(error, dict):
-        _check_fields(error, {}, {"type": (str,), "module": (str,), "message": (str,)},
-                      f"{what} error", path, seq)
+        _check_fields(error, {}, {"type": (str,), "module": (str,), "message": (str,),
+                                  "code": (int,)}, f"{what} error", path, seq)
+    if isinstance(line.get("mcp"), dict):
+        _check_mcp(line["mcp"], what, path, seq)
     for name, label in (("usage", "usage counts"), ("totals", "the totals")):
         counts = line.get(name)
         if isinstance(counts, dict) and not _counts(counts.values()):

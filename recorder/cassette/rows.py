@@ -70,6 +70,9 @@ def step_name(obs: Mapping[str, Any]) -> str:
         return f"{obs.get('method', '')} {parts.netloc}{parts.path}"
     if kind in (Kind.TOOL, Kind.EFFECT, Kind.INTENT, Kind.OUTCOME):
         return str(obs.get("name", ""))
+    if kind == Kind.MCP:  # the server's name and the method: "ledger tools/list"
+        part = obs.get("mcp") or {}
+        return f"{(part.get('server') or {}).get('name') or '?'} {part.get('method', '')}"
     if kind == Kind.CONTROL:
         return str(obs.get("event", ""))
     return ""
@@ -84,7 +87,7 @@ def step_status(obs: Mapping[str, Any]) -> str:
                 status += " stream-error"
             return status
         return "failed"
-    if kind in (Kind.TOOL, Kind.OUTCOME):
+    if kind in (Kind.TOOL, Kind.OUTCOME, Kind.MCP):
         return "error" if "error" in obs else "ok"
     if kind == Kind.END:
         return str(obs.get("status", ""))

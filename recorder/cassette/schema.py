@@ -41,7 +41,8 @@ class Kind(enum.StrEnum):
 
     MODEL = "model"  # a call to a model API
     HTTP = "http"  # any other HTTP exchange
-    TOOL = "tool"  # a tool call and its result
+    TOOL = "tool"  # a tool call and its result (an MCP server's tools/call among them)
+    MCP = "mcp"  # another request to an MCP server (initialize, tools/list, resources/read)
     INTENT = "intent"  # a side-effecting tool is about to run
     OUTCOME = "outcome"  # what that tool did
     EFFECT = "effect"  # a nondeterministic value the program asked for (time, uuid ...)
@@ -161,6 +162,8 @@ class ErrorRecord(TypedDict, total=False):
     module: str
     message: str
     has_response: bool  # model and HTTP lines: whether a response came before it
+    code: int  # an MCP server's JSON-RPC error: its code (and ``data``, if it sent any)
+    data: Any
 
 
 class Usage(TypedDict, total=False):
@@ -226,17 +229,50 @@ class HttpLine(_Step, total=False):
     ttft_ms: float
 
 
+class McpServer(TypedDict, total=False):
+    """An MCP server as its lines name it: ``stdio`` with its command, or ``http`` with its
+    URL; the name and version it gave."""
+
+    transport: Required[str]
+    command: list[str]
+    url: str
+    name: str
+    version: str
+
+
+class McpPart(TypedDict, total=False):
+    """What a line of an MCP exchange says of it: the server, the JSON-RPC method, the
+    server's notifications before its answer (``{"method", "params"}``, in order), and
+    whether the tool called is one the server annotated ``destructiveHint: true``."""
+
+    server: Required[McpServer]
+    method: Required[str]
+    notifications: list[dict[str, Any]]
+    destructive: bool
+
+
 class ToolLine(_Step, total=False):
     kind: Required[Literal[Kind.TOOL]]
     name: Required[str]
     args: Any
     result: Any
+    mcp: McpPart  # a tool of an MCP server: its result is the CallToolResult as sent
     # A tool the agent ran itself, seen at a boundary (``"proxy"``: a tool_result block of
     # the next model request): never asked for on replay. ``call_id`` is the model's id of
     # the call (its tool_use block), ``is_error`` the block's flag.
     observed: str
     call_id: str
     is_error: bool
+
+
+class McpLine(_Step, total=False):
+    """A request to an MCP server other than a tool call: its ``params`` (without
+    ``_meta``), and its ``result`` or ``error``."""
+
+    kind: Required[Literal[Kind.MCP]]
+    mcp: Required[McpPart]
+    params: dict[str, Any]
+    result: Any
 
 
 class IntentLine(_Step, total=False):
@@ -301,8 +337,8 @@ class EndLine(TypedDict, total=False):
     sig: str
 
 
-Observation = (ModelLine | HttpLine | ToolLine | IntentLine | OutcomeLine | EffectLine
-               | ControlLine)
+Observation = (ModelLine | HttpLine | ToolLine | McpLine | IntentLine | OutcomeLine
+               | EffectLine | ControlLine)
 """A step: any line with a seq but the end line."""
 Line = Observation | EndLine
 
@@ -336,10 +372,10 @@ def zero_totals() -> Totals:
 def add_step(t: Totals, obs: Mapping[str, Any]) -> None:
     """Add what ``obs`` counts for to ``t``: the one rule, for a cassette's steps and for
     a live run's end line. A ``model`` line is a model call, ``http`` an HTTP call,
-    ``tool`` and ``outcome`` a tool call, ``effect`` an effect (intents and control lines
-    are none); its tokens and cost are added, and it is an error when :func:`error_of`
-    finds one or its response has an HTTP error status. ``cost_usd`` is summed as is
-    (round it when you show it)."""
+    ``tool`` and ``outcome`` a tool call (an MCP server's too), ``effect`` an effect
+    (intents, control lines and an MCP server's other requests are none); its tokens and
+    cost are added, and it is an error when :func:`error_of` finds one or its response
+    has an HTTP error status. ``cost_usd`` is summed as is (round it when you show it)."""
     kind = obs.get("kind")
     if kind == Kind.MODEL:
         t["model_calls"] += 1
@@ -423,6 +459,9 @@ __all__ = [
     "IntentLine",
     "Kind",
     "Line",
+    "McpLine",
+    "McpPart",
+    "McpServer",
     "ModelLine",
     "Observation",
     "OutcomeLine",

@@ -110,7 +110,8 @@ def exhausted(tmp_path: Path) -> Path:
 
 
 def test_kinds_keep_the_format_order() -> None:
-    assert KINDS == ("model", "http", "tool", "intent", "outcome", "effect", "control", "end")
+    assert KINDS == ("model", "http", "tool", "mcp", "intent", "outcome", "effect", "control",
+                     "end")
     assert KINDS == tuple(Kind)
     assert all(type(k) is str for k in KINDS)
     assert RESUMABLE_ENDS == {EndStatus.INTERRUPTED} == {"interrupted"}
