@@ -7,7 +7,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -91,7 +91,7 @@ def _progress(total: int) -> Any:
 @click.command(cls=RunsCommand)
 @click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
-@click.option("--perturb", "rules", multiple=True, required=True, metavar="RULE",
+@click.option("--perturb", "rules", multiple=True, metavar="RULE",
               help="Steps and perturbations, SELECTOR:P[,P...]: tool=NAME (tool=* for every "
                    "tool), model, or step=N; P is error, timeout, empty, malformed or "
                    "other=FILE for a tool step, 429 or 529 for a model step (repeatable).")
@@ -106,11 +106,16 @@ def _progress(total: int) -> Any:
                    "when it changed the outcome.")
 @click.option("--dry-run", is_flag=True,
               help="Print the forks the rules make (and their commands) and run nothing.")
+@click.option("--job", "job", metavar="NAME", hidden=True,
+              help="Run the one fork NAME a sweep planned in -o DIR, at step --at, and "
+                   "print its record (a sweep's job).")
+@click.option("--at", "at", type=int, hidden=True)
 @tool_policy_options
 @_cwd_option
 def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs: int,
           output: Path | None, as_json: bool, junit: Path | None, dry_run: bool,
-          tool_rules: tuple[str, ...], live_tools: tuple[str, ...], cwd: Path | None) -> None:
+          job: str | None, at: int | None, tool_rules: tuple[str, ...],
+          live_tools: tuple[str, ...], cwd: Path | None) -> None:
     """What if a tool had failed? deja sweep CASSETTE --perturb RULE ... [-j N] [-- CMD].
 
     Forks the run once per perturbation (deja fork --at N --replace EDIT), runs the forks
@@ -136,12 +141,16 @@ def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs
     from replayer.sweep import run_sweep
 
     policy = tool_policy(tool_rules, live_tools)
+    if job is not None:
+        run_one(cassette, job, at, output, command, cwd, _rules(policy))
+    if not rules:
+        raise BadInput("give at least one --perturb RULE, e.g. --perturb tool=search:error")
     parent, planned = _plan(cassette, rules, output, command, cwd, policy)
     if dry_run:
         click.echo(json.dumps([{**j.perturbation.to_dict(), **j.to_dict()} for j in planned],
                               indent=2, ensure_ascii=False) if as_json else
                    "\n".join(f"step {j.perturbation.step} {j.perturbation.target} "
-                             f"{j.perturbation.label}: {shlex.join(j.argv)}"
+                             f"{j.perturbation.label}: {shlex.join(j.fork_argv)}"
                              for j in planned))
         return
     warning = side_effect_warning(parent, min(j.perturbation.step for j in planned), policy)
@@ -161,3 +170,29 @@ def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs
         except OSError as exc:
             raise BadInput(f"--junit {junit}: {exc.strerror or exc}") from None
     sys.exit(report.exit_code)
+
+
+def run_one(cassette: Path, name: str, at: int | None, output: Path | None,
+            command: tuple[str, ...], cwd: Path | None, rules: list[str]) -> NoReturn:
+    """A sweep's job (:class:`replayer.sweep.SweepJob`): run its fork, ``deja fork
+    CASSETTE --at N --replace DIR/NAME.edit.json -o DIR/NAME.jsonl``, here, everything it
+    and its program print on stderr; then print its record, one JSON line on stdout, as a
+    job of :mod:`replayer.suite` does."""
+    from deja.cli import fork
+    from deja.cli_drift import _program_output_on_stderr
+
+    if at is None or output is None:
+        raise BadInput("--job NAME needs --at N and -o DIR (the sweep's job)")
+    out = output / f"{name}.jsonl"
+    args = [str(cassette), "--at", str(at), "--replace", str(output / f"{name}.edit.json"),
+            "-o", str(out), *(f"--tool={rule}" for rule in rules),
+            *(["--cwd", str(cwd)] if cwd is not None else []),
+            *(["--", *command] if command else [])]
+    with _program_output_on_stderr(True):
+        try:
+            fork.main(args, prog_name="deja fork", standalone_mode=True)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+    click.echo(json.dumps({"incident": name, "exit_code": code, "cassette": str(out)}))
+    sys.exit(0)

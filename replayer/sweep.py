@@ -45,13 +45,8 @@ its fork ends with another status (``completed``, ``failed``, ``stopped`` by a g
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,12 +58,12 @@ from recorder.cassette.keys import Keyring, load_keyring
 from recorder.cassette.rows import run_status, run_totals
 from recorder.cassette.schema import Kind
 from recorder.errors import ConfigError, DejaError, EditError, NoSuchStep, PathTaken
-from recorder.harness.child import preexec
 from recorder.providers import conversation
-from replayer import edit
+from replayer import edit, suite
 
 __all__ = ["MODEL_KINDS", "TOOL_KINDS", "Perturbation", "SweepJob", "SweepReport", "SweepRow",
-           "SweepRule", "final_answer", "plan_jobs", "plan_sweep", "run_sweep"]
+           "SweepRule", "final_answer", "job_row", "plan_jobs", "plan_sweep", "record_row",
+           "run_sweep"]
 
 TOOL_KINDS = ("error", "timeout", "empty", "malformed", "other")
 MODEL_KINDS = ("429", "529")
@@ -324,17 +319,28 @@ def final_answer(run: Cassette) -> str | None:
 
 @dataclass(frozen=True)
 class SweepJob:
-    """One fork to run: the perturbation, the files it writes and its command line."""
+    """One fork to run: the perturbation, the files it writes, the ``deja fork`` command
+    it is (``fork_argv``) and the job that runs it and reports (``argv``: ``deja sweep
+    --job``, whose standard output ends with its record, as a suite's job does)."""
 
     perturbation: Perturbation
     out: Path  # the fork's cassette
     edit: Path  # its --replace document
     log: Path  # what ``deja fork`` and the program printed
     argv: tuple[str, ...]
+    fork_argv: tuple[str, ...]
+
+    @property
+    def key(self) -> str:
+        return self.out.stem
+
+    def suite_job(self, cwd: str | Path) -> suite.Job:
+        """As a job of :mod:`replayer.suite`, run in ``cwd`` (where its paths are)."""
+        return suite.Job(self.key, self.argv, str(cwd), str(self.log))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"argv": list(self.argv), "out": str(self.out), "edit": str(self.edit),
-                "log": str(self.log)}
+        return {"fork_argv": list(self.fork_argv), "argv": list(self.argv),
+                "out": str(self.out), "edit": str(self.edit), "log": str(self.log)}
 
 
 @dataclass(frozen=True)
@@ -468,16 +474,15 @@ def _slug(text: str) -> str:
 
 def plan_jobs(cassette: str | Path, perturbations: Sequence[Perturbation], out_dir: str | Path,
               *, command: Sequence[str] = (), cwd: str | Path | None = None,
-              live_tools: Sequence[str] = (), tool_rules: Sequence[str] = ()
-              ) -> list[SweepJob]:
-    """One job per perturbation: ``deja fork CASSETTE --at N --replace EDIT -o OUT``, with
-    the tool policy's flags and ``-- CMD``; its files in ``out_dir``
-    (``s007-search-error.jsonl``, ``.edit.json``, ``.log``), none of which may exist. A
-    job's ``deja`` is this install's (``python -m deja``, :func:`run_job`)."""
+              tool_rules: Sequence[str] = ()) -> list[SweepJob]:
+    """One job per perturbation: ``deja fork CASSETTE --at N --replace EDIT -o OUT`` with
+    the tool policy's rules (``NAME=RULE``) and ``-- CMD``, run by ``deja sweep --job``;
+    its files in ``out_dir`` (``s007-search-error.jsonl``, ``.edit.json``, ``.log``),
+    none of which may exist."""
     out_dir, taken, jobs = Path(out_dir), set(), []
-    flags = [*(f"--live-tool={name}" for name in live_tools),
-             *(f"--tool={rule}" for rule in tool_rules),
-             *(["--cwd", str(cwd)] if cwd is not None else [])]
+    flags = (*(f"--tool={rule}" for rule in tool_rules),
+             *(("--cwd", str(cwd)) if cwd is not None else ()))
+    then = ("--", *command) if command else ()
     for p in perturbations:
         stem = f"s{p.step:03d}-{_slug(p.target)}-{p.kind}"
         n = 2
@@ -489,54 +494,61 @@ def plan_jobs(cassette: str | Path, perturbations: Sequence[Perturbation], out_d
         for path in (out, doc, log):
             if path.exists():
                 raise PathTaken(f"{path} already exists; give the sweep another -o directory")
-        argv = ("deja", "fork", str(cassette), "--at", str(p.step),
-                "--replace", str(doc), "-o", str(out), *flags,
-                *(("--", *command) if command else ()))
-        jobs.append(SweepJob(p, out, doc, log, argv))
+        fork = ("deja", "fork", str(cassette), "--at", str(p.step), "--replace", str(doc),
+                "-o", str(out), *flags, *then)
+        job = ("deja", "sweep", str(cassette), "--job", stem, "--at", str(p.step), "-o",
+               str(out_dir), *flags, *then)
+        jobs.append(SweepJob(p, out, doc, log, job, fork))
     return jobs
 
 
 def run_sweep(cassette: str | Path, perturbations: Sequence[Perturbation], *,
               out_dir: str | Path, command: Sequence[str] = (), jobs: int = 1,
-              cwd: str | Path | None = None, live_tools: Sequence[str] = (),
-              tool_rules: Sequence[str] = (), keyring: Keyring | None = None,
+              cwd: str | Path | None = None, tool_rules: Sequence[str] = (),
+              keyring: Keyring | None = None, runner: suite.Runner | None = None,
               on_done: Callable[[SweepRow], None] | None = None) -> SweepReport:
-    """Run a fork per perturbation (:func:`plan_jobs`), ``jobs`` at a time, each a
-    ``deja fork`` process whose program goes live with the program's own environment (its
-    base URL, its keys) under the default tool policy plus ``live_tools`` and
-    ``tool_rules``; then compare each with the recording. ``on_done`` is called with each
-    row as its fork ends (from a worker thread)."""
+    """Run a fork per perturbation (:func:`plan_jobs`), ``jobs`` at a time, each a job of
+    :mod:`replayer.suite` (here, or on ``runner``: the durable workers'), whose program
+    goes live with its own environment (its base URL, its keys) under the default tool
+    policy plus ``tool_rules``; then compare each with the recording. ``on_done`` is
+    called with each row as its fork ends. Paths are taken from this directory."""
     ring = keyring or load_keyring(create=False)
     parent = load(cassette, keyring=ring, require_signature=True, allow_incomplete=True)
     planned = plan_jobs(cassette, perturbations, out_dir, command=command, cwd=cwd,
-                        live_tools=live_tools, tool_rules=tool_rules)
+                        tool_rules=tool_rules)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     for job in planned:
         job.edit.write_text(json.dumps(job.perturbation.document, indent=2,
                                        ensure_ascii=False) + "\n")
     status, answer = run_status(parent), final_answer(parent)
+    by_key = {job.key: job for job in planned}
+    rows: dict[str, SweepRow] = {}
 
-    def one(job: SweepJob) -> SweepRow:
-        row = run_job(job, status, answer, ring)
-        if on_done is not None:
-            on_done(row)
-        return row
+    def done(record: Mapping[str, Any]) -> None:
+        job = by_key.get(str(record.get("incident")))
+        if job is not None and job.key not in rows:
+            rows[job.key] = record_row(job, record, status, answer, ring)
+            if on_done is not None:
+                on_done(rows[job.key])
 
-    with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="deja-sweep") as pool:
-        rows = tuple(pool.map(one, planned))
-    return SweepReport(str(cassette), parent.run, status, answer, rows, str(out_dir))
+    records = suite.run_jobs([job.suite_job(Path.cwd()) for job in planned], parallel=jobs,
+                             runner=runner, on_done=done)
+    for job, record in zip(planned, records, strict=True):
+        done({**record, "incident": job.key})
+    return SweepReport(str(cassette), parent.run, status, answer,
+                       tuple(rows[job.key] for job in planned), str(out_dir))
 
 
-def run_job(job: SweepJob, status: str, answer: str | None,
-            keyring: Keyring | None = None) -> SweepRow:
-    """Run one fork (its output to its log) and compare how it ended with the recording's
-    end ``status`` and final ``answer``."""
-    started = time.monotonic()
-    with job.log.open("wb") as log:  # a fork dies with the sweep (and its program with it)
-        done = subprocess.run([sys.executable, "-m", "deja", *job.argv[1:]], stdout=log,
-                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                              env=os.environ.copy(), check=False, preexec_fn=preexec())
-    return job_row(job, done.returncode, status, answer, time.monotonic() - started, keyring)
+def record_row(job: SweepJob, record: Mapping[str, Any], status: str, answer: str | None,
+               keyring: Keyring | None = None) -> SweepRow:
+    """The row of a job that ended with ``record`` (``deja sweep --job``'s: the fork's
+    exit status; else the suite's error record of a job that did not report)."""
+    seconds = float(record.get("seconds") or 0.0)
+    if "exit_code" not in record:
+        return SweepRow(job.perturbation, str(job.out), None, seconds=seconds,
+                        error=f"{record.get('error') or 'the job did not report'} "
+                              f"(see {job.log})")
+    return job_row(job, record["exit_code"], status, answer, seconds, keyring)
 
 
 def job_row(job: SweepJob, code: int | None, status: str, answer: str | None,

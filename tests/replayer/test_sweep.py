@@ -306,13 +306,26 @@ def test_an_existing_fork_file_is_refused_before_anything_runs(project: Path) ->
     assert sorted(p.name for p in (project / "out").iterdir()) == ["s019-search-error.jsonl"]
 
 
+def test_a_fork_that_could_not_run_is_an_error_row_and_exit_2(project: Path) -> None:
+    done = deja("sweep", "run.jsonl", "--perturb", "step=19:error", "--json", "--junit",
+                "junit.xml", "-o", "out", "--", "false", cwd=project)  # no program deja records
+    assert done.returncode == 2, done.stderr
+    [row] = json.loads(done.stdout)["rows"]
+    assert row["error"].startswith("no fork was written") and not row["changed"], row
+    suite = ET.parse(project / "junit.xml").getroot()
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors")) == ("1", "0", "1")
+
+
 def test_dry_run_lists_the_forks_and_writes_nothing(project: Path) -> None:
     done = deja("sweep", "run.jsonl", "--perturb", "model:429", "--dry-run", "--json",
                 "-o", "out", cwd=project)
     assert done.returncode == 0, done.stderr
     planned = json.loads(done.stdout)
     assert [p["step"] for p in planned] == list(range(0, 21, 2))
-    assert planned[0]["argv"][:5] == ["deja", "fork", "run.jsonl", "--at", "0"]
+    assert planned[0]["fork_argv"][:5] == ["deja", "fork", "run.jsonl", "--at", "0"]
+    # the job that runs it, as a job of a suite: its record is its last line of output
+    assert planned[0]["argv"][:5] == ["deja", "sweep", "run.jsonl", "--job",
+                                      "s000-claude-sonnet-4-6-429"]
     assert not (project / "out").exists()
 
 
