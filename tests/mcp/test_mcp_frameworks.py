@@ -1,0 +1,77 @@
+"""Agents whose tools come from the ledger MCP server through a framework, unmodified:
+Pydantic AI's ``MCPToolset`` (FastMCP's client over stdio) and the OpenAI Agents SDK's
+``MCPServerStdio``, each against the stub model. Recorded with the server running, replayed
+bit for bit with the server's command and the model gone.
+
+The output is read with ``capfd``: FastMCP's stdio transport hands the server the
+process's ``sys.stderr`` to write to, which must be a real file."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from mcp_helpers import Ledger, ledger_fixture, load_agent, steps  # noqa: F401
+
+import recorder
+import replayer
+from recorder.testing.server import StubServer
+
+OFFLINE = "http://127.0.0.1:9"  # nothing listens there: a replay must need no server
+SCRIPT = {"select": "conversation", "turns": [
+    {"text": "Let me look.", "tool_use": {"name": "lookup", "input": {"order": "A-1"}}},
+    {"text": "Refunding.", "tool_use": {"name": "refund", "input": {"order": "A-1",
+                                                                   "amount": 40}}},
+    {"text": "Refunded 40 EUR on A-1."}]}
+ANSWER = "answer: Refunded 40 EUR on A-1.\n"
+FRAMEWORKS = {
+    "pydantic_ai_agent": ("ANTHROPIC_BASE_URL", "", {"ANTHROPIC_API_KEY": "sk-ant-test"}),
+    "openai_agents_agent": ("OPENAI_BASE_URL", "/v1", {
+        "OPENAI_API_KEY": "sk-openai-test", "OPENAI_AGENTS_DISABLE_TRACING": "1"}),
+}
+
+
+@pytest.fixture(params=sorted(FRAMEWORKS))
+def framework(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+              stub: Callable[[dict], StubServer]) -> Callable[[], StubServer]:
+    """The agent's name; ``start()`` points it at a new stub model."""
+    name = request.param
+    var, suffix, env = FRAMEWORKS[name]
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+    def start() -> StubServer:
+        server = stub(SCRIPT)
+        monkeypatch.setenv(var, server.url + suffix)
+        return server
+
+    start.name = name  # type: ignore[attr-defined]
+    start.offline = lambda: monkeypatch.setenv(var, OFFLINE + suffix)  # type: ignore[attr-defined]
+    return start
+
+
+def test_recorded_and_replayed_without_the_server(
+        framework: Callable[[], StubServer], ledger: Ledger, tmp_path: Path,
+        capfd: pytest.CaptureFixture[str]) -> None:
+    agent = load_agent(framework.name)  # type: ignore[attr-defined]
+    model = framework()
+    path = tmp_path / "run.jsonl"
+    with recorder.record(path):
+        agent.main()
+    assert capfd.readouterr().out == ANSWER
+    assert ledger.rows() == [("A-1", 40.0)]
+    lines = steps(path)
+    tools = [o for o in lines if o["kind"] == "tool"]
+    assert [(o["name"], o["args"]) for o in tools] == [
+        ("lookup", {"order": "A-1"}), ("refund", {"order": "A-1", "amount": 40})]
+    assert all(o["mcp"]["server"]["name"] == "ledger" for o in tools)
+    assert [o["kind"] for o in lines].count("model") == 3
+
+    model.stop()
+    framework.offline()  # type: ignore[attr-defined]
+    ledger.remove()
+    with replayer.replay(path) as run:
+        agent.main()
+    assert run.result is not None and run.result.identical, run.result.report()
+    assert capfd.readouterr().out == ANSWER
