@@ -11,9 +11,11 @@ A **rule** picks steps and the perturbations to try at each (``deja sweep --pert
 
 Each perturbation is one edit document, the whole document of the step as the agent
 will see it (:mod:`replayer.edit`); each is one fork (:mod:`replayer.fork`) at that step,
-run as ``deja fork CASSETTE --at N --replace EDIT -o OUT [-- CMD]``. So the fork's edited
-step is what the agent saw, its ``fork_edit`` line holds the patch from the recorded
-document to it, and its header names the parent run and step, where the original is.
+``deja fork CASSETTE --at N --replace EDIT -o OUT [-- CMD]``, run as a job of
+:mod:`replayer.suite` (``deja sweep --job``, which ends with its record), here ``-j`` at a
+time or by another runner of suite jobs. So the fork's edited step is what the agent saw,
+its ``fork_edit`` line holds the patch from the recorded document to it, and its header
+names the parent run and step, where the original is.
 
 The perturbations of a tool step (a ``tool`` line, or a side effect's ``outcome``):
 
