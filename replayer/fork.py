@@ -11,7 +11,8 @@ Steps before ``at`` replay from the parent (its signature must verify); at ``at`
 agent receives the edited observation; after it, calls go live (or to ``then_replay``).
 The new cassette starts with a copy of the parent's steps before ``at``, then the edited
 step (``"edited": true``), a ``fork_edit`` control line holding the patch, then the live
-steps. Its header names the parent (``run``, ``step``) and ``prefix_sig``, the parent's
+steps (``fork_edit`` also keeps the step's original document). Its header names the
+parent (``run``, ``step``) and ``prefix_sig``, the parent's
 signature just before the fork step, which pins the exact prefix forked from. The parent
 file is never written.
 
@@ -180,8 +181,11 @@ def start_fork(plan: ForkPlan, *, then_replay: Cassette | None = None,
     for obs in parent.observations[:at]:
         writer.append_copy(obs, parent.requests.get(obs["seq"]))
     writer.append_copy(plan.edited, parent.requests.get(at))
+    # the bookkeeping line keeps what was edited: the patch, and the step's document as
+    # the parent recorded it (the edited step above is what the agent saw)
     writer.append({"kind": Kind.CONTROL.value, "event": Control.FORK_EDIT.value,
-                   "detail": {"parent": parent.run, "step": at, "patch": plan.patch}},
+                   "detail": {"parent": parent.run, "step": at, "patch": plan.patch,
+                              "original": _edit.view(plan.original)}},
                   sync=True)
     prefix = dataclasses.replace(parent, observations=(*parent.observations[:at], plan.edited),
                                  end=None)

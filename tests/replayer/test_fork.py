@@ -154,6 +154,8 @@ def test_fork_the_retry_spiral_end_to_end_through_the_cli(tmp_path: Path, stub: 
     assert lines[2]["edited"] is True and lines[2]["result"] == GOOD
     assert lines[3]["event"] == "fork_edit"
     assert lines[3]["detail"]["patch"] == [{"op": "replace", "path": "/result", "value": GOOD}]
+    assert lines[3]["detail"]["original"] == {"result": parent_lines[2]["result"]}
+    assert parent_lines[2]["result"] != GOOD  # what the parent recorded, not the edit
     assert lines[-1]["status"] == "completed" and lines[-1]["exit_code"] == 0
     fork, original = load(fork_path), load(parent)
     assert fork.observations[0] == original.observations[0]  # step 0: a copy, in meaning
