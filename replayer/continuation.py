@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from recorder import values as _values
-from recorder.capture import session
+from recorder.capture import mcp, session
 from recorder.capture.exchange import HttpRequest, HttpResponse, Redaction
 from recorder.capture.sources import Action, Decision, Source
 from recorder.cassette import Cassette, CassetteWriter
@@ -33,7 +33,7 @@ from recorder.harness.guards import Budgets
 from recorder.intents import Effect, Intent, Settled
 from recorder.record import RecordSession
 from replayer.replay import ReplaySession, rebuild_error
-from replayer.tool_policy import RecordedTools, Rule, ToolPolicy
+from replayer.tool_policy import RecordedTools, Rule, ToolPolicy, ToolRule
 
 log = logging.getLogger("deja.replayer")
 
@@ -151,23 +151,36 @@ class ContinuationSession(RecordSession):
     # -- calls
 
     def begin_http(self, request: HttpRequest) -> HttpResponse | None:
+        if mcp.carries(request.url):  # an MCP server's own traffic: its requests were served
+            return None
+        found = self._from_sources(lambda: RecordSession.begin_http(self, request),
+                                   lambda source: source.answer_http(request))
+        if found is not None:
+            return found[0].response_of(found[1])
+        return super().begin_http(request)
+
+    def _from_sources(self, guard: Callable[[], Any],
+                      answer: Callable[[Source], Mapping[str, Any] | None]
+                      ) -> tuple[Source, Mapping[str, Any]] | None:
+        """The first source that answers a call (``answer``), and its line; a source that
+        copies logs the line, and the guards see the call as a live one (``guard``)."""
         for source in self._asked():
             # The guards see a call served as if live before it is matched, as a live one
             # is before it is sent (a clamped max_tokens is what the source matches); a
             # source that may pass the call on to live is asked first, so they see it once.
             early = source.copies and not source.passes
             if early:
-                super().begin_http(request)
-            obs = source.answer_http(request)
+                guard()
+            obs = answer(source)
             if obs is None:
                 self._passed(source)
                 continue
             if source.copies:
                 if not early:
-                    super().begin_http(request)
+                    guard()
                 self._log_copied(source, obs)
-            return source.response_of(obs)
-        return super().begin_http(request)
+            return source, obs
+        return None
 
     def _passed(self, source: Source) -> None:
         """A source passed a call on: if that closed it (a log that passes its first miss
@@ -221,11 +234,30 @@ class ContinuationSession(RecordSession):
     def _by_policy(self, tool: session.ToolSpec, args: dict[str, Any]) -> Decision:
         """A live call under the tool policy: run, or answered (recorded, static) or
         refused without running, logged with its rule (:mod:`replayer.tool_policy`)."""
-        if self.tool_policy is None or self._recorded is None:
+        answered = self._policy(tool, args)
+        if answered is None:
             return Decision.run()
+        rule, answer = answered
+        if isinstance(answer.get("refused"), ToolRefused):
+            raise answer["refused"]
+        if "error" in answer:
+            raise rebuild_error(tool.name, answer["error"])
+        value = rule.value if rule.rule is Rule.STATIC else _values.decode(answer.get("result"))
+        return Decision.answer(tool.decode(value) if tool.decode else value)
+
+    def _policy(self, tool: session.ToolSpec, args: dict[str, Any],
+                shape: Callable[[Any], Any] = lambda value: value,
+                extra: Mapping[str, Any] | None = None
+                ) -> tuple[ToolRule, Mapping[str, Any]] | None:
+        """What the tool policy does with a live call: None to run it; else its rule and
+        the answer, logged as the tool's line with the rule (``shape``: a static value as
+        the tool returns it; ``extra``: more of the line). A refusal's answer holds the
+        error to raise, ``refused``."""
+        if self.tool_policy is None or self._recorded is None:
+            return None
         rule = self.tool_policy.rule_for(tool.name, side_effect=tool.side_effect)
         if rule.rule is Rule.LIVE:
-            return Decision.run()
+            return None
         key = self._lines.args_key(args)
         self.before_tool(tool, args, key)  # the guards see it as they see a live call
         served = self._recorded.take(tool.name, key) if rule.rule is Rule.RECORDED else None
@@ -233,30 +265,30 @@ class ContinuationSession(RecordSession):
             cassette, answer = served
             self._policy_line(tool, args, Rule.RECORDED, {k: answer[k] for k in
                                                          ("result", "error") if k in answer},
-                              source={"run": cassette.run, "seq": answer["seq"]})
-            if "error" in answer:
-                raise rebuild_error(tool.name, answer["error"])
-            value = _values.decode(answer.get("result"))
-            return Decision.answer(tool.decode(value) if tool.decode else value)
+                              source={"run": cassette.run, "seq": answer["seq"]}, extra=extra)
+            return rule, answer
         if rule.rule is Rule.STATIC:
-            self._policy_line(tool, args, Rule.STATIC,
-                              {"result": _values.encode(rule.value, where=f"static result of "
-                                                        f"tool {tool.name!r}")})
-            return Decision.answer(tool.decode(rule.value) if tool.decode else rule.value)
+            static = {"result": _values.encode(shape(rule.value), where=f"static result of "
+                                               f"tool {tool.name!r}")}
+            self._policy_line(tool, args, Rule.STATIC, static, extra=extra)
+            return rule, static
         why = ("it has side effects and is never run live here unless named"
                if tool.side_effect else "the tool policy refuses it")
         refused = ToolRefused(
             f"tool {tool.name!r} was not run: {why} (--live-tool {tool.name} runs it; "
             f"{tool.name}=static:JSON answers it)", tool=tool.name)
-        self._policy_line(tool, args, Rule.REFUSE, {"error": self._lines.error(refused)})
-        raise refused
+        error = {"error": self._lines.error(refused)}
+        self._policy_line(tool, args, Rule.REFUSE, error, extra=extra)
+        return ToolRule(Rule.REFUSE), {**error, "refused": refused}
 
     def _policy_line(self, tool: session.ToolSpec, args: dict[str, Any], rule: Rule,
-                     answer: dict[str, Any], source: dict[str, Any] | None = None) -> None:
+                     answer: dict[str, Any], source: dict[str, Any] | None = None,
+                     extra: Mapping[str, Any] | None = None) -> None:
         """Log a call the tool policy answered as the tool's line, marked with its rule."""
         obs, _ = self._lines.tool(tool, args, round(time.time(), 3), 0.0, result=None,
                                   error=None, intent=None, step=-1)
         obs.pop("result", None)
+        obs.update(extra or {})
         obs.update(answer, policy=rule.value)
         if source is not None:
             obs["from"] = source
@@ -264,6 +296,27 @@ class ContinuationSession(RecordSession):
         self._count(obs)
         self.policy_calls.append({"seq": line["seq"], "tool": tool.name, "rule": rule.value,
                                   **({"from": source} if source else {})})
+
+    # -- MCP requests (recorder.capture.mcp)
+
+    def mcp_answer(self, call: mcp.McpCall) -> mcp.McpReply | None:
+        """An MCP request: served from the prefix while it lasts (then by a source that
+        copies), else sent to its server, a tool call under the tool policy (a tool its
+        server annotated ``destructiveHint: true`` is a side effect)."""
+        found = self._from_sources(
+            lambda: RecordSession.mcp_answer(self, call),
+            lambda source: source.answer_mcp(call) if isinstance(source, mcp.McpSource)
+            else None)
+        if found is not None:
+            return mcp.reply_of(found[1])
+        answered = None if call.tool is None else self._policy(
+            call.spec(), call.arguments, mcp.tool_result, {"mcp": {
+                "server": mcp.server_record(call.server, self.redaction),
+                "method": call.method}})
+        if answered is None:
+            return super().mcp_answer(call)
+        return mcp.reply_of({**answered[1], "kind": Kind.TOOL.value})
+
     def _settle(self, tool: session.ToolSpec, args: dict[str, Any],
                 obs: Mapping[str, Any]) -> Decision:
         """Ask the tool's settle function whether the intent ``obs`` took effect: its

@@ -2,7 +2,11 @@
 
 Each editable kind is shown as a small JSON document:
 
-- ``tool`` / ``outcome``: ``{"result": ...}`` or ``{"error": {"type", "module", "message"}}``
+- ``tool`` / ``outcome``: ``{"result": ...}`` or ``{"error": {"type", "module", "message"}}``;
+  an MCP server's tool: its ``CallToolResult`` as ``result`` (a result edited into anything
+  else is served as that text, JSON unless a string, with structured content when the
+  recorded result had some)
+- ``mcp`` (another request to an MCP server): ``{"result": ...}`` or ``{"error": ...}``
 - ``effect``: ``{"value": ...}`` (or ``{"error": {...}}`` for a refused value)
 - ``model``: the assembled message (``id``, ``content`` blocks, ``stop_reason``,
   ``usage`` ...), whether it was received as JSON or as an SSE stream; an edit may leave
@@ -29,12 +33,13 @@ import jsonpatch
 
 from recorder import providers
 from recorder.canonical import decode_body, encode_body
+from recorder.capture import mcp
 from recorder.cassette.schema import Kind
 from recorder.errors import EditError
 from recorder.providers.pricing import PriceTable
 from recorder.values import decode, encode
 
-EDITABLE = (Kind.MODEL, Kind.HTTP, Kind.TOOL, Kind.OUTCOME, Kind.EFFECT)
+EDITABLE = (Kind.MODEL, Kind.HTTP, Kind.TOOL, Kind.OUTCOME, Kind.EFFECT, Kind.MCP)
 
 
 def _body_text(obs: Mapping[str, Any]) -> str:
@@ -45,7 +50,7 @@ def _body_text(obs: Mapping[str, Any]) -> str:
 def view(obs: Mapping[str, Any]) -> dict[str, Any]:
     """The editable document of ``obs``."""
     kind = obs.get("kind")
-    if kind in (Kind.TOOL, Kind.OUTCOME):
+    if kind in (Kind.TOOL, Kind.OUTCOME, Kind.MCP):
         return {"error": obs["error"]} if "error" in obs else {"result": decode(obs.get("result"))}
     if kind == Kind.EFFECT:
         return {"error": obs["error"]} if "error" in obs else {"value": decode(obs.get("value"))}
@@ -135,19 +140,8 @@ def rebuild(obs: Mapping[str, Any], doc: Any, prices: PriceTable | None = None) 
     kind = obs["kind"]
     new = {k: v for k, v in obs.items() if k != "sig"}
     new["edited"] = True
-    if kind in (Kind.TOOL, Kind.OUTCOME):
-        if not isinstance(doc, dict) or not ({"result", "error"} & set(doc)):
-            raise EditError('a tool edit must leave {"result": ...} or {"error": {...}}')
-        new.pop("result", None)
-        new.pop("error", None)
-        if "error" in doc:
-            err = doc["error"]
-            new["error"] = {"type": str(err.get("type", "Exception")),
-                            "module": str(err.get("module", "builtins")),
-                            "message": str(err.get("message", ""))}
-        else:
-            new["result"] = encode(doc["result"], where=f"edited result of step {obs['seq']}")
-        return new
+    if kind in (Kind.TOOL, Kind.OUTCOME, Kind.MCP):
+        return _rebuild_answer(obs, new, doc)
     if kind == Kind.EFFECT:
         if isinstance(doc, dict) and "error" in doc and "value" not in doc:
             err, _ = doc["error"], new.pop("value", None)
@@ -201,6 +195,32 @@ def _summarized(new: dict[str, Any], provider: providers.Provider, data: bytes,
     new.pop("api_error", None)
     if summary.get("error"):
         new["api_error"] = summary["error"]
+
+
+def _rebuild_answer(obs: Mapping[str, Any], new: dict[str, Any], doc: Any) -> dict[str, Any]:
+    """A tool's (or an MCP request's) line with its edited result or error; an MCP tool's
+    result stays a ``CallToolResult`` (:func:`recorder.capture.mcp.tool_result`)."""
+    if not isinstance(doc, dict) or not ({"result", "error"} & set(doc)):
+        raise EditError('a tool edit must leave {"result": ...} or {"error": {...}}')
+    new.pop("result", None)
+    new.pop("error", None)
+    if "mcp" in obs:
+        new.pop("is_error", None)
+    if "error" in doc:
+        err = doc["error"]
+        new["error"] = {"type": str(err.get("type", "Exception")),
+                        "module": str(err.get("module", "builtins")),
+                        "message": str(err.get("message", ""))}
+        if isinstance(err.get("code"), int) and "mcp" in obs:  # a JSON-RPC error stays one
+            new["error"]["code"] = err["code"]
+        return new
+    result = doc["result"]
+    if obs["kind"] == Kind.TOOL and "mcp" in obs:
+        result = mcp.tool_result(result, like=decode(obs.get("result")))
+        if result.get("isError") is True:
+            new["is_error"] = True
+    new["result"] = encode(result, where=f"edited result of step {obs['seq']}")
+    return new
 
 
 def is_response(doc: Any) -> bool:

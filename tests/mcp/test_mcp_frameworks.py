@@ -1,18 +1,21 @@
 """Agents whose tools come from the ledger MCP server through a framework, unmodified:
 Pydantic AI's ``MCPToolset`` (FastMCP's client over stdio) and the OpenAI Agents SDK's
 ``MCPServerStdio``, each against the stub model. Recorded with the server running, replayed
-bit for bit with the server's command and the model gone.
+bit for bit with the server's command and the model gone, forked at the lookup's result:
+the model is asked again and calls the refund, which the fork does not run unless named
+live (the server annotated it ``destructiveHint``).
 
 The output is read with ``capfd``: FastMCP's stdio transport hands the server the
 process's ``sys.stderr`` to write to, which must be a real file."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from mcp_helpers import Ledger, ledger_fixture, load_agent, steps  # noqa: F401
+from mcp_helpers import Ledger, ledger_fixture, load_agent, seq_of, steps  # noqa: F401
 
 import recorder
 import replayer
@@ -25,6 +28,7 @@ SCRIPT = {"select": "conversation", "turns": [
                                                                    "amount": 40}}},
     {"text": "Refunded 40 EUR on A-1."}]}
 ANSWER = "answer: Refunded 40 EUR on A-1.\n"
+EDITED = "order A-1: 40.00 EUR paid, nothing refunded (checked by hand)"
 FRAMEWORKS = {
     "pydantic_ai_agent": ("ANTHROPIC_BASE_URL", "", {"ANTHROPIC_API_KEY": "sk-ant-test"}),
     "openai_agents_agent": ("OPENAI_BASE_URL", "/v1", {
@@ -51,7 +55,7 @@ def framework(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     return start
 
 
-def test_recorded_and_replayed_without_the_server(
+def test_recorded_replayed_without_the_server_and_forked_without_the_refund(
         framework: Callable[[], StubServer], ledger: Ledger, tmp_path: Path,
         capfd: pytest.CaptureFixture[str]) -> None:
     agent = load_agent(framework.name)  # type: ignore[attr-defined]
@@ -75,3 +79,18 @@ def test_recorded_and_replayed_without_the_server(
         agent.main()
     assert run.result is not None and run.result.identical, run.result.report()
     assert capfd.readouterr().out == ANSWER
+
+    ledger.install()  # the fork's live part may start the server
+    at = seq_of(path, "tool", "lookup")
+    for live, rows in (((), [("A-1", 40.0)]), (("refund",), [("A-1", 40.0)] * 2)):
+        model = framework()
+        fork = tmp_path / f"fork-{len(live)}.jsonl"
+        with replayer.fork(path, at=at, sets=[f"result={EDITED}"], out=fork,
+                           live_tools=live):
+            agent.main()
+        assert capfd.readouterr().out == ANSWER
+        assert EDITED in json.dumps(model.received()[0]["body"])  # the model saw the edit
+        assert ledger.rows() == rows  # the refund ran only when named live
+        refund = next(o for o in steps(fork) if o.get("name") == "refund")
+        assert refund.get("policy") == (None if live else "recorded")
+        assert refund["mcp"]["server"]["name"] == "ledger"

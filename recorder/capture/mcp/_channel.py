@@ -76,15 +76,11 @@ def channel_of(write_stream: Any) -> Channel | None:
     return _channels.get(id(write_stream))
 
 
-class _Send:
-    """The client's write stream: each message goes on to ``inner`` and is seen first."""
+class _Stream:
+    """A stream handed to the client in place of ``inner``: closing it closes ``inner``."""
 
     def __init__(self, inner: Any, channel: Channel) -> None:
         self._inner, self._channel = inner, channel
-
-    async def send(self, item: Any) -> None:
-        self._channel.sent(item)
-        await self._inner.send(item)
 
     def close(self) -> None:
         self._inner.close()
@@ -92,20 +88,26 @@ class _Send:
     async def aclose(self) -> None:
         await self._inner.aclose()
 
-    async def __aenter__(self) -> _Send:
+    async def __aenter__(self) -> Any:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
 
-class _Receive:
+class _Send(_Stream):
+    """The client's write stream: each message goes on to ``inner`` and is seen first."""
+
+    async def send(self, item: Any) -> None:
+        self._channel.sent(item)
+        await self._inner.send(item)
+
+
+class _Receive(_Stream):
     """The client's read stream in a recording: each message read from the server's
     stream is seen, then handed over (with the context it was sent in)."""
 
-    def __init__(self, inner: Any, channel: Channel) -> None:
-        self._inner, self._channel = inner, channel
-        self.last_context: contextvars.Context | None = None
+    last_context: contextvars.Context | None = None
 
     async def receive(self) -> Any:
         item = await self._inner.receive()
@@ -121,18 +123,6 @@ class _Receive:
             return await self.receive()
         except anyio.EndOfStream:
             raise StopAsyncIteration from None
-
-    def close(self) -> None:
-        self._inner.close()
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-    async def __aenter__(self) -> _Receive:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
 
 class Channel:
@@ -342,17 +332,22 @@ class Channel:
                         if not isinstance(message, JSONRPCResponse):
                             raise MCPError.from_error_data(message.error)  # type: ignore[union-attr]
                         break
+                else:
+                    raise ConnectionError("the MCP server closed before it answered the "
+                                          "handshake")
             for method, params in self._held:
                 await write.send(SessionMessage(JSONRPCNotification(
                     jsonrpc="2.0", method=method, params=params)))
 
     async def _inbound(self, read: Any) -> None:
+        """The server's messages, seen, to the client; its end is the client's end."""
         async for item in read:
             self.received(item)
             try:
                 await self._inbox.send(item)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 return
+        self._inbox.close()
 
     async def close(self) -> None:
         """The client is done: a pump that never started the server ends, one that did
