@@ -1,23 +1,27 @@
 """An agent on the official MCP SDK (``ClientSession`` over ``stdio_client``), unmodified:
 recorded with its server running as a real process, replayed bit for bit with the server's
 command gone, and a call the recording does not hold reported as a divergence naming the
-server, the tool and the arguments."""
+server, the tool and the arguments; the guards see an MCP tool call as a tool call."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
 from mcp_helpers import Ledger, ledger_fixture, load_agent, steps  # noqa: F401  (a fixture)
 from tamper import ATTACKER_KEY, resign
 
 import recorder
 import replayer
 from recorder.cassette import load
-from recorder.errors import CorruptCassette, Divergence
+from recorder.errors import CorruptCassette, Divergence, LoopDetected
 
 SERVER = {"transport": "stdio", "command": ["ledger-server"], "name": "ledger",
           "version": "1.4.2"}
@@ -146,3 +150,30 @@ def test_an_mcp_field_of_the_wrong_type_is_refused_on_load(
     good.write_bytes(b"".join(line + b"\n" for line in resign(
         [json.loads(line) for line in path.read_text().splitlines()], ATTACKER_KEY)))
     assert [o["kind"] for o in load(good, allow_unverified=True)][-2:] == ["tool", "tool"]
+
+
+async def look_up_thrice() -> None:
+    """The same MCP tool call three times, as an agent in a loop would make it."""
+    params = StdioServerParameters(command="ledger-server",
+                                   env={"LEDGER_DB": os.environ["LEDGER_DB"]})
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        for _ in range(3):
+            await session.call_tool("lookup", {"order": "A-1"})
+
+
+def test_the_loop_guard_sees_an_mcp_tool_call(ledger: Ledger, tmp_path: Path) -> None:
+    """A tool call of an MCP server is a tool call to the guards: the third identical
+    lookup is stopped before it is sent, and a replay stops at the same point."""
+    path = tmp_path / "run.jsonl"
+    with pytest.raises(BaseExceptionGroup) as caught, recorder.record(path):
+        anyio.run(look_up_thrice)
+    assert caught.group_contains(LoopDetected)
+    lines = [o for o in steps(path) if o["kind"] != "mcp"]  # the client lists the tools too
+    assert [(o["kind"], o.get("name") or o.get("event")) for o in lines] == [
+        ("tool", "lookup"), ("tool", "lookup"), ("control", "loop_detected")]
+    ledger.remove()
+    with pytest.raises(BaseExceptionGroup) as again, replayer.replay(path) as run:
+        anyio.run(look_up_thrice)
+    assert again.group_contains(LoopDetected)
+    assert run.result is not None and run.result.identical, run.result.report()
