@@ -22,7 +22,7 @@ Every input is checked before anything is written.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -57,10 +57,20 @@ class ForkPlan:
 
 def side_effects_after(parent: Cassette, at: int) -> list[tuple[int, str]]:
     """(seq, name) of each side-effecting tool call (``side_effect=True``: its intent
-    line) the recorded run made after step ``at``: the live part of a fork at ``at`` runs
-    whatever the program calls then, for real, and may call these again."""
+    line; an MCP tool annotated destructive) the recorded run made after step ``at``:
+    what the tool policy of a fork at ``at`` keeps from running live unless named."""
     return [(o["seq"], str(o.get("name") or "?")) for o in parent.observations
-            if o["seq"] > at and o.get("kind") == Kind.INTENT]
+            if o["seq"] > at and _side_effect(o)]
+
+
+def _side_effect(obs: Mapping[str, Any]) -> bool:
+    """A side-effecting tool call: an intent (``side_effect=True``), or an MCP tool the
+    server annotated destructive."""
+    if obs.get("kind") == Kind.INTENT:
+        return True
+    mcp = obs.get("mcp")
+    return obs.get("kind") == Kind.TOOL and isinstance(mcp, Mapping) and \
+        mcp.get("destructive") is True
 
 
 def side_effect_warning(parent: Cassette, at: int,

@@ -119,3 +119,12 @@ def test_the_command_line_records_replays_and_forks(ledger: Ledger, tmp_path: Pa
                 "live.jsonl", "--live-tool", "refund", cwd=tmp_path)
     assert live.returncode == 0, live.stdout + live.stderr
     assert ledger.rows() == [("A-1", 40.0)] * 2
+
+
+def test_the_warning_before_a_fork_names_the_destructive_tool(recorded: Path) -> None:
+    from recorder.cassette import load
+    from replayer.fork import side_effect_warning
+
+    at = seq_of(recorded, "tool", "lookup")
+    said = side_effect_warning(load(recorded), at)
+    assert said is not None and "refund (step" in said and "they do not run" in said, said
