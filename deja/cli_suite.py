@@ -228,7 +228,8 @@ def _runner(on_workers: bool | None, plan: Plan) -> tuple[suites.Runner | None, 
     url = database_url()
     found = live_workers(url)
     if on_workers is None and not found:
-        return None, "inline (no deja worker is up)"
+        return None, "inline (" + ("the runs database cannot be reached" if found is None
+                                   else "no deja worker is up") + ")"
     if found is None:
         raise BadInput(f"--workers: the runs database {safe_url(url)} cannot be reached")
     try:

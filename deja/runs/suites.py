@@ -19,12 +19,9 @@ workflow of the engine, run by whichever ``deja worker`` takes it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Sequence
@@ -33,6 +30,7 @@ from typing import Any
 from deja.runs.config import is_sqlite, sqlite_path
 from deja.runs.errors import DatabaseUnavailable
 from deja.runs.locks import DEAD_AFTER, WorkerStopping
+from deja.runs.output import Children
 from deja.runs.spec import _command
 from replayer.suite import Job, OnDone, Record, run_job
 
@@ -168,30 +166,17 @@ class JobStep:
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
         self.stopping = threading.Event()
-        self.children: set[subprocess.Popen[bytes]] = set()
-        self._lock = threading.Lock()
+        self.children = Children()
 
     def __call__(self, job: dict[str, Any]) -> dict[str, Any]:
         if self.stopping.is_set():
             raise WorkerStopping
-        record = run_job(Job.from_dict(job), started=self._started)
+        record = run_job(Job.from_dict(job), started=self.children.add)
         if self.stopping.is_set():  # cut short by the stop: the next worker runs it again
             raise WorkerStopping
         return {**record, "worker": self.worker_id}
 
-    def _started(self, child: subprocess.Popen[bytes]) -> None:
-        with self._lock:
-            self.children = {c for c in self.children if c.poll() is None} | {child}
-
     def stop(self) -> None:
         """Stop the jobs running here (their workflows stay pending)."""
         self.stopping.set()
-        with self._lock:
-            children = list(self.children)
-        for child in children:
-            with contextlib.suppress(ProcessLookupError):
-                child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for child in children:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.wait(max(0.1, deadline - time.monotonic()))
+        self.children.stop()

@@ -74,7 +74,7 @@ from deja.runs.cassettes import _write_error, cassette_state, check_shared, disk
 from deja.runs.config import cassette_dir, database_url, is_sqlite
 from deja.runs.errors import DatabaseUnavailable
 from deja.runs.locks import DEAD_AFTER, RunLock, WorkerIdLock, WorkerStopping
-from deja.runs.output import StderrTail
+from deja.runs.output import Children, StderrTail
 from deja.runs.spec import record_argv, resume_argv, workflow_id
 from deja.runs.store import DISK_ERROR, Store
 from deja.runs.suites import JobStep
@@ -139,8 +139,7 @@ class AgentStep:
         self.locks = RunLock(store, cassettes)
         self.cancelled = cancelled
         self.stopping = threading.Event()
-        self.children: set[subprocess.Popen[bytes]] = set()
-        self._lock = threading.Lock()
+        self.children = Children()
         self.delays = retry_delays()
         self._tails: dict[str, str] = {}  # run id: the last lines its launcher wrote
 
@@ -265,13 +264,11 @@ class AgentStep:
             return {"status": "failed", "error": f"the worker cannot start deja ({exc})"}
         assert child.stderr is not None
         tail = StderrTail(child.stderr)
-        with self._lock:
-            self.children.add(child)
+        self.children.add(child)
         try:
             return self._watch(spec["run_id"], workflow, child)
         finally:
-            with self._lock:
-                self.children.discard(child)
+            self.children.discard(child)
             self._tails[spec["run_id"]] = tail.text()
 
     def _watch(self, run_id: str, workflow: str, child: subprocess.Popen[bytes]) -> int:
@@ -313,15 +310,7 @@ class AgentStep:
     def stop(self) -> None:
         """Stop every running agent (each ends ``interrupted``, resumable)."""
         self.stopping.set()
-        with self._lock:
-            children = list(self.children)
-        for child in children:
-            with contextlib.suppress(ProcessLookupError):
-                child.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for child in children:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.wait(max(0.1, deadline - time.monotonic()))
+        self.children.stop()
 
 
 def reconcile(store: Store, worker: Any, now: float | None = None) -> list[str]:
