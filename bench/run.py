@@ -14,7 +14,8 @@ paint in headless Chromium, which needs Debian's chromium: ``make chromium``), p
 ``deja proxy`` adds to a call, at 1, 32 and 200 concurrent clients), openai (replay per call
 of the openai SDK's Chat Completions and Responses, JSON and streamed, beside the anthropic
 SDK's), runs (``POST /runs`` to a run id with the embedded SQLite default and with Postgres,
-beside the engine's own enqueue, and ``deja submit`` as a fresh process).
+beside the engine's own enqueue, and ``deja submit`` as a fresh process), suite (``deja
+suite`` over 100 unchanged incidents, inline and on a ``deja worker``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results" / "latest.json"
 NAMES = ("replay", "openai", "overhead", "ttft", "size", "resume", "load", "memory", "viewer",
-         "proxy", "runs")
+         "proxy", "runs", "suite")
 
 # No real home is touched: a throwaway DEJA_HOME and signing key for this process.
 _HOME = tempfile.mkdtemp(prefix="deja-bench-home-")
@@ -56,6 +57,7 @@ import record_overhead  # noqa: E402
 import replay_speed  # noqa: E402
 import resume_speed  # noqa: E402
 import runs_submit  # noqa: E402
+import suite_speed  # noqa: E402
 import ttft  # noqa: E402
 import viewer_speed  # noqa: E402
 
@@ -556,6 +558,35 @@ def rows_runs(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     return rows, notes, fails
 
 
+def rows_suite(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+    """deja suite over n unchanged incidents: inline and on a worker, against a minute per
+    hundred incidents."""
+    n, cpus = r["n"], r["cpus"]
+    limit = 60.0 * n / 100
+    rows: list[Row] = []
+    fails: list[str] = []
+    for key, label in (("inline", f"inline, -j {cpus}"), ("workers", "on 1 deja worker")):
+        m = r[key]
+        ok = m["seconds"] < limit
+        rows.append((f"Incident suite, {n} unchanged incidents, {label}",
+                     f"{m['seconds']:.1f} s ({m['seconds'] / n:.2f} s per incident; one "
+                     f"incident {m['incident_median_s']:.2f} s in the suite)",
+                     f"one deja replay {r['replay_s']:.2f} s, x {n} / {cpus} CPUs = "
+                     f"{r['replay_s'] * n / cpus:.1f} s; python -c pass {r['python_s']:.3f} s",
+                     f"< {limit:.0f} s", _verdict(ok, f"{m['seconds']:.1f} s")))
+        if not ok:
+            fails.append(f"suite {label}: {n} incidents in {m['seconds']:.1f} s (> {limit:.0f} s)")
+    notes = [
+        f"suite: {n} incidents, copies of {r['distinct']} recordings (examples/streaming_agent.py "
+        "and examples/retry_spiral.py, recorded against the stub), replayed by their recorded "
+        "commands, all identical; `python -m deja suite incidents --json` timed from start to "
+        "exit, inline (one job per CPU) and with one `deja worker` up on the embedded SQLite "
+        "database (each incident a workflow on the suite's queue). Each incident is a job "
+        "process that replays the program as a child under deja's bootstrap: the anchor is "
+        "one `deja replay` of one incident, as a fresh process."]
+    return rows, notes, fails
+
+
 MEASURES = {
     "replay": (replay_speed.run, rows_replay),
     "openai": (openai_replay.run, rows_openai),
@@ -568,6 +599,7 @@ MEASURES = {
     "viewer": (viewer_speed.run, rows_viewer),
     "proxy": (proxy_speed.run, rows_proxy),
     "runs": (runs_submit.run, rows_runs),
+    "suite": (suite_speed.run, rows_suite),
 }
 
 
@@ -585,7 +617,8 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
                 "memory": {"calls": 400},
                 "viewer": {"steps": 2000, "loads": 3, "runs": 2000, "repeats": 5},
                 "proxy": {"calls": 100, "block": 25, "convs_per_client": 1, "conc_rounds": 1},
-                "runs": {"n": 20, "cli_n": 3}}
+                "runs": {"n": 20, "cli_n": 3},
+                "suite": {"n": 20, "repeats": 1}}
     return {"replay": {"small": 200, "large": 2000, "repeats": 5, "vcr_repeats": 1,
                        "stride": 100, "full_vcr": full_vcr},
             "openai": {"n": 200, "repeats": 5},
@@ -599,7 +632,8 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
             "viewer": {"steps": 10_000, "small_steps": 2000, "loads": 5, "runs": 100_000,
                        "repeats": 7},
             "proxy": {"calls": 300, "block": 50, "convs_per_client": 2, "conc_rounds": 2},
-            "runs": {"n": 50, "cli_n": 10}}
+            "runs": {"n": 50, "cli_n": 10},
+            "suite": {"n": 100, "repeats": 3}}
 
 
 # ---------------------------------------------------------------------------- output

@@ -143,7 +143,7 @@ def suite(folder: Path, command: tuple[str, ...] | None, then: str | None,
     done: list[int] = []
     try:
         records = suites.run_jobs(plan.jobs, parallel=width, runner=runner,
-                                  on_done=lambda r: _progress(r, plan, done, as_json))
+                                  on_done=lambda r: _progress(r, plan, done))
     except KeyboardInterrupt:
         _interrupted(plan, runner is not None)
     records = [_as_shown(record, plan) for record in records]
@@ -244,7 +244,7 @@ def _runner(on_workers: bool | None, plan: Plan) -> tuple[suites.Runner | None, 
     return runner, f"on the workers ({', '.join(found) or 'none up yet'})"
 
 
-def _progress(record: dict[str, Any], plan: Plan, done: list[int], as_json: bool) -> None:
+def _progress(record: dict[str, Any], plan: Plan, done: list[int]) -> None:
     """One line per incident as its verdict comes, on stderr; the report of one that did
     not pass under it."""
     done.append(1)
