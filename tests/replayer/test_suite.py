@@ -13,15 +13,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import xmlschema
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from suite_incidents import (  # noqa: E402
+from suite_incidents import (
     BEHAVIOURS,
     check_the_fix,
     deja,
@@ -30,6 +26,7 @@ from suite_incidents import (  # noqa: E402
     suite_env,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "tests" / "cli" / "junit-10.xsd"
 ONE_EACH = ("nothing", "refund-30", "refund-all", "refund-0")
 

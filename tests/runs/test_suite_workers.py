@@ -28,18 +28,10 @@ from typing import Any
 
 import pytest
 from runs_helpers import base_env, sqlite_url, start_worker, wait_up
+from suite_incidents import check_the_fix, live_script, make_incidents, record_project
 
 from deja.runs import engine
 from recorder.harness.progress import cassette_end
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
-from suite_incidents import (  # noqa: E402
-    check_the_fix,
-    live_script,
-    make_incidents,
-    record_project,
-)
 
 SUITE = "fix-20"
 TIMEOUT = 300.0  # for the kill point to come, and for the suite to end
