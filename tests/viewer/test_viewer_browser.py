@@ -432,10 +432,22 @@ def test_the_runs_table_shows_parent_and_labels_at_1400_px(tmp_path: Path) -> No
         expect(fork).to_contain_text(corpus.ids["spiral"])  # its parent, the whole id
         expect(fork).to_contain_text("case=spiral")
         shot(page, tmp_path / "runs-table.png")
-        canvas = runs.get_by_test_id("data-grid-canvas").bounding_box()
+        # the page has finished drawing (the script ran, the grid keeps its size): on a busy
+        # machine a grid clicked while it is still laid out scrolls on its own
+        expect(page.locator('[data-testid="stApp"][data-test-script-state="notRunning"]')
+               ).to_be_visible()
+        grid = runs.get_by_test_id("data-grid-canvas")
+        canvas, before = grid.bounding_box(), None
+        for _ in range(100):  # until two looks 200 ms apart agree
+            if canvas == before:
+                break
+            before = canvas
+            page.wait_for_timeout(200)
+            canvas = grid.bounding_box()
         assert canvas is not None and canvas["x"] + canvas["width"] <= 1400
         page.mouse.click(canvas["x"] + 20, canvas["y"] + 36 + 17)  # the first run's id
         scroller = runs.locator(".dvn-scroller")
+        assert scroller.evaluate("e => e.scrollLeft") == 0
         for column in columns[1:]:
             page.keyboard.press("ArrowRight")
             page.wait_for_timeout(100)
