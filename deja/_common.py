@@ -262,6 +262,21 @@ def replay_policy(ignore: tuple[str, ...], normalise: tuple[str, ...],
         raise BadInput(str(exc)) from None
 
 
+def then_options(where: str) -> Any:
+    """``--then live|stub SCRIPT`` (SCRIPT reaches the command as the hidden
+    ``--then-script``, see :class:`deja.cli_replay.ReplayCommand`); ``where``: where the
+    new cassette goes, for the help."""
+    def add(func: Any) -> Any:
+        func = click.option("--then-script", type=click.Path(path_type=Path, dir_okay=False,
+                                                             exists=True), hidden=True)(func)
+        return click.option(
+            "--then", "then", type=click.Choice(["live", "stub"]),
+            help="Replay until the program asks for something the recording does not hold, "
+                 "then go live (live: the program's own base URL; stub SCRIPT: a stub "
+                 f"serving SCRIPT) into a new cassette {where}.")(func)
+    return add
+
+
 def tool_policy_options(func: Any) -> Any:
     """``--live-tool NAME`` and ``--tool NAME=RULE``: the tool policy of a run's live part
     (:mod:`replayer.tool_policy`)."""

@@ -51,6 +51,7 @@ from deja._common import (
     policy_options,
     policy_rows,
     redaction_options,
+    then_options,
     tool_policy,
     tool_policy_options,
 )
@@ -176,12 +177,7 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
               show_default=True,
               help="What a JUnit test case is: a cassette, or a recorded step (the "
                    "diverging step fails, the steps after it are skipped).")
-@click.option("--then", "then", type=click.Choice(["live", "stub"]),
-              help="Replay until the program asks for something the cassette does not "
-                   "hold, then go live (live: the program's own base URL; stub SCRIPT: a "
-                   "stub serving SCRIPT) into a new cassette, -o.")
-@click.option("--then-script", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-              hidden=True)
+@then_options("(-o)")
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path),
               help="With --then: the new cassette (a file, or a directory for <run>.jsonl; "
                    "default: next to the recording).")

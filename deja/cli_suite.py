@@ -39,6 +39,7 @@ from deja._common import (
     _print_table,
     policy_options,
     replay_policy,
+    then_options,
     tool_policy,
     tool_policy_options,
 )
@@ -65,12 +66,7 @@ class Plan:
 
 @click.command("suite", cls=cli_replay.ReplayCommand)
 @click.argument("folder", metavar="DIR", type=click.Path(path_type=Path))
-@click.option("--then", "then", type=click.Choice(["live", "stub"]),
-              help="Replay each incident until the program asks for something it does not "
-                   "hold, then go live (live: the program's own base URL; stub SCRIPT: a "
-                   "stub serving SCRIPT) into a new cassette under OUTDIR.")
-@click.option("--then-script", type=click.Path(path_type=Path, dir_okay=False, exists=True),
-              hidden=True)
+@then_options("under OUTDIR, for each incident")
 @click.option("-j", "--jobs", "parallel", type=click.IntRange(min=1), metavar="N",
               help="Incidents at a time (default: the number of CPUs; on the workers, "
                    "across all of them).")
