@@ -203,7 +203,9 @@ class _Others:
     def document(self, path: str, tool: str, nth: int) -> tuple[dict[str, Any], str]:
         if path not in self._calls:
             try:
-                other = load(path, keyring=self._keyring, allow_incomplete=True)
+                # its answers are signed into each fork: it must verify, as the parent must
+                other = load(path, keyring=self._keyring, require_signature=True,
+                             allow_incomplete=True)
             except DejaError as exc:
                 raise ConfigError(f"other={path}: {exc}") from None
             calls: dict[str, list[Mapping[str, Any]]] = {}

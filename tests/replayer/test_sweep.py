@@ -405,3 +405,21 @@ def test_a_side_effect_never_runs_in_a_sweep_unless_named(tmp_path: Path) -> Non
     assert charges(ledger) == ["30", "0"]  # named: it ran, once
     [row] = json.loads(done.stdout)["rows"]
     assert row["policy_calls"] == 0 and row["live"]["tool_calls"] == 1
+
+
+def test_an_other_recording_that_does_not_verify_is_refused(
+        project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """other= answers are signed into each fork: a file signed with a key this machine does
+    not have is refused, even where unverified cassettes are otherwise allowed."""
+    from recorder.cassette import CassetteWriter, load
+
+    run = load(project / "run.jsonl")
+    foreign = project / "foreign.jsonl"  # the same run, signed by another machine's key
+    writer = CassetteWriter(foreign, {k: v for k, v in run.header.items()
+                                      if k not in ("format", "key_id")}, b"k" * 32)
+    for obs in run.observations:
+        writer.append_copy(obs, run.requests.get(obs["seq"]))
+    writer.abandon()
+    monkeypatch.setenv("DEJA_ALLOW_UNVERIFIED", "1")
+    with pytest.raises(ConfigError, match="other="):
+        plan_sweep(project / "run.jsonl", [f"tool=search:other={foreign}"])
