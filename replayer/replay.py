@@ -18,10 +18,12 @@ swallowed, or recorded steps the agent never asked for, raise ``Divergence`` too
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 import types
@@ -58,6 +60,7 @@ from recorder.errors import (
     SessionError,
     ToolReplayError,
 )
+from recorder.imports import when_imported
 from replayer.index import FAMILY, Index, tool_key
 from replayer.policy import ReplayPolicy
 from replayer.result import ReplayResult
@@ -100,19 +103,21 @@ class _NoSleepAnyio(types.ModuleType):
 
 
 @contextlib.contextmanager
-def _no_retry_sleep():
-    """Replace the SDKs' retry sleeps with no-ops for the duration of the replay."""
+def _no_retry_sleep() -> Iterator[None]:
+    """Replace the SDKs' retry sleeps with no-ops for the duration of the replay: now for
+    an SDK already imported, else the moment the program imports it (importing both SDKs
+    up front would cost a replay over a second)."""
     with contextlib.ExitStack() as stack:
-        for name in ("anthropic._base_client", "openai._base_client"):
-            try:
-                mod = importlib.import_module(name)
-            except ImportError:
-                continue
+        def quiet(name: str) -> None:
+            mod = sys.modules[name]
             if getattr(mod, "time", None) is time:
                 stack.enter_context(_setattr(mod, "time", _NoSleepTime()))
             real_anyio = getattr(mod, "anyio", None)
             if isinstance(real_anyio, types.ModuleType) and real_anyio.__name__ == "anyio":
                 stack.enter_context(_setattr(mod, "anyio", _NoSleepAnyio(real_anyio)))
+
+        for name in ("anthropic._base_client", "openai._base_client"):
+            stack.enter_context(when_imported(name, functools.partial(quiet, name)))
         yield
 
 

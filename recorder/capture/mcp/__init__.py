@@ -20,12 +20,8 @@ otherwise the moment the program does.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.util
 import logging
-import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from recorder.capture.mcp.calls import (
@@ -43,6 +39,7 @@ from recorder.capture.mcp.calls import (
     server_record,
     tool_result,
 )
+from recorder.imports import when_imported
 
 __all__ = ["HANDSHAKES", "TOOLS_CALL", "McpCall", "McpReply", "McpSeam", "McpSource",
            "carries", "error_record", "install", "label", "line_key", "reply_of",
@@ -50,49 +47,6 @@ __all__ = ["HANDSHAKES", "TOOLS_CALL", "McpCall", "McpReply", "McpSeam", "McpSou
 
 _log = logging.getLogger("deja.recorder")
 _SDK = "mcp"
-
-
-class _ThenLoader(importlib.abc.Loader):
-    """A module's own loader, and something to do once the module has run."""
-
-    def __init__(self, loader: Any, then: Callable[[], None]) -> None:
-        self._loader, self._then = loader, then
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self._loader.exec_module(module)
-        self._then()
-
-    def __getattr__(self, name: str) -> Any:  # resource readers and the like: the loader's
-        return getattr(self._loader, name)
-
-
-class _WhenImported(importlib.abc.MetaPathFinder):
-    """Runs ``then`` once, right after the module ``name`` is first imported."""
-
-    def __init__(self, name: str, then: Callable[[], None]) -> None:
-        self._name, self._then = name, then
-        self._looking = threading.local()
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != self._name or getattr(self._looking, "on", False):
-            return None
-        self._looking.on = True
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._looking.on = False
-        if spec is None or spec.loader is None:
-            return None
-        self.remove()
-        spec.loader = _ThenLoader(spec.loader, self._then)
-        return spec
-
-    def remove(self) -> None:
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self)
 
 
 @contextlib.contextmanager
@@ -108,10 +62,5 @@ def install(session: Any) -> Iterator[None]:
             except Exception:  # noqa: BLE001 - an SDK deja does not know: run uncaptured
                 _log.warning("MCP capture could not patch the MCP SDK", exc_info=True)
 
-        if _SDK in sys.modules:
-            patch()
-        else:
-            hook = _WhenImported(_SDK, patch)
-            sys.meta_path.insert(0, hook)
-            stack.callback(hook.remove)
-        yield
+        with when_imported(_SDK, patch):
+            yield
