@@ -7,6 +7,10 @@ The ledger's file is ``LEDGER_DB``.
 - ``lookup(order)``: reads the ledger (annotated ``readOnlyHint``);
 - ``refund(order, amount)``: writes a row (annotated ``destructiveHint``), reporting
   progress and a log message on the way;
+- ``summarize(order)``: asks the client's model for a one-line summary of the order
+  (``sampling/createMessage``; annotated ``readOnlyHint``);
+- ``confirm(order)``: asks the client's user whether to go on (``elicitation/create``);
+  not annotated, so a client must take it to be destructive;
 - the resource ``ledger://policy`` and the prompt ``apology``.
 """
 
@@ -19,7 +23,8 @@ import warnings
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.shared.exceptions import MCPDeprecationWarning
-from mcp.types import ToolAnnotations
+from mcp.types import SamplingMessage, TextContent, ToolAnnotations
+from pydantic import BaseModel
 
 warnings.filterwarnings("ignore", category=MCPDeprecationWarning)  # server logging: still sent
 
@@ -57,6 +62,28 @@ async def refund(order: str, amount: float, ctx: Context) -> str:
     return f"refunded {amount:.2f} EUR on {order}"
 
 
+@server.tool(annotations=ToolAnnotations(readOnlyHint=True))
+async def summarize(order: str, ctx: Context) -> str:
+    """Summarize an order in one line, written by the client's model."""
+    asked = await ctx.session.create_message(
+        [SamplingMessage(role="user", content=TextContent(
+            type="text", text=f"Summarize in one line: {lookup(order)}"))],
+        max_tokens=64, related_request_id=ctx.request_id)
+    return f"summary: {asked.content.text}"
+
+
+class Approval(BaseModel):
+    approved: bool
+
+
+@server.tool()
+async def confirm(order: str, ctx: Context) -> str:
+    """Ask the user whether to refund an order."""
+    answer = await ctx.elicit(f"Refund order {order}?", Approval)
+    approved = answer.action == "accept" and answer.data is not None and answer.data.approved
+    return f"{order}: {'approved' if approved else 'not approved'}"
+
+
 @server.resource("ledger://policy")
 def policy() -> str:
     return "Refunds up to 50 EUR need no approval."
@@ -70,5 +97,7 @@ def apology(order: str) -> str:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--http"]:
         server.run("streamable-http", port=int(sys.argv[2]))
+    elif sys.argv[1:2] == ["--sse"]:
+        server.run("sse", port=int(sys.argv[2]))
     else:
         server.run()

@@ -1,8 +1,8 @@
 """What the MCP tests share: the ledger server (``ledger_server.py``) behind a command of
 its own on ``PATH``, its SQLite ledger, the agents under ``agents/`` loaded by path, and the
 server over Streamable HTTP as a real process on 127.0.0.1. A test module imports the
-fixtures it uses, ``ledger_fixture`` and ``http_ledger_fixture``, which pytest knows as
-``ledger`` and ``http_ledger``.
+fixtures it uses, ``ledger_fixture``, ``http_ledger_fixture`` and ``sse_ledger_fixture``,
+which pytest knows as ``ledger``, ``http_ledger`` and ``sse_ledger``.
 
 The command ``ledger-server`` is a wrapper script in a temporary bin directory: a test
 removes it before a replay, so that a replay that tried to start the server would fail.
@@ -73,7 +73,8 @@ def ledger_fixture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ledger:
     found.install()
     monkeypatch.setenv("PATH", f"{found.bin}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("LEDGER_DB", str(found.db))
-    for name in ("LEDGER_URL", "LEDGER_ORDER", "LEDGER_TOOL"):
+    for name in ("LEDGER_URL", "LEDGER_SSE_URL", "LEDGER_ORDER", "LEDGER_TOOL",
+                 "LEDGER_APPROVE"):
         monkeypatch.delenv(name, raising=False)
     return found
 
@@ -107,13 +108,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.fixture(name="http_ledger")
-def http_ledger_fixture(ledger: Ledger,
-                        monkeypatch: pytest.MonkeyPatch) -> Iterator[subprocess.Popen]:
-    """The ledger server over Streamable HTTP, a real process on 127.0.0.1, its URL in
-    ``LEDGER_URL``; stopped when the test ends (a test may stop it sooner)."""
+def serve(transport: str) -> tuple[subprocess.Popen, int]:
+    """The ledger server over ``transport`` (``--http``, ``--sse``), a real process on
+    127.0.0.1, once it listens; and its port."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, str(SERVER), "--http", str(port)],
+    process = subprocess.Popen([sys.executable, str(SERVER), transport, str(port)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + TIMEOUT
     while True:  # poll until it listens
@@ -124,7 +123,27 @@ def http_ledger_fixture(ledger: Ledger,
             assert process.poll() is None, "the ledger server exited"
             assert time.monotonic() < deadline, "the ledger server never listened"
             time.sleep(0.05)
+    return process, port
+
+
+@pytest.fixture(name="http_ledger")
+def http_ledger_fixture(ledger: Ledger,
+                        monkeypatch: pytest.MonkeyPatch) -> Iterator[subprocess.Popen]:
+    """The ledger server over Streamable HTTP, its URL in ``LEDGER_URL``; stopped when the
+    test ends (a test may stop it sooner)."""
+    process, port = serve("--http")
     monkeypatch.setenv("LEDGER_URL", f"http://127.0.0.1:{port}/mcp")
+    yield process
+    stop(process)
+
+
+@pytest.fixture(name="sse_ledger")
+def sse_ledger_fixture(ledger: Ledger,
+                       monkeypatch: pytest.MonkeyPatch) -> Iterator[subprocess.Popen]:
+    """The ledger server over the legacy SSE transport, its URL in ``LEDGER_SSE_URL``;
+    stopped when the test ends (a test may stop it sooner)."""
+    process, port = serve("--sse")
+    monkeypatch.setenv("LEDGER_SSE_URL", f"http://127.0.0.1:{port}/sse")
     yield process
     stop(process)
 

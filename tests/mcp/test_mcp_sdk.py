@@ -25,7 +25,7 @@ from recorder.errors import CorruptCassette, Divergence, LoopDetected
 
 SERVER = {"transport": "stdio", "command": ["ledger-server"], "name": "ledger",
           "version": "1.4.2"}
-OUTPUT = """tools: lookup, refund
+OUTPUT = """tools: lookup, refund, summarize, confirm
 policy: Refunds up to 50 EUR need no approval.
 prompt: Write a short apology for order A-1.
 lookup: order A-1: 40.00 EUR paid, 0.00 EUR refunded

@@ -5,14 +5,18 @@ pair of streams of JSON-RPC messages. deja's version of each transport hands it 
 pair instead:
 
 - **recording**: the server starts as without deja and the channel's streams pass every
-  message through, watching them: which request id is which call, and which server
-  notifications arrive while it is pending (progress is the request's by its token);
+  message through, watching them: which request id is which call, which server
+  notifications arrive while it is pending (progress is the request's by its token), and
+  which requests the server makes of the client meanwhile (sampling, elicitation, roots),
+  with the answer the client's callback gave;
 - **replay, fork, resume**: the server is not started. Each request is answered from the
   log where the session has the answer; the first request the log does not answer (the live
   part of a fork) starts the server then, in a task of the channel's own, replays the
   handshake the client was served (``initialize`` with the client's own params, then the
   notifications it sent meanwhile) and from there passes messages through as a recording
-  does. A replay never asks, so its server never runs and its command need not exist.
+  does. A replay never asks, so its server never runs and its command need not exist;
+  nor does it ask the client's sampling or elicitation callback what the recording's
+  server asked it: no server asks, and the recorded answer comes with the call's.
 
 Each request itself is decided in the client's own task, where the SDK sends it
 (``JSONRPCDispatcher.send_raw_request``, see :mod:`._patch`): a guard's stop or a
@@ -35,15 +39,26 @@ from typing import Any
 import anyio
 from mcp.shared.exceptions import MCPError
 from mcp.shared.message import SessionMessage
-from mcp_types import SERVER_INFO_META_KEY, JSONRPCNotification, JSONRPCRequest, JSONRPCResponse
+from mcp_types import (
+    SERVER_INFO_META_KEY,
+    JSONRPCError,
+    JSONRPCNotification,
+    JSONRPCRequest,
+    JSONRPCResponse,
+)
 
 from recorder.capture import session as _session
 from recorder.capture.mcp.calls import (
+    URL_TRANSPORTS,
     McpCall,
     McpReply,
     McpSeam,
+    answered,
     carry,
+    destructive,
+    is_server_request,
     notification,
+    server_request,
     without_meta,
 )
 from recorder.capture.session import Timing
@@ -134,7 +149,8 @@ class Channel:
         self.lazy = False
         self._pending: dict[Any, _Exchange] = {}
         self._backlog: list[dict[str, Any]] = []  # notifications no request claimed
-        self._destructive: set[str] = set()
+        self._asked: dict[Any, dict[str, Any]] = {}  # the server's requests, by their id
+        self._tools: dict[str, bool] = {}  # the listed tools: destructive or not
         self._handshake: Mapping[str, Any] | None = None  # the initialize it was served
         self._held: list[tuple[str, Any]] = []  # notifications sent while not started
         self.read: Any = None
@@ -172,36 +188,49 @@ class Channel:
     def carrying(self) -> Iterator[None]:
         """While the transport runs (its last requests included: the end of a stream, a
         session's DELETE), an HTTP server's own traffic is no step of the run."""
-        url = self.server.get("url")
+        url = self.server.get("url") if self.server.get("transport") in URL_TRANSPORTS \
+            else None
+        origin = self.server.get("transport") == "sse"  # it posts where the server says
         if url:
-            carry(url, True)
+            carry(url, True, origin=origin)
         try:
             yield
         finally:
             if url:
-                carry(url, False)
+                carry(url, False, origin=origin)
 
     def sent(self, item: Any) -> None:
-        """A message the client writes: a request names its exchange by its id."""
+        """A message the client writes: a request names its exchange by its id, an answer
+        to a request of the server's joins that request."""
         exchange = _sending.get()
         message = getattr(item, "message", None)
-        if exchange is not None and exchange.request_id is None \
+        if isinstance(message, JSONRPCResponse | JSONRPCError):
+            asked = self._asked.pop(message.id, None)
+            if asked is not None:
+                error = message.error.model_dump(mode="json", exclude_none=True) \
+                    if isinstance(message, JSONRPCError) else None
+                answered(asked, getattr(message, "result", None), error)
+        elif exchange is not None and exchange.request_id is None \
                 and isinstance(message, JSONRPCRequest) and message.method == exchange.method:
             exchange.request_id = message.id
             self._pending[message.id] = exchange
 
     def received(self, item: Any) -> None:
-        """A message from the server: a notification joins the request it is for (by its
-        progress token, else the oldest pending), or the next request made."""
+        """A message from the server: a notification, or a request of the client's (not a
+        ping), joins the request it is for (by its progress token, else the oldest
+        pending), or the next request made."""
         message = getattr(item, "message", None)
-        if not isinstance(message, JSONRPCNotification) \
-                or message.method == "notifications/cancelled":
+        if isinstance(message, JSONRPCRequest) and message.method != "ping":
+            note = server_request(message.method, message.params)
+            self._asked[message.id] = note
+        elif isinstance(message, JSONRPCNotification) \
+                and message.method != "notifications/cancelled":
+            note = notification(message.method, message.params)
+        else:
             return
-        params = message.params or {}
-        exchange = self._pending.get(params.get("progressToken"))
+        exchange = self._pending.get((message.params or {}).get("progressToken"))
         if exchange is None and self._pending:
             exchange = next(iter(self._pending.values()))
-        note = notification(message.method, params)
         (exchange.notes if exchange is not None else self._backlog).append(note)
 
     # -- requests
@@ -212,7 +241,7 @@ class Channel:
         """One request of the client: served by the session, or sent and logged."""
         call = McpCall(self.server, method, without_meta(params),
                        destructive=method == "tools/call"
-                       and (params or {}).get("name") in self._destructive)
+                       and self._tools.get(str((params or {}).get("name")), True))
         reply = self.seam.mcp_answer(call)
         if reply is not None:
             if method == "initialize":
@@ -253,7 +282,8 @@ class Channel:
         return True
 
     def _learn(self, method: str, reply: McpReply) -> None:
-        """What a reply says of the server: its name and version, its destructive tools."""
+        """What a reply says of the server: its name and version, and which of its tools
+        are destructive (by their annotations; a tool never listed is)."""
         result = reply.result if isinstance(reply.result, dict) else {}
         info = result.get("serverInfo") if method == "initialize" else \
             (result.get("_meta") or {}).get(SERVER_INFO_META_KEY) \
@@ -261,17 +291,16 @@ class Channel:
         if isinstance(info, dict):
             self.server.update({k: str(info[k]) for k in ("name", "version") if info.get(k)})
         for tool in result.get("tools") or () if method == "tools/list" else ():
-            hints = tool.get("annotations") or {}
-            if hints.get("destructiveHint") is True:
-                self._destructive.add(tool.get("name"))
-            else:
-                self._destructive.discard(tool.get("name"))
+            self._tools[str(tool.get("name"))] = destructive(tool.get("annotations"))
 
     async def _deliver(self, reply: McpReply, opts: Mapping[str, Any]) -> None:
         """The recorded notifications of a served reply, in order: progress to the call's
-        progress callback, the others to the client as the server sent them."""
+        progress callback, the others to the client as the server sent them. The server's
+        requests of the client are not asked again: their answers are in the reply."""
         on_progress = opts.get("on_progress")
         for note in reply.notifications:
+            if is_server_request(note):
+                continue
             params = dict(note.get("params") or {})
             if note["method"] == "notifications/progress":
                 if on_progress is not None:

@@ -1,6 +1,7 @@
 """What deja changes in the MCP SDK while a session is active, and puts back after.
 
-- the transports: ``stdio_client`` and ``streamable_http_client`` are context managers made
+- the transports: ``stdio_client``, ``streamable_http_client`` and the legacy
+  ``sse_client`` are context managers made
   by ``contextlib.asynccontextmanager``, imported by name everywhere (the SDK's own
   ``Client``, FastMCP's transports, the OpenAI Agents SDK). The function each one wraps is
   swapped in place (the cell of the context manager's closure), so that every importer's
@@ -34,16 +35,21 @@ def _stdio(real: Callable[..., Any]) -> Callable[..., Any]:
     return stdio_client
 
 
-def _streamable_http(real: Callable[..., Any]) -> Callable[..., Any]:
-    async def streamable_http_client(url: str, *args: Any, **kwargs: Any) -> Any:
-        spec = {"transport": "http", "url": str(url)}
-        async with _channel.connect(spec, lambda: real(url, *args, **kwargs)) as streams:
-            yield streams
-    return streamable_http_client
+def _over_url(transport: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A transport that takes the server's URL first: Streamable HTTP (``http``) or the
+    legacy SSE transport (``sse``)."""
+    def make(real: Callable[..., Any]) -> Callable[..., Any]:
+        async def url_client(url: str, *args: Any, **kwargs: Any) -> Any:
+            spec = {"transport": transport, "url": str(url)}
+            async with _channel.connect(spec, lambda: real(url, *args, **kwargs)) as streams:
+                yield streams
+        return url_client
+    return make
 
 
 TRANSPORTS = (("mcp.client.stdio", "stdio_client", _stdio),
-              ("mcp.client.streamable_http", "streamable_http_client", _streamable_http))
+              ("mcp.client.streamable_http", "streamable_http_client", _over_url("http")),
+              ("mcp.client.sse", "sse_client", _over_url("sse")))
 
 
 @contextlib.contextmanager

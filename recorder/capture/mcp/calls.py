@@ -10,8 +10,10 @@ call's arguments, its ``result`` the ``CallToolResult`` as the server sent it, a
 ``mcp`` field naming the server. Every other request (``initialize``, ``tools/list``,
 ``resources/read``, ``prompts/get`` ...) is an ``mcp`` line with its ``params``. The
 ``mcp`` field of both holds the server (its transport, its command or URL, the name and
-version it gave), the method, the notifications and, for a tool the server annotated
-``destructiveHint: true``, ``"destructive": true``.
+version it gave), the method, the messages the server sent before its answer (its
+notifications, and its requests to the client with the client's answers) and, for a tool
+the MCP specification's defaults make destructive (:func:`destructive`),
+``"destructive": true``.
 
 What differs on every run is left out by declaration: JSON-RPC ids and the
 ``mcp-session-id`` are never stored, and a request's ``_meta`` (its progress token, trace
@@ -50,9 +52,9 @@ INTERNAL_ERROR = -32603  # JSON-RPC's code for a failure without one of its own
 @dataclass(frozen=True)
 class McpCall:
     """One request an MCP client sends: to ``server`` (``transport`` ``stdio`` with its
-    ``command``, or ``http`` with its ``url``; ``name`` and ``version`` once the server gave
-    them), ``method`` and ``params`` without ``_meta``; ``destructive``: a tool call of a
-    tool the server listed with ``destructiveHint: true``."""
+    ``command``, or ``http`` or ``sse`` with its ``url``; ``name`` and ``version`` once the
+    server gave them), ``method`` and ``params`` without ``_meta``; ``destructive``: a tool
+    call of a tool that may change the world (:func:`destructive`)."""
 
     server: Mapping[str, Any]
     method: str
@@ -97,8 +99,11 @@ class McpCall:
 @dataclass
 class McpReply:
     """The answer to an :class:`McpCall`: ``result``, or ``error`` (a JSON-RPC error:
-    ``code``, ``message``, ``data``), and the server's ``notifications`` that came before it
-    (``{"method", "params"}``, in the order they arrived; progress without its token)."""
+    ``code``, ``message``, ``data``), and what the server sent before it, in the order it
+    arrived, as ``notifications``: each notification (``{"method", "params"}``; progress
+    without its token), and each request the server made of the client (sampling,
+    elicitation, roots: :func:`server_request`) with the client's ``result`` or
+    ``error``."""
 
     result: Any = None
     error: dict[str, Any] | None = None
@@ -150,11 +155,15 @@ def label(server: Mapping[str, Any]) -> str:
     return str(server.get("url", "?"))
 
 
+URL_TRANSPORTS = frozenset({"http", "sse"})  # Streamable HTTP, and the legacy SSE transport
+
+
 def server_key(server: Mapping[str, Any]) -> list[str]:
     """What a server is matched by: the file names of its command (a checkout elsewhere is
-    the same server), or its URL's path (the host and port may change)."""
-    if server.get("transport") == "http":
-        return ["http", urlsplit(str(server.get("url", ""))).path.rstrip("/")]
+    the same server), or its transport and its URL's path (the host and port may
+    change)."""
+    if server.get("transport") in URL_TRANSPORTS:
+        return [str(server["transport"]), urlsplit(str(server.get("url", ""))).path.rstrip("/")]
     return ["stdio", *(os.path.basename(str(part)) for part in server.get("command") or ())]
 
 
@@ -174,6 +183,38 @@ def notification(method: str, params: Mapping[str, Any] | None) -> dict[str, Any
     id, which a replay's request does not share)."""
     kept = {k: v for k, v in without_meta(params).items() if k != "progressToken"}
     return {"method": method, **({"params": kept} if kept else {})}
+
+
+def server_request(method: str, params: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A request the server makes of the client while a call is pending
+    (``sampling/createMessage``, ``elicitation/create``, ``roots/list``), kept among the
+    call's notifications where it arrived; the client's answer joins it as ``result`` or
+    ``error`` (:func:`answered`). Its JSON-RPC id is never kept."""
+    return notification(method, params)
+
+
+def answered(asked: dict[str, Any], result: Any = None,
+             error: Mapping[str, Any] | None = None) -> None:
+    """The client's answer to a :func:`server_request`: its result (without ``_meta``), or
+    its JSON-RPC error."""
+    if error is not None:
+        asked["error"] = dict(error)
+    else:
+        asked["result"] = without_meta(result) if isinstance(result, Mapping) else result
+
+
+def is_server_request(note: Mapping[str, Any]) -> bool:
+    """Whether an entry of a line's notifications is a request the server made of the
+    client (it has the client's answer), not a notification."""
+    return "result" in note or "error" in note
+
+
+def destructive(annotations: Mapping[str, Any] | None) -> bool:
+    """Whether a tool may change the world, by the MCP specification's defaults for its
+    annotations: a tool is destructive unless it says ``readOnlyHint: true`` or
+    ``destructiveHint: false`` (a tool without annotations is destructive)."""
+    hints = annotations if isinstance(annotations, Mapping) else {}
+    return hints.get("readOnlyHint") is not True and hints.get("destructiveHint") is not False
 
 
 # ---------------------------------------------------------------- lines and replies
@@ -237,15 +278,17 @@ _carried: dict[str, int] = {}
 _carried_lock = threading.Lock()
 
 
-def _url_key(url: str) -> str:
+def _url_key(url: str, *, origin: bool = False) -> str:
     parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}"
+    return f"{parts.scheme}://{parts.netloc}" + ("" if origin else parts.path.rstrip("/"))
 
 
-def carry(url: str, add: bool) -> None:
+def carry(url: str, add: bool, *, origin: bool = False) -> None:
     """An MCP connection over HTTP to ``url`` opens (``add``) or closes: while it is open,
-    its HTTP traffic is the MCP lines' and no step of its own."""
-    key = _url_key(url)
+    its HTTP traffic is the MCP lines' and no step of its own. ``origin``: all of the
+    URL's origin is the connection's (the legacy SSE transport posts its messages to an
+    endpoint the server names)."""
+    key = _url_key(url, origin=origin)
     with _carried_lock:
         count = _carried.get(key, 0) + (1 if add else -1)
         if count > 0:
@@ -256,4 +299,5 @@ def carry(url: str, add: bool) -> None:
 
 def carries(url: str) -> bool:
     """Whether ``url`` is an open MCP connection's endpoint (its exchanges are MCP lines)."""
-    return bool(_carried) and _url_key(url) in _carried
+    return bool(_carried) and (_url_key(url) in _carried
+                               or _url_key(url, origin=True) in _carried)

@@ -1,6 +1,7 @@
 """An agent that uses the ledger MCP server through the official MCP SDK itself: a
 ``ClientSession`` over ``stdio_client`` (the command ``ledger-server``), or over
-``streamable_http_client`` when ``LEDGER_URL`` is set.
+``streamable_http_client`` when ``LEDGER_URL`` is set, or over the legacy ``sse_client``
+when ``LEDGER_SSE_URL`` is.
 
 It reads the ledger's policy and a prompt, looks the order up and refunds it, with a
 progress callback, printing what it gets. ``LEDGER_ORDER`` and ``LEDGER_TOOL`` change the
@@ -14,11 +15,14 @@ import os
 
 import anyio
 from mcp import ClientSession, StdioServerParameters
+from mcp.client.sse import sse_client
 from mcp.client.stdio import stdio_client
 from mcp.client.streamable_http import streamable_http_client
 
 
 def transport():  # the agent's own choice of transport, as a program would make it
+    if os.environ.get("LEDGER_SSE_URL"):
+        return sse_client(os.environ["LEDGER_SSE_URL"])
     if os.environ.get("LEDGER_URL"):
         return streamable_http_client(os.environ["LEDGER_URL"])
     return stdio_client(StdioServerParameters(
