@@ -11,6 +11,12 @@ Messages and tool calls are read through the call's conversation
 OpenAI one does; its provider is named as the conventions name Google's endpoints
 (:func:`provider_name`).
 
+A call to an MCP server's tool is an ``execute_tool`` span with the MCP conventions'
+attributes besides (``mcp.method.name``, ``mcp.protocol.version``, ``network.transport``,
+the server's address for HTTP), and every other MCP request a span of its own named for
+its method (:func:`mcp_attributes`). What differs on every run was never recorded: no
+span has an ``mcp.session.id`` or a ``jsonrpc.request.id``.
+
 Token usage follows the conventions' rule, which is not Anthropic's wire format:
 ``gen_ai.usage.input_tokens`` counts every input token, cache reads and writes included
 (deja's ``input_tokens + cache_creation_input_tokens + cache_read_input_tokens``; for an
@@ -30,6 +36,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from recorder import providers, values
 from recorder.canonical import content_decoded, decode_body
+from recorder.capture.mcp.calls import TOOLS_CALL, URL_TRANSPORTS, server_key
 from recorder.providers import Conversation
 from recorder.providers import conversation as shape
 from recorder.providers.conversation import BlockKind, ToolCall
@@ -63,6 +70,15 @@ TOOL_RESULT = "gen_ai.tool.call.result"
 ERROR_TYPE = "error.type"
 SERVER_ADDRESS = "server.address"
 SERVER_PORT = "server.port"
+# The MCP conventions' names (opentelemetry-semantic-conventions 0.66b2 has them too,
+# ``mcp_attributes``, ``network_attributes``, ``rpc_attributes``; a test checks them).
+MCP_METHOD = "mcp.method.name"
+MCP_PROTOCOL_VERSION = "mcp.protocol.version"
+MCP_RESOURCE_URI = "mcp.resource.uri"
+PROMPT_NAME = "gen_ai.prompt.name"
+NETWORK_TRANSPORT = "network.transport"
+NETWORK_PROTOCOL_NAME = "network.protocol.name"
+RPC_STATUS_CODE = "rpc.response.status_code"
 # deja's provider names that the conventions name otherwise (Gemini's: provider_name)
 _PROVIDER_NAMES = {"bedrock": "aws.bedrock"}
 _GEMINI_API_PATH = re.compile(r"^/v1[a-z0-9]*/models/[^/]+:")
@@ -146,11 +162,7 @@ def _model_attributes(obs: Mapping[str, Any], request: Any, content: bool
         attrs.update({name: request[key] for key, name in REQUEST_PARAMS.items()
                       if isinstance(request.get(key), int | float)
                       and not isinstance(request.get(key), bool)})
-    parts = urlsplit(str(obs.get("url") or ""))
-    if parts.hostname:
-        attrs[SERVER_ADDRESS] = parts.hostname
-        if parts.port:
-            attrs[SERVER_PORT] = parts.port
+    attrs.update(_server_attributes(str(obs.get("url") or "")))
     message, response_model = _response(obs)
     if response_model:
         attrs[RESPONSE_MODEL] = response_model
@@ -204,6 +216,66 @@ def _tool_attributes(obs: Mapping[str, Any], args: Any, call_id: str | None,
         attrs[ERROR_TYPE] = "tool_error"
         return attrs, Status(StatusCode.ERROR, "the tool reported an error")
     return attrs, None
+
+
+def _server_attributes(url: str) -> dict[str, Any]:
+    parts = urlsplit(url)
+    attrs: dict[str, Any] = {}
+    if parts.hostname:
+        attrs[SERVER_ADDRESS] = parts.hostname
+        if parts.port:
+            attrs[SERVER_PORT] = parts.port
+    return attrs
+
+
+def mcp_versions(steps: Any) -> dict[str, str]:
+    """The MCP protocol version each server of a run agreed to in its handshake, by the
+    server's key (:func:`recorder.capture.mcp.calls.server_key`)."""
+    found: dict[str, str] = {}
+    for obs in steps:
+        part = obs.get("mcp") if isinstance(obs, Mapping) else None
+        result = obs.get("result")
+        if isinstance(part, Mapping) and part.get("method") == "initialize" \
+                and isinstance(result, Mapping) and isinstance(result.get("protocolVersion"), str):
+            found[json.dumps(server_key(part.get("server") or {}))] = result["protocolVersion"]
+    return found
+
+
+def mcp_attributes(obs: Mapping[str, Any], versions: Mapping[str, str]
+                   ) -> tuple[str, dict[str, Any], Status | None]:
+    """The name, attributes and error status of the span of an MCP exchange: a tool line
+    with an ``mcp`` field (its ``execute_tool`` attributes come from
+    :func:`_tool_attributes`), or an ``mcp`` line, named ``{method} {target}`` (the prompt
+    of a ``prompts/get``) as the MCP conventions name a client span. A JSON-RPC error's
+    code is its ``error.type`` and ``rpc.response.status_code``."""
+    part: Mapping[str, Any] = obs.get("mcp") or {}
+    server: Mapping[str, Any] = part.get("server") or {}
+    method = str(part.get("method") or "")
+    attrs: dict[str, Any] = {MCP_METHOD: method}
+    version = versions.get(json.dumps(server_key(server)))
+    if version:
+        attrs[MCP_PROTOCOL_VERSION] = version
+    if server.get("transport") in URL_TRANSPORTS:
+        attrs.update({NETWORK_TRANSPORT: "tcp", NETWORK_PROTOCOL_NAME: "http",
+                      **_server_attributes(str(server.get("url") or ""))})
+    else:
+        attrs[NETWORK_TRANSPORT] = "pipe"
+    raw = obs.get("params")
+    params: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
+    name = method
+    if method == "prompts/get" and isinstance(params.get("name"), str):
+        attrs[PROMPT_NAME] = params["name"]
+        name = f"{method} {params['name']}"
+    if isinstance(params.get("uri"), str):
+        attrs[MCP_RESOURCE_URI] = params["uri"]
+    err = obs.get("error")
+    if isinstance(err, Mapping) and isinstance(err.get("code"), int):
+        attrs[ERROR_TYPE] = attrs[RPC_STATUS_CODE] = str(err["code"])
+        return name, attrs, Status(StatusCode.ERROR, str(err.get("message") or ""))
+    if isinstance(err, Mapping) and method != TOOLS_CALL:
+        attrs[ERROR_TYPE] = str(err.get("type") or "error")
+        return name, attrs, Status(StatusCode.ERROR, str(err.get("message") or ""))
+    return name, attrs, None
 
 
 def reply_calls(obs: Mapping[str, Any], request: Any) -> list[ToolCall]:

@@ -9,7 +9,11 @@ A loaded (and checked) cassette becomes one trace, built with the OpenTelemetry 
   ``gcp.vertex_ai`` for Gemini), request and response model, response id, finish
   reasons, token usage, an error status for an API error or a failed exchange;
 - one ``execute_tool {name}`` span per tool call (a ``tool`` line, or a side effect's
-  ``outcome`` line, timed from its ``intent``), a child of the root.
+  ``outcome`` line, timed from its ``intent``), a child of the root; a call to an MCP
+  server's tool is a client span with the MCP conventions' attributes too;
+- one span per other request to an MCP server (an ``mcp`` line: ``initialize``,
+  ``tools/list``, ``prompts/get {prompt}`` ...), a client span named as the MCP
+  conventions name it.
 
 What a step's span holds, in the conventions' terms (their attribute names, token usage,
 message content), is :mod:`recorder._otel_genai`; a call's messages and the tool calls a
@@ -66,6 +70,8 @@ from recorder._otel_genai import (
     TOOL_NAME,
     _model_attributes,
     _tool_attributes,
+    mcp_attributes,
+    mcp_versions,
     reply_calls,
 )
 from recorder.capture.redact import DEFAULT, Redaction
@@ -212,6 +218,7 @@ def to_spans(cassette: Cassette, *, content: bool = False) -> list[ReadableSpan]
     pending: list[ToolCall] = []  # tool calls the last model reply asked for
     intents: dict[Any, Mapping[str, Any]] = {o["seq"]: o for o in steps
                                              if o.get("kind") == Kind.INTENT}
+    versions = mcp_versions(steps)
     for index, obs in enumerate(steps):
         kind = obs.get("kind")
         if kind == Kind.MODEL:
@@ -226,6 +233,12 @@ def to_spans(cassette: Cassette, *, content: bool = False) -> list[ReadableSpan]
             call_id = _str(obs.get("call_id")) or _match(pending, str(obs.get("name")), args)
             attrs, status = _tool_attributes(obs, args, call_id, content)
             name, span_kind = f"execute_tool {attrs[TOOL_NAME]}", SpanKind.INTERNAL
+            if "mcp" in obs:  # a call to an MCP server: the MCP conventions' client span
+                _, more, rpc = mcp_attributes(obs, versions)
+                attrs, status, span_kind = {**attrs, **more}, rpc or status, SpanKind.CLIENT
+        elif kind == Kind.MCP:
+            name, attrs, status = mcp_attributes(obs, versions)
+            span_kind = SpanKind.CLIENT
         else:
             continue
         attrs.update({CONVERSATION: run, "deja.step": obs["seq"]})

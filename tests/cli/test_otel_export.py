@@ -9,6 +9,7 @@ does. What it received is checked against the GenAI semantic conventions.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import subprocess
@@ -405,3 +406,107 @@ def test_a_fork_links_to_its_parent_run(tmp_path: Path) -> None:
         otel.trace_id("r_parent"), otel.root_span_id("r_parent"))
     assert root.attributes is not None and root.attributes["deja.parent.run"] == "r_parent"
     assert (tool.start_time, tool.end_time) == (1795941439250000000, 1795941439251500000)
+
+
+MCP_TESTS = ROOT / "tests" / "mcp"
+
+
+def _ledger_over_http() -> tuple[subprocess.Popen, str]:
+    """The MCP tests' ledger server over Streamable HTTP, a real process on 127.0.0.1 (its
+    ledger: ``LEDGER_DB``)."""
+    name = "deja_otel_mcp_helpers"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, MCP_TESTS / "mcp_helpers.py")
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    process, port = sys.modules[name].serve("--http")
+    return process, f"http://127.0.0.1:{port}/mcp"
+
+
+async def _use_the_ledger(db: Path, url: str) -> None:
+    """An agent's MCP sessions: the ledger over stdio (a lookup, a prompt, a resource that
+    is not there) and over HTTP (a refund)."""
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+    from mcp.client.streamable_http import streamable_http_client
+    from mcp.shared.exceptions import MCPError
+
+    params = StdioServerParameters(command=sys.executable,
+                                   args=[str(MCP_TESTS / "ledger_server.py")],
+                                   env={"LEDGER_DB": str(db)})
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        await session.list_tools()
+        await session.call_tool("lookup", {"order": "A-1"})
+        await session.get_prompt("apology", {"order": "A-1"})
+        with pytest.raises(MCPError):
+            await session.read_resource("ledger://nowhere")
+    async with streamable_http_client(url) as (read, write, *_), \
+            ClientSession(read, write) as session:
+        await session.initialize()
+        await session.list_tools()
+        await session.call_tool("refund", {"order": "A-1", "amount": 40})
+
+
+def test_mcp_calls_are_spans_in_the_mcp_conventions(receiver: Receiver, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tool call to an MCP server is an ``execute_tool`` client span with the MCP
+    conventions' attributes; another request a span named for its method; neither has a
+    session id or a JSON-RPC id, which deja never records."""
+    import anyio
+
+    monkeypatch.setenv("LEDGER_DB", str(tmp_path / "ledger.db"))
+    server, url = _ledger_over_http()
+    path = tmp_path / "run.jsonl"
+    try:
+        with recorder.record(path):
+            anyio.run(_use_the_ledger, tmp_path / "ledger.db", url)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert export(str(path), "--otlp", receiver.url).exit_code == 0
+    spans = {s.name: s for s in receiver.spans()[1:]}
+    assert list(spans) == ["initialize", "tools/list", "execute_tool lookup",
+                           "prompts/get apology", "resources/read", "execute_tool refund"]
+    assert all(s.kind == Span.SPAN_KIND_CLIENT for s in spans.values())
+    lookup = _attrs(spans["execute_tool lookup"].attributes)
+    assert lookup == {**lookup, "gen_ai.operation.name": "execute_tool",
+                      "gen_ai.tool.name": "lookup", "mcp.method.name": "tools/call",
+                      "mcp.protocol.version": "2025-11-25", "network.transport": "pipe"}
+    assert "server.address" not in lookup
+    refund = _attrs(spans["execute_tool refund"].attributes)
+    assert refund == {**refund, "gen_ai.tool.name": "refund", "mcp.method.name": "tools/call",
+                      "network.transport": "tcp", "network.protocol.name": "http",
+                      "server.address": "127.0.0.1", "server.port": int(url.split(":")[2][:-4])}
+    assert "mcp.protocol.version" in refund
+    prompt = _attrs(spans["prompts/get apology"].attributes)
+    assert prompt == {**prompt, "mcp.method.name": "prompts/get",
+                      "gen_ai.prompt.name": "apology"}
+    assert "gen_ai.operation.name" not in prompt  # only a tool call is one
+    missing = spans["resources/read"]
+    a = _attrs(missing.attributes)
+    assert a["mcp.resource.uri"] == "ledger://nowhere"
+    assert a["error.type"] == a["rpc.response.status_code"] and int(a["error.type"]) < 0
+    assert missing.status.code == Status.STATUS_CODE_ERROR and missing.status.message
+    assert not {k for s in spans.values() for k in _attrs(s.attributes)} & {
+        "mcp.session.id", "jsonrpc.request.id"}
+
+
+def test_the_mcp_attribute_names_are_the_conventions() -> None:
+    from opentelemetry.semconv._incubating.attributes import (
+        gen_ai_attributes,
+        mcp_attributes,
+        rpc_attributes,
+    )
+    from opentelemetry.semconv.attributes import network_attributes
+
+    from recorder import _otel_genai as genai
+
+    assert (genai.MCP_METHOD, genai.MCP_PROTOCOL_VERSION, genai.MCP_RESOURCE_URI) == (
+        mcp_attributes.MCP_METHOD_NAME, mcp_attributes.MCP_PROTOCOL_VERSION,
+        mcp_attributes.MCP_RESOURCE_URI)
+    assert genai.PROMPT_NAME == gen_ai_attributes.GEN_AI_PROMPT_NAME
+    assert (genai.NETWORK_TRANSPORT, genai.NETWORK_PROTOCOL_NAME) == (
+        network_attributes.NETWORK_TRANSPORT, network_attributes.NETWORK_PROTOCOL_NAME)
+    assert genai.RPC_STATUS_CODE == rpc_attributes.RPC_RESPONSE_STATUS_CODE
