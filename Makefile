@@ -46,6 +46,8 @@ node:
 	@test -f examples/vercel-agent/node_modules/@ai-sdk/anthropic/package.json \
 	  && test -f examples/vercel-agent/node_modules/ai/package.json || \
 	  (cd examples/vercel-agent && npm ci --no-audit --no-fund)
+	@test -f examples/mcp-node-agent/node_modules/@modelcontextprotocol/sdk/package.json || \
+	  (cd examples/mcp-node-agent && npm ci --no-audit --no-fund)
 
 # The durable-runs tests start a throwaway PostgreSQL server of their own (tests/pg_server.py)
 # from Debian's binaries; a cluster the package itself starts on port 5432 is never used.

@@ -23,6 +23,7 @@ from deja._common import (
     redaction_options,
     replay_policy,
     tool_policy,
+    tool_policy_options,
 )
 from replayer.result import render as replay_report
 
@@ -38,6 +39,11 @@ if TYPE_CHECKING:
 @click.option("--upstream", default="https://api.anthropic.com", show_default=True,
               help="The API every request is forwarded to (the only one: never an open "
                    "relay).")
+@click.option("--mcp", "mcp", metavar="URL",
+              help="Also carry this MCP server (Streamable HTTP) at the proxy's /mcp: "
+                   "point the agent's MCP client there, and its requests are recorded, "
+                   "replayed and forked as in-process MCP calls are. A replay or fork "
+                   "serves the recorded server's without it.")
 @click.option("--dir", "directory", type=click.Path(path_type=Path, file_okay=False),
               default=Path("cassettes"), show_default=True,
               help="Where recorded runs are written, one <run id>.jsonl each.")
@@ -47,14 +53,7 @@ if TYPE_CHECKING:
               help="With --replay: serve the cassette while the agent asks what it asked "
                    "before, then forward its first request the cassette does not hold, and "
                    "every later one, to --upstream, into a new cassette (-o).")
-@click.option("--tool", "tool_rules", multiple=True, metavar="NAME=RULE",
-              help="With --then live: the tool policy for tool NAME after the run left the "
-                   "recording: live, refuse, recorded or static:JSON (* for every tool "
-                   "without a rule). The agent runs its own tools: the proxy reports a "
-                   "tool that ran against its rule, and gives the model the recorded or "
-                   "static answer in place of its result.")
-@click.option("--live-tool", "live_tools", multiple=True, metavar="NAME",
-              help="With --then live: tool NAME is live (NAME=live).")
+@tool_policy_options
 @click.option("--fork", "fork", type=click.Path(path_type=Path, dir_okay=False),
               metavar="CASSETTE", help="Serve this cassette up to --at, the edited step, "
                                        "then go live into a new cassette.")
@@ -107,9 +106,10 @@ if TYPE_CHECKING:
 @click.option("-q", "--quiet", is_flag=True, help="No log line per request.")
 @_allow_unverified_option
 @policy_options
-def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | None,
-          then: str | None, tool_rules: tuple[str, ...], live_tools: tuple[str, ...],
-          fork: Path | None, at: int | None, sets: tuple[str, ...], patch_file: Path | None,
+def proxy(host: str, port: int, upstream: str, mcp: str | None, directory: Path,
+          replay: Path | None, then: str | None, tool_rules: tuple[str, ...],
+          live_tools: tuple[str, ...], fork: Path | None, at: int | None,
+          sets: tuple[str, ...], patch_file: Path | None,
           replace_file: Path | None, output: Path | None, token: str | None, idle: float,
           grace: float, max_body: int, max_response: int, body_timeout: float,
           header_timeout: float,
@@ -143,7 +143,7 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
 
     edit = _fork_edit(replay, fork, at, sets, patch_file, replace_file,
                       output if then is None else None)
-    tools = _then_options(replay, then, tool_rules, live_tools, allow_unverified)
+    tools = _tool_options(replay, then, fork, tool_rules, live_tools, allow_unverified)
     label_map = _labels(labels)
     budgets = budgets_of(max_turns, max_tokens_total, max_tokens_per_turn, clamp_max_tokens,
                          max_seconds, max_dollars)
@@ -163,7 +163,8 @@ def proxy(host: str, port: int, upstream: str, directory: Path, replay: Path | N
                            replay=replay, allow_unverified=allow_unverified or None,
                            # a replay-then-live adds the configured rules itself
                            policy=replay_policy(ignore, normalise, configured=then is None),
-                           then=then, tools=tools, fork=fork, at=at, edit=edit, out=output)
+                           then=then, tools=tools, fork=fork, at=at, edit=edit, out=output,
+                           mcp=mcp)
     try:
         resolve_settings(budgets=budgets, loop_guard=record["loop_guard"],
                          breaker=record["breaker"], redact_headers=redact_headers,
@@ -202,12 +203,16 @@ def _report(result: ServeResult, fork: Path | None, report_file: Path | None) ->
         sys.exit(EXIT_DIVERGED)
 
 
-def _then_options(replay: Path | None, then: str | None, rules: tuple[str, ...],
-                  live: tuple[str, ...], allow_unverified: bool) -> Any:
-    """The tool policy of ``--then live`` (None without it), its options checked."""
+def _tool_options(replay: Path | None, then: str | None, fork: Path | None,
+                  rules: tuple[str, ...], live: tuple[str, ...], allow_unverified: bool) -> Any:
+    """The tool policy of a fork's or a replay-then-live's live part (None for another
+    mode), its options checked."""
+    if fork is not None and then is None:
+        return tool_policy(rules, live)
     if then is None:
         if rules or live:
-            raise BadInput("--tool and --live-tool go with --replay CASSETTE --then live")
+            raise BadInput("--tool and --live-tool go with --replay CASSETTE --then live, "
+                           "or with --fork CASSETTE")
         return None
     if replay is None:
         raise BadInput("--then live goes with --replay CASSETTE")

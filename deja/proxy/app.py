@@ -36,6 +36,7 @@ from collections.abc import Callable, MutableMapping
 from typing import Any
 
 from deja.proxy._bounds import BODY_TIMEOUT, MAX_RESPONSE, off_loop
+from deja.proxy._mcp import McpEndpoint, is_mcp_path
 from deja.proxy._respond import RUN_ID_HEADER, ClientGone, Exchange, Receive, Responder, Send
 from deja.proxy._tool_steps import (
     Reading,
@@ -87,7 +88,8 @@ class Proxy:
                  max_body: int = 32 * 1024 * 1024, body_timeout: float = BODY_TIMEOUT,
                  idle: float = 300.0,
                  timeout: float = 600.0, mode: str = "record",
-                 max_response: int = MAX_RESPONSE, callers: Callers | None = None) -> None:
+                 max_response: int = MAX_RESPONSE, callers: Callers | None = None,
+                 mcp: str | None = None) -> None:
         if (new_run is None) == (single is None):
             raise ValueError("give exactly one of new_run and single")
         self.upstream = upstream.rstrip("/")
@@ -104,6 +106,10 @@ class Proxy:
         self._reader = RequestReader()  # for routing: a conversation's history is read once
         self._responder = Responder(self.upstream, self.registry, timeout=timeout,
                                     max_response=max_response)
+        # /mcp: the MCP server at ``mcp`` carried (deja proxy --mcp; "" in a served run
+        # whose recording names none: served, never live)
+        self.mcp = McpEndpoint(mcp or None, self, max_response=max_response) \
+            if mcp is not None else None
         self._reaper: asyncio.Task[None] | None = None
         self._starting = asyncio.Lock()
         self.requests = 0
@@ -113,6 +119,8 @@ class Proxy:
 
     async def startup(self) -> None:
         self._responder.open()
+        if self.mcp is not None:
+            self.mcp.open()
         if self._new_run is not None:
             self._reaper = asyncio.create_task(self._reap())
 
@@ -125,6 +133,8 @@ class Proxy:
             self._reaper = None
         self.close_all("the proxy shut down")
         await self._responder.close()
+        if self.mcp is not None:
+            await self.mcp.close()
 
     def close_all(self, why: str) -> None:
         for run in self.registry.open_runs():
@@ -243,6 +253,9 @@ class Proxy:
                              f"deja proxy: no such endpoint {ex.path}; the proxy serves "
                              "/_deja/health and forwards everything else")
         body = await self._body(receive, named)
+        if self.mcp is not None and is_mcp_path(ex.path):  # an MCP client's: deja.proxy._mcp
+            await self.mcp.handle(ex, named, headers, body, receive, send)
+            return
         ex.path = upstream_path(self.upstream, ex.path)  # /messages is /v1/messages
         query = scope.get("query_string") or b""
         url = self.upstream + ex.path + (f"?{query.decode('latin-1')}" if query else "")
@@ -325,6 +338,10 @@ class Proxy:
         who = credential(headers)
         retry = _retry(named)
         run = self.registry.find(who, name, keys if name is None else None, retry, previous)
+        if run is None and name is None and keys is not None:
+            run = self.registry.waiting()  # its agent opened an MCP session first
+            if run is not None:
+                run.who = who
         if run is not None:
             return run
         assert self._new_run is not None
@@ -387,6 +404,7 @@ class Proxy:
             raise ProxyError(400, "invalid_request_error", f"deja proxy: {exc}") from None
         if keys is not None:
             run.last_keys = keys
+        run.model = run.model or provider is not None
         dialogue = follow(run, reading)
         if run.following is not None:
             run.following.answered(served is not None)
@@ -417,6 +435,23 @@ class Proxy:
         if reading is not None and run.edits:
             request.body = substitute(reading, run.edits, request.body)
         return reading
+
+    # -- what the MCP endpoint asks of the proxy
+
+    async def mcp_run(self, named: dict[str, str], headers: list[tuple[str, str]],
+                      ex: Exchange) -> ProxyRun:
+        """The run a new MCP session joins: the one run of a served proxy; the open run
+        its ``x-deja-run`` names, else the one used last; else a new one."""
+        if self.single is not None:
+            return self.single
+        found = self.registry.latest(named.get(RUN_HEADER))
+        return found if found is not None else await self._route(named, headers, None, ex)
+
+    def stop_run(self, run: ProxyRun, stop: RunStopped) -> None:
+        self._stopped(run, stop)
+
+    async def end_run(self, run: ProxyRun, why: str) -> None:
+        await asyncio.to_thread(self._close, run, why)
 
     def _stopped(self, run: ProxyRun, stop: RunStopped) -> None:
         """A guard stopped the run (or a replay reached the recorded stop): close it."""

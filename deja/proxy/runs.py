@@ -297,6 +297,9 @@ class ProxyRun:
     response_ids: list[str] = field(default_factory=list)  # its Responses replies' ids
     stopped: RunStopped | None = None
     closed: bool = False
+    model: bool = False  # it has had a model request
+    mcp: bool = False  # it has had an MCP session (deja proxy --mcp)
+    mcp_sessions: set[str] = field(default_factory=set)  # its MCP sessions still open
     cut: bool = False  # a call was cut short by the proxy's shutdown
     # held while a large line of the run is written in a worker thread: the run's next
     # request waits for it, so that its lines keep their order
@@ -352,6 +355,8 @@ class ProxyRun:
             return EndStatus.INTERRUPTED, "a call was cut short when the proxy shut down"
         if self.last_failed:
             return EndStatus.ERROR, "its last call failed"
+        if self.mcp and not self.model:  # MCP calls only: each ended with its answer
+            return EndStatus.COMPLETED, None
         if self.awaiting_tools:
             return EndStatus.INTERRUPTED, "its last response asked for tools, whose " \
                 "results never came"
@@ -411,6 +416,21 @@ class Registry:
             if best is not None:
                 return best
         return None
+
+    def latest(self, name: str | None) -> ProxyRun | None:
+        """The open run named ``name`` (by any caller), or without a name the one used
+        last: where an MCP session joins (its client sends no model API key)."""
+        with self._lock:
+            runs = [r for r in self.runs if name is None or r.name == name]
+            return max(runs, key=lambda r: r.used) if runs else None
+
+    def waiting(self) -> ProxyRun | None:
+        """The open unnamed run used last that has MCP sessions and no model request yet:
+        the run an agent's first model request joins when it opened its MCP session
+        first."""
+        with self._lock:
+            runs = [r for r in self.runs if r.mcp and not r.model and r.name is None]
+            return max(runs, key=lambda r: r.used) if runs else None
 
     def replied(self, run: ProxyRun, response_id: str) -> None:
         """``run`` got the Responses reply ``response_id``: a request that continues it

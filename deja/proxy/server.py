@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from deja.proxy._bounds import BODY_TIMEOUT, MAX_RESPONSE
+from deja.proxy._mcp import recorded_server
 from deja.proxy._wire import Callers
 from deja.proxy.app import Proxy
 from deja.proxy.runs import ProxyRun
@@ -87,6 +88,8 @@ class ProxyOptions:
     at: int | None = None
     edit: dict[str, Any] = field(default_factory=dict)  # patch= / replace= / sets=
     out: Path | None = None  # a fork's or a replay-then-live's new cassette
+    # an MCP server carried at /mcp (deja proxy --mcp URL; a served run: the recorded one)
+    mcp: str | None = None
 
     @property
     def mode(self) -> str:
@@ -116,6 +119,9 @@ def build(options: ProxyOptions) -> Proxy:
     upstream = options.upstream.rstrip("/")
     if not upstream.startswith(("http://", "https://")):
         raise ConfigError(f"--upstream must be an http:// or https:// URL, not {upstream!r}")
+    if options.mcp is not None and not options.mcp.startswith(("http://", "https://")):
+        raise ConfigError(f"--mcp must be an MCP server's http:// or https:// URL, not "
+                          f"{options.mcp!r}")
     common: dict[str, Any] = {"token": options.token, "max_body": options.max_body,
                               "body_timeout": options.body_timeout, "idle": options.idle,
                               "mode": options.mode,
@@ -135,6 +141,8 @@ def build(options: ProxyOptions) -> Proxy:
 
     def new_run(name: str | None, labels: dict[str, str]) -> ProxyRun:
         header: dict[str, Any] = {"proxy": {"upstream": shown}}
+        if options.mcp is not None:
+            header["proxy"]["mcp"] = Redaction().url(options.mcp)
         if name is not None:
             header["proxy"]["name"] = name
         session = RecordSession(options.directory, labels={**options.labels, **labels},
@@ -142,7 +150,7 @@ def build(options: ProxyOptions) -> Proxy:
         return ProxyRun(session.start(intercept=False), name=name)
 
     RecordSession(options.directory, argv=[], keyring=keyring, **record)  # check the options
-    return Proxy(upstream=upstream, new_run=new_run, **common)
+    return Proxy(upstream=upstream, new_run=new_run, mcp=options.mcp, **common)
 
 
 def _recorded_upstream(header: Mapping[str, Any], given: str) -> str:
@@ -161,7 +169,8 @@ def _replaying(options: ProxyOptions, upstream: str, common: dict[str, Any]) -> 
     run.remember(cassette.observations)
     if not cassette.verified:
         log.warning("%s: %s; serving it unchecked", cassette.path, cassette.verify_note)
-    return Proxy(upstream=_recorded_upstream(cassette.header, upstream), single=run, **common)
+    return Proxy(upstream=_recorded_upstream(cassette.header, upstream), single=run,
+                 mcp=_mcp_of(options, cassette.observations), **common)
 
 
 def _forking(options: ProxyOptions, upstream: str, common: dict[str, Any]) -> Proxy:
@@ -172,13 +181,20 @@ def _forking(options: ProxyOptions, upstream: str, common: dict[str, Any]) -> Pr
     plan = plan_fork(options.fork, options.at, out=options.out or options.fork.parent,
                      keyring=ring, **options.edit)
     session = start_fork(plan, keyring=ring, fsync=options.record.get("fsync") or "turn",
-                         ran_in=Path.cwd())
+                         ran_in=Path.cwd(), tools=options.tools)
     session.start(intercept=False)
     run = ProxyRun(session)
     run.remember([*plan.parent.observations[:plan.at], plan.edited])
     log.info("forked run %s from %s at step %d -> %s", plan.run_id, plan.parent.run, plan.at,
              plan.out)
-    return Proxy(upstream=upstream, single=run, **common)
+    return Proxy(upstream=upstream, single=run,
+                 mcp=_mcp_of(options, plan.parent.observations), **common)
+
+
+def _mcp_of(options: ProxyOptions, observations: Any) -> str | None:
+    """The MCP server a served run carries at /mcp: ``--mcp``, else the one its recording
+    names (None: neither; the proxy has no /mcp of its own)."""
+    return options.mcp if options.mcp is not None else recorded_server(observations)
 
 
 def _then_living(options: ProxyOptions, upstream: str, common: dict[str, Any]) -> Proxy:
@@ -196,7 +212,8 @@ def _then_living(options: ProxyOptions, upstream: str, common: dict[str, Any]) -
     session.start(intercept=False)
     run = Following(session, plan.parent, tools).attach(ProxyRun(session))
     log.info("replaying %s, then live into %s (run %s)", plan.parent.path, plan.out, plan.run_id)
-    return Proxy(upstream=upstream, single=run, **common)
+    return Proxy(upstream=upstream, single=run,
+                 mcp=_mcp_of(options, plan.parent.observations), **common)
 
 
 def serve(options: ProxyOptions, proxy: Proxy | None = None) -> ServeResult:

@@ -1,0 +1,227 @@
+"""``deja proxy --mcp URL``: an MCP client in another language, recorded, replayed and
+forked through the proxy.
+
+The client is examples/mcp-node-agent, on the official TypeScript MCP SDK over Streamable
+HTTP; the server is the MCP tests' ledger (tests/mcp/ledger_server.py), a real process
+answering with event streams, or with JSON bodies (json_ledger.py). The client is pointed
+at the proxy's ``/mcp``: its requests are recorded as the in-process capture records them
+(a ``tools/call`` a ``tool`` line with an ``mcp`` field, any other request an ``mcp``
+line, no JSON-RPC or session id anywhere), replayed with the server stopped (the client
+gets the same answers, byte for byte), refused as a JSON-RPC error where the recording
+does not hold a call, and forked at a tool's result: the side-effecting refund is not
+run unless named live, then exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import pytest
+from mcp_proxy_helpers import (
+    MCP_AGENT_DIR,
+    LedgerServer,
+    mcp_agent,
+    read_answers,
+    start_ledger,
+)
+from node_helpers import ensure_node_modules, node_missing
+from proxy_helpers import ProxyProcess, cassettes, lines, load_verified, run_proxy
+
+from recorder.testing.server import StubServer
+
+Proxy = Callable[..., ProxyProcess]
+
+SAID = ["tools: lookup, refund, summarize, confirm",
+        "lookup: order A-1: 40.00 EUR paid, 0.00 EUR refunded",
+        "progress: 0.5/1 writing the ledger",
+        "log: refunding 40.00 EUR on A-1",
+        "progress: 1/1 done",
+        "refund: refunded 40.00 EUR on A-1",
+        "policy: Refunds up to 50 EUR need no approval."]
+EDITED = "order A-1: 40.00 EUR paid, 15.00 EUR refunded"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _node_modules() -> None:
+    assert node_missing() is None, node_missing()
+    ensure_node_modules(MCP_AGENT_DIR)
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Any:
+    servers: list[LedgerServer] = []
+
+    def start(name: str = "ledger", *, json_response: bool = False) -> LedgerServer:
+        server = start_ledger(tmp_path / f"{name}.db", json_response=json_response)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def record(proxy: Proxy, server: LedgerServer, tmp_path: Path) -> tuple[Path, str, Path]:
+    """The Node client recorded through a proxy in front of ``server``: the cassette, what
+    the client printed, and the answers it dumped. The client's DELETE ends the run."""
+    directory = tmp_path / "recorded"
+    recording = proxy("--mcp", server.url, "--dir", str(directory))
+    dump = tmp_path / "record.dump"
+    run = mcp_agent(f"{recording.url}/mcp", "--dump", str(dump))
+    assert run.returncode == 0, run.stderr
+    status, log = recording.stop()
+    assert status == 0, log
+    [cassette] = cassettes(directory)
+    return cassette, run.stdout, dump
+
+
+def test_a_node_mcp_client_is_recorded_and_replayed_byte_for_byte_with_the_server_stopped(
+        proxy: Proxy, ledger: Callable[..., LedgerServer], tmp_path: Path) -> None:
+    server = ledger()
+    cassette, said, dump = record(proxy, server, tmp_path)
+    assert said.splitlines() == SAID
+    assert server.rows() == [("A-1", 40.0)]
+
+    recorded = load_verified(cassette)
+    steps = lines(recorded)
+    assert [(o["kind"], o.get("name") or o["mcp"]["method"]) for o in steps] == [
+        ("mcp", "initialize"), ("mcp", "tools/list"), ("tool", "lookup"), ("tool", "refund"),
+        ("mcp", "resources/read")]
+    assert {json.dumps(o["mcp"]["server"]) for o in steps} == {json.dumps(
+        {"transport": "http", "url": server.url, "name": "ledger", "version": "1.4.2"})}
+    lookup, refund = steps[2], steps[3]
+    assert lookup["args"] == {"order": "A-1"} and "destructive" not in lookup["mcp"]
+    assert refund["args"] == {"order": "A-1", "amount": 40} and refund["mcp"]["destructive"]
+    assert [n["method"] for n in refund["mcp"]["notifications"]] == [
+        "notifications/progress", "notifications/message", "notifications/progress"]
+    assert refund["result"]["content"][0]["text"] == "refunded 40.00 EUR on A-1"
+    assert recorded.end is not None and recorded.end["status"] == "completed"
+    assert recorded.header["proxy"]["mcp"] == server.url
+    text = cassette.read_text().lower()
+    assert "mcp-session-id" not in text and '"id"' not in text and "jsonrpc" not in text
+
+    server.stop()  # nothing listens at its URL any more
+    replaying = proxy("--replay", str(cassette))
+    again = tmp_path / "replay.dump"
+    run = mcp_agent(f"{replaying.url}/mcp", "--dump", str(again))
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == said
+    assert again.read_bytes() == dump.read_bytes()
+    assert [a["what"] for a in read_answers(again)] == ["tools/list", "lookup", "refund",
+                                                         "policy"]
+    status, log = replaying.stop()
+    assert status == 0, log
+    assert "identical" in log and "5/5 served" in log, log
+    assert "POST /mcp 200" in log and "(replayed)" in log
+
+
+def test_a_server_that_answers_with_json_is_recorded_and_replayed(
+        proxy: Proxy, ledger: Callable[..., LedgerServer], tmp_path: Path) -> None:
+    server = ledger(json_response=True)
+    cassette, said, dump = record(proxy, server, tmp_path)
+    assert "refund: refunded 40.00 EUR on A-1" in said.splitlines()
+    assert server.rows() == [("A-1", 40.0)]
+    steps = lines(load_verified(cassette))
+    assert [o["kind"] for o in steps] == ["mcp", "mcp", "tool", "tool", "mcp"]
+    server.stop()
+    replaying = proxy("--replay", str(cassette))
+    again = tmp_path / "replay.dump"
+    run = mcp_agent(f"{replaying.url}/mcp", "--dump", str(again))
+    assert run.returncode == 0 and run.stdout == said, run.stderr
+    assert again.read_bytes() == dump.read_bytes()
+    assert replaying.stop()[0] == 0
+
+
+def test_a_call_the_recording_does_not_hold_is_a_json_rpc_error_naming_it(
+        proxy: Proxy, ledger: Callable[..., LedgerServer], tmp_path: Path) -> None:
+    server = ledger()
+    cassette, _, _ = record(proxy, server, tmp_path)
+    server.stop()
+    replaying = proxy("--replay", str(cassette))
+    run = mcp_agent(f"{replaying.url}/mcp", "--order", "B-7")
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "MCP error: MCP error -32000: deja replay: the request diverged from the " \
+           "recording at step 2 (tool, different arguments)" in run.stderr, run.stderr
+    assert 'server ledger, tool lookup, arguments {"order":"B-7"}' in run.stderr
+    status, log = replaying.stop()
+    assert status == 1, log  # the replay diverged
+    assert "different arguments" in log
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_a_fork_at_a_tool_result_runs_the_refund_only_when_named_live(
+        proxy: Proxy, ledger: Callable[..., LedgerServer], tmp_path: Path,
+        live: bool) -> None:
+    recorded_on = ledger("recorded")
+    cassette, _, _ = record(proxy, recorded_on, tmp_path)
+    recorded_on.stop()
+    at = next(o["seq"] for o in lines(load_verified(cassette)) if o.get("name") == "lookup")
+    server = ledger("forked")  # an empty ledger: what the fork writes, if anything
+    out = tmp_path / "fork.jsonl"
+    forking = proxy("--fork", str(cassette), "--at", str(at), "--set", f"result={EDITED}",
+                    "-o", str(out), "--mcp", server.url,
+                    *(["--live-tool", "refund"] if live else []))
+    run = mcp_agent(f"{forking.url}/mcp")
+    assert run.returncode == 0, run.stderr
+    status, log = forking.stop()
+    assert status == 0, log
+    said = run.stdout.splitlines()
+    assert f"lookup: {EDITED}" in said  # the edited result, served
+    fork = lines(load_verified(out))
+    refund = next(o for o in fork if o.get("name") == "refund")
+    assert refund["args"] == {"order": "A-1", "amount": 25}
+    if live:
+        assert "refund: refunded 25.00 EUR on A-1" in said
+        assert server.rows() == [("A-1", 25.0)]  # run once
+        assert "policy" not in refund and refund["mcp"]["destructive"]
+    else:
+        assert "refund refused: tool 'refund' was not run: it has side effects and is never " \
+               "run live here unless named (--live-tool refund runs it" in run.stdout
+        assert server.rows() == []  # never run
+        assert refund["policy"] == "refuse"
+    # the policy read, after the fork step, went to the server started then
+    assert "policy: Refunds up to 50 EUR need no approval." in said
+    assert fork[-1]["mcp"]["method"] == "resources/read" and "result" in fork[-1]
+    assert "the handshake it was served was said to the server" in log, log
+
+
+def test_model_calls_and_an_mcp_session_of_one_agent_are_one_run(
+        proxy: Proxy, ledger: Callable[..., LedgerServer], stub: Callable[[dict], StubServer],
+        tmp_path: Path) -> None:
+    """An agent that opens its MCP session, then asks the model: one cassette holds both."""
+    server = ledger()
+    model = stub({"default": {"text": "Refund 40 EUR on A-1."}})
+    directory = tmp_path / "both"
+    recording = proxy("--mcp", server.url, "--upstream", model.url, "--dir", str(directory))
+    hello = {"jsonrpc": "2.0", "id": 7, "method": "initialize", "params": {
+        "protocolVersion": "2025-06-18", "capabilities": {},
+        "clientInfo": {"name": "curl", "version": "1"}}}
+    answer = subprocess.run(["curl", "-sS", "-i", f"{recording.url}/mcp",
+                             "-H", "content-type: application/json",
+                             "-H", "accept: application/json, text/event-stream",
+                             "-d", json.dumps(hello)], capture_output=True, text=True,
+                            timeout=60, check=True).stdout
+    assert '"id":7' in answer.replace(" ", "") and '"serverInfo"' in answer, answer
+    assert "mcp-session-id:" in answer.lower()
+    client = anthropic.Anthropic(base_url=recording.url, api_key="sk-test", max_retries=0)
+    client.messages.create(model="claude-sonnet-4-6", max_tokens=64,
+                           messages=[{"role": "user", "content": "Settle A-1"}])
+    status, log = recording.stop()
+    assert status == 0, log
+    [cassette] = cassettes(directory)
+    assert [o["kind"] for o in lines(load_verified(cassette))] == ["mcp", "model"]
+
+
+def test_the_tool_policy_goes_with_fork_and_then_live_only(tmp_path: Path) -> None:
+    done = run_proxy(tmp_path, "--tool", "refund=refuse")
+    assert done.returncode == 2
+    assert "--tool and --live-tool go with --replay CASSETTE --then live, or with --fork " \
+           "CASSETTE" in done.stderr, done.stderr
+    done = run_proxy(tmp_path, "--mcp", "ledger:9000")
+    assert done.returncode == 2
+    assert "--mcp must be an MCP server's http:// or https:// URL" in done.stderr, done.stderr
