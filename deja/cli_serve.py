@@ -190,15 +190,20 @@ def _submission(labels: tuple[str, ...], cwd: Path | None, command: tuple[str, .
 @click.option("--ready-file", type=click.Path(dir_okay=False, path_type=Path),
               help="Write {url, port, pid} as JSON here once listening (removed on exit).")
 @click.option("--quiet", is_flag=True, help="No line per request on stderr.")
+@click.option("--mcp-tokens", type=click.Path(dir_okay=False, path_type=Path), metavar="FILE",
+              help="MCP clients' own tokens, one a line (a file only you can read): each "
+                   "opens /mcp and no other route, and sees only the tasks it created.")
 @click.option("--print-token", is_flag=True,
               help="Print the token this server requires (made if there is none yet) and "
                    "exit: for curl, or DEJA_TOKEN on another machine.")
 def serve(host: str, port: int, token: str | None, allowed_hosts: tuple[str, ...],
-          db: str | None, ready_file: Path | None, quiet: bool, print_token: bool) -> None:
+          db: str | None, ready_file: Path | None, quiet: bool, mcp_tokens: Path | None,
+          print_token: bool) -> None:
     """Serve the runs API over HTTP: submit, list, read, cancel and answer runs.
 
     POST /runs, GET /runs, GET /runs/ID, POST /runs/ID/cancel, POST /runs/ID/input,
-    GET /runs/ID/events (server-sent events), GET /schedules, GET /healthz. Runs are
+    GET /runs/ID/events (server-sent events), GET /schedules, GET /healthz, and
+    POST /mcp for MCP clients (each run an MCP task). Runs are
     executed by `deja worker` processes on the same database. Every request but
     /healthz sends the token (deja's commands do it themselves), a POST is
     application/json, and no web page may call it. Stop with SIGTERM or Ctrl-C.
@@ -215,6 +220,7 @@ def serve(host: str, port: int, token: str | None, allowed_hosts: tuple[str, ...
             click.echo(server_token(token))
             return
         api.check_binding(host, token)  # before anything heavy is imported
+        callers = _mcp_tokens(mcp_tokens)
     except DejaError as exc:
         _fail(exc)
     handler = logging.StreamHandler(sys.stderr)
@@ -223,9 +229,19 @@ def serve(host: str, port: int, token: str | None, allowed_hosts: tuple[str, ...
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING if quiet else logging.INFO)
     try:
-        api.serve(host, port, token, db or database_url(), ready_file, allowed_hosts)
+        api.serve(host, port, token, db or database_url(), ready_file, allowed_hosts,
+                  mcp_tokens=callers)
     except DejaError as exc:
         _fail(exc)
+
+
+def _mcp_tokens(path: Path | None) -> list[str]:
+    """The MCP clients' tokens in ``path`` (none without one)."""
+    if path is None:
+        return []
+    from deja.runs.mcp_http import read_mcp_tokens
+
+    return read_mcp_tokens(path)
 
 
 @click.command()

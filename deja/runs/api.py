@@ -14,6 +14,8 @@ Every route speaks JSON::
                                data each time it changes, until the run has ended
     GET  /schedules            {"schedules": [...]}
     GET  /healthz              {"ok": true, ...}; 503 when the database cannot be reached
+    POST /mcp                  MCP clients: runs as MCP tasks (:mod:`deja.runs.mcp_tasks`),
+                               behind the same checks (:mod:`deja.runs.mcp_http`)
 
 The API runs commands, so it answers deja's own commands and the scripts of the user who
 owns the install, and no web page and no other user (:mod:`deja.runs.guard` has the rules):
@@ -115,7 +117,7 @@ def _route(method: str, path: str) -> tuple[str, str | None]:
     if not allowed:
         raise ApiError(404, "NotFound", f"no route {path}; deja serve offers /runs, "
                        "/runs/{id}, /runs/{id}/cancel, /runs/{id}/input, /runs/{id}/events, "
-                       "/schedules and /healthz")
+                       "/schedules, /healthz and /mcp")
     if method not in allowed:
         raise ApiError(405, "MethodNotAllowed", f"{method} {path} is not served; use "
                        f"{' or '.join(allowed)}", [(b"allow", ", ".join(allowed).encode())])
@@ -126,8 +128,10 @@ class Api:
     """The ASGI app over ``runs`` (a :class:`deja.runs.service.Runs`)."""
 
     def __init__(self, runs: Any, *, guard: Guard, max_body: int = MAX_BODY,
-                 poll: float = EVENTS_POLL, stopping: Callable[[], bool] | None = None) -> None:
+                 poll: float = EVENTS_POLL, stopping: Callable[[], bool] | None = None,
+                 mcp: Any = None) -> None:
         self.runs = runs
+        self.mcp = mcp  # the /mcp route (deja.runs.mcp_http.McpEndpoint), if served
         self.guard = guard
         self.max_body = max_body
         self.poll = poll
@@ -169,13 +173,17 @@ class Api:
                      (time.perf_counter() - t0) * 1000)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                await send({"type": "lifespan.shutdown.complete"})
-                return
+        async with contextlib.AsyncExitStack() as running:
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    if self.mcp is not None:  # the MCP transport runs while the server does
+                        await running.enter_async_context(self.mcp.running())
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await running.aclose()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
 
     async def _error(self, send: Send, err: ApiError, started: bool) -> None:
         if started:  # an event stream under way: all that can be done is to end it
@@ -193,6 +201,9 @@ class Api:
             headers[key_text] = f"{headers[key_text]}, {text}" if key_text in headers else text
         host = self.guard.host(headers)
         self.guard.origin(headers, host)
+        if self.mcp is not None and path == "/mcp":
+            await self.mcp(scope, receive, send, headers)
+            return
         name, run = _route(method, path)
         if name != "healthz":
             self.guard.authorize(headers)
@@ -396,13 +407,16 @@ def _sqlite_folder(url: str) -> None:
 
 
 def serve(host: str, port: int, token: str | None, url: str,
-          ready_file: Path | None = None, allowed_hosts: Iterable[str] = ()) -> None:
+          ready_file: Path | None = None, allowed_hosts: Iterable[str] = (),
+          mcp_tokens: Iterable[str] = ()) -> None:
     """Serve the API until SIGTERM or SIGINT, to requests that carry ``token`` (default:
-    this install's, made on first use) and name ``host`` or ``allowed_hosts``."""
+    this install's, made on first use) and name ``host`` or ``allowed_hosts``; ``/mcp``
+    also takes ``mcp_tokens``, each an MCP client's own."""
     import uvicorn
 
     from deja.runs import engine
     from deja.runs.auth import server_token
+    from deja.runs.mcp_http import McpEndpoint
     from deja.runs.service import Runs
     from deja.runs.store import Store
 
@@ -421,8 +435,14 @@ def serve(host: str, port: int, token: str | None, url: str,
         sock.close()
         raise
     server: uvicorn.Server | None = None
-    app = Api(Runs(store, client), guard=guard,
-              stopping=lambda: server is not None and server.should_exit)
+    runs = Runs(store, client)
+    try:
+        mcp = McpEndpoint(runs, guard, tokens=mcp_tokens)
+    except BaseException:
+        sock.close()
+        raise
+    app = Api(runs, guard=guard, stopping=lambda: server is not None and server.should_exit,
+              mcp=mcp)
     config = uvicorn.Config(app, lifespan="on", http=guarded_httptools(), loop="uvloop",
                             log_level="warning", access_log=False, server_header=False,
                             date_header=False, backlog=2048, timeout_keep_alive=30,
