@@ -5,7 +5,8 @@ counts are step counts (the end line is compared too, but is no step). The bookk
 control lines (``fork_edit``, ``resumed``) are left out, since a fork or a resumed run has
 them where the other run has none: after a fork step, a fork's seqs run one ahead of its
 parent's, and a changed step is named by both (``step 3 (A's 2)``). Each step is reduced
-to what it means (request, response message, tool args and result, tokens, cost), leaving
+to what it means (request, response message, tool args and result, an MCP step's server,
+method and what the server sent before its answer, tokens, cost), leaving
 out what differs between any two runs (message and request ids, timestamps, latencies,
 signatures), so two recordings of the same behaviour compare equal. Changed fields are
 listed as JSON-pointer paths with the value on each side.
@@ -41,6 +42,7 @@ import jsonpatch
 from recorder import providers
 from recorder.canonical import decode_body
 from recorder.capture.exchange import pretty
+from recorder.capture.mcp.calls import URL_TRANSPORTS, server_key
 from recorder.cassette import Cassette
 from recorder.cassette.rows import step_count, step_name
 from recorder.cassette.schema import Kind, Line, is_bookkeeping
@@ -91,6 +93,20 @@ def _run_named(value: Any, run: str) -> Any:
     return value
 
 
+def _mcp_meaning(part: Any) -> dict[str, Any]:
+    """An MCP exchange's part of a step: its server by what a replay matches it by (the
+    file names of its command, or its URL's path) with the name and version it gave, the
+    method, whether the tool is destructive, and what the server sent before its answer."""
+    part = part if isinstance(part, Mapping) else {}
+    server = part.get("server") if isinstance(part.get("server"), Mapping) else {}
+    key = server_key(server)
+    place = {"url": key[1]} if key[0] in URL_TRANSPORTS else {"command": key[1:]}
+    return {"server": {"name": server.get("name"), "version": server.get("version"),
+                       "transport": key[0], **place},
+            "method": part.get("method"), "destructive": bool(part.get("destructive")),
+            "notifications": part.get("notifications") or []}
+
+
 def meaning(cassette: Cassette, obs: Mapping[str, Any]) -> dict[str, Any]:
     """What a step says, without the parts that differ between any two runs."""
     kind = obs.get("kind")
@@ -106,6 +122,11 @@ def meaning(cassette: Cassette, obs: Mapping[str, Any]) -> dict[str, Any]:
                    response=_response_message(obs), error=obs.get("error"))
     elif kind in (Kind.TOOL, Kind.INTENT, Kind.OUTCOME):
         out.update(name=obs.get("name"), args=obs.get("args"),
+                   result=decode(obs.get("result")), error=obs.get("error"))
+        if "mcp" in obs:  # a call to an MCP server's tool: the server too
+            out["mcp"] = _mcp_meaning(obs["mcp"])
+    elif kind == Kind.MCP:
+        out.update(mcp=_mcp_meaning(obs.get("mcp")), params=obs.get("params"),
                    result=decode(obs.get("result")), error=obs.get("error"))
     elif kind == Kind.EFFECT:
         out.update(name=obs.get("name"), value=obs.get("value"))
@@ -278,7 +299,8 @@ def step_keys(obs: Mapping[str, Any], meant: Mapping[str, Any]) -> tuple[Hashabl
     kind, name = str(obs.get("kind")), step_name(obs)
     if kind == Kind.END:  # see alignment(): compared where the steps end
         return (Kind.END,) * 3
-    args = meant.get("args") if kind != Kind.HTTP else (meant.get("method"), meant.get("url"))
+    args = (meant.get("method"), meant.get("url")) if kind == Kind.HTTP else \
+        meant.get("params") if kind == Kind.MCP else meant.get("args")
     return (json.dumps(meant, sort_keys=True, default=str),
             (kind, name, json.dumps(args, sort_keys=True, default=str)), (kind, name))
 

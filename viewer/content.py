@@ -22,6 +22,7 @@ from typing import Any
 
 from recorder import providers
 from recorder.canonical import decode_body
+from recorder.capture.mcp.calls import is_server_request
 from recorder.cassette.schema import Kind
 from recorder.providers import conversation as shape
 from recorder.providers.conversation import BlockKind
@@ -219,9 +220,13 @@ def conversation(request: Any, obs: Mapping[str, Any], clip: Clip,
 
 
 def tool_call(obs: Mapping[str, Any], clip: Clip) -> dict[str, Any]:
-    """A tool (or intent/outcome) step: its name, arguments and result or error."""
-    out: dict[str, Any] = {"name": obs.get("name"), "args": clip.value(obs.get("args")),
-                           "images": []}
+    """A tool (or intent/outcome) step: its name, arguments and result or error; another
+    request to an MCP server (an ``mcp`` step) as its method, params and result."""
+    if obs.get("kind") == Kind.MCP:
+        name, args = (obs.get("mcp") or {}).get("method"), obs.get("params")
+    else:
+        name, args = obs.get("name"), obs.get("args")
+    out: dict[str, Any] = {"name": name, "args": clip.value(args), "images": []}
     if "error" in obs:
         out["error"] = obs["error"]
     elif "result" in obs:
@@ -235,6 +240,45 @@ def tool_call(obs: Mapping[str, Any], clip: Clip) -> dict[str, Any]:
         else:
             out["result"] = clip.value(obs.get("result"))
     return out
+
+
+def mcp_exchange(obs: Mapping[str, Any], clip: Clip) -> dict[str, Any] | None:
+    """An MCP step's own part (None: not one): the server (its name and version, its
+    transport, its command or URL), the method, the tool called and whether the server's
+    annotations make it destructive, and what the server sent before its answer, in order
+    (``exchange``: each a notification, or a request the server made of the client, with
+    the client's answer)."""
+    part = obs.get("mcp")
+    if not isinstance(part, Mapping):
+        return None
+    server = part.get("server") or {}
+    exchange = []
+    for note in part.get("notifications") or ():
+        entry = {"kind": "request" if is_server_request(note) else "notification",
+                 "method": note.get("method"), "params": clip.value(note.get("params"))}
+        entry.update({k: clip.value(note[k]) for k in ("result", "error") if k in note})
+        exchange.append(entry)
+    return {"server": {k: server[k] for k in ("name", "version", "transport", "command",
+                                              "url") if server.get(k) is not None},
+            "method": part.get("method"),
+            "tool": obs.get("name") if obs.get("kind") == Kind.TOOL else None,
+            "destructive": part.get("destructive") is True, "exchange": exchange}
+
+
+def mcp_notes(info: Mapping[str, Any]) -> list[str]:
+    """An MCP step's part in words, a line each: the server and its transport, the
+    method (and tool), and the messages the server sent before its answer."""
+    server = info["server"]
+    where = " ".join(server.get("command") or ()) or server.get("url") or "?"
+    named = " ".join(str(server[k]) for k in ("name", "version") if k in server) or where
+    notes = [f"MCP server {named} ({server.get('transport')}: {where})",
+             f"{info['method']}" + (f" of tool {info['tool']}" if info["tool"] else "")
+             + (" (destructive)" if info["destructive"] else "")]
+    if info["exchange"]:
+        notes.append("before its answer the server sent: " + ", ".join(
+            f"{e['method']}" + (" (the client answered)" if e["kind"] == "request" else "")
+            for e in info["exchange"]))
+    return notes
 
 
 # ---------------------------------------------------------------------- search text

@@ -93,6 +93,7 @@ class StepDetail:
     conversation: dict[str, Any] | None = None
     tool: dict[str, Any] | None = None
     control: dict[str, Any] | None = None
+    mcp: dict[str, Any] | None = None  # an MCP step's server, method and exchange
     editable: bool = False
     edited: bool = False
     within: str | None = None
@@ -144,7 +145,9 @@ def _earlier_input(cassette: Cassette, seq: int, request: Any) -> int | None:
 def step_detail(path: str | Path, seq: int, *, full: bool = False,
                 limit: int = content.LIMIT) -> StepDetail:
     """Step ``seq`` of the cassette at ``path``: the observation, the full request of a
-    model step, and its conversation (or tool call, or control decision).
+    model step, and its conversation (or tool call, or control decision); an MCP step's
+    server, method and what its server sent before the answer (``mcp``, and in words
+    among the ``notes``).
 
     Payloads longer than ``limit`` characters are cut unless ``full``; ``truncated``
     says whether anything was. Images are decoded bytes; base64 never appears as text.
@@ -166,8 +169,11 @@ def step_detail(path: str | Path, seq: int, *, full: bool = False,
     elif kind == Kind.HTTP:
         detail.request = clip.value((obs.get("request") or {}).get("body"))
         detail.response = _raw_response(obs, clip)
-    elif kind in (Kind.TOOL, Kind.INTENT, Kind.OUTCOME):
+    elif kind in (Kind.TOOL, Kind.INTENT, Kind.OUTCOME, Kind.MCP):
         detail.tool = content.tool_call(obs, clip)
+        detail.mcp = content.mcp_exchange(obs, clip)
+        if detail.mcp is not None:
+            detail.notes.extend(content.mcp_notes(detail.mcp))
     elif kind == Kind.CONTROL:
         detail.control = {"event": obs.get("event"), "detail": clip.value(obs.get("detail"))}
     elif kind == Kind.EFFECT:
