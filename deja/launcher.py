@@ -45,7 +45,9 @@ from types import FrameType
 
 from deja.boot import LAUNCH_ENV
 from recorder.cassette.lock import WriterLock
+from recorder.harness import warm
 from recorder.harness.child import preexec
+from recorder.harness.warm import Forked
 from recorder.launch import LaunchSpec
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -95,7 +97,7 @@ def shell_status(returncode: int) -> int:
 
 
 @contextlib.contextmanager
-def _forwarding(child: subprocess.Popen[bytes], received: list[int],
+def _forwarding(child: subprocess.Popen[bytes] | Forked, received: list[int],
                 mask: Iterable[int] | None) -> Iterator[None]:
     """Our signals passed on to ``child`` while it runs; ``mask``, the signal mask to go
     back to once the handlers are in place (what was blocked while the child started)."""
@@ -115,6 +117,18 @@ def _forwarding(child: subprocess.Popen[bytes], received: list[int],
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _start(argv: list[str], *, env: dict[str, str], cwd: Path | None,
+           pass_fds: tuple[int, ...], stdout: int | None) -> subprocess.Popen[bytes] | Forked:
+    """The program started: a fresh interpreter, or (in a warm process, for a plain
+    ``python script`` or ``python -m module``) a fork of this one that becomes the program
+    with the SDKs already imported (:mod:`recorder.harness.warm`)."""
+    if warm.forkable(argv):
+        return Forked(argv, env=env, cwd=str(cwd) if cwd is not None else None,
+                      fds={1: stdout} if stdout is not None else {}, keep=pass_fds)
+    return subprocess.Popen(argv, env=env, cwd=cwd, pass_fds=pass_fds, stdout=stdout,
+                            preexec_fn=preexec())
 
 
 def run(argv: list[str], *, env: dict[str, str], cwd: Path | None = None,
@@ -137,8 +151,7 @@ def run(argv: list[str], *, env: dict[str, str], cwd: Path | None = None,
     if held:  # blocked here, the child starts with them blocked (see above)
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
-        child = subprocess.Popen(argv, env=env, cwd=cwd, pass_fds=pass_fds, stdout=stdout,
-                                 preexec_fn=preexec())
+        child = _start(argv, env=env, cwd=cwd, pass_fds=pass_fds, stdout=stdout)
     except BaseException:
         if mask is not None:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)

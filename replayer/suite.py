@@ -20,12 +20,19 @@ command means this install's ``deja``). :func:`run_jobs` runs a list of them, in
 parallel, here (:func:`run_inline`) or through another runner (the durable workers of
 ``deja.runs.suites``), and hands back their records in the jobs' order. The records are
 plain JSON, so that a durable engine can keep them as its checkpoints.
+
+Here, jobs start *warm* by default: one fork server imports deja and the SDKs once
+(:data:`WARM_MODULES`) and each job, and the program it replays, is a fork of it
+(:mod:`recorder.harness.warm`); a fresh interpreter spends over a second importing the
+Anthropic SDK alone, which a hundred incidents would pay a hundred times. A command a fork
+cannot start as given (another interpreter, interpreter options) starts cold.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -40,12 +47,22 @@ from typing import IO, Any, Protocol
 
 from recorder.cassette.schema import run_status
 from recorder.harness.child import preexec
+from recorder.harness.warm_pool import WarmPool
 
-__all__ = ["VERDICTS", "Job", "OnDone", "Record", "Runner", "command_of", "exit_status", "headline",
+__all__ = ["VERDICTS", "WARM_MODULES", "Job", "OnDone", "Record", "Runner", "command_of",
+           "exit_status", "headline",
            "replay_record", "row", "run_inline", "run_job", "run_jobs", "summary",
            "then_live_record"]
 
+_log = logging.getLogger("deja.replayer")
+
 VERDICTS = ("identical", "equivalent", "changed", "now_completes", "now_fails", "error")
+# What a warm fork server imports once for all of a suite's jobs: deja's command line and
+# the modules its bootstrap starts a replay with, and the SDKs deja captures (those not
+# installed are left out). A fixed list: nothing in a cassette chooses what is imported.
+WARM_MODULES = ("deja.cli", "deja.boot", "replayer.replay", "replayer.continuation",
+                "replayer.then_live", "recorder.record", "recorder.capture.vcr", "vcr.patch",
+                "anthropic", "openai", "google.genai", "mcp", "httpx", "httpx2")
 OUTPUT_TAIL = 6000  # characters of a job's standard error kept in its record
 REPORT_LIMIT = 12000  # characters of an incident's report kept in its record
 
@@ -90,20 +107,19 @@ def command_of(argv: Sequence[str]) -> list[str]:
     return list(argv)
 
 
-def run_job(job: Job, *, started: Callable[[subprocess.Popen[bytes]], None] | None = None
-            ) -> Record:
+def run_job(job: Job, *, started: Callable[[Any], None] | None = None,
+            pool: WarmPool | None = None) -> Record:
     """Run one job to its end (a child that dies with this process); its record, or an
     ``error`` record saying why there is none. ``started`` is told of the child (a worker
     stops its children when it stops). The record gets the job's ``key``, its wall-clock
     ``seconds``, the tail of its standard error (``output``) and who ran it
-    (``process``)."""
+    (``process``). With ``pool``, a job that runs this interpreter starts warm, as a fork
+    of the pool's server (see :mod:`recorder.harness.warm_pool`)."""
     began = time.monotonic()
     when = time.time()
     with _error_stream(job) as err:
         try:
-            child = subprocess.Popen(command_of(job.argv), cwd=job.cwd, stdout=subprocess.PIPE,
-                                     stderr=err, stdin=subprocess.DEVNULL,
-                                     preexec_fn=preexec())
+            child = _spawn(job, err, pool)
         except OSError as exc:
             return {"incident": job.key, "verdict": "error", "seconds": 0.0,
                     "error": f"cannot run {job.argv[0]!r} in {job.cwd}: {exc.strerror or exc}"}
@@ -122,6 +138,19 @@ def run_job(job: Job, *, started: Callable[[subprocess.Popen[bytes]], None] | No
                   seconds=round(time.monotonic() - began, 3),
                   process={"pid": child.pid, "host": socket.gethostname(), "started": when})
     return record
+
+
+def _spawn(job: Job, err: IO[bytes], pool: WarmPool | None) -> Any:
+    """The job's process: a fork of the pool's warm server when it can be one (a server
+    that has gone away leaves the job to start cold), else a fresh one."""
+    argv = command_of(job.argv)
+    if pool is not None:
+        with contextlib.suppress(OSError):
+            child = pool.start(argv, cwd=job.cwd, stderr=err)
+            if child is not None:
+                return child
+    return subprocess.Popen(argv, cwd=job.cwd, stdout=subprocess.PIPE, stderr=err,
+                            stdin=subprocess.DEVNULL, preexec_fn=preexec())
 
 
 @contextlib.contextmanager
@@ -154,13 +183,17 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "(it printed nothing)"
 
 
-def run_inline(jobs: Sequence[Job], parallel: int, on_done: OnDone | None = None
-               ) -> list[Record]:
+def run_inline(jobs: Sequence[Job], parallel: int, on_done: OnDone | None = None, *,
+               warm: bool = False) -> list[Record]:
     """Run ``jobs`` here, ``parallel`` child processes at a time; their records in the
-    jobs' order."""
+    jobs' order. ``warm``: through a fork server that has imported deja and the SDKs
+    once (:data:`WARM_MODULES`), instead of a fresh interpreter per job."""
     records: list[Record | None] = [None] * len(jobs)
-    with ThreadPoolExecutor(max_workers=max(1, parallel), thread_name_prefix="deja-suite") as pool:
-        futures = {pool.submit(run_job, job): n for n, job in enumerate(jobs)}
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(_warm_pool()) if warm and jobs else None
+        pool = stack.enter_context(ThreadPoolExecutor(max_workers=max(1, parallel),
+                                                      thread_name_prefix="deja-suite"))
+        futures = {pool.submit(run_job, job, pool=server): n for n, job in enumerate(jobs)}
         for future in as_completed(futures):
             record = future.result()
             records[futures[future]] = record
@@ -169,12 +202,29 @@ def run_inline(jobs: Sequence[Job], parallel: int, on_done: OnDone | None = None
     return [record for record in records if record is not None]
 
 
+@contextlib.contextmanager
+def _warm_pool() -> Iterator[WarmPool | None]:
+    """A fork server for a suite's jobs, or None when it cannot start (they start cold)."""
+    try:
+        server = WarmPool(WARM_MODULES)
+    except (OSError, RuntimeError) as exc:
+        _log.warning("deja suite: no warm start (%s); each incident starts a fresh interpreter",
+                     exc)
+        yield None
+        return
+    with server:
+        yield server
+
+
 def run_jobs(jobs: Sequence[Job], *, parallel: int | None = None, runner: Runner | None = None,
-             on_done: OnDone | None = None) -> list[Record]:
+             on_done: OnDone | None = None, warm: bool = True) -> list[Record]:
     """Run ``jobs`` (``parallel`` at a time; default: one per CPU) with ``runner``, or
-    here (:func:`run_inline`); their records, in the jobs' order."""
+    here (:func:`run_inline`, ``warm`` unless told otherwise); their records, in the
+    jobs' order."""
     width = parallel or os.cpu_count() or 1
-    return (runner or run_inline)(jobs, width, on_done)
+    if runner is not None:
+        return runner(jobs, width, on_done)
+    return run_inline(jobs, width, on_done, warm=warm)
 
 
 # --------------------------------------------------------------------------- verdicts
