@@ -192,6 +192,10 @@ def _report(result: ServeResult, fork: Path | None, report_file: Path | None) ->
         else:
             click.echo(replay_report(result.replay, None))
     if result.fork is not None:
+        from deja.proxy.server import ran_in_agent
+
+        for line in ran_in_agent(result.ran_in_agent):
+            click.echo(f"deja: {line}", err=True)
         click.echo(f"deja: the fork was written to {result.fork}; compare it with: deja diff "
                    f"{fork} {result.fork}", err=True)
     if result.then_live is not None:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from replayer.continuation import ContinuationSession
     from replayer.replay import ReplaySession
 
-__all__ = ["CANNOT_STOP", "Following", "left_at", "told"]
+__all__ = ["CANNOT_STOP", "AgentTools", "Following", "left_at", "told"]
 
 log = logging.getLogger("deja.proxy")
 
@@ -48,44 +48,147 @@ CANNOT_STOP = "the proxy cannot stop an agent's own tool"
 MARKS = ("edited", "policy", "from")
 
 
-class Following:
+class AgentTools:
+    """The tool policy of a run's live part (a fork's, a replay-then-live's) over the
+    agent's own tools, which the proxy sees only as results: each new result of a tool
+    the policy would not have run live is reported, and where its rule has an answer the
+    model is given that answer instead (:meth:`take`); the tool's line holds what the model
+    was given (:meth:`observe`)."""
+
+    def __init__(self, session: ContinuationSession, parent: Cassette,
+                 tools: ToolPolicy) -> None:
+        self.session, self.parent, self.tools = session, parent, tools
+        self._lines = StepLines(session.redaction, session.prices)
+        self._answers: dict[str, list[Mapping[str, Any]]] = {}  # the parent's, by fp
+        self.marks: dict[str, dict[str, Any]] = {}  # call id -> what its line is marked
+        self.ran: dict[str, dict[str, Any]] = {}  # call id -> the report's row
+        recorded: Sequence[Mapping[str, Any]] = parent.observations
+        for obs in recorded:
+            if obs.get("kind") == Kind.TOOL and "observed" in obs and "result" in obs:
+                self._answers.setdefault(str(obs.get("fp")), []).append(obs)
+
+    def attach(self, run: ProxyRun) -> ProxyRun:
+        """``run``'s live part is under this policy."""
+        run.policy = self
+        return run
+
+    def take(self, run: ProxyRun, reading: Reading) -> None:
+        """A request's tool results once the run is live: the new ones are put to the
+        tool policy (while a fork serves its prefix, none is)."""
+        if run.recording is None:
+            return
+        self._decide_new(run, reading, 0)
+
+    def _decide_new(self, run: ProxyRun, reading: Reading, first: int) -> None:
+        for result in reading.results[first:]:
+            if result.fresh and result.run_id not in run.logged \
+                    and result.run_id not in self.ran:
+                self._decide(run, reading, result)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The tools that ran in the agent though the policy would not have run them."""
+        return list(self.ran.values())
+
+    def _decide(self, run: ProxyRun, reading: Reading, result: Result) -> None:
+        """A new result of a tool the policy would not have run live: reported, and where
+        the rule has an answer (and the format a place for it), given to the model."""
+        name, args = call_of(run, reading, result)
+        rule = self.tools.rule_for(name, side_effect=False)
+        if rule.rule is Rule.LIVE:
+            return
+        row: dict[str, Any] = {"tool": name, "rule": rule.spec(), "call_id": result.run_id}
+        self.ran[result.run_id] = row
+        answer = self._answer(rule, name, args) if result.placed.slot is not None else None
+        if answer is None:
+            row["given"] = _AGENTS[rule.rule if result.placed.slot is not None else None]
+        else:  # given as the rule says, an error or not, whatever the agent sent
+            value, marks = answer
+            sent = result.placed.sent
+            run.edits[result.run_id] = json.dumps(value, ensure_ascii=False) \
+                if isinstance(sent, str) and not isinstance(value, str) else value
+            run.edit_errors[result.run_id] = marks["is_error"]
+            self.marks[result.run_id] = marks
+            row["given"] = "the model was given the static value instead" \
+                if rule.rule is Rule.STATIC else \
+                f"the model was given the result recorded at step {marks['from']['seq']} instead"
+        log.warning("%s", told(row))
+
+    def _answer(self, rule: ToolRule, name: str,
+                args: Any) -> tuple[Any, dict[str, Any]] | None:
+        """What ``rule`` gives the model for a call of ``name`` with ``args``, and the marks
+        of its line, with whether it is an error (a static value is not; a recorded answer
+        is if it was); None: nothing (``refuse``, or no recorded answer)."""
+        if rule.rule is Rule.STATIC:
+            return rule.value, {"policy": Rule.STATIC.value, "is_error": False}
+        if rule.rule is not Rule.RECORDED:
+            return None
+        key = self._lines.args_key(args if isinstance(args, dict) else {"input": args})
+        answers = self._answers.get(digest(["tool", name, key]))  # as a line's fp is made
+        if not answers:
+            return None
+        found = answers.pop(0) if len(answers) > 1 else answers[0]  # in order, then the last
+        return found.get("result"), {"policy": Rule.RECORDED.value,
+                                     "from": {"run": self.parent.run, "seq": found["seq"]},
+                                     "is_error": bool(found.get("is_error"))}
+
+    # -- the run's tool lines
+
+    def observe(self, name: str, args: dict[str, Any], result: Any, *, call_id: str,
+                is_error: bool, start: float | None, ms: float | None) -> None:
+        """Log a tool result the agent sent, as a recording does
+        (:meth:`recorder.record.RecordSession.observe_tool`), unless the model was given
+        another in its place: then the line holds that one, marked (``policy`` and
+        ``from``, or a parent's ``edited``), counted and seen by the guards alike."""
+        session = self.session
+        assert session.writer is not None
+        step = session.writer.next_seq
+        if call_id in self.ran:
+            self.ran[call_id]["step"] = step
+        marks = dict(self.marks.get(call_id) or {})
+        if not marks:
+            session.observe_tool(name, args, result, call_id=call_id, is_error=is_error,
+                                 start=start, ms=ms)
+            return
+        line = self._lines.observed_tool(name, args, result, call_id=call_id,
+                                         is_error=marks.pop("is_error", is_error),
+                                         start=start, ms=ms, observed="proxy", step=step)
+        line.update(marks)
+        session.append_line(line)
+        add_step(session.totals, line)
+        for interceptor in session.interceptors:
+            interceptor.before_tool(name, line["args"])
+
+
+class Following(AgentTools):
     """A replay-then-live's recording as the proxy follows it for its one run: where the
     run leaves it, what the tool policy gives the model after that, and the report."""
 
     def __init__(self, session: ContinuationSession, parent: Cassette,
                  tools: ToolPolicy) -> None:
-        self.session, self.parent, self.tools = session, parent, tools
+        super().__init__(session, parent, tools)
         # the recording, served while it answers; it passes its first miss on
         self.log = cast("ReplaySession", session.sources[-1])
-        self._lines = StepLines(session.redaction, session.prices)
-        self._answers: dict[str, list[Mapping[str, Any]]] = {}  # the parent's, by fp
-        self.marks: dict[str, dict[str, Any]] = {}  # call id -> what its line is marked
-        self.ran: dict[str, dict[str, Any]] = {}  # call id -> the report's row
         self.served_steps: int | None = None  # the new run's steps when it left
         self.live_calls = 0
         recorded: Sequence[Mapping[str, Any]] = parent.observations
-        for obs in recorded:
+        for obs in recorded:  # a result still given in the agent's place is copied so
             call = obs.get("call_id")
-            if obs.get("kind") != Kind.TOOL or "observed" not in obs:
-                continue
-            if substituted(obs) and isinstance(call, str):  # still given in the agent's place
+            if obs.get("kind") == Kind.TOOL and "observed" in obs and substituted(obs) \
+                    and isinstance(call, str):
                 self.marks[call] = {k: obs[k] for k in MARKS if k in obs}
-            if "result" in obs:
-                self._answers.setdefault(str(obs.get("fp")), []).append(obs)
+                self.marks[call]["is_error"] = bool(obs.get("is_error"))
 
     def attach(self, run: ProxyRun) -> ProxyRun:
         """``run`` follows this recording: its tool results are compared with the
         recorded ones, and logged anew."""
         run.following = self
         run.remember(self.parent.observations, logged=False)
-        return run
+        return super().attach(run)
 
     @property
     def serving(self) -> bool:
         """Still in the recording (the agent has asked nothing it does not hold)."""
         return self.log.open
-
-    # -- a request
 
     def take(self, run: ProxyRun, reading: Reading) -> None:
         """A request's tool results, before they are logged and the request answered:
@@ -99,10 +202,7 @@ class Following:
             first, info = changed
             self.session.leave(self.log, info)
             self._left()
-        for result in reading.results[first:]:
-            if result.fresh and result.run_id not in run.logged \
-                    and result.run_id not in self.ran:
-                self._decide(run, reading, result)
+        self._decide_new(run, reading, first)
 
     def answered(self, served: bool) -> None:
         """The request was answered from the recording (``served``) or sent upstream."""
@@ -122,72 +222,6 @@ class Following:
         if info is not None and info.diff:
             log.info("%s", info.diff)
 
-    def _decide(self, run: ProxyRun, reading: Reading, result: Result) -> None:
-        """A new result of a tool the policy would not have run live: reported, and where
-        the rule has an answer (and the format a place for it), given to the model."""
-        name, args = call_of(run, reading, result)
-        rule = self.tools.rule_for(name, side_effect=False)
-        if rule.rule is Rule.LIVE:
-            return
-        row: dict[str, Any] = {"tool": name, "rule": rule.spec(), "call_id": result.run_id}
-        self.ran[result.run_id] = row
-        answer = self._answer(rule, name, args) if result.placed.slot is not None else None
-        if answer is None:
-            row["given"] = _AGENTS[rule.rule if result.placed.slot is not None else None]
-        else:
-            value, marks = answer
-            sent = result.placed.sent
-            run.edits[result.run_id] = json.dumps(value, ensure_ascii=False) \
-                if isinstance(sent, str) and not isinstance(value, str) else value
-            self.marks[result.run_id] = marks
-            row["given"] = "the model was given the static value instead" \
-                if rule.rule is Rule.STATIC else \
-                f"the model was given the result recorded at step {marks['from']['seq']} instead"
-        log.warning("%s", told(row))
-
-    def _answer(self, rule: ToolRule, name: str,
-                args: Any) -> tuple[Any, dict[str, Any]] | None:
-        """What ``rule`` gives the model for a call of ``name`` with ``args``, and the marks
-        of its line; None: nothing (``refuse``, or no recorded answer)."""
-        if rule.rule is Rule.STATIC:
-            return rule.value, {"policy": Rule.STATIC.value}
-        if rule.rule is not Rule.RECORDED:
-            return None
-        key = self._lines.args_key(args if isinstance(args, dict) else {"input": args})
-        answers = self._answers.get(digest(["tool", name, key]))  # as a line's fp is made
-        if not answers:
-            return None
-        found = answers.pop(0) if len(answers) > 1 else answers[0]  # in order, then the last
-        return found.get("result"), {"policy": Rule.RECORDED.value,
-                                     "from": {"run": self.parent.run, "seq": found["seq"]}}
-
-    # -- the run's tool lines
-
-    def observe(self, name: str, args: dict[str, Any], result: Any, *, call_id: str,
-                is_error: bool, start: float | None, ms: float | None) -> None:
-        """Log a tool result the agent sent, as a recording does
-        (:meth:`recorder.record.RecordSession.observe_tool`), unless the model was given
-        another in its place: then the line holds that one, marked (``policy`` and
-        ``from``, or a parent's ``edited``), counted and seen by the guards alike."""
-        session = self.session
-        assert session.writer is not None
-        step = session.writer.next_seq
-        if call_id in self.ran:
-            self.ran[call_id]["step"] = step
-        marks = self.marks.get(call_id)
-        if marks is None:
-            session.observe_tool(name, args, result, call_id=call_id, is_error=is_error,
-                                 start=start, ms=ms)
-            return
-        line = self._lines.observed_tool(name, args, result, call_id=call_id,
-                                         is_error=is_error, start=start, ms=ms,
-                                         observed="proxy", step=step)
-        line.update(marks)
-        session.append_line(line)
-        add_step(session.totals, line)
-        for interceptor in session.interceptors:
-            interceptor.before_tool(name, line["args"])
-
     # -- the end
 
     def report(self) -> dict[str, Any]:
@@ -203,7 +237,7 @@ class Following:
         return {"parent": str(self.parent.path), "parent_run": self.parent.run,
                 "out": str(session.path), "run": session.run_id, "served": served,
                 "left": left, "live_calls": self.live_calls,
-                "ran_in_agent": list(self.ran.values())}
+                "ran_in_agent": self.rows()}
 
 
 # what the model was given when the rule had no answer for it (None: no place to put one)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,7 +193,7 @@ def boundary(run: ProxyRun, rec: Any, reading: Reading) -> None:
     place)."""
     now = time.time()
     since = run.answered  # the tools ran between the last response and this request
-    observe = run.following.observe if run.following is not None else rec.observe_tool
+    observe = run.policy.observe if run.policy is not None else rec.observe_tool
     for result in reading.results:
         if not result.fresh or result.run_id in run.logged:
             continue
@@ -249,20 +250,37 @@ def check_results(run: ProxyRun, reading: Reading) -> None:
     raise Divergence(info, path=getattr(served, "path", None))
 
 
-def substitute(reading: Reading, edits: dict[str, Any], raw: bytes) -> bytes:
+def substitute(reading: Reading, edits: dict[str, Any], raw: bytes,
+               errors: Mapping[str, bool] | None = None) -> bytes:
     """The request with each edited tool result in place of what the agent sent (a fork
-    at a tool step: the model sees the edit in every later request too); the body
-    ``reading`` read (whole) is edited in place."""
+    at a tool step: the model sees the edit in every later request too), an error or not
+    as ``errors`` says (where the format marks one: a ``tool_result`` block's flag); the
+    body ``reading`` read (whole) is edited in place."""
     changed = False
     for result in reading.results:
         slot = result.placed.slot
-        if result.run_id in edits and slot is not None \
-                and result.placed.sent != edits[result.run_id]:
+        if result.run_id not in edits or slot is None:
+            continue
+        if result.placed.sent != edits[result.run_id]:
             slot.put(edits[result.run_id])
+            changed = True
+        failed = (errors or {}).get(result.run_id)
+        if failed is not None and failed != result.placed.result.is_error \
+                and conversation.kind(slot.holder) is conversation.BlockKind.TOOL_RESULT:
+            _flag(slot.holder, failed)
             changed = True
     if not changed:
         return raw
     return json.dumps(reading.body, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _flag(block: dict[str, Any], failed: bool) -> None:
+    """A ``tool_result`` block (in deja's conversation shape, which the Messages API
+    shares) marked as an error, or not."""
+    if failed:
+        block["is_error"] = True
+    else:
+        block.pop("is_error", None)
 
 
 def is_responses(path: str) -> bool:

@@ -424,16 +424,16 @@ class Proxy:
         policy's answers (in a copy of the body: the reader keeps the messages it parsed).
         Every one is read where every one counts: edited, or checked against a served
         run's recording."""
-        following = run.following
-        if run.edits or (following is not None and following.tools.rules):
+        following, policy = run.following, run.policy
+        if run.edits or (policy is not None and policy.tools.rules):
             parsed = copy.deepcopy(parsed)  # it may be edited
         served = rec is None or (following is not None and following.serving)
         reading = read_results(run, parsed, keys, provider, retry=retry,
                                whole=bool(run.edits) or (served and bool(run.recorded)))
-        if reading is not None and following is not None:
-            following.take(run, reading)  # it may leave the recording; the policy's answers
+        if reading is not None and policy is not None:
+            policy.take(run, reading)  # it may leave the recording; the policy's answers
         if reading is not None and run.edits:
-            request.body = substitute(reading, run.edits, request.body)
+            request.body = substitute(reading, run.edits, request.body, run.edit_errors)
         return reading
 
     # -- what the MCP endpoint asks of the proxy

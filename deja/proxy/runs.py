@@ -70,7 +70,7 @@ from recorder.providers import Provider, conversation
 from recorder.record import RecordSession
 
 if TYPE_CHECKING:
-    from deja.proxy._then_live import Following
+    from deja.proxy._then_live import AgentTools, Following
 
 __all__ = ["Dialogue", "Dialogues", "ProxyRun", "Registry", "calls_by_id", "conversation_items",
            "credential", "message_keys", "parse_labels", "substituted", "tool_calls",
@@ -285,10 +285,14 @@ class ProxyRun:
     logged: set[str] = field(default_factory=set)  # tool call ids with a line already
     dialogues: Dialogues = field(default_factory=Dialogues, repr=False)
     edits: dict[str, Any] = field(default_factory=dict)  # call id -> edited result (a fork)
+    # call id -> whether the result given in the agent's place is an error
+    edit_errors: dict[str, bool] = field(default_factory=dict)
     # call id -> the observed tool line a served run recorded for it (replay, a fork's prefix)
     recorded: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     # a replay-then-live's recording, followed while the agent asks what it asked before
     following: Following | None = None
+    # the tool policy of a fork's or a replay-then-live's live part over the agent's tools
+    policy: AgentTools | None = None
     # call id -> (name, input) of the function calls its Responses replies asked for: a
     # request that continues one by previous_response_id sends the results, not the calls
     calls: dict[str, tuple[str, Any]] = field(default_factory=dict)
@@ -345,6 +349,7 @@ class ProxyRun:
                 self.recorded[call] = obs
                 if substituted(obs):
                     self.edits[call] = obs.get("result")
+                    self.edit_errors[call] = bool(obs.get("is_error"))
 
     def end_status(self) -> tuple[str, str | None]:
         """How an idle or shut-down run ends: completed when its last turn ended. Whether

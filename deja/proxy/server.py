@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from deja.proxy._bounds import BODY_TIMEOUT, MAX_RESPONSE
 from deja.proxy._mcp import recorded_server
+from deja.proxy._then_live import AgentTools
 from deja.proxy._wire import Callers
 from deja.proxy.app import Proxy
 from deja.proxy.runs import ProxyRun
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
     from replayer.policy import ReplayPolicy
     from replayer.replay import ReplaySession
 
-__all__ = ["ProxyOptions", "ServeResult", "build", "serve", "then_live_report"]
+__all__ = ["ProxyOptions", "ServeResult", "build", "ran_in_agent", "serve", "then_live_report"]
 
 log = logging.getLogger("deja.proxy")
 
@@ -108,6 +109,8 @@ class ServeResult:
     identical: bool | None = None  # a replay: no divergence, every step asked for
     fork: str | None = None  # a fork's new cassette
     then_live: dict[str, Any] | None = None  # a replay-then-live's report (Following.report)
+    # a fork: the agent's tools that ran though its tool policy would not have run them
+    ran_in_agent: list[dict[str, Any]] = field(default_factory=list)
 
 
 def build(options: ProxyOptions) -> Proxy:
@@ -183,7 +186,8 @@ def _forking(options: ProxyOptions, upstream: str, common: dict[str, Any]) -> Pr
     session = start_fork(plan, keyring=ring, fsync=options.record.get("fsync") or "turn",
                          ran_in=Path.cwd(), tools=options.tools)
     session.start(intercept=False)
-    run = ProxyRun(session)
+    run = AgentTools(session, plan.parent, options.tools or ToolPolicy()).attach(
+        ProxyRun(session))
     run.remember([*plan.parent.observations[:plan.at], plan.edited])
     log.info("forked run %s from %s at step %d -> %s", plan.run_id, plan.parent.run, plan.at,
              plan.out)
@@ -257,6 +261,7 @@ def _result(app: Proxy, options: ProxyOptions) -> ServeResult:
         result.replay, result.identical = replayed.to_dict(), replayed.identical
     elif run is not None and options.mode == "fork":
         result.fork = str(run.session.path)
+        result.ran_in_agent = run.policy.rows() if run.policy is not None else []
     elif run is not None and run.following is not None:
         result.then_live = run.following.report()
     return result
@@ -265,14 +270,22 @@ def _result(app: Proxy, options: ProxyOptions) -> ServeResult:
 def then_live_report(report: dict[str, Any]) -> list[str]:
     """A replay-then-live's report (:meth:`deja.proxy._then_live.Following.report`) as the
     lines the proxy prints when it stops."""
-    from deja.proxy._then_live import left_at, told
+    from deja.proxy._then_live import left_at
 
     left = report["left"]
     where = "never left it: nothing went live" if left is None else \
         f"left it at {left_at(left)}; {report['live_calls']} live call(s)"
     lines = [f"replay, then live: served {report['served']} step(s) of run "
              f"{report['parent_run']}, {where}"]
-    lines += [told(row) for row in report["ran_in_agent"]]
+    lines += ran_in_agent(report["ran_in_agent"])
     lines.append(f"the new run was written to {report['out']}; compare it with: deja diff "
                  f"{report['parent']} {report['out']}")
     return lines
+
+
+def ran_in_agent(rows: list[dict[str, Any]]) -> list[str]:
+    """The agent's tools that ran though the tool policy would not have run them (a
+    report's ``ran_in_agent``), as the proxy says them when it stops."""
+    from deja.proxy._then_live import told
+
+    return [told(row) for row in rows]

@@ -230,8 +230,8 @@ def block_script(commands: list[tuple[str, list[str]]], marks: Path) -> str:
 
 def copy_repository(copy: Path) -> Path:
     """The repository as a fresh clone has it, at ``copy``: tracked and new files, nothing
-    ignored; only the Node example's dependencies, which `make node` installs, are linked
-    in, so a console block can run that agent."""
+    ignored; only the Node examples' dependencies, which `make node` installs, are linked
+    in, so a console block can run those agents."""
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
                            capture_output=True, check=True).stdout.decode().split("\0")
     for name in filter(None, files):
@@ -239,9 +239,10 @@ def copy_repository(copy: Path) -> Path:
         if source.is_file():
             (copy / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, copy / name)
-    node_modules = Path("examples") / "node-agent" / "node_modules"
-    if (ROOT / node_modules).is_dir() and (copy / node_modules).parent.is_dir():
-        (copy / node_modules).symlink_to(ROOT / node_modules, target_is_directory=True)
+    for example in ("node-agent", "mcp-node-agent"):
+        node_modules = Path("examples") / example / "node_modules"
+        if (ROOT / node_modules).is_dir() and (copy / node_modules).parent.is_dir():
+            (copy / node_modules).symlink_to(ROOT / node_modules, target_is_directory=True)
     return copy
 
 

@@ -13,15 +13,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import sqlite3
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from click.testing import CliRunner
+
+from deja.cli_wait import wait
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -78,15 +80,8 @@ def start_ledger(db: Path, *, json_response: bool = False) -> LedgerServer:
     process = subprocess.Popen([sys.executable, str(script), "--http", str(port)],
                                env={**os.environ, "LEDGER_DB": str(db)},
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + MCP.TIMEOUT
-    while True:  # poll until it listens
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert process.poll() is None, "the ledger server exited"
-            assert time.monotonic() < deadline, "the ledger server never listened"
-            time.sleep(0.05)
+    waited = CliRunner().invoke(wait, [str(port), "--timeout", str(MCP.TIMEOUT)])  # polls
+    assert waited.exit_code == 0 and process.poll() is None, "the ledger server never listened"
     return LedgerServer(process, f"http://127.0.0.1:{port}/mcp", db)
 
 

@@ -31,6 +31,7 @@ from mcp_proxy_helpers import (
 )
 from node_helpers import ensure_node_modules, node_missing
 from proxy_helpers import ProxyProcess, cassettes, lines, load_verified, run_proxy
+from test_proxy_then_live import MODEL, SCRIPT, TOOLS  # search, then fetch, then an answer
 
 from recorder.testing.server import StubServer
 
@@ -225,3 +226,55 @@ def test_the_tool_policy_goes_with_fork_and_then_live_only(tmp_path: Path) -> No
     done = run_proxy(tmp_path, "--mcp", "ledger:9000")
     assert done.returncode == 2
     assert "--mcp must be an MCP server's http:// or https:// URL" in done.stderr, done.stderr
+
+
+# -- the tool policy of a fork through the proxy, over the agent's own tools ---------------
+
+
+def tool_loop(url: str, *, fetch_fails: bool = False) -> str:
+    """A tool loop on the Python SDK whose fetch tool (run here, in the agent) fails when
+    told to: its result then goes to the model marked as an error."""
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Find x"}]
+    with anthropic.Anthropic(base_url=url, api_key="sk-test", max_retries=0) as client:
+        for _ in range(5):
+            message = client.messages.create(model=MODEL, max_tokens=256, tools=TOOLS,
+                                             messages=messages)  # type: ignore[arg-type]
+            messages.append({"role": "assistant", "content": [
+                b.model_dump(mode="json", exclude_none=True) for b in message.content]})
+            uses = [b for b in message.content if b.type == "tool_use"]
+            if not uses:
+                return message.content[0].text  # type: ignore[union-attr]
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": b.id, "content": "fetch failed"
+                 if fetch_fails and b.name == "fetch" else f"a result of {b.name}",
+                 **({"is_error": True} if fetch_fails and b.name == "fetch" else {})}
+                for b in uses]})
+    raise AssertionError("no final answer")
+
+
+def test_a_fork_gives_the_model_a_static_answer_as_no_error_whatever_the_agent_sent(
+        proxy: Proxy, stub: Callable[[dict], StubServer], tmp_path: Path) -> None:
+    """``deja proxy --fork --tool fetch=static:...``: the agent's fetch ran (the proxy
+    cannot stop it, and says so), failed, and the model is given the static value in its
+    place, as a result that is no error."""
+    recording = proxy("--upstream", stub(SCRIPT).url, "--dir", str(tmp_path / "runs"))
+    assert tool_loop(recording.url).startswith("Done: ")
+    assert recording.stop()[0] == 0
+    [parent] = cassettes(tmp_path / "runs")
+    live = stub(SCRIPT)
+    out = tmp_path / "fork.jsonl"
+    forking = proxy("--fork", str(parent), "--at", "1", "--set", "result=9 results for x",
+                    "-o", str(out), "--upstream", live.url, "--tool", 'fetch=static:{"hit": 1}')
+    assert tool_loop(forking.url, fetch_fails=True).startswith("Done: ")
+    status, log = forking.stop()
+    assert status == 0, log
+    given = [b for m in live.requests[-1]["body"]["messages"] if m["role"] == "user"
+             and isinstance(m["content"], list) for b in m["content"]]
+    assert given[-1]["content"] == '{"hit": 1}' and "is_error" not in given[-1], given
+    assert given[0]["content"] == "9 results for x"  # the fork's edit
+    assert "deja: tool fetch ran in the agent: the proxy cannot stop an agent's own tool (" \
+           "step " in log and 'rule static:{"hit": 1}); the model was given the static ' \
+           "value instead" in log, log
+    fetch = next(o for o in lines(load_verified(out)) if o.get("name") == "fetch")
+    assert (fetch["result"], fetch["policy"], fetch.get("is_error")) == (
+        '{"hit": 1}', "static", None)
