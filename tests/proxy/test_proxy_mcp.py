@@ -231,24 +231,28 @@ def test_the_tool_policy_goes_with_fork_and_then_live_only(tmp_path: Path) -> No
 # -- the tool policy of a fork through the proxy, over the agent's own tools ---------------
 
 
+def results_for(message: anthropic.types.Message, fetch_fails: bool) -> list[dict[str, Any]]:
+    """The agent's results for the tools ``message`` asks for: its fetch fails when told
+    to, and says so (``is_error``)."""
+    return [{"type": "tool_result", "tool_use_id": b.id,
+             **({"content": "fetch failed", "is_error": True}
+                if fetch_fails and b.name == "fetch" else {"content": f"a result of {b.name}"})}
+            for b in message.content if b.type == "tool_use"]
+
+
 def tool_loop(url: str, *, fetch_fails: bool = False) -> str:
-    """A tool loop on the Python SDK whose fetch tool (run here, in the agent) fails when
-    told to: its result then goes to the model marked as an error."""
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Find x"}]
+    """A tool loop on the Python SDK, its tools run here, in the agent."""
+    messages: list[Any] = [{"role": "user", "content": "Find x"}]
     with anthropic.Anthropic(base_url=url, api_key="sk-test", max_retries=0) as client:
-        for _ in range(5):
+        while len(messages) < 10:
             message = client.messages.create(model=MODEL, max_tokens=256, tools=TOOLS,
-                                             messages=messages)  # type: ignore[arg-type]
-            messages.append({"role": "assistant", "content": [
-                b.model_dump(mode="json", exclude_none=True) for b in message.content]})
-            uses = [b for b in message.content if b.type == "tool_use"]
-            if not uses:
+                                             messages=messages)
+            results = results_for(message, fetch_fails)
+            if not results:
                 return message.content[0].text  # type: ignore[union-attr]
-            messages.append({"role": "user", "content": [
-                {"type": "tool_result", "tool_use_id": b.id, "content": "fetch failed"
-                 if fetch_fails and b.name == "fetch" else f"a result of {b.name}",
-                 **({"is_error": True} if fetch_fails and b.name == "fetch" else {})}
-                for b in uses]})
+            messages += [{"role": "assistant", "content": [
+                b.model_dump(mode="json", exclude_none=True) for b in message.content]},
+                {"role": "user", "content": results}]
     raise AssertionError("no final answer")
 
 
