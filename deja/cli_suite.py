@@ -8,7 +8,10 @@ with ``--then`` a replay-then-live (:func:`deja.cli_replay.run_then_live`) into
 ``OUTDIR/<cassette name>``. The jobs run on the durable workers when one runs against the
 runs database (``--workers`` to insist, ``--inline`` to refuse; ``deja.runs.suites``),
 else here, ``-j`` at a time. The table, ``--json``, ``--junit`` and GitHub Actions
-annotations come from the records.
+annotations come from the records, and so does the summary the suite leaves behind
+(:mod:`replayer.suite_summary`, which the viewer reads). ``deja sweep`` runs its forks as
+jobs too, and takes the same choice of where (:func:`workers_option`, :func:`runner_for`)
+and the same summary (:func:`summary_option`, :func:`write_summary`).
 
 A suite has an id (``--id``; default ``<DIR name>-suite-<UTC time>``), which names its
 workflows and its default OUTDIR (``DIR/../<suite id>``): the same id again is the same
@@ -25,10 +28,11 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import click
 
@@ -43,13 +47,16 @@ from deja._common import (
     tool_policy,
     tool_policy_options,
 )
+from recorder.cassette.schema import utc_stamp
 from replayer import suite as suites
+from replayer import suite_summary
 from replayer.ci import Case, junit_of, line_of, workflow_command, write_report
 
 COLUMNS = ["incident", "recorded", "now", "verdict", "live calls", "cost", "new cassette",
            "seconds"]
 OUTPUT_LINES = 12  # of an incident's output shown under a verdict that is not a pass
 _SUITE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,26 @@ class Plan:
     outdir: Path | None
     jobs: list[suites.Job]
     then: bool
+    folder: Path
+    mode: str
+    command: tuple[str, ...]
+
+
+def workers_option(what: str) -> Callable[[F], F]:
+    """``--workers/--inline``: where ``deja suite`` runs its incidents, and ``deja sweep``
+    its forks (:func:`runner_for`)."""
+    return click.option(
+        "--workers/--inline", "on_workers", default=None,
+        help=f"Run the {what} on the deja workers of the runs database (each one a durable "
+             "workflow), or here. Default: on the workers when one is up.")
+
+
+def summary_option(where: str) -> Callable[[F], F]:
+    """``--summary FILE``: where the summary document goes (:mod:`replayer.suite_summary`)."""
+    return click.option(
+        "--summary", "summary", type=click.Path(path_type=Path, dir_okay=False),
+        metavar="FILE", help=f"Write the summary document (JSON) to FILE (default: "
+                             f"{where}/.deja/suites/<id>.json, which deja view shows).")
 
 
 @click.command("suite", cls=cli_replay.ReplayCommand)
@@ -79,14 +106,13 @@ class Plan:
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path), metavar="OUTDIR",
               help="With --then: the folder of the new cassettes and each incident's log "
                    "(default: DIR/../<suite id>).")
-@click.option("--workers/--inline", "on_workers", default=None,
-              help="Run the incidents on the deja workers of the runs database (each one a "
-                   "durable workflow), or here. Default: on the workers when one is up.")
+@workers_option("incidents")
 @click.option("--id", "suite_id", metavar="SUITE",
               help="The suite's id (default: <DIR name>-suite-<UTC time>). The same id again "
                    "is the same suite: what it already judged is not run again.")
 @click.option("--allow-incomplete", is_flag=True,
               help="Take incidents without an end line (a crashed run).")
+@summary_option("OUTDIR (with --then) or DIR")
 @click.option("--one", is_flag=True, hidden=True)
 @tool_policy_options
 @policy_options
@@ -94,7 +120,7 @@ class Plan:
 def suite(folder: Path, command: tuple[str, ...] | None, then: str | None,
           then_script: Path | None, parallel: int | None, as_json: bool, junit: Path | None,
           output: Path | None, on_workers: bool | None, suite_id: str | None,
-          allow_incomplete: bool, one: bool, tool_rules: tuple[str, ...],
+          allow_incomplete: bool, summary: Path | None, one: bool, tool_rules: tuple[str, ...],
           live_tools: tuple[str, ...], ignore: tuple[str, ...], normalise: tuple[str, ...],
           cwd: Path | None) -> None:
     """Test a change against every recorded incident: deja suite DIR [-- CMD ...].
@@ -107,7 +133,7 @@ def suite(folder: Path, command: tuple[str, ...] | None, then: str | None,
     one did not), or not judged; with the live calls and their cost, and the new
     cassette.
 
-    Without --then each incident is a plain replay (nothing live, nothing written). With
+    Without --then each incident is a plain replay (nothing live, no new cassette). With
     --then live (or --then stub SCRIPT) the recording is served while the program asks
     what it asked before, and from the first call it does not hold the run goes live,
     under the tool policy (a side-effecting tool never runs unless named with
@@ -117,6 +143,10 @@ def suite(folder: Path, command: tuple[str, ...] | None, then: str | None,
     workflow on the suite's queue (-j at a time across the workers): a worker that dies
     loses no verdict, and the suite waits for them all. Otherwise the incidents run here,
     -j at a time.
+
+    Each suite leaves its summary, one JSON document, in OUTDIR/.deja/suites/<id>.json
+    (with --then; else in DIR's), or in --summary FILE: deja view shows it on its Suites
+    page, each incident a link to its runs.
 
     Exit 0 when nothing regressed; 1 when an incident now fails, or, without --then, a
     replay diverged; 2 when one could not be judged (or for bad input); 2 wins over 1.
@@ -130,20 +160,30 @@ def suite(folder: Path, command: tuple[str, ...] | None, then: str | None,
         raise BadInput("-o, --tool and --live-tool go with --then live or --then stub SCRIPT: "
                        "a plain replay writes nothing and runs no tool")
     plan = _plan(folder, tuple(command or ()), opts, suite_id, output)
-    runner, where = _runner(on_workers, plan)
+    runner, where = runner_for(on_workers, plan.jobs, plan.suite_id, "deja suite", "incidents",
+                               f"run the suite again with --inline --id {plan.suite_id}")
     width = parallel or os.cpu_count() or 1
     click.echo(f"deja suite {plan.suite_id}: {len(plan.jobs)} incidents of {folder}, {where}"
                f", {width} at a time" + (f"; new cassettes in {_shown(plan.outdir)}"
                                          if plan.outdir else ""), err=True)
-    started = time.monotonic()
+    when, started = utc_stamp("seconds"), time.monotonic()
     done: list[int] = []
     try:
         records = suites.run_jobs(plan.jobs, parallel=width, runner=runner,
                                   on_done=lambda r: _progress(r, plan, done))
     except KeyboardInterrupt:
-        _interrupted(plan, runner is not None)
-    records = [_as_shown(record, plan) for record in records]
-    sys.exit(_report(records, plan, time.monotonic() - started, where, as_json, junit))
+        interrupted("deja suite", runner is not None, "the incidents go on on the workers: "
+                    f"deja suite ... --id {plan.suite_id} collects their verdicts")
+    totals = suites.summary(records, then=plan.then, seconds=time.monotonic() - started)
+    status = _report([_as_shown(record, plan) for record in records], plan, totals, where,
+                     as_json, junit)
+    entries = [suite_summary.suite_entry(r, plan.folder / str(r.get("incident")))
+               for r in records]
+    write_summary(suite_summary.document(
+        plan.suite_id, kind="suite", mode=plan.mode, when=when, command=plan.command or None,
+        folder=plan.folder, output=plan.outdir, where=where, entries=entries, totals=totals),
+        summary, plan.outdir or plan.folder, "deja suite")
+    sys.exit(status)
 
 
 def _options(then: str | None, then_script: Path | None, output: Path | None,
@@ -187,7 +227,7 @@ def _plan(folder: Path, command: tuple[str, ...], opts: cli_replay.ReplayOptions
                            "is a file")
     jobs = [_job(cassette, command, opts, outdir) for cassette in cassettes]
     return Plan(suite_id, {c.name: str(c) for c in cassettes}, outdir, jobs,
-                opts.then is not None)
+                opts.then is not None, folder, suite_summary.mode_of(opts.then), command)
 
 
 def _job(cassette: Path, command: tuple[str, ...], opts: cli_replay.ReplayOptions,
@@ -213,8 +253,12 @@ def _job(cassette: Path, command: tuple[str, ...], opts: cli_replay.ReplayOption
     return suites.Job(cassette.name, (*argv, "--", *command), str(Path.cwd()), log)
 
 
-def _runner(on_workers: bool | None, plan: Plan) -> tuple[suites.Runner | None, str]:
-    """Where the jobs run: on the workers (when one is up, or ``--workers``), else here."""
+def runner_for(on_workers: bool | None, jobs: list[suites.Job], queue_id: str, name: str,
+               what: str, again: str) -> tuple[suites.Runner | None, str]:
+    """Where ``jobs`` run (``--workers``/``--inline``; by default on the workers when one
+    is up, else here): the runner (None: here) and where, in words. ``queue_id`` names
+    the queue and the workflows; ``name`` says who speaks, ``what`` the jobs are and
+    ``again`` how to run them here instead, when no worker comes."""
     if on_workers is False:
         return None, "inline"
     from deja.runs.config import database_url, safe_url
@@ -229,15 +273,34 @@ def _runner(on_workers: bool | None, plan: Plan) -> tuple[suites.Runner | None, 
     if found is None:
         raise BadInput(f"--workers: the runs database {safe_url(url)} cannot be reached")
     try:
-        check_storable(plan.jobs)
+        check_storable(jobs)
     except BadRunRequest as exc:
         raise BadInput(f"--workers: {exc}") from None
     if not found:
-        click.echo("deja suite: no worker is up yet: the incidents wait in the queue until "
-                   "one starts (deja worker)", err=True)
-    runner = WorkersRunner(url, plan.suite_id, say=lambda text: click.echo(
-        f"deja suite: {text}", err=True))
+        click.echo(f"{name}: no worker is up yet: the {what} wait in the queue until one "
+                   "starts (deja worker)", err=True)
+    runner = WorkersRunner(url, queue_id, say=lambda text: click.echo(f"{name}: {text}",
+                                                                      err=True),
+                           what=what, again=again)
     return runner, f"on the workers ({', '.join(found) or 'none up yet'})"
+
+
+def write_summary(summary: dict[str, Any], given: Path | None, folder: Path,
+                  name: str) -> None:
+    """Write a suite's (or a sweep's) summary to ``given``, else into ``folder``
+    (:func:`replayer.suite_summary.default_path`), and say where. A ``--summary`` that
+    cannot be written is bad input; the default place only warns."""
+    target = given or suite_summary.default_path(folder, summary["suite"])
+    try:
+        suite_summary.write(target, summary)
+    except OSError as exc:
+        said = f"cannot write the summary {target}: {exc.strerror or exc}"
+        if given is not None:
+            raise BadInput(f"--summary: {said}") from None
+        click.secho(f"{name}: WARNING: {said}", err=True, fg="yellow")
+        return
+    click.echo(f"{name}: summary in {_shown(target)}" + ("" if given is not None else
+               f" (deja view {_shown(folder)} shows it)"), err=True)
 
 
 def _progress(record: dict[str, Any], plan: Plan, done: list[int]) -> None:
@@ -259,12 +322,13 @@ def _progress(record: dict[str, Any], plan: Plan, done: list[int]) -> None:
         click.echo(f"  {line}", err=True)
 
 
-def _interrupted(plan: Plan, on_workers: bool) -> NoReturn:
+def interrupted(name: str, on_workers: bool, going_on: str) -> NoReturn:
+    """Ctrl-C while ``name`` (``deja suite``, ``deja sweep``) waits: on the workers the
+    jobs go on (``going_on`` says how to find them), here they stop. Exits 130."""
     if on_workers:
-        click.echo(f"deja suite: stopped waiting; the incidents go on on the workers: deja "
-                   f"suite ... --id {plan.suite_id} collects their verdicts", err=True)
+        click.echo(f"{name}: stopped waiting; {going_on}", err=True)
     else:
-        click.echo("deja suite: interrupted", err=True)
+        click.echo(f"{name}: interrupted", err=True)
     sys.exit(130)
 
 
@@ -289,11 +353,10 @@ def _as_shown(record: dict[str, Any], plan: Plan) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- reporting
 
-def _report(records: list[dict[str, Any]], plan: Plan, seconds: float, where: str,
+def _report(records: list[dict[str, Any]], plan: Plan, done: dict[str, Any], where: str,
             as_json: bool, junit: Path | None) -> int:
     """The table (or the JSON document), the annotations and the JUnit report; the status
-    to exit with."""
-    done = suites.summary(records, then=plan.then, seconds=seconds)
+    to exit with. ``done``: the records' summary (:func:`replayer.suite.summary`)."""
     if _on_github():
         for record in records:
             line = _annotation(record, plan.then)

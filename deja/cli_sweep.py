@@ -4,8 +4,12 @@ report which perturbations change how the run ends (:mod:`replayer.sweep`)."""
 from __future__ import annotations
 
 import json
+import re
+import secrets
 import shlex
 import sys
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -22,6 +26,15 @@ from deja._common import (
     tool_policy_options,
 )
 from deja._launch import _where_to_run
+from deja.cli_suite import (
+    interrupted,
+    runner_for,
+    summary_option,
+    workers_option,
+    write_summary,
+)
+from recorder.cassette.schema import utc_stamp
+from replayer import suite_summary
 
 
 def junit_cases(report: Any) -> list[Any]:
@@ -110,12 +123,14 @@ def _progress(total: int) -> Any:
               help="Run the one fork NAME a sweep planned in -o DIR, at step --at, and "
                    "print its record (a sweep's job).")
 @click.option("--at", "at", type=int, hidden=True)
+@workers_option("forks")
+@summary_option("the -o directory")
 @tool_policy_options
 @_cwd_option
 def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs: int,
           output: Path | None, as_json: bool, junit: Path | None, dry_run: bool,
-          job: str | None, at: int | None, tool_rules: tuple[str, ...],
-          live_tools: tuple[str, ...], cwd: Path | None) -> None:
+          job: str | None, at: int | None, on_workers: bool | None, summary: Path | None,
+          tool_rules: tuple[str, ...], live_tools: tuple[str, ...], cwd: Path | None) -> None:
     """What if a tool had failed? deja sweep CASSETTE --perturb RULE ... [-j N] [-- CMD].
 
     Forks the run once per perturbation (deja fork --at N --replace EDIT), runs the forks
@@ -133,12 +148,17 @@ def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs
     529 (the provider's error response). A side-effecting tool never runs in a fork unless
     named with --live-tool. CASSETTE is never written.
 
+    When a deja worker runs against the runs database, each fork is a durable workflow on
+    the sweep's queue (-j at a time across the workers), as deja suite's incidents are
+    (--workers to insist, --inline to run them here). The sweep leaves its summary, one
+    JSON document, in the -o directory's .deja/suites/<id>.json (or --summary FILE), which
+    deja view shows on its Suites page.
+
     Exit 0 no perturbation changed the outcome, 1 one did, 2 bad input (nothing is
     written) or a fork that could not run.
     """
     from replayer.ci import junit_of, write_report
     from replayer.fork import side_effect_warning
-    from replayer.sweep import run_sweep
 
     policy = tool_policy(tool_rules, live_tools)
     if job is not None:
@@ -156,12 +176,8 @@ def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs
     warning = side_effect_warning(parent, min(j.perturbation.step for j in planned), policy)
     if warning is not None:
         click.secho(f"deja: WARNING: {warning}", err=True, fg="yellow")
-    out_dir = planned[0].out.parent
-    click.echo(f"deja: sweeping run {parent.run}: {len(planned)} fork(s), {jobs} at a time, "
-               f"into {out_dir}", err=True)
-    report = run_sweep(cassette, [j.perturbation for j in planned], out_dir=out_dir,
-                       command=command, jobs=jobs, cwd=cwd, tool_rules=_rules(policy),
-                       on_done=_progress(len(planned)))
+    report, written = _run(cassette, parent.run, planned, command, jobs, cwd, policy,
+                           on_workers)
     click.echo(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if as_json
                else report.render())
     if junit is not None:
@@ -169,7 +185,45 @@ def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs
             write_report(junit, junit_of(junit_cases(report), f"deja sweep {report.run}"))
         except OSError as exc:
             raise BadInput(f"--junit {junit}: {exc.strerror or exc}") from None
+    write_summary(written, summary, planned[0].out.parent, "deja sweep")
     sys.exit(report.exit_code)
+
+
+def _run(cassette: Path, run: str, planned: list[Any], command: tuple[str, ...], jobs: int,
+         cwd: Path | None, policy: Any, on_workers: bool | None) -> tuple[Any, dict[str, Any]]:
+    """Run the planned forks, here or on the workers (:func:`deja.cli_suite.runner_for`):
+    the sweep's report and its summary document."""
+    from replayer.sweep import run_sweep
+
+    out_dir = planned[0].out.parent
+    sweep_id = _sweep_id(cassette)
+    runner, where = runner_for(on_workers, [j.suite_job(Path.cwd()) for j in planned],
+                               sweep_id, "deja sweep", "forks",
+                               "stop the sweep and run it again with --inline and another -o")
+    click.echo(f"deja: sweeping run {run}: {len(planned)} fork(s), {jobs} at a time, "
+               f"{where}, into {out_dir}", err=True)
+    when, started = utc_stamp("seconds"), time.monotonic()
+    try:
+        report = run_sweep(cassette, [j.perturbation for j in planned], out_dir=out_dir,
+                           command=command, jobs=jobs, cwd=cwd, tool_rules=_rules(policy),
+                           runner=runner, on_done=_progress(len(planned)))
+    except KeyboardInterrupt:
+        interrupted("deja sweep", runner is not None,
+                    f"the forks go on on the workers, into {out_dir}")
+    return report, suite_summary.document(
+        sweep_id, kind="sweep", mode="sweep", when=when, command=command or None,
+        folder=cassette.parent, output=out_dir, where=where,
+        entries=suite_summary.sweep_entries(report),
+        totals=suite_summary.sweep_totals(report, time.monotonic() - started))
+
+
+def _sweep_id(cassette: Path) -> str:
+    """A sweep's id, its own (its forks cannot be run twice): the cassette's name, the
+    time and a random tail. It names the sweep's queue and workflows on the workers, and
+    its summary."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", cassette.stem).strip("-.")[:60] or "run"
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    return f"{stem}-sweep-{stamp}-{secrets.token_hex(3)}"
 
 
 def run_one(cassette: Path, name: str, at: int | None, output: Path | None,

@@ -49,7 +49,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -339,8 +339,9 @@ class SweepJob:
         return self.out.stem
 
     def suite_job(self, cwd: str | Path) -> suite.Job:
-        """As a job of :mod:`replayer.suite`, run in ``cwd`` (where its paths are)."""
-        return suite.Job(self.key, self.argv, str(cwd), str(self.log))
+        """As a job of :mod:`replayer.suite`, run in ``cwd`` (where its paths are; its log
+        is named from there too, for a worker that runs in another directory)."""
+        return suite.Job(self.key, self.argv, str(cwd), str(Path(cwd) / self.log))
 
     def to_dict(self) -> dict[str, Any]:
         return {"fork_argv": list(self.fork_argv), "argv": list(self.argv),
@@ -365,6 +366,7 @@ class SweepRow:
     policy: int = 0
     seconds: float = 0.0
     error: str | None = None
+    worker: str | None = None  # the deja worker that ran the fork (None: here)
 
     @property
     def changed(self) -> bool:
@@ -375,7 +377,7 @@ class SweepRow:
                 "exit_code": self.exit_code, "status": self.status, "answer": self.answer,
                 "answer_changed": self.answer_changed, "status_changed": self.status_changed,
                 "changed": self.changed, "live": dict(self.live), "policy_calls": self.policy,
-                "seconds": round(self.seconds, 3), "error": self.error}
+                "seconds": round(self.seconds, 3), "error": self.error, "worker": self.worker}
 
 
 @dataclass(frozen=True)
@@ -548,11 +550,13 @@ def record_row(job: SweepJob, record: Mapping[str, Any], status: str, answer: st
     """The row of a job that ended with ``record`` (``deja sweep --job``'s: the fork's
     exit status; else the suite's error record of a job that did not report)."""
     seconds = float(record.get("seconds") or 0.0)
+    worker = record.get("worker") if isinstance(record.get("worker"), str) else None
     if "exit_code" not in record:
-        return SweepRow(job.perturbation, str(job.out), None, seconds=seconds,
+        return SweepRow(job.perturbation, str(job.out), None, seconds=seconds, worker=worker,
                         error=f"{record.get('error') or 'the job did not report'} "
                               f"(see {job.log})")
-    return job_row(job, record["exit_code"], status, answer, seconds, keyring)
+    return replace(job_row(job, record["exit_code"], status, answer, seconds, keyring),
+                   worker=worker)
 
 
 def job_row(job: SweepJob, code: int | None, status: str, answer: str | None,

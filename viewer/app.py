@@ -7,9 +7,10 @@ file is what tells two copies apart) and one of its steps, ``?a=R1&a_file=F1&b=R
 compares two runs (``&c=R3&c_file=F3`` ... more, :mod:`viewer.diff_page`),
 ``?run=R&file=F&via=F0`` opens a run of another folder found in the fork tree of the
 folder's file F0 (:mod:`viewer.lineage`), nothing lists the runs (``?q=words`` keeps the search),
-``?page=submitted`` shows the runs database (:mod:`viewer.submitted_page`); a reload or a
-shared link restores the view. This script only lays out: every question is
-a function of :mod:`viewer.queries`.
+``?page=submitted`` shows the runs database (:mod:`viewer.submitted_page`), ``?page=suites``
+the suites and sweeps that left their summary in the folder and ``&suite=S`` one's verdict
+table (:mod:`viewer.suite_page`); a reload or a shared link restores the view. This script
+only lays out: every question is a function of :mod:`viewer.queries`.
 
 A run of the runs database is opened by its id there, ``?submitted=R`` (``a_submitted``,
 ``b_submitted`` in a diff): its cassette is the file the database names, wherever it lies
@@ -32,7 +33,7 @@ import pandas as pd
 import streamlit as st
 
 from recorder.errors import DejaError
-from viewer import diff_page, lineage, queries, widgets
+from viewer import diff_page, lineage, queries, suite_page, widgets
 from viewer.index import RunIndex
 from viewer.lineage import open_index, refresh, tree_panel
 from viewer.safe import md
@@ -410,6 +411,7 @@ def main() -> None:
         st.button("Runs", on_click=widgets.go, key="nav_runs")
         st.button("Submitted runs", on_click=widgets.go, kwargs={"page": "submitted"},
                   key="nav_submitted")
+        st.button("Suites", on_click=widgets.go, kwargs={"page": "suites"}, key="nav_suites")
     if st.query_params.get("page") == "submitted":  # the runs database, not the folder
         from viewer import submitted_page  # the engine is slow to import: only here
 
@@ -423,7 +425,9 @@ def main() -> None:
         return
     index = open_index(folder)
     params = st.query_params
-    if len(named := diff_page.sides(index)) >= 2:
+    if params.get("page") == "suites":
+        suite_page.page(index)
+    elif len(named := diff_page.sides(index)) >= 2:
         diff_page.page(index, named)
     elif via := params.get("via"):  # a run of another folder, in a fork tree of this one
         via_run_page(index, via)

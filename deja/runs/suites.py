@@ -86,11 +86,16 @@ def check_storable(jobs: Sequence[Job]) -> None:
 
 class WorkersRunner:
     """Run a suite's jobs on the workers of the database at ``url``; see the module
-    docstring. ``say`` reports what the suite waits for (no worker up)."""
+    docstring. ``say`` reports what the suite waits for (no worker up): its ``what``
+    (``incidents``, a sweep's ``forks``) wait, unless the user does ``again`` (how to run
+    them here instead)."""
 
-    def __init__(self, url: str, suite_id: str, say: Any = None) -> None:
+    def __init__(self, url: str, suite_id: str, say: Any = None, *, what: str = "incidents",
+                 again: str | None = None) -> None:
         self.url, self.suite_id = url, suite_id
         self.say = say or (lambda text: None)
+        self.what = what
+        self.again = again or f"run the suite again with --inline --id {suite_id}"
 
     def __call__(self, jobs: Sequence[Job], parallel: int,
                  on_done: OnDone | None) -> list[Record]:
@@ -142,9 +147,8 @@ class WorkersRunner:
             return None, False
         if since is None:
             return now, False
-        self.say(f"no worker has been up for {NO_WORKER_NOTE:.0f} s: the incidents wait in "
-                 f"the queue until one starts (deja worker), or run the suite again with "
-                 f"--inline --id {self.suite_id}")
+        self.say(f"no worker has been up for {NO_WORKER_NOTE:.0f} s: the {self.what} wait in "
+                 f"the queue until one starts (deja worker), or {self.again}")
         return since, True
 
 

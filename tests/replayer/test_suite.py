@@ -26,6 +26,9 @@ from suite_incidents import (
     suite_env,
 )
 
+from recorder.cassette import load
+from replayer import suite_summary
+
 ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = ROOT / "tests" / "cli" / "junit-10.xsd"
 ONE_EACH = ("nothing", "refund-30", "refund-all", "refund-0")
@@ -78,6 +81,23 @@ def test_a_fix_that_fixes_three_and_breaks_one_reports_exactly_those(project: Pa
     [failed] = [case for case in suite["testcase"] if "failure" in case]
     assert failed["@name"] == "07-refund-0.jsonl" and failed["@classname"] == "incidents"
     assert failed["failure"][0]["@type"] == "Regression"
+    # the summary it left with its new cassettes, for deja view out
+    [path] = (project / "out" / ".deja" / "suites").glob("*.json")
+    summary = suite_summary.read(path)
+    assert path.stem == summary["suite"] == document["suite"]
+    assert (summary["kind"], summary["mode"], summary["where"]) == ("suite", "then stub", "inline")
+    assert summary["command"] == ["python", "fixed.py"]
+    assert (summary["folder"], summary["output"]) == (str((project / "incidents").resolve()),
+                                                      str((project / "out").resolve()))
+    assert summary["totals"] == document["summary"]
+    entries = {e["incident"]: e for e in summary["incidents"]}
+    for record in document["incidents"]:
+        entry = entries[record["incident"]]
+        assert entry["cassette"] == str((project / record["cassette"]).resolve())
+        assert entry["new_cassette"] == str((project / record["new_cassette"]).resolve())
+        assert entry["new_run"] == load(project / record["new_cassette"]).run
+        assert {k: entry[k] for k in ("run", "verdict", "changed_at", "change", "live")} == {
+            k: record[k] for k in ("run", "verdict", "changed_at", "change", "live")}
 
 
 def test_plain_replays_judge_by_the_recording_and_a_divergence_is_a_regression(
@@ -94,14 +114,22 @@ def test_plain_replays_judge_by_the_recording_and_a_divergence_is_a_regression(
     assert rows["02-refund-all.jsonl"][1:4] == ["failed, exit 1", "failed, exit 1",
                                                 "identical"]  # still failing: no regression
     assert re.search(r"^total: 4 incidents: 4 identical, .* exit status 0$", same.stdout, re.M)
+    [path] = (project / "incidents" / ".deja" / "suites").glob("incidents-suite-*.json")
+    summary = suite_summary.read(path)  # a plain replay's: beside its incidents
+    assert summary["mode"] == "replay" and summary["output"] is None
+    assert [(e["incident"], e["verdict"], e["new_cassette"]) for e in summary["incidents"]] == [
+        (name, "identical", None) for name in sorted(made)]
     make_incidents(project, ("nothing",), folder="late")
-    late = deja("suite", "late", "--inline", "--", "python", "late.py", cwd=project,
-                env=env(GITHUB_ACTIONS="true"))
+    late = deja("suite", "late", "--inline", "--summary", "reports/late.json", "--", "python",
+                "late.py", cwd=project, env=env(GITHUB_ACTIONS="true"))
     assert late.returncode == 1, late.stderr[-3000:]
     assert table(late.stdout)["00-nothing.jsonl"][2:4] == ["failed, exit 1", "now fails"]
     assert re.search(r"^::error file=late/00-nothing\.jsonl,line=\d+,title=deja suite%3A "
                      r"now fails::late/00-nothing\.jsonl \(run r_\w+\): now fails$",
                      late.stdout, re.M), late.stdout
+    assert "summary in reports/late.json" in late.stderr
+    [entry] = suite_summary.read(project / "reports" / "late.json")["incidents"]
+    assert entry["verdict"] == "now_fails" and not (project / "late" / ".deja").exists()
     make_incidents(project, ("refund-all", "refund-0"), folder="changed")
     fixed = deja("suite", "changed", "--inline", "--json", "--", "python", "fixed.py",
                  cwd=project, env=env())
@@ -137,8 +165,6 @@ def test_an_incident_that_cannot_be_judged_and_bad_input_exit_2(project: Path) -
 
 def test_the_same_suite_again_judges_what_it_finished_and_replaces_what_it_left(
         project: Path) -> None:
-    from recorder.cassette import load
-
     make_incidents(project, ("nothing", "refund-all"))
     args = ("suite", "incidents", "--inline", "--id", "fix-1", "--then", "stub",
             "live.stub.json", "--json", "--", "python", "fixed.py")
@@ -161,6 +187,10 @@ def test_the_same_suite_again_judges_what_it_finished_and_replaces_what_it_left(
     assert "was left unfinished by an earlier attempt" in \
         records["01-refund-all.jsonl"]["output"]
     assert sorted(p.name for p in out.glob("*.jsonl")) == sorted(runs)
+    [path] = (out / ".deja" / "suites").iterdir()  # replaced whole, under the suite's id
+    assert path.name == "fix-1.json"
+    assert [e["new_run"] for e in suite_summary.read(path)["incidents"]] == [
+        load(out / name).run for name in sorted(runs)]
 
 
 def test_the_pytest_marker_makes_a_case_of_each_incident(

@@ -26,7 +26,7 @@ import xmlschema
 from recorder.cassette import load
 from recorder.errors import ConfigError, EditError, NoSuchStep
 from recorder.testing.server import StubServer
-from replayer import edit
+from replayer import edit, suite_summary
 from replayer.sweep import SweepRule, final_answer, plan_sweep, provider_error
 
 AGENT = """\
@@ -210,6 +210,20 @@ def test_the_table_and_the_summary_say_which_changed(project: Path) -> None:
     # malformed: the recorded text cut in half, which still says "hit 10"
     fork = load(project / "out" / "s019-search-malformed.jsonl")
     assert fork.observations[19]["result"] == "hit 10: "
+    # the summary it left with its forks, for deja view out: a row per fork
+    [path] = (project / "out" / ".deja" / "suites").glob("run-sweep-*.json")
+    summary = suite_summary.read(path)
+    assert f"summary in {Path('out') / '.deja' / 'suites' / path.name}" in done.stderr
+    assert (summary["suite"], summary["kind"], summary["mode"]) == (path.stem, "sweep", "sweep")
+    assert summary["folder"] == str(project.resolve()) and summary["where"].startswith("inline")
+    assert summary["totals"]["forks"] == 2 and summary["totals"]["exit_status"] == 1
+    parent = load(project / "run.jsonl").run
+    assert [(e["incident"], e["run"], e["verdict"], e["changed_at"], e["change"], e["new_run"])
+            for e in summary["incidents"]] == [
+        ("s019-search-malformed", parent, "same_outcome", 19, "tool search: malformed",
+         fork.run),
+        ("s019-search-empty", parent, "outcome_changed", 19, "tool search: empty",
+         load(project / "out" / "s019-search-empty.jsonl").run)]
 
 
 # ------------------------------------------------------------------ model steps
