@@ -4,7 +4,11 @@ One conversation of T turns (:func:`workloads.conversation`): each turn sends th
 conversation so far (``messages.create``, not streamed, with the tool definitions), the model
 calls ``search`` and ``read_file`` alternately and the tool's result is appended as the next
 user message, so request t repeats the t-1 turns before it. Tool results are short (~100
-characters) or long (``large_chars``). The same conversation is recorded by deja (default
+characters) or long (``large_chars``). A third kind of conversation is the agent as most are
+written (:func:`workloads.sdk_conversation`): each answer, text + tool_use, goes back as the
+SDK returned it (``msg.content``), tool-use ids are random and every tool result carries a
+nonce, so the cassette must refer to each answer it repeats rather than store it again.
+The same conversation is recorded by deja (default
 settings), agent-rewind (``rewind.patch_anthropic()`` + ``rewind.record(path)``, defaults)
 and vcrpy (record_mode="all"); vcrpy only up to ``vcr_max_turns`` turns (it stores every
 request whole, in YAML, and takes minutes beyond that).
@@ -41,13 +45,29 @@ def canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def _live(turns: int, chars: int) -> tuple[list[dict[str, Any]], list[bytes]]:
+def _script(turns: int, sdk: bool) -> dict[str, Any]:
+    return w.sdk_script(turns) if sdk else w.agent_script(turns, echo=False)
+
+
+def _converse(c: Any, turns: int, chars: int, sdk: bool,
+              times: list[float] | None = None) -> None:
+    """One conversation: the agent that builds its assistant messages itself, or with
+    ``sdk`` the one that sends each answer back as the SDK returned it
+    (:func:`workloads.sdk_conversation`: random tool-use ids, nonces)."""
+    if sdk:
+        w.sdk_conversation(c, 0, turns, chars=chars, times=times)
+    else:
+        w.conversation(c, 0, turns, chars=chars, echo=False, times=times)
+
+
+def _live(turns: int, chars: int, sdk: bool = False
+          ) -> tuple[list[dict[str, Any]], list[bytes]]:
     """The conversation run live once through :class:`workloads.Capture`: every request body
     as sent and every response body as received."""
-    with w.stub(w.agent_script(turns, echo=False)) as server:
+    with w.stub(_script(turns, sdk)) as server:
         cap = w.Capture(server.url)
         try:
-            w.conversation(cap.client(), 0, turns, chars=chars, echo=False)
+            _converse(cap.client(), turns, chars, sdk)
         finally:
             cap.close()
     return [json.loads(b) for b in cap.requests], [r[2] for r in cap.responses]
@@ -68,13 +88,12 @@ def unique_bytes(requests: list[dict[str, Any]], bodies: list[bytes],
 
 
 def _record(tool: str, path: Path, turns: int, chars: int,
-            times: list[float] | None = None) -> Path:
+            times: list[float] | None = None, sdk: bool = False) -> Path:
     """Record the conversation with one tool (deja at its defaults, vcrpy with
     record_mode="all", agent-rewind with rewind.record(path))."""
-    with w.stub(w.agent_script(turns, echo=False)) as server:
+    with w.stub(_script(turns, sdk)) as server:
         def go() -> None:
-            w.conversation(w.client(server.url), 0, turns, chars=chars, echo=False,
-                           times=times)
+            _converse(w.client(server.url), turns, chars, sdk, times)
         if tool == "deja":
             with recorder.record(path, budgets=recorder.Budgets()):
                 go()
@@ -122,17 +141,18 @@ def _growth(path: Path, turns: int) -> dict[str, float]:
 
 
 def _one(d: Path, turns: int, chars: int, vcr_max_turns: int,
-         have_rewind: bool) -> dict[str, Any]:
-    requests, bodies = _live(turns, chars)
+         have_rewind: bool, sdk: bool = False) -> dict[str, Any]:
+    requests, bodies = _live(turns, chars, sdk)
     unique = unique_bytes(requests, bodies)
-    tag = f"{turns}-{chars or 'short'}"
-    paths = {"deja": _record("deja", d / f"deja-{tag}.jsonl", turns, chars)}
+    tag = f"{turns}-{chars or 'short'}{'-sdk' if sdk else ''}"
+    paths = {"deja": _record("deja", d / f"deja-{tag}.jsonl", turns, chars, sdk=sdk)}
     if have_rewind:
-        paths["rewind"] = _record("rewind", d / f"rewind-{tag}.rewind", turns, chars)
+        paths["rewind"] = _record("rewind", d / f"rewind-{tag}.rewind", turns, chars, sdk=sdk)
     if turns <= vcr_max_turns:
-        paths["vcr"] = _record("vcr", d / f"vcr-{tag}.yaml", turns, chars)
+        paths["vcr"] = _record("vcr", d / f"vcr-{tag}.yaml", turns, chars, sdk=sdk)
     sizes = {k: p.stat().st_size for k, p in paths.items()}
-    out = {"turns": turns, "message_chars": chars, "requests": len(requests), "unique": unique,
+    out = {"turns": turns, "message_chars": chars, "sdk_answers": sdk,
+           "requests": len(requests), "unique": unique,
            "full_requests_bytes": sum(len(canonical(r)) for r in requests),
            "cassette_bytes": sizes,
            "ratio": {k: v / unique["total"] for k, v in sizes.items()},
@@ -182,6 +202,7 @@ def run(*, turns: tuple[int, ...] = (50, 200, 800), large_chars: int = 1000,
     with w.measurement("cassette size"), w.tempdir("size") as d:
         runs = [_one(d, t, chars, vcr_max_turns, have_rewind)
                 for t in turns for chars in (0, large_chars)]
+        runs += [_one(d, t, 0, vcr_max_turns, have_rewind, sdk=True) for t in turns]
         out: dict[str, Any] = {"runs": runs, "vcr_max_turns": vcr_max_turns,
                                "large_chars": large_chars,
                                "rewind_version": w.rewind_version(),

@@ -255,12 +255,14 @@ def rows_size(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     for one in r["runs"]:
         ratio, b, turns = one["ratio"], one["cassette_bytes"], one["turns"]
         kind = f"~{one['message_chars']}-char" if one["message_chars"] else "short"
+        kind += " tool results" if not one.get("sdk_answers") else \
+            " tool results, answers resent as the SDK returned them (random ids, nonces)"
         ok = ratio["deja"] <= 1.3
         anchors = [f"agent-rewind {ratio['rewind']:.1f}x ({_kb(b['rewind'])})" if "rewind" in b
                    else "agent-rewind: not installed",
                    f"vcrpy {ratio['vcr']:.1f}x ({_kb(b['vcr'])})" if "vcr" in b
                    else f"vcrpy: skipped (> {r['vcr_max_turns']} turns)"]
-        rows.append((f"Cassette bytes / unique content, {turns} turns, {kind} tool results",
+        rows.append((f"Cassette bytes / unique content, {turns} turns, {kind}",
                      f"{ratio['deja']:.2f}x ({_kb(b['deja'])})", "; ".join(anchors),
                      "<= 1.3x", _verdict(ok, f"{ratio['deja']:.2f}x")))
         if not ok:
@@ -288,13 +290,16 @@ def rows_size(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     first = r["runs"][0]
     u = first["unique"]
     per_turn = ", ".join(
-        f"{one['turns']}{'L' if one['message_chars'] else 'S'}: "
+        f"{one['turns']}{'L' if one['message_chars'] else 'S'}"
+        f"{'+sdk' if one.get('sdk_answers') else ''}: "
         f"{(one['cassette_bytes']['deja'] - one['unique']['total']) / one['turns']:,.0f} B "
         f"(halves {one['growth']['first_half_per_turn']:,.0f}/"
         f"{one['growth']['second_half_per_turn']:,.0f} B/turn)" for one in r["runs"])
     notes = [
         "size: one agent conversation of T turns (whole history in every request, search and "
-        f"read_file alternating, tool results ~100 chars or ~{r['large_chars']} chars), "
+        f"read_file alternating, tool results ~100 chars or ~{r['large_chars']} chars; and "
+        "short, with every answer sent back as the SDK returned it, random tool-use ids and "
+        "a nonce in every tool result), "
         "recorded by deja (defaults), agent-rewind (rewind.patch_anthropic() + rewind.record, "
         "defaults) and vcrpy (record_mode='all'"
         f"; skipped beyond {r['vcr_max_turns']} turns, where its YAML of every whole request "

@@ -14,6 +14,7 @@ import contextlib
 import gc
 import http.client
 import json
+import secrets
 import statistics
 import tempfile
 import time
@@ -278,6 +279,53 @@ def conversation(c: anthropic.Anthropic, conv: int, turns: int, *, stream: bool 
             messages.append({"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": tools[0]["id"],
                  "content": tool_output(conv, k, chars)}]})
+
+
+# The agent as most are written: each answer goes back as the SDK returned it
+# (``msg.content``, the SDK's own blocks, which it serialises in its own field order), its
+# tool-use ids are the server's (random), and every task and tool result carries a nonce, so
+# no two runs, and no two turns, send the same bytes.
+
+
+def sdk_script(turns: int) -> dict[str, Any]:
+    """The stub's script for :func:`sdk_conversation`: turn k answers ``ok <last user
+    text>`` (which repeats its nonce) and calls tool k % 2 with an id of the stub's making;
+    the last turn answers in text alone."""
+    out = []
+    for k in range(turns):
+        turn: dict[str, Any] = {"text": "ok {echo}"}
+        if k < turns - 1:
+            turn["tool_use"] = {"name": TOOLS[k % 2], "input": _tool_input(k)}
+        out.append(turn)
+    return {"select": "conversation", "turns": out}
+
+
+def sdk_conversation(c: anthropic.Anthropic, conv: int, turns: int, *, chars: int = 0,
+                     times: list[float] | None = None) -> None:
+    """Conversation ``conv`` of ``turns`` calls against :func:`sdk_script`, each answer
+    (text + tool_use) sent back as ``msg.content`` and each tool result with a fresh
+    nonce; every reply is checked."""
+    nonce = secrets.token_hex(8)
+    messages: list[dict[str, Any]] = [{"role": "user",
+                                       "content": f"{task_text(conv)} (nonce {nonce})"}]
+    for k in range(turns):
+        t0 = time.perf_counter()
+        msg = c.messages.create(model=MODEL, max_tokens=MAX_TOKENS, messages=list(messages),
+                                tools=TOOL_DEFS)
+        if times is not None:
+            times.append(time.perf_counter() - t0)
+        calls = [b for b in msg.content if b.type == "tool_use"]
+        want_tools = [] if k == turns - 1 else [TOOLS[k % 2]]
+        if nonce not in msg.content[0].text or [b.name for b in calls] != want_tools:
+            raise RuntimeError(f"conversation {conv}, call {k}: unexpected reply "
+                               f"{msg.content[0].text[:60]!r} with tools "
+                               f"{[b.name for b in calls]}")
+        messages.append({"role": "assistant", "content": msg.content})
+        if calls:
+            nonce = secrets.token_hex(8)
+            messages.append({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": calls[0].id,
+                 "content": f"{tool_output(conv, k, chars)} (nonce {nonce})"}]})
 
 
 def agent_run(c: anthropic.Anthropic, n_calls: int, *, stream: bool = False,

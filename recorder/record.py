@@ -301,11 +301,12 @@ class RecordSession(session.Session, mcp.McpSeam):
         if obs["kind"] != Kind.MODEL:
             self.append_line(obs)
             return
-        url, full_req = obs["url"], obs["request_headers"]
+        url, full_req, provider = obs["url"], obs["request_headers"], obs.get("provider")
         full_resp = obs["response"]["headers"] if "response" in obs else None
-        stored = self._compactor.compact(obs)
+        assert self.writer is not None
+        stored = self._compactor.compact(obs, edits="header_edits" in self.writer.features)
         line = self.append_line(stored, request_body=request_body, has_request=True,
-                                reply=compact.reply_message(stored))
+                                reply=compact.reply_message(stored, provider, full_resp))
         self._compactor.written(line["seq"], url, full_req, full_resp)
 
     # Lines redacted whole as they are appended (model and HTTP lines are redacted field by

@@ -16,8 +16,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from recorder.cassette import _headers
+from recorder.cassette.format import FEATURES
 from recorder.cassette.schema import Kind
-from recorder.errors import CorruptCassette
+from recorder.errors import CorruptCassette, UnsupportedFormat
 
 MAX_DEPTH = 200  # deja's own lines nest a dozen levels; JSON bodies rarely exceed 50
 
@@ -115,7 +117,7 @@ _HEADER = {
     "labels": (dict, _OPTIONAL),
     "parent": (dict, _OPTIONAL), "key_id": (str,), "fsync": (str, _OPTIONAL),
     "redact": (dict, _OPTIONAL), "budgets": (dict, _OPTIONAL), "loop": (dict, _OPTIONAL),
-    "breaker": (dict, _OPTIONAL), "versions": (dict, _OPTIONAL),
+    "breaker": (dict, _OPTIONAL), "versions": (dict, _OPTIONAL), "features": (list,),
 }
 
 # Per kind: fields every line of that kind has, and fields that have a type when present.
@@ -200,6 +202,7 @@ def check_header(header: dict[str, Any], path: Path) -> None:
     if "key_id" in header and not isinstance(header["key_id"], str):
         raise CorruptCassette(f"{path}: the header: 'key_id' must be a string, not "
                               f"{type(header['key_id']).__name__}", path=path, seq=None)
+    _check_features(header.get("features"), path)
     argv = header.get("argv")
     if argv is not None and not all(isinstance(a, str) for a in argv):
         raise CorruptCassette(f"{path}: the header: 'argv' must be a list of strings",
@@ -208,6 +211,21 @@ def check_header(header: dict[str, Any], path: Path) -> None:
     if parent is not None:
         _check_fields(parent, {}, {"run": (str,), "step": (int,), "prefix_sig": (str,),
                                    "path": (str,)}, "the header's parent", path, None)
+
+
+def _check_features(features: Any, path: Path) -> None:
+    """The optional features a cassette says it uses are strings this deja reads."""
+    if features is None:
+        return
+    if not all(isinstance(f, str) for f in features):
+        raise CorruptCassette(f"{path}: the header: 'features' must be a list of strings",
+                              path=path, seq=None)
+    unknown = [f for f in features if f not in FEATURES]
+    if unknown:
+        raise UnsupportedFormat(
+            f"{path}: the cassette uses format features this deja does not read "
+            f"({', '.join(unknown)}; it reads {', '.join(FEATURES)}); upgrade deja to read it",
+            path=path)
 
 
 def _check_mcp(part: dict[str, Any], what: str, path: Path, seq: int) -> None:
@@ -225,6 +243,25 @@ def _check_mcp(part: dict[str, Any], what: str, path: Path, seq: int) -> None:
                                   "a method and params", path=path, seq=seq)
 
 
+def _check_headers(response: dict[str, Any], line: dict[str, Any], what: str, path: Path,
+                   seq: int) -> None:
+    """Response headers are [name, value] pairs of strings; against a base line (named by
+    ``headers_base``, or by the line's ``like``) also ``null`` (that line's), or edits of
+    its headers (numbers and strings, :mod:`recorder.cassette._headers`)."""
+    shared = isinstance(response.get("headers_base"), int) or isinstance(line.get("like"), int)
+    headers = response.get("headers") or ()
+    edits = shared and _headers.is_edits(headers)
+    for item in headers:
+        if isinstance(item, list) and len(item) == 2 and all(isinstance(p, str) for p in item):
+            continue
+        if (item is None and shared and not edits) or (edits and isinstance(item, int | str)
+                                                       and not isinstance(item, bool)):
+            continue
+        raise CorruptCassette(f"{path}: {what}: a response header is not a [name, value] "
+                              "pair of strings (null or an edit only with a headers_base)",
+                              path=path, seq=seq)
+
+
 def check_line(line: dict[str, Any], path: Path, seq: int) -> None:
     """The fields of observation ``seq`` that readers use have the types deja writes."""
     kind: str = line["kind"]  # one of KINDS: the reader checked it
@@ -236,14 +273,7 @@ def check_line(line: dict[str, Any], path: Path, seq: int) -> None:
         if kind == Kind.HTTP or "body_json" not in response:
             required["body"] = (str,)
         _check_fields(response, required, _RESPONSE, f"{what} response", path, seq)
-        # null: the base line's (named by headers_base, or by the line's "like")
-        shared = isinstance(response.get("headers_base"), int) or isinstance(line.get("like"), int)
-        for pair in response.get("headers") or ():
-            if not ((pair is None and shared) or (isinstance(pair, list) and len(pair) == 2
-                                                  and all(isinstance(p, str) for p in pair))):
-                raise CorruptCassette(f"{path}: {what}: a response header is not a "
-                                      "[name, value] pair of strings (null only with a "
-                                      "headers_base)", path=path, seq=seq)
+        _check_headers(response, line, what, path, seq)
     error = line.get("error")
     if isinstance(error, dict):
         _check_fields(error, {}, {"type": (str,), "module": (str,), "message": (str,),

@@ -5,8 +5,10 @@ On disk (the reader expands each line back after checking its signature):
 
 - ``request_headers`` is the seq of an earlier model line when the headers are the same;
 - ``response.headers_base`` names an earlier model line whose response headers this one
-  shares; ``null`` entries of ``response.headers`` are taken from it, position by position
-  (so header order is kept exactly);
+  shares: ``response.headers`` is then the edits that make this line's from that line's
+  (:mod:`._headers`; the base is the one of the last few lines that needs the fewest), or,
+  in a cassette whose header does not name the ``header_edits`` feature, a list as long
+  as the base's whose ``null`` entries are taken from it, position by position;
 - ``response.body_json`` holds a JSON body as JSON rather than as an escaped string, when
   compact re-serialisation gives back the received bytes exactly; otherwise ``body`` keeps
   the text (or base64);
@@ -24,11 +26,13 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-from collections.abc import Mapping, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from recorder import providers  # a module reference: providers imports this package
 from recorder.canonical import Parts, content_decoded, decode_body
+from recorder.cassette import _headers
 from recorder.cassette.schema import Kind
 
 _NO_DOC = object()  # a response body stored as text, not as JSON
@@ -56,18 +60,27 @@ def json_text(doc: Any) -> str:
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
 
 
+HEADER_BASES = 4  # recent model lines whose response headers a line may be stored against
+# A base other than the last line is taken when it saves more than this many bytes (the
+# last line's is shared with its URL and request headers, as ``like``).
+_OLDER_BASE_SAVING = 16
+
+
 class Compactor:
-    """Writer side: remembers the last model line's headers to refer back to."""
+    """Writer side: remembers the last model lines' headers to refer back to."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._req: tuple[int, list[list[str]]] | None = None
-        self._resp: tuple[int, list[list[str]]] | None = None
+        self._resp: deque[tuple[int, list[list[str]]]] = deque(maxlen=HEADER_BASES)
         self._url: tuple[int, str] | None = None
 
-    def compact(self, obs: dict[str, Any]) -> dict[str, Any]:
+    def compact(self, obs: dict[str, Any], *, edits: bool = True) -> dict[str, Any]:
+        """``obs`` as its line is stored; with ``edits`` (the cassette's header names the
+        ``header_edits`` feature) its response headers as edits of an earlier line's."""
         with self._lock:
-            req, resp, url = self._req, self._resp, self._url
+            req, url = self._req, self._url
+            resp = list(self._resp)
         for key in _DERIVED:
             obs.pop(key, None)
         named = obs.get("provider")
@@ -87,12 +100,8 @@ class Compactor:
                 if doc is not None:
                     response = {**response, "body_json": doc}
                     del response["body"]
-            if resp is not None and len(resp[1]) == len(response["headers"]):
-                same = [a == b for a, b in zip(resp[1], response["headers"], strict=True)]
-                if sum(same) >= 2:
-                    response = {**response, "headers_base": resp[0],
-                                "headers": [None if s else h for s, h in
-                                            zip(same, response["headers"], strict=True)]}
+            response = (_edited(response, resp) if edits
+                        else _positional(response, resp[-1] if resp else None))
             obs["response"] = response
         ref = obs.get("url")
         if (isinstance(ref, int) and obs.get("request_headers") == ref and response is not None
@@ -108,50 +117,86 @@ class Compactor:
             if isinstance(request_headers, list):
                 self._req = (seq, request_headers)
             if isinstance(response_headers, list):
-                self._resp = (seq, response_headers)
+                self._resp.append((seq, response_headers))
+
+
+def _positional(response: dict[str, Any], last: tuple[int, list[list[str]]] | None
+                ) -> dict[str, Any]:
+    """The older form: ``null`` for each header the same as the last line's, position by
+    position, when the two lists are as long and share two or more."""
+    if last is None or len(last[1]) != len(response["headers"]):
+        return response
+    same = [a == b for a, b in zip(last[1], response["headers"], strict=True)]
+    if sum(same) < 2:
+        return response
+    return {**response, "headers_base": last[0],
+            "headers": [None if s else h for s, h in zip(same, response["headers"], strict=True)]}
+
+
+def _edited(response: dict[str, Any], bases: list[tuple[int, list[list[str]]]]
+            ) -> dict[str, Any]:
+    """The response with its headers as the edits of the recent line's that need the
+    fewest bytes (the last line's unless another saves more than a reference costs),
+    when they take fewer bytes than the headers themselves."""
+    headers = response["headers"]
+    best: tuple[int, int, list[Any]] | None = None
+    for seq, base in reversed(bases):  # newest first
+        script = _headers.edits(base, headers)
+        cost = _headers.size(script) + (_OLDER_BASE_SAVING if best is not None else 0)
+        if (best is None or cost < best[0]) and _headers.gives(base, script, headers):
+            best = (cost, seq, script)
+    if best is None or best[0] >= _headers.size(headers):
+        return response
+    return {**response, "headers_base": best[1], "headers": best[2]}
 
 
 def _phrase(status: int) -> str:
     return http.client.responses.get(status, "")
 
 
-def reply_of(doc: Any) -> Any:
-    """The message a response body (parsed JSON) gives its conversation, by the format's
-    own rule rather than any provider's: the ``role`` and ``content`` of a body whose
-    ``type`` is ``"message"`` (the Messages API's shape); None for anything else. A
-    request that resends it exactly stores a reference instead (:mod:`._delta`)."""
-    if (isinstance(doc, dict) and doc.get("type") == "message"
-            and isinstance(doc.get("role"), str) and isinstance(doc.get("content"), list)):
-        return {"role": doc["role"], "content": doc["content"]}
-    return None
+def reply_items(line: Mapping[str, Any], headers: Any = None) -> list[Any] | None:
+    """The items the response of model ``line`` (as written, or restored) gives its
+    conversation (:func:`recorder.providers.replied`): read from a body stored as JSON, or
+    from a stream its provider assembles (``headers``: the response's, as received; the
+    line's own when not given); None for anything else."""
+    response = line.get("response") or {}
+    if "body_json" in response:
+        return providers.replied(response["body_json"])
+    if line.get("kind") != Kind.MODEL or response.get("encoding") is not None \
+            or not isinstance(response.get("body"), str):
+        return None
+    provider = providers.for_line(line)
+    headers = response.get("headers") if headers is None else headers
+    try:
+        if provider.is_stream(headers or []):
+            return providers.replied(provider.assemble(response["body"]))
+        return providers.replied(json.loads(response["body"]))
+    except (ValueError, RecursionError):  # not JSON, or a stream it cannot assemble
+        return None
 
 
-def reply_message(line: dict[str, Any]) -> Any:
-    """Writer side: :func:`reply_of` the compacted model ``line``'s response, when its body
-    is stored as JSON; None otherwise. A reader finds the same one from the same line."""
-    doc = (line.get("response") or {}).get("body_json", _NO_DOC)
-    return None if doc is _NO_DOC else reply_of(doc)
+def reply_message(line: dict[str, Any], provider: str | None = None,
+                  headers: Any = None) -> Callable[[], list[Any] | None]:
+    """Writer side: how to find :func:`reply_items` of the compacted model ``line``, asked
+    only when a later request may resend them (``provider`` and ``headers``: the line's
+    before it was compacted). A reader finds the same items from the same line."""
+    found = line if provider is None else {**line, "provider": provider}
+    return lambda: reply_items(found, headers)
 
 
 class Replies(dict[int, Any]):
-    """Reader side: seq -> the message the response of that model line gives its
+    """Reader side: seq -> the items the response of that model line gives its
     conversation, filled as lines are restored (from a body stored as JSON) and otherwise
-    worked out when a request refers to it (a line copied into a fork holds its body as
-    text). A line with no such message is a ``KeyError``, as for any missing reference."""
+    worked out when a request refers to it (a stream, or a line copied into a fork, which
+    holds its body as text). A line with no such items is a ``KeyError``, as for any
+    missing reference."""
 
     def __init__(self, earlier: Sequence[Mapping[str, Any]]) -> None:
         super().__init__()
         self._earlier = earlier
 
     def __missing__(self, seq: int) -> Any:
-        line = self._earlier[seq]
-        response = line.get("response") or {}
-        if line.get("kind") != Kind.MODEL or response.get("encoding") is not None:
-            raise KeyError(seq)
-        try:
-            reply = reply_of(json.loads(response["body"]))
-        except ValueError:  # a stream, or not JSON: it has no such message
-            raise KeyError(seq) from None
+        reply = reply_items(self._earlier[seq])
         if reply is None:
             raise KeyError(seq)
         self[seq] = reply
@@ -185,15 +230,14 @@ def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]], request: 
             doc = response.pop("body_json")
             response["body"] = json_text(doc)
             if replies is not None:
-                reply = reply_of(doc)
+                reply = providers.replied(doc)
                 if reply is not None:
                     replies[line["seq"]] = reply
         response.setdefault("reason", _phrase(response.get("status", 0)))
         base = response.pop("headers_base", None)
         if base is not None:
-            base_headers = earlier[base]["response"]["headers"]
-            response["headers"] = [b if h is None else h
-                                   for h, b in zip(response["headers"], base_headers, strict=True)]
+            response["headers"] = _based(response["headers"],
+                                         earlier[base]["response"]["headers"])
         if "usage" not in line:
             status, headers = response.get("status", 0), response.get("headers") or []
             if response.get("encoding") is None:
@@ -217,3 +261,10 @@ def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]], request: 
     if "fp" not in line:
         line["fp"] = provider.fingerprint("POST", url, request, parts)
     line.setdefault("message_id", None)
+
+
+def _based(headers: list[Any], base: list[list[str]]) -> list[list[str]]:
+    """Headers stored against ``base``: edits (:mod:`._headers`), or the older form."""
+    if _headers.is_edits(headers):
+        return _headers.applied(base, headers)
+    return [b if h is None else h for h, b in zip(headers, base, strict=True)]

@@ -16,6 +16,12 @@ from recorder.errors import (
 FORMAT = "deja/2"  # what the writer writes: each line signed over its exact bytes
 V1 = "deja/1"  # signed over each line's canonical JSON; still read, and continued by a resume
 READABLE_FORMATS = (FORMAT, V1)
+# Optional features of deja/2 a cassette uses, named in its header's ``features``: a reader
+# refuses a cassette that names one it does not know. A cassette without the field uses
+# none (a run resumed goes on without them).
+# - reply_shapes: a request resends a response's items in another key order ("shape");
+# - header_edits: response headers stored as edits of an earlier line's.
+FEATURES: tuple[str, ...] = ("reply_shapes", "header_edits")
 KINDS: tuple[str, ...] = tuple(kind.value for kind in Kind)
 
 

@@ -400,6 +400,7 @@ class _Body:
     end_offset: int | None = None
     parts: Parts = field(default_factory=Parts)
     replies: compact.Replies = field(init=False)
+    shapes: dict[int, Any] = field(default_factory=dict)  # seq -> the reply shape it holds
 
     def __post_init__(self) -> None:
         self.replies = compact.Replies(self.observations)
@@ -549,7 +550,8 @@ def _restore_model(line: ModelLine, body: _Body, path: Path) -> None:
     seq = line["seq"]
     try:
         stored = line["request"]
-        body.requests[seq] = _delta.decode(stored, body.requests, body.replies, body.parts)
+        body.requests[seq] = _delta.decode(stored, body.requests, body.replies, body.parts,
+                                           body.shapes, seq)
         compact.expand(cast(dict[str, Any], line), body.observations, body.requests.get(seq),
                        body.parts, body.replies)
     except (KeyError, IndexError, TypeError, ValueError, AttributeError,

@@ -137,6 +137,7 @@ class Header(TypedDict, total=False):
     """Line 1. ``format`` comes first; the reader removes ``sig``."""
 
     format: Required[str]
+    features: list[str]  # the optional features of the format the cassette uses
     run: Required[str]
     key_id: str
     parent: Parent | None

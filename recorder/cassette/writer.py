@@ -28,7 +28,15 @@ from typing import TYPE_CHECKING, Any
 from recorder.canonical import canonical
 from recorder.cassette import _delta, _validate
 from recorder.cassette import lock as writer_lock
-from recorder.cassette.format import FORMAT, KINDS, RESUMABLE_ENDS, TURN_SYNC_KINDS, V1, Fsync
+from recorder.cassette.format import (
+    FEATURES,
+    FORMAT,
+    KINDS,
+    RESUMABLE_ENDS,
+    TURN_SYNC_KINDS,
+    V1,
+    Fsync,
+)
 from recorder.cassette.keys import key_id
 from recorder.cassette.schema import Kind
 from recorder.cassette.signing import encode_sig, line_bytes, mac, with_sig
@@ -118,6 +126,7 @@ class CassetteWriter:
         self.fsync = Fsync.parse(fsync)
         self._key = key
         self._lock = threading.Lock()
+        self.features: frozenset[str] = frozenset(FEATURES)
         self._delta = _delta.DeltaEncoder()
         if self.path.is_dir():
             raise ConfigError(f"{self.path} is a directory; give a cassette file (.jsonl) "
@@ -154,7 +163,8 @@ class CassetteWriter:
         self._group: _GroupSync | None = None
         self.failed: CassetteWriteError | None = None
         self.closed = False
-        line = {"format": FORMAT, **{k: v for k, v in header.items() if k != "format"}}
+        line = {"format": FORMAT, "features": list(FEATURES),
+                **{k: v for k, v in header.items() if k not in ("format", "features")}}
         line["key_id"] = key_id(key)
         self.header: Mapping[str, Any] = line
         with self._lock, WHOLE:
@@ -196,7 +206,9 @@ class CassetteWriter:
         self.fsync = Fsync.parse(fsync)
         self._key = key
         self._lock = threading.Lock()
-        self._delta = _delta.DeltaEncoder()
+        # a run goes on with the features its header names (none: it began without them)
+        self.features = frozenset(cassette.header.get("features") or ())
+        self._delta = _delta.DeltaEncoder(shapes="reply_shapes" in self.features)
         for seq in sorted(cassette.requests)[-_delta.WINDOW:]:
             self._delta.prime(seq, cassette.requests[seq])
             if cassette.header.get("format") != V1:

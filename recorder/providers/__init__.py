@@ -58,10 +58,11 @@ from recorder.providers.registry import (
     unregister,
     volatile_header,
 )
+from recorder.providers.replies import replied
 
 __all__ = ["BUILT_IN", "CACHE_WRITE_1H", "PLACEHOLDER_KEY", "USAGE_KEYS", "VOLATILE_HEADERS",
            "VOLATILE_HEADER_PREFIXES", "Carriage", "Conversation", "Format", "Headers", "Provider",
            "Summary", "answer_meta_keys", "base_url_env", "data_lines", "default", "endpoints",
            "for_line", "for_url", "formats", "get", "history_field", "model_provider", "names",
-           "placeholder_keys", "register", "sse_events", "stream_carriage", "string_spans",
-           "token_counts", "unregister", "volatile_header"]
+           "placeholder_keys", "register", "replied", "sse_events", "stream_carriage",
+           "string_spans", "token_counts", "unregister", "volatile_header"]
