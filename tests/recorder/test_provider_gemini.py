@@ -362,9 +362,10 @@ def test_requests_are_stored_as_what_they_add(stub: Stub, tmp_path: Path) -> Non
         agent(server.url)
     stored = [line["request"] for line in raw_model_lines(path)]
     assert len(stored) == turns + 1 and set(stored[0]) == {"body"}
-    assert all(s["base"] == n and s["keep"] == 1 + 2 * n and len(s["contents"]) == 2
-               for n, s in enumerate(stored[1:]))
-    sizes = [len(json.dumps(s)) for s in stored[1:]]
+    # the model's content is the reply it resends ("reply"), the function's response added
+    assert all(s["base"] == n and s["keep"] == 1 + 2 * n and s["reply"] == n
+               and len(s["contents"]) == 1 for n, s in enumerate(stored[1:]))
+    sizes = [len(json.dumps(s)) for s in stored[2:]]  # the first holds its shape inline
     assert max(sizes) - min(sizes) <= 8  # the numbers in base and keep
     assert load(path).request_of(model_lines(path)[-1]["seq"]) == server.requests[-1]["body"]
 
