@@ -185,19 +185,21 @@ def task_of(task_id: str, record: dict[str, Any], attempt: int) -> dict[str, Any
     """The ``DetailedTask`` of the run whose progress record is ``record`` (``attempt``:
     the answers it got so far)."""
     status = record["status"]
-    task: dict[str, Any] = {"taskId": task_id, "createdAt": record["submitted"],
-                            "lastUpdatedAt": record["updated"] or record["submitted"],
-                            "ttlMs": None, "pollIntervalMs": POLL_MS}
+    extra: dict[str, Any] = {}
     if status in _WORKING:
-        task.update(status="working", statusMessage=_progress(record))
+        status, message = "working", _progress(record)
     elif status == "input_required":
-        task.update(status="input_required", statusMessage=str(record.get("question") or ""),
-                    inputRequests=_question(record, attempt))
+        message = str(record.get("question") or "")
+        extra["inputRequests"] = _question(record, attempt)
     elif status == "cancelled":
-        task.update(status="cancelled", statusMessage=f"run {record['run_id']} was cancelled")
+        message = f"run {record['run_id']} was cancelled"
     else:
-        task.update(status="completed", statusMessage=_text(record), result=_result(record))
-    return task
+        status, message = "completed", _text(record)
+        extra["result"] = _result(record)
+    return {"taskId": task_id, "status": status, "statusMessage": message,
+            "createdAt": record["submitted"],
+            "lastUpdatedAt": record["updated"] or record["submitted"],
+            "ttlMs": None, "pollIntervalMs": POLL_MS, **extra}
 
 
 def _gone(task_id: str, run_id: str) -> dict[str, Any]:
