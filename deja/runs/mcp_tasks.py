@@ -108,14 +108,16 @@ class TaskBook:
     """Which run each task is, and whose task it is: a table beside deja's own."""
 
     def __init__(self, store: Any) -> None:
+        from deja.runs.store import unavailable
+
         self.store = store
         for attempt in range(20):  # another server creating it at the same moment
             try:
                 _metadata.create_all(store.engine, checkfirst=True)
                 break
-            except sa.exc.DBAPIError:
+            except sa.exc.DBAPIError as exc:
                 if attempt == 19:
-                    raise
+                    raise unavailable(store.url, exc) from None
                 time.sleep(0.05 * (attempt + 1))
 
     def add(self, task_id: str, run_id: str, caller: str) -> None:
