@@ -33,6 +33,7 @@ from typing import Any, cast
 
 from recorder.capture.session import Scope
 from recorder.cassette import Cassette, CassetteWriter, load
+from recorder.cassette.format import FEATURES
 from recorder.cassette.keys import Keyring, load_keyring
 from recorder.cassette.schema import run_file, utc_stamp
 from recorder.errors import CassetteWriteError, PathTaken
@@ -91,6 +92,12 @@ class _WrittenOnLeaving:
     @property
     def next_seq(self) -> int:
         return self._writer.next_seq if self._writer is not None else len(self._held)
+
+    @property
+    def features(self) -> frozenset[str]:
+        """The optional storage forms the new file uses: a new file's, all of them (lines
+        held before it exists are stored as it will read them)."""
+        return self._writer.features if self._writer is not None else frozenset(FEATURES)
 
     def open(self, step: int | None, divergence: dict[str, Any] | None) -> None:
         """Create the file, naming the parent's ``step`` the run left, and write the
