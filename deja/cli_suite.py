@@ -23,6 +23,7 @@ died under it) is replaced.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -107,6 +108,11 @@ def summary_option(where: str) -> Callable[[F], F]:
               help="With --then: the folder of the new cassettes and each incident's log "
                    "(default: DIR/../<suite id>).")
 @workers_option("incidents")
+@click.option("--cold", is_flag=True,
+              help="Start each incident in a fresh interpreter. By default incidents start "
+                   "warm: as forks of one process that has imported deja and the SDKs once "
+                   "(a program that needs a first import of an SDK, e.g. one that sets what "
+                   "the SDK reads as it is imported, needs --cold).")
 @click.option("--id", "suite_id", metavar="SUITE",
               help="The suite's id (default: <DIR name>-suite-<UTC time>). The same id again "
                    "is the same suite: what it already judged is not run again.")
@@ -119,7 +125,7 @@ def summary_option(where: str) -> Callable[[F], F]:
 @_cwd_option
 def suite(folder: Path, command: tuple[str, ...] | None, then: str | None,
           then_script: Path | None, parallel: int | None, as_json: bool, junit: Path | None,
-          output: Path | None, on_workers: bool | None, suite_id: str | None,
+          output: Path | None, on_workers: bool | None, cold: bool, suite_id: str | None,
           allow_incomplete: bool, summary: Path | None, one: bool, tool_rules: tuple[str, ...],
           live_tools: tuple[str, ...], ignore: tuple[str, ...], normalise: tuple[str, ...],
           cwd: Path | None) -> None:
@@ -160,6 +166,8 @@ def suite(folder: Path, command: tuple[str, ...] | None, then: str | None,
         raise BadInput("-o, --tool and --live-tool go with --then live or --then stub SCRIPT: "
                        "a plain replay writes nothing and runs no tool")
     plan = _plan(folder, tuple(command or ()), opts, suite_id, output)
+    if cold:
+        plan.jobs[:] = [dataclasses.replace(job, warm=False) for job in plan.jobs]
     runner, where = runner_for(on_workers, plan.jobs, plan.suite_id, "deja suite", "incidents",
                                f"run the suite again with --inline --id {plan.suite_id}")
     width = parallel or os.cpu_count() or 1

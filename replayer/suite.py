@@ -50,9 +50,8 @@ from recorder.harness.child import preexec
 from recorder.harness.warm_pool import WarmPool
 
 __all__ = ["VERDICTS", "WARM_MODULES", "Job", "OnDone", "Record", "Runner", "command_of",
-           "exit_status", "headline",
-           "replay_record", "row", "run_inline", "run_job", "run_jobs", "summary",
-           "then_live_record"]
+           "exit_status", "headline", "replay_record", "row", "run_inline", "run_job",
+           "run_jobs", "summary", "then_live_record", "warm_pool"]
 
 _log = logging.getLogger("deja.replayer")
 
@@ -74,12 +73,15 @@ OnDone = Callable[[Record], None]
 class Job:
     """One unit of a suite: ``argv`` run in ``cwd``, its standard error kept in ``log``
     (a file, rewritten on each attempt; None: only its tail, in the record). ``key``
-    names it uniquely in its suite (an incident's cassette file name)."""
+    names it uniquely in its suite (an incident's cassette file name). ``warm``: it may
+    start as a fork of a warm server (see the module's docstring); False: always a fresh
+    interpreter (``--cold``)."""
 
     key: str
     argv: tuple[str, ...]
     cwd: str
     log: str | None = None
+    warm: bool = True
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "argv": list(self.argv)}
@@ -87,7 +89,7 @@ class Job:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Job:
         return cls(str(data["key"]), tuple(str(a) for a in data["argv"]), str(data["cwd"]),
-                   data.get("log"))
+                   data.get("log"), data.get("warm") is not False)
 
 
 class Runner(Protocol):
@@ -144,7 +146,7 @@ def _spawn(job: Job, err: IO[bytes], pool: WarmPool | None) -> Any:
     """The job's process: a fork of the pool's warm server when it can be one (a server
     that has gone away leaves the job to start cold), else a fresh one."""
     argv = command_of(job.argv)
-    if pool is not None:
+    if pool is not None and job.warm:
         with contextlib.suppress(OSError):
             child = pool.start(argv, cwd=job.cwd, stderr=err)
             if child is not None:
@@ -183,14 +185,14 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "(it printed nothing)"
 
 
-def run_inline(jobs: Sequence[Job], parallel: int, on_done: OnDone | None = None, *,
-               warm: bool = False) -> list[Record]:
+def run_inline(jobs: Sequence[Job], parallel: int, on_done: OnDone | None = None
+               ) -> list[Record]:
     """Run ``jobs`` here, ``parallel`` child processes at a time; their records in the
-    jobs' order. ``warm``: through a fork server that has imported deja and the SDKs
-    once (:data:`WARM_MODULES`), instead of a fresh interpreter per job."""
+    jobs' order. Warm jobs start through one fork server that has imported deja and the
+    SDKs once (:func:`warm_pool`), the others as fresh interpreters."""
     records: list[Record | None] = [None] * len(jobs)
     with contextlib.ExitStack() as stack:
-        server = stack.enter_context(_warm_pool()) if warm and jobs else None
+        server = stack.enter_context(warm_pool()) if any(j.warm for j in jobs) else None
         pool = stack.enter_context(ThreadPoolExecutor(max_workers=max(1, parallel),
                                                       thread_name_prefix="deja-suite"))
         futures = {pool.submit(run_job, job, pool=server): n for n, job in enumerate(jobs)}
@@ -203,8 +205,9 @@ def run_inline(jobs: Sequence[Job], parallel: int, on_done: OnDone | None = None
 
 
 @contextlib.contextmanager
-def _warm_pool() -> Iterator[WarmPool | None]:
-    """A fork server for a suite's jobs, or None when it cannot start (they start cold)."""
+def warm_pool() -> Iterator[WarmPool | None]:
+    """A fork server for a suite's jobs (:data:`WARM_MODULES` imported), or None when it
+    cannot start (they start cold)."""
     try:
         server = WarmPool(WARM_MODULES)
     except (OSError, RuntimeError) as exc:
@@ -217,14 +220,11 @@ def _warm_pool() -> Iterator[WarmPool | None]:
 
 
 def run_jobs(jobs: Sequence[Job], *, parallel: int | None = None, runner: Runner | None = None,
-             on_done: OnDone | None = None, warm: bool = True) -> list[Record]:
+             on_done: OnDone | None = None) -> list[Record]:
     """Run ``jobs`` (``parallel`` at a time; default: one per CPU) with ``runner``, or
-    here (:func:`run_inline`, ``warm`` unless told otherwise); their records, in the
-    jobs' order."""
+    here (:func:`run_inline`); their records, in the jobs' order."""
     width = parallel or os.cpu_count() or 1
-    if runner is not None:
-        return runner(jobs, width, on_done)
-    return run_inline(jobs, width, on_done, warm=warm)
+    return (runner or run_inline)(jobs, width, on_done)
 
 
 # --------------------------------------------------------------------------- verdicts

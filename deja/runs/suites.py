@@ -19,6 +19,7 @@ workflow of the engine, run by whichever ``deja worker`` takes it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -32,7 +33,8 @@ from deja.runs.errors import DatabaseUnavailable
 from deja.runs.locks import DEAD_AFTER, WorkerStopping
 from deja.runs.output import Children
 from deja.runs.spec import _command
-from replayer.suite import Job, OnDone, Record, run_job
+from recorder.harness.warm_pool import WarmPool
+from replayer.suite import Job, OnDone, Record, run_job, warm_pool
 
 log = logging.getLogger("deja.runs")
 
@@ -165,22 +167,42 @@ def _record_of(key: str, state: dict[str, Any]) -> Record:
 
 
 class JobStep:
-    """The engine's suite-job step on a worker: run the job, return its record."""
+    """The engine's suite-job step on a worker: run the job, return its record. Warm jobs
+    start as forks of one fork server the worker starts with its first such job and keeps
+    until it stops (:func:`replayer.suite.warm_pool`)."""
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
         self.stopping = threading.Event()
         self.children = Children()
+        self._pools = contextlib.ExitStack()
+        self._pool: WarmPool | None = None
+        self._pool_tried = False
+        self._pool_lock = threading.Lock()
 
     def __call__(self, job: dict[str, Any]) -> dict[str, Any]:
         if self.stopping.is_set():
             raise WorkerStopping
-        record = run_job(Job.from_dict(job), started=self.children.add)
+        task = Job.from_dict(job)
+        record = run_job(task, started=self.children.add,
+                         pool=self._warm() if task.warm else None)
         if self.stopping.is_set():  # cut short by the stop: the next worker runs it again
             raise WorkerStopping
         return {**record, "worker": self.worker_id}
 
+    def _warm(self) -> WarmPool | None:
+        """The worker's fork server, started once (None: it could not start)."""
+        with self._pool_lock:
+            if not self._pool_tried and not self.stopping.is_set():
+                self._pool_tried = True
+                self._pool = self._pools.enter_context(warm_pool())
+            return self._pool
+
     def stop(self) -> None:
-        """Stop the jobs running here (their workflows stay pending)."""
+        """Stop the jobs running here (their workflows stay pending), then the fork
+        server."""
         self.stopping.set()
         self.children.stop()
+        with self._pool_lock:
+            self._pool = None
+            self._pools.close()

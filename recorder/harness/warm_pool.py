@@ -22,6 +22,7 @@ import contextlib
 import importlib
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -29,6 +30,8 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -51,14 +54,38 @@ class WarmPool:
     def __init__(self, preload: Sequence[str], *, timeout: float = 120.0) -> None:
         self._folder = tempfile.TemporaryDirectory(prefix="deja-warm-")
         self.path = str(Path(self._folder.name) / "fork.sock")
-        code = "from recorder.harness.warm_pool import serve; serve()"
-        self._server = subprocess.Popen(
-            [sys.executable, "-c", code, self.path, *preload], stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, preexec_fn=preexec())
+        self._closed = threading.Event()
+        self._server = self._spawn(preload)
         assert self._server.stdout is not None
         if not _ready(self._server.stdout, timeout):
             self.close()
             raise RuntimeError("the fork server did not start")
+
+    def _spawn(self, preload: Sequence[str]) -> subprocess.Popen[bytes]:
+        """The server, started from a thread of its own that lives until :meth:`close`:
+        a parent-death signal fires when the *thread* that started a child ends, and a
+        caller's thread (a worker's step) may end long before the pool does."""
+        code = "from recorder.harness.warm_pool import serve; serve()"
+        started: list[subprocess.Popen[bytes] | BaseException] = []
+        ready = threading.Event()
+
+        def keep() -> None:
+            try:
+                started.append(subprocess.Popen(
+                    [sys.executable, "-c", code, self.path, *preload],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, preexec_fn=preexec()))
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                started.append(exc)
+            finally:
+                ready.set()
+            self._closed.wait()
+
+        threading.Thread(target=keep, name="deja-warm-server", daemon=True).start()
+        ready.wait()
+        if isinstance(started[0], BaseException):
+            self._folder.cleanup()
+            raise started[0]
+        return started[0]
 
     def start(self, argv: Sequence[str], *, cwd: str, stderr: int | IO[bytes],
               env: dict[str, str] | None = None) -> WarmChild | None:
@@ -80,6 +107,7 @@ class WarmPool:
                 self._server.wait()
         if self._server.stdout is not None:
             self._server.stdout.close()
+        self._closed.set()
         self._folder.cleanup()
 
     def __enter__(self) -> WarmPool:
@@ -105,6 +133,7 @@ class WarmChild:
                  env: dict[str, str]) -> None:
         self.args = list(argv)
         self.returncode: int | None = None
+        self._reading = threading.Lock()
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._buffer = b""
         request = json.dumps({"argv": self.args, "cwd": cwd, "env": env}).encode()
@@ -136,9 +165,14 @@ class WarmChild:
         return out, None
 
     def _message(self, timeout: float | None) -> dict[str, Any]:
-        """The server's next message (ConnectionError if it went away)."""
-        self._conn.settimeout(timeout)
+        """The server's next message (TimeoutError when none came within ``timeout``,
+        ConnectionError if the server went away). The socket is only ever read with
+        :attr:`_reading` held, and its own timeout is never changed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self._buffer:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._conn], [], [], left)[0]:
+                raise TimeoutError
             chunk = self._conn.recv(4096)
             if not chunk:
                 raise ConnectionError("the fork server went away")
@@ -148,15 +182,23 @@ class WarmChild:
         return found
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.returncode is None:
-            try:
-                self.returncode = int(self._message(timeout)["exit"])
-            except TimeoutError:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
-            except (ConnectionError, OSError, ValueError):
-                self.returncode = -int(signal.SIGKILL)  # the server died: so did its forks
-            self._conn.close()
-        return self.returncode
+        """Its exit status, once it has ended (``subprocess.TimeoutExpired`` after
+        ``timeout``). Safe from several threads at once (a worker polls its children
+        while each job's thread waits for its own)."""
+        if not self._reading.acquire(timeout=-1 if timeout is None else timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        try:
+            if self.returncode is None:
+                try:
+                    self.returncode = int(self._message(timeout)["exit"])
+                except TimeoutError:
+                    raise subprocess.TimeoutExpired(self.args, timeout or 0) from None
+                except (ConnectionError, OSError, ValueError, KeyError):
+                    self.returncode = -int(signal.SIGKILL)  # the server died: so did its forks
+                self._conn.close()
+            return self.returncode
+        finally:
+            self._reading.release()
 
     def poll(self) -> int | None:
         with contextlib.suppress(subprocess.TimeoutExpired):

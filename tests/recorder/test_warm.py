@@ -188,3 +188,57 @@ def test_a_program_dies_with_its_fork_server(tmp_path: Path) -> None:
         child.stdout.close()
     finally:
         server.close()
+
+
+def test_a_pool_outlives_the_thread_that_started_it(tmp_path: Path) -> None:
+    """A worker starts its pool in the thread of its first job, which may end first; a
+    parent-death signal tied to that thread would stop the server with it."""
+    import threading
+
+    made: list[WarmPool] = []
+    ids: list[int] = []
+    starter = threading.Thread(target=lambda: (ids.append(threading.get_native_id()),
+                                               made.append(WarmPool([]))))
+    starter.start()
+    starter.join()
+    server = made[0]
+    try:
+        script = tmp_path / "ok.py"
+        script.write_text("print('still here')\n")
+        # the starting thread is gone from the OS too: a death signal would be sent by now
+        _wait_for(lambda: not Path(f"/proc/self/task/{ids[0]}").exists(), "the thread's end")
+        with pytest.raises(subprocess.TimeoutExpired):  # still running, as it must be
+            server._server.wait(0.5)
+        code, out, _ = _run(server, [sys.executable, str(script)], tmp_path)
+        assert (code, out) == (0, "still here\n")
+    finally:
+        server.close()
+
+
+def test_polling_from_another_thread_does_not_disturb_the_waiting_one(
+        pool, tmp_path: Path) -> None:
+    """A worker polls the children it runs (to forget those that ended) while each job's
+    thread waits for its own: neither may take the other's answer."""
+    import threading
+
+    server, _ = pool
+    script = tmp_path / "slowish.py"
+    script.write_text("import sys, time\ntime.sleep(0.5)\nsys.exit(7)\n")
+    child = server.start([sys.executable, str(script)], cwd=str(tmp_path), stderr=2)
+    assert child is not None
+    seen: list[int | None] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            seen.append(child.poll())
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    try:
+        child.communicate()
+    finally:
+        stop.set()
+        poller.join()
+    assert child.returncode == 7
+    assert set(seen) <= {None, 7} and None in seen
