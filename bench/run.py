@@ -9,13 +9,15 @@ median of several samples taken in this run; ratios are computed from medians of
 Exits 0 whatever the results: benchmarks are not tests; failed targets are printed as FAIL.
 
 Measurements (``--only`` names): replay, overhead, ttft, size, resume, load (loading a
-10,000-line cassette), memory (peak memory of a 2,000-call replay), viewer (the viewer's first
-paint in headless Chromium, which needs Debian's chromium: ``make chromium``), proxy (what
-``deja proxy`` adds to a call, at 1, 32 and 200 concurrent clients), openai (replay per call
-of the openai SDK's Chat Completions and Responses, JSON and streamed, beside the anthropic
-SDK's), runs (``POST /runs`` to a run id with the embedded SQLite default and with Postgres,
-beside the engine's own enqueue, and ``deja submit`` as a fresh process), suite (``deja
-suite`` over 100 unchanged incidents, inline and on a ``deja worker``).
+10,000-line cassette), memory (peak memory of a 2,000-call replay), viewer (the viewer's
+first paint in headless Chromium, which needs Debian's chromium: ``make chromium``), proxy
+(what ``deja proxy`` adds to a call, at 1, 32 and 200 concurrent clients, on a paced stream,
+its throughput frontier and memory, each beside a bare forwarder on the same server stack),
+openai (replay per call of the openai SDK's Chat Completions and Responses, JSON and
+streamed, beside the anthropic SDK's), runs (``POST /runs`` to a run id with the embedded
+SQLite default and with Postgres, beside the engine's own enqueue, and ``deja submit`` as a
+fresh process), suite (``deja suite`` over 100 unchanged incidents, inline and on a ``deja
+worker``).
 """
 
 from __future__ import annotations
@@ -455,78 +457,164 @@ def rows_memory(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     return rows, notes, fails
 
 
-def rows_proxy(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+def _mib(x: float | None) -> str:
+    return f"{x:.1f}" if x is not None else "?"
+
+
+def _cpu(m: dict[str, Any]) -> str:
+    c, f = m.get("proxy_cpu_ms_per_call"), m.get("forwarder_cpu_ms_per_call")
+    if c is None:
+        return ""
+    return f"; CPU per call: proxy {c:.2f} ms" + (f", forwarder {f:.2f} ms" if f else "")
+
+
+def _fwd(m: dict[str, Any], key: str = "added_ms") -> str:
+    """The bare forwarder's added time (``key``) in ``m``, signed."""
+    return f"{m['forwarder_vs_direct'][key]:+.3f} ms"
+
+
+def rows_proxy_one(r: dict[str, Any]) -> tuple[list[Row], list[str]]:
+    """The proxy at one client: a JSON call's added p50/p99, a stream's first event, a paced
+    stream's first event and inter-frame gaps; each beside the bare forwarder."""
     rows: list[Row] = []
     fails: list[str] = []
     j, s = r["json"]["1"], r["sse"]["1"]
-
-    def cpu(m: dict[str, Any]) -> str:
-        c = m.get("proxy_cpu_ms_per_call")
-        return f"; proxy CPU {c:.2f} ms/call" if c is not None else ""
-
     ok = j["added_ms"] <= 0.5
     fc = j["first_call"]
     rows.append((
-        f"Proxy overhead per call, JSON, 1 client (N={j['proxied']['n']})",
-        f"{j['added_ms']:+.3f} ms ({_fmt_ms(j['proxied']['median_ms'])} vs direct "
-        f"{_fmt_ms(j['direct']['median_ms'])}, {j['ratio']:.2f}x)",
-        f"direct to the stub {_fmt_ms(j['direct']['median_ms'])}; p95 "
-        f"{_fmt_ms(j['proxied']['p95_ms'])} vs {_fmt_ms(j['direct']['p95_ms'])}; first call "
-        f"of a run {fc['proxied']['median_ms'] - fc['direct']['median_ms']:+.2f} ms{cpu(j)}",
-        "<= +0.5 ms", _verdict(ok, f"{j['added_ms']:+.3f} ms")))
+        f"Proxy added latency, JSON, 1 client (N={j['proxied']['n']})",
+        f"p50 {j['added_ms']:+.3f} ms, p99 {j['added_p99_ms']:+.3f} ms "
+        f"({_fmt_ms(j['proxied']['median_ms'])} vs direct {_fmt_ms(j['direct']['median_ms'])})",
+        f"bare forwarder p50 {_fwd(j)}, p99 {_fwd(j, 'added_p99_ms')}; direct p99 "
+        f"{_fmt_ms(j['direct']['p99_ms'])}; first call of a run "
+        f"{fc['proxied']['median_ms'] - fc['direct']['median_ms']:+.2f} ms{_cpu(j)}",
+        "<= +0.5 ms p50, p99 published", _verdict(ok, f"{j['added_ms']:+.3f} ms")))
     if not ok:
-        fails.append(f"proxy adds {j['added_ms']:.3f} ms per JSON call (> 0.5 ms): "
-                     f"{j['proxied']['median_ms']:.3f} vs {j['direct']['median_ms']:.3f} ms")
+        fails.append(f"proxy adds {j['added_ms']:.3f} ms per JSON call at p50 (> 0.5 ms; the "
+                     f"bare forwarder adds {j['forwarder_vs_direct']['added_ms']:.3f} ms)")
     ok = s["added_ms"] <= 1.0
     st = s["stream_total"]
     rows.append((
         f"Proxy time to first SSE event, 1 client (N={s['proxied']['n']})",
         f"{s['added_ms']:+.3f} ms ({_fmt_ms(s['proxied']['median_ms'])} vs direct "
         f"{_fmt_ms(s['direct']['median_ms'])})",
-        f"whole stream {_fmt_ms(st['proxied']['median_ms'])} vs direct "
-        f"{_fmt_ms(st['direct']['median_ms'])} ({st['added_ms']:+.2f}){cpu(s)}",
-        "<= +1 ms", _verdict(ok, f"{s['added_ms']:+.3f} ms")))
+        f"bare forwarder {_fwd(s)}; whole stream {st['added_ms']:+.2f} ms (forwarder "
+        f"{_fwd(st)}){_cpu(s)}", "<= +1 ms", _verdict(ok, f"{s['added_ms']:+.3f} ms")))
     if not ok:
         fails.append(f"proxy adds {s['added_ms']:.3f} ms to the first SSE event (> 1 ms)")
+    pc = r.get("paced")
+    if pc:
+        t, g = pc["ttft"], pc["gaps"]
+        ok = t["added_ms"] <= 1.0 and g["added_p99_ms"] <= 1.0
+        rows.append((
+            f"Proxy on a paced stream ({pc['pace_ms']} ms between events, "
+            f"N={t['proxied']['n']} streams)",
+            f"first event {t['added_ms']:+.3f} ms; inter-frame p50 {g['added_ms']:+.3f} ms, "
+            f"p99 {g['added_p99_ms']:+.3f} ms",
+            f"bare forwarder: first event {_fwd(t)}, inter-frame p50 {_fwd(g)}, p99 "
+            f"{_fwd(g, 'added_p99_ms')}; direct inter-frame p50 "
+            f"{_fmt_ms(g['direct']['median_ms'])}, p99 {_fmt_ms(g['direct']['p99_ms'])}",
+            "<= +1 ms first event, <= +1 ms inter-frame p99",
+            _verdict(ok, f"{t['added_ms']:+.2f} / {g['added_p99_ms']:+.2f} ms")))
+        if not ok:
+            fails.append(f"proxy on a paced stream: first event {t['added_ms']:+.2f} ms, "
+                         f"inter-frame p99 {g['added_p99_ms']:+.2f} ms (> 1 ms)")
+    return rows, fails
+
+
+def rows_proxy_load(r: dict[str, Any]) -> tuple[list[Row], list[str]]:
+    """The proxy under load: 32 and 200 clients against direct's throughput and p95, the
+    throughput frontier, and its memory; each beside the bare forwarder."""
+    rows: list[Row] = []
+    fails: list[str] = []
     for kind, label in (("json", "JSON per call"), ("sse", "first SSE event")):
         for n, m in r[kind].items():
             if n == "1":
                 continue
-            d, p = m["direct"], m["proxied"]
-            ok = p["errors"] == 0
-            added = f", {m['added_ms']:+.1f} ms" if "added_ms" in m else ""
+            d, p, f = m["direct"], m["proxied"], m["forwarder"]
+            share = p.get("calls_per_s", 0) / d["calls_per_s"] if d.get("calls_per_s") else 0
+            tail = p.get("p95_ms", 0) / d["p95_ms"] if d.get("p95_ms") else float("inf")
+            ok = p["errors"] == 0 and share >= 0.9 and tail <= 2.0
             rows.append((
                 f"Proxy, {label}, {n} concurrent clients (N={p['n']})",
-                f"median {_fmt_ms(p.get('median_ms', 0))} (p95 {_fmt_ms(p.get('p95_ms', 0))})"
-                f"{added}; {p['errors']} errors; {p.get('calls_per_s', 0):.0f} calls/s",
-                f"direct median {_fmt_ms(d.get('median_ms', 0))} (p95 "
-                f"{_fmt_ms(d.get('p95_ms', 0))}); {d['errors']} errors; "
-                f"{d.get('calls_per_s', 0):.0f} calls/s{cpu(m)}",
-                "0 errors", _verdict(ok, f"{p['errors']} errors")))
+                f"{p.get('calls_per_s', 0):.0f} calls/s ({share:.0%} of direct); median "
+                f"{_fmt_ms(p.get('median_ms', 0))}, p95 {_fmt_ms(p.get('p95_ms', 0))} "
+                f"({tail:.1f}x direct); {p['errors']} errors",
+                f"direct {d.get('calls_per_s', 0):.0f} calls/s, median "
+                f"{_fmt_ms(d.get('median_ms', 0))}, p95 {_fmt_ms(d.get('p95_ms', 0))}; bare "
+                f"forwarder {f.get('calls_per_s', 0):.0f} calls/s, p95 "
+                f"{_fmt_ms(f.get('p95_ms', 0))}{_cpu(m)}",
+                ">= 90% of direct calls/s, p95 <= 2x direct, 0 errors",
+                _verdict(ok, f"{share:.0%}, {tail:.1f}x, {p['errors']} errors")))
             if not ok:
-                fails.append(f"proxy, {kind} at {n} concurrent clients: {p['errors']} errors "
-                             f"(direct: {d['errors']})")
+                fails.append(f"proxy, {kind} at {n} clients: {share:.0%} of direct's calls/s, "
+                             f"p95 {tail:.1f}x direct's, {p['errors']} errors")
+    fr = r.get("frontier")
+    if fr:
+        fits = {b: fr[f"p99_{b}ms"] for b in fr["bounds_ms"]}
+
+        def cell(kind: str) -> str:
+            return " / ".join(f"{fits[b][kind]['calls_per_s']:.0f}" for b in fits)
+
+        share = [fits[b]["proxied"]["calls_per_s"] / fits[b]["direct"]["calls_per_s"]
+                 if fits[b]["direct"]["calls_per_s"] else 0.0 for b in fits]
+        ok = all(x >= 0.9 for x in share)
+        bounds = " / ".join(str(b) for b in fits)
+        rows.append((
+            f"Proxy throughput frontier, JSON: calls/s with p99 <= {bounds} ms",
+            f"{cell('proxied')} calls/s",
+            f"direct {cell('direct')}; bare forwarder {cell('forwarder')} (clients "
+            f"{', '.join(fr['levels'])})", ">= 90% of direct at each bound",
+            _verdict(ok, " / ".join(f"{x:.0%}" for x in share))))
+        if not ok:
+            fails.append(f"proxy throughput frontier (p99 <= {bounds} ms): "
+                         f"{cell('proxied')} calls/s against direct's {cell('direct')}")
+        rss = fr["rss_mib"]
+        rows.append((
+            "Proxy memory (RSS) idle / steady / after load",
+            " / ".join(_mib(rss[k]["proxied"]) for k in ("idle", "steady", "after_load"))
+            + " MiB",
+            "bare forwarder " + " / ".join(_mib(rss[k]["forwarder"])
+                                           for k in ("idle", "steady", "after_load")) + " MiB",
+            "-", "info"))
+    return rows, fails
+
+
+def rows_proxy(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+    one, fails = rows_proxy_one(r)
+    load, more = rows_proxy_load(r)
+    j = r["json"]["1"]
+    fr = r.get("frontier", {})
+    many = r["json"].get("32", {})
     notes = [
         f"proxy: `python -m deja proxy --port 0 --ready-file F --upstream STUB --dir TMP` "
-        "(record mode, default guards, fsync='turn', a log line per request), a fresh process "
-        "per section, in front of the stub (`deja stub`, a ThreadingHTTPServer, in a process of "
-        "its own); direct = the same calls to the stub. Conversations of "
-        f"{r['turns']} calls with growing history (a run and its cassette per conversation, "
-        "every cassette checked to be there). JSON: anthropic SDK messages.create, tools "
-        "alternating; SSE: the same conversations streamed, sent with httpx2, first event = "
-        "request start -> first chunk with `event:` bytes (stub events "
-        f"{r['event_delay_ms']} ms apart), each stream read to its end. 1 client: sync, blocks "
-        f"of {j['calls_per_block']} calls, direct and proxied alternating, rotated each round, "
-        f"{j['rounds']} rounds after a warm-up block each. 32 and 200 clients: one asyncio "
-        "loop (AsyncAnthropic / httpx2.AsyncClient, connection limit above the clients), each "
-        f"client {r['json']['32']['conversations_per_client'] if '32' in r['json'] else '?'} "
+        "(record mode, default guards, fsync='turn', a log line per request) and the bare "
+        "forwarder (bench/proxy_forwarder.py: the same uvicorn + httptools + uvloop stack, "
+        "header guard and pooled aiohttp client, forwarding bytes with no run, no cassette, "
+        "no guard, no log), a fresh pair per section, in front of the stub (`deja stub`, a "
+        "ThreadingHTTPServer, in a process of its own); direct = the same calls to the stub. "
+        f"Conversations of {r['turns']} calls with growing history (a run and its cassette "
+        "per conversation, every cassette checked to be there). JSON: anthropic SDK "
+        "messages.create, tools alternating; SSE: the same conversations streamed, sent with "
+        "httpx2, first event = request start -> first chunk with `event:` bytes (stub events "
+        f"{r['event_delay_ms']} ms apart), each stream read to its end; paced: events "
+        f"{r.get('paced', {}).get('pace_ms', '?')} ms apart, inter-frame = the gap between "
+        "two reads holding events. 1 client: sync, blocks "
+        f"of {j['calls_per_block']} calls, direct, forwarder and proxied alternating, rotated "
+        f"each round, {j['rounds']} rounds after a warm-up block each. 32 and 200 clients: one "
+        "asyncio loop (AsyncAnthropic / httpx2.AsyncClient, connection limit above the "
+        f"clients), each client {many.get('conversations_per_client', '?')} "
         "conversations one call after another after one untimed call; "
-        f"{r['json']['32']['rounds'] if '32' in r['json'] else '?'} rounds alternating. "
-        "max_retries=0: every failure counts. Medians and p95 over every call; added = "
-        "difference of medians; proxy CPU = the proxy process's user+system time over its "
-        "blocks / calls (includes work done after a response was sent). All three processes "
-        f"share this machine's {os.cpu_count()} CPUs."]
-    return rows, notes, fails
+        f"{many.get('rounds', '?')} rounds alternating. "
+        "Frontier: the same at "
+        f"{', '.join(fr.get('levels', {})) or '?'} clients, one proxy and forwarder for the "
+        "sweep, per bound the most calls/s of a level whose p99 is within it. Memory: VmRSS "
+        "of that proxy listening (idle), after the first level (steady), after the last. "
+        "max_retries=0: every failure counts. Added = difference of medians (p99: of p99s); "
+        "CPU per call = the process's user+system time over its blocks / calls (the proxy's "
+        "includes work done after a response was sent). All four processes share this "
+        f"machine's {os.cpu_count()} CPUs."]
+    return one + load, notes, fails + more
 
 
 def rows_runs(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
@@ -570,15 +658,19 @@ def rows_suite(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     limit = 60.0 * n / 100
     rows: list[Row] = []
     fails: list[str] = []
-    for key, label in (("inline", f"inline, -j {cpus}"), ("workers", "on 1 deja worker")):
+    for key, label in (("inline", f"inline, -j {cpus}"), ("workers", "on 1 deja worker"),
+                       ("cold", f"inline, -j {cpus}, --cold")):
+        if key not in r:
+            continue
         m = r[key]
-        ok = m["seconds"] < limit
+        ok = m["seconds"] < limit or key == "cold"
         rows.append((f"Incident suite, {n} unchanged incidents, {label}",
                      f"{m['seconds']:.1f} s ({m['seconds'] / n:.2f} s per incident; one "
                      f"incident {m['incident_median_s']:.2f} s in the suite)",
                      f"one deja replay {r['replay_s']:.2f} s, x {n} / {cpus} CPUs = "
                      f"{r['replay_s'] * n / cpus:.1f} s; python -c pass {r['python_s']:.3f} s",
-                     f"< {limit:.0f} s", _verdict(ok, f"{m['seconds']:.1f} s")))
+                     "-" if key == "cold" else f"< {limit:.0f} s",
+                     "info" if key == "cold" else _verdict(ok, f"{m['seconds']:.1f} s")))
         if not ok:
             fails.append(f"suite {label}: {n} incidents in {m['seconds']:.1f} s (> {limit:.0f} s)")
     notes = [
@@ -587,8 +679,10 @@ def rows_suite(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         "commands, all identical; `python -m deja suite incidents --json` timed from start to "
         "exit, inline (one job per CPU) and with one `deja worker` up on the embedded SQLite "
         "database (each incident a workflow on the suite's queue). Each incident is a job "
-        "process that replays the program as a child under deja's bootstrap: the anchor is "
-        "one `deja replay` of one incident, as a fresh process."]
+        "that replays the program as a child under deja's bootstrap; both start warm, as "
+        "forks of one fork server that imported deja and the SDKs once (the worker keeps "
+        "its own). The --cold row starts a fresh interpreter for each, as one `deja replay` "
+        "of one incident does (the anchor)."]
     return rows, notes, fails
 
 
@@ -621,7 +715,9 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
                 "load": {"lines": 2000, "repeats": 3, "rewind_repeats": 1},
                 "memory": {"calls": 400},
                 "viewer": {"steps": 2000, "loads": 3, "runs": 2000, "repeats": 5},
-                "proxy": {"calls": 100, "block": 25, "convs_per_client": 1, "conc_rounds": 1},
+                "proxy": {"calls": 100, "block": 25, "convs_per_client": 1, "conc_rounds": 1,
+                          "frontier_levels": (1, 8), "frontier_calls": 100,
+                          "paced_streams": 20},
                 "runs": {"n": 20, "cli_n": 3},
                 "suite": {"n": 20, "repeats": 1}}
     return {"replay": {"small": 200, "large": 2000, "repeats": 5, "vcr_repeats": 1,

@@ -8,7 +8,9 @@ under other names (a copy keeps its signature: its bytes are unchanged). Then, i
 throwaway DEJA_HOME:
 
 - ``python -m deja suite incidents --inline`` (one job per CPU), timed from the command's
-  start to its exit, every incident checked ``identical``;
+  start to its exit, every incident checked ``identical``: incidents start warm (forks of
+  one process that imported deja and the SDKs once), and again with ``--cold`` (a fresh
+  interpreter per incident and per program);
 - the same with one ``deja worker -j <CPUs>`` up on the embedded SQLite database (no
   flag: the suite finds it), each incident a workflow on the suite's queue;
 - anchors: one ``python -m deja replay`` of one incident, as a fresh process (the cost of
@@ -137,7 +139,8 @@ def run(n: int = 100, repeats: int = 3) -> dict[str, Any]:
         distinct = _incidents(project, env, n)
         anchors = _anchors(project, env, repeats)
         inline = _timed_suite(project, env, "--inline")
+        cold = _timed_suite(project, env, "--inline", "--cold")
         with _worker(project, env, cpus):
             workers = _timed_suite(project, env)
-    return {"n": n, "cpus": cpus, "distinct": distinct, "inline": inline,
+    return {"n": n, "cpus": cpus, "distinct": distinct, "inline": inline, "cold": cold,
             "workers": workers, **anchors}
