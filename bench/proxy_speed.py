@@ -55,9 +55,13 @@ import workloads as w
 TURNS = 5  # model calls per conversation
 EVENT_DELAY_MS = 1  # between the stub's SSE events, so the first one travels alone
 STREAM_MARK = "stream me"
+PACED_MARK = "pace me"  # a stream whose events come PACE_MS apart (bench/proxy_gateway.py)
+PACE_MS = 10
 # 12 words -> 4 text deltas; 10 events per stream (message_start ... message_stop).
 STREAM_TEXT = "one two three four five six seven eight nine ten eleven twelve"
 PROXY_CMD = ["-m", "deja", "proxy"]  # after the interpreter (and cProfile, when profiled)
+FORWARDER = Path(__file__).resolve().parent / "proxy_forwarder.py"
+KINDS = ("direct", "forwarder", "proxied")  # the same calls: to the stub, through each
 HEADERS = {"x-api-key": w.API_KEY, "anthropic-version": "2023-06-01",
            "content-type": "application/json", "accept": "application/json"}
 
@@ -65,7 +69,9 @@ HEADERS = {"x-api-key": w.API_KEY, "anthropic-version": "2023-06-01",
 def script() -> dict[str, Any]:
     """The agent turns for JSON conversations; a rule streams text to the SSE ones."""
     s = w.agent_script(TURNS)
-    s["rules"] = [{"when": {"last_user_contains": STREAM_MARK}, "text": STREAM_TEXT,
+    s["rules"] = [{"when": {"last_user_contains": PACED_MARK}, "text": STREAM_TEXT,
+                   "event_delay_ms": PACE_MS},
+                  {"when": {"last_user_contains": STREAM_MARK}, "text": STREAM_TEXT,
                    "event_delay_ms": EVENT_DELAY_MS}]
     return s
 
@@ -126,6 +132,16 @@ class ProxyProc:
             return None
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
+    def rss_mib(self) -> float | None:
+        """The process's resident memory now, in MiB (Linux only)."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return None
+
     def health(self) -> dict[str, Any]:
         with httpx2.Client(timeout=10) as c:
             return dict(c.get(self.url + "/_deja/health").json())
@@ -154,6 +170,34 @@ def proxy_process(d: Path, upstream: str, name: str,
             raise RuntimeError(f"deja proxy exited with {code}:\n{log.read_text()[-3000:]}")
 
 
+@contextlib.contextmanager
+def forwarder_process(d: Path, upstream: str, name: str) -> Iterator[ProxyProc]:
+    """The bare forwarder (``bench/proxy_forwarder.py``: the proxy's server stack without
+    deja) in front of ``upstream``."""
+    work = d / name
+    work.mkdir()
+    ready, log = work / "ready.json", work / "forwarder.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, str(FORWARDER), "--port", "0",
+                                 "--ready-file", str(ready), "--upstream", upstream],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=work)
+    p = ProxyProc(proc, "", work, log)
+    try:
+        p.url = json.loads(_wait_file(ready, proc, log, "the bare forwarder"))["url"]
+        yield p
+    finally:
+        _stop(proc)
+
+
+@contextlib.contextmanager
+def middles(d: Path, stub: str, name: str, profile: Path | None = None
+            ) -> Iterator[dict[str, ProxyProc]]:
+    """A fresh ``deja proxy`` and a fresh bare forwarder, both in front of the stub."""
+    with forwarder_process(d, stub, f"{name}-fwd") as f, \
+            proxy_process(d, stub, name, profile) as p:
+        yield {"forwarder": f, "proxied": p}
+
+
 # ---------------------------------------------------------------------------- statistics
 
 
@@ -163,6 +207,7 @@ def summary(times: list[float], errors: int, wall: float | None = None) -> dict[
     if xs:
         out.update(median_ms=w.ms(statistics.median(xs)), mean_ms=w.ms(statistics.fmean(xs)),
                    p95_ms=w.ms(xs[min(len(xs) - 1, int(0.95 * len(xs)))]),
+                   p99_ms=w.ms(xs[min(len(xs) - 1, int(0.99 * len(xs)))]),
                    min_ms=w.ms(xs[0]))
     if wall:
         out["calls_per_s"] = len(xs) / wall
@@ -174,7 +219,15 @@ def compare(direct: dict[str, Any], proxied: dict[str, Any]) -> dict[str, Any]:
         return {}
     return {"added_ms": proxied["median_ms"] - direct["median_ms"],
             "added_p95_ms": proxied["p95_ms"] - direct["p95_ms"],
+            "added_p99_ms": proxied["p99_ms"] - direct["p99_ms"],
             "ratio": proxied["median_ms"] / direct["median_ms"]}
+
+
+def vs_direct(res: dict[str, Any]) -> dict[str, Any]:
+    """The proxy's figures against direct at the top level (what the rows read), and the
+    bare forwarder's under ``forwarder_vs_direct``."""
+    return {**compare(res["direct"], res["proxied"]),
+            "forwarder_vs_direct": compare(res["direct"], res["forwarder"])}
 
 
 # ---------------------------------------------------------------------------- conversations
@@ -345,22 +398,27 @@ class Counter:
         return self.n - k
 
 
-def _blocks(p: ProxyProc, fns: dict[str, Callable[[], None]], n_rounds: int,
-            calls: Callable[[], int]) -> dict[str, Any]:
-    """Run the blocks (rounds rotated); the proxy's CPU time over its blocks, per call."""
-    cpu: list[float] = []
-    before = {"n": 0}
+def _blocks(procs: dict[str, ProxyProc], fns: dict[str, Callable[[], None]], n_rounds: int,
+            calls: dict[str, Callable[[], int]]) -> dict[str, Any]:
+    """Run the blocks (rounds rotated); the CPU time of the proxy and of the forwarder over
+    their own blocks, per call."""
+    cpu: dict[str, list[float]] = {k: [] for k in procs}
+    counted = {k: 0 for k in procs}
 
-    def proxied() -> None:
-        c0, n0 = p.cpu_s(), calls()
-        fns["proxied"]()
-        c1 = p.cpu_s()
-        if c0 is not None and c1 is not None:
-            cpu.append(c1 - c0)
-            before["n"] += calls() - n0
+    def timed(kind: str) -> Callable[[], None]:
+        def go() -> None:
+            c0, n0 = procs[kind].cpu_s(), calls[kind]()
+            fns[kind]()
+            c1 = procs[kind].cpu_s()
+            if c0 is not None and c1 is not None:
+                cpu[kind].append(c1 - c0)
+                counted[kind] += calls[kind]() - n0
+        return go
 
-    w.run_blocks({"direct": fns["direct"], "proxied": proxied}, n_rounds)
-    return {"proxy_cpu_ms_per_call": w.ms(sum(cpu) / before["n"]) if before["n"] else None}
+    w.run_blocks({k: timed(k) if k in procs else fn for k, fn in fns.items()}, n_rounds)
+    per = {k: w.ms(sum(cpu[k]) / counted[k]) if counted[k] else None for k in procs}
+    return {"proxy_cpu_ms_per_call": per.get("proxied"),
+            "forwarder_cpu_ms_per_call": per.get("forwarder")}
 
 
 def _section_end(p: ProxyProc, expect_runs: int) -> dict[str, Any]:
@@ -379,16 +437,26 @@ def _check_runs(p: ProxyProc, info: dict[str, Any]) -> None:
                            f"{info['conversations']} conversations")
 
 
+def _urls(stub: str, m: dict[str, ProxyProc]) -> dict[str, str]:
+    return {"direct": stub, **{k: p.url for k, p in m.items()}}
+
+
+def _rss(m: dict[str, ProxyProc]) -> dict[str, float | None]:
+    return {k: p.rss_mib() for k, p in m.items()}
+
+
 def json_one(stub: str, d: Path, ids: Counter, calls: int, block: int,
              profile: Path | None = None) -> dict[str, Any]:
     convs_per_block = max(1, block // TURNS)
     n_rounds = max(1, calls // (convs_per_block * TURNS))
-    samples: dict[str, list[float]] = {"direct": [], "proxied": []}
-    firsts: dict[str, list[float]] = {"direct": [], "proxied": []}
+    samples: dict[str, list[float]] = {k: [] for k in KINDS}
+    firsts: dict[str, list[float]] = {k: [] for k in KINDS}
     run_count = 0
-    with proxy_process(d, stub, "json-1", profile) as p:
+    with middles(d, stub, "json-1", profile) as m:
+        p = m["proxied"]
+        rss = {"idle": _rss(m)}
         clients = {k: anthropic.Anthropic(base_url=u, api_key=w.API_KEY, max_retries=0)
-                   for k, u in (("direct", stub), ("proxied", p.url))}
+                   for k, u in _urls(stub, m).items()}
 
         def blockfn(kind: str) -> Callable[[], None]:
             def go() -> None:
@@ -405,14 +473,15 @@ def json_one(stub: str, d: Path, ids: Counter, calls: int, block: int,
             blockfn(kind)()
             samples[kind].clear()
             firsts[kind].clear()
-        cpu = _blocks(p, {k: blockfn(k) for k in samples}, n_rounds,
-                      lambda: len(samples["proxied"]))
-        info = {**_section_end(p, run_count), **cpu}
+        cpu = _blocks(m, {k: blockfn(k) for k in samples}, n_rounds,
+                      {k: (lambda k=k: len(samples[k])) for k in m})
+        rss["steady"] = _rss(m)
+        info = {**_section_end(p, run_count), **cpu, "rss_mib": rss}
         for c in clients.values():
             c.close()
     _check_runs(p, info)
     res = {k: summary(v, 0) for k, v in samples.items()}
-    return {**res, **compare(res["direct"], res["proxied"]), **info,
+    return {**res, **vs_direct(res), **info,
             "first_call": {k: summary(v, 0) for k, v in firsts.items()},
             "rounds": n_rounds, "calls_per_block": convs_per_block * TURNS}
 
@@ -420,12 +489,13 @@ def json_one(stub: str, d: Path, ids: Counter, calls: int, block: int,
 def sse_one(stub: str, d: Path, ids: Counter, calls: int, block: int) -> dict[str, Any]:
     convs_per_block = max(1, block // TURNS)
     n_rounds = max(1, calls // (convs_per_block * TURNS))
-    ttft: dict[str, list[float]] = {"direct": [], "proxied": []}
-    total: dict[str, list[float]] = {"direct": [], "proxied": []}
-    firsts: dict[str, list[float]] = {"direct": [], "proxied": []}
+    ttft: dict[str, list[float]] = {k: [] for k in KINDS}
+    total: dict[str, list[float]] = {k: [] for k in KINDS}
+    firsts: dict[str, list[float]] = {k: [] for k in KINDS}
     run_count = 0
-    with proxy_process(d, stub, "sse-1") as p, httpx2.Client(timeout=60) as c:
-        urls = {"direct": stub, "proxied": p.url}
+    with middles(d, stub, "sse-1") as m, httpx2.Client(timeout=60) as c:
+        p = m["proxied"]
+        urls = _urls(stub, m)
 
         def blockfn(kind: str) -> Callable[[], None]:
             def go() -> None:
@@ -441,25 +511,26 @@ def sse_one(stub: str, d: Path, ids: Counter, calls: int, block: int) -> dict[st
             ttft[kind].clear()
             total[kind].clear()
             firsts[kind].clear()
-        cpu = _blocks(p, {k: blockfn(k) for k in ttft}, n_rounds,
-                      lambda: len(ttft["proxied"]))
+        cpu = _blocks(m, {k: blockfn(k) for k in ttft}, n_rounds,
+                      {k: (lambda k=k: len(ttft[k])) for k in m})
         info = {**_section_end(p, run_count), **cpu}
     _check_runs(p, info)
     res = {k: summary(v, 0) for k, v in ttft.items()}
     tot = {k: summary(v, 0) for k, v in total.items()}
-    return {**res, **compare(res["direct"], res["proxied"]), **info,
-            "stream_total": {**tot, **compare(tot["direct"], tot["proxied"])},
+    return {**res, **vs_direct(res), **info,
+            "stream_total": {**tot, **vs_direct(tot)},
             "first_call": {k: summary(v, 0) for k, v in firsts.items()},
             "rounds": n_rounds, "calls_per_block": convs_per_block * TURNS}
 
 
 def json_many(stub: str, d: Path, ids: Counter, clients: int, convs: int,
               n_rounds: int) -> dict[str, Any]:
-    samples: dict[str, list[float]] = {"direct": [], "proxied": []}
-    errors = {"direct": 0, "proxied": 0}
-    wall = {"direct": 0.0, "proxied": 0.0}
-    with proxy_process(d, stub, f"json-{clients}") as p:
-        urls = {"direct": stub, "proxied": p.url}
+    samples: dict[str, list[float]] = {k: [] for k in KINDS}
+    errors = {k: 0 for k in KINDS}
+    wall = {k: 0.0 for k in KINDS}
+    with middles(d, stub, f"json-{clients}") as m:
+        p = m["proxied"]
+        urls = _urls(stub, m)
 
         def blockfn(kind: str) -> Callable[[], None]:
             def go() -> None:
@@ -470,24 +541,26 @@ def json_many(stub: str, d: Path, ids: Counter, clients: int, convs: int,
                 wall[kind] += secs
             return go
 
-        cpu = _blocks(p, {k: blockfn(k) for k in samples}, n_rounds,
-                      lambda: len(samples["proxied"]))
-        info = {**_section_end(p, n_rounds * clients * (convs + 1)), **cpu}
-    if not any(errors.values()):
+        cpu = _blocks(m, {k: blockfn(k) for k in samples}, n_rounds,
+                      {k: (lambda k=k: len(samples[k])) for k in m})
+        info = {**_section_end(p, n_rounds * clients * (convs + 1)), **cpu,
+                "rss_after_mib": _rss(m)}
+    if not errors["proxied"]:
         _check_runs(p, info)
     res = {k: summary(v, errors[k], wall[k]) for k, v in samples.items()}
-    return {**res, **compare(res["direct"], res["proxied"]), **info, "clients": clients,
+    return {**res, **vs_direct(res), **info, "clients": clients,
             "conversations_per_client": convs, "rounds": n_rounds}
 
 
 def sse_many(stub: str, d: Path, ids: Counter, clients: int, convs: int,
              n_rounds: int) -> dict[str, Any]:
-    ttft: dict[str, list[float]] = {"direct": [], "proxied": []}
-    total: dict[str, list[float]] = {"direct": [], "proxied": []}
-    errors = {"direct": 0, "proxied": 0}
-    wall = {"direct": 0.0, "proxied": 0.0}
-    with proxy_process(d, stub, f"sse-{clients}") as p:
-        urls = {"direct": stub, "proxied": p.url}
+    ttft: dict[str, list[float]] = {k: [] for k in KINDS}
+    total: dict[str, list[float]] = {k: [] for k in KINDS}
+    errors = {k: 0 for k in KINDS}
+    wall = {k: 0.0 for k in KINDS}
+    with middles(d, stub, f"sse-{clients}") as m:
+        p = m["proxied"]
+        urls = _urls(stub, m)
 
         def blockfn(kind: str) -> Callable[[], None]:
             def go() -> None:
@@ -499,30 +572,37 @@ def sse_many(stub: str, d: Path, ids: Counter, clients: int, convs: int,
                 wall[kind] += secs
             return go
 
-        cpu = _blocks(p, {k: blockfn(k) for k in ttft}, n_rounds,
-                      lambda: len(ttft["proxied"]))
+        cpu = _blocks(m, {k: blockfn(k) for k in ttft}, n_rounds,
+                      {k: (lambda k=k: len(ttft[k])) for k in m})
         info = {**_section_end(p, n_rounds * clients * (convs + 1)), **cpu}
-    if not any(errors.values()):
+    if not errors["proxied"]:
         _check_runs(p, info)
     res = {k: summary(v, errors[k], wall[k]) for k, v in ttft.items()}
     tot = {k: summary(v, errors[k], wall[k]) for k, v in total.items()}
-    return {**res, **compare(res["direct"], res["proxied"]), **info, "clients": clients,
-            "stream_total": {**tot, **compare(tot["direct"], tot["proxied"])},
+    return {**res, **vs_direct(res), **info, "clients": clients,
+            "stream_total": {**tot, **vs_direct(tot)},
             "conversations_per_client": convs, "rounds": n_rounds}
 
 
 def run(*, calls: int = 300, block: int = 50, concurrency: tuple[int, ...] = (32, 200),
-        convs_per_client: int = 2, conc_rounds: int = 2) -> dict[str, Any]:
+        convs_per_client: int = 2, conc_rounds: int = 2,
+        frontier_levels: tuple[int, ...] = (1, 4, 16, 64), frontier_calls: int = 400,
+        paced_streams: int = 60) -> dict[str, Any]:
     """Every proxy row's numbers (see the module's docstring)."""
+    import proxy_gateway
+
     ids = Counter()
     out: dict[str, Any] = {"turns": TURNS, "event_delay_ms": EVENT_DELAY_MS, "calls": calls,
                            "json": {}, "sse": {}}
     with w.measurement("proxy"), w.tempdir("proxy") as d, stub_process(d) as stub:
         out["json"]["1"] = json_one(stub, d, ids, calls, block)
         out["sse"]["1"] = sse_one(stub, d, ids, calls, block)
+        out["paced"] = proxy_gateway.paced_sse(stub, d, ids, paced_streams)
         for n in concurrency:
             out["json"][str(n)] = json_many(stub, d, ids, n, convs_per_client, conc_rounds)
             out["sse"][str(n)] = sse_many(stub, d, ids, n, convs_per_client, conc_rounds)
+        out["frontier"] = proxy_gateway.frontier(stub, d, ids, frontier_levels,
+                                                 frontier_calls)
     return out
 
 
