@@ -149,6 +149,12 @@ class Callers:
 
     names: frozenset[str] = frozenset()
     any_address: bool = False
+    # (Host, Origin, Sec-Fetch-Site) values let through before: every request of a client
+    # sends the same ones, so they are checked once (a bounded memo, never a refusal)
+    _passed: dict[tuple[str | None, str | None, str | None], None] = field(
+        default_factory=dict, init=False, compare=False, hash=False, repr=False)
+
+    PASSED_KEPT = 64  # the memo's size
 
     @classmethod
     def of(cls, listen: str, allowed: Iterable[str] = ()) -> Callers:
@@ -169,6 +175,15 @@ class Callers:
 
     def refusal(self, headers: Mapping[str, str]) -> ProxyError | None:
         """Why a request with these (lower-cased) headers is refused; None: it is not."""
+        seen = (headers.get("host"), headers.get("origin"), headers.get("sec-fetch-site"))
+        if seen in self._passed:
+            return None
+        refused = self._refusal(headers)
+        if refused is None and len(self._passed) < self.PASSED_KEPT:
+            self._passed[seen] = None
+        return refused
+
+    def _refusal(self, headers: Mapping[str, str]) -> ProxyError | None:
         given = headers.get("host")
         name = host_name(given) if given is not None else None
         if given is not None and (name is None or not self._ours(name)):

@@ -51,10 +51,12 @@ from deja.proxy.runs import (
     RUN_NAME,
     ProxyRun,
     Registry,
+    Starting,
     conversation_items,
     credential,
     message_keys,
     parse_labels,
+    start_key,
 )
 from recorder.capture.exchange import HttpRequest, RequestReader
 from recorder.errors import (
@@ -111,7 +113,7 @@ class Proxy:
         self.mcp = McpEndpoint(mcp or None, self, max_response=max_response) \
             if mcp is not None else None
         self._reaper: asyncio.Task[None] | None = None
-        self._starting = asyncio.Lock()
+        self._starting = Starting()  # the runs being started, by what could join them
         self.requests = 0
         self.closed = False
 
@@ -345,7 +347,8 @@ class Proxy:
         if run is not None:
             return run
         assert self._new_run is not None
-        async with self._starting:  # one at a time: two requests never start one run twice
+        # two requests never start one run twice; other conversations start theirs at once
+        async with self._starting.of(start_key(who, name, keys if name is None else None)):
             run = self.registry.find(who, name, keys if name is None else None, retry,
                                      previous)
             if run is not None:

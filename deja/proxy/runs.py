@@ -52,13 +52,14 @@ its conversation gives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -72,9 +73,9 @@ from recorder.record import RecordSession
 if TYPE_CHECKING:
     from deja.proxy._then_live import AgentTools, Following
 
-__all__ = ["Dialogue", "Dialogues", "ProxyRun", "Registry", "calls_by_id", "conversation_items",
-           "credential", "message_keys", "parse_labels", "substituted", "tool_calls",
-           "tool_results"]
+__all__ = ["Dialogue", "Dialogues", "ProxyRun", "Registry", "Starting", "calls_by_id",
+           "conversation_items", "credential", "message_keys", "parse_labels", "start_key",
+           "substituted", "tool_calls", "tool_results"]
 
 log = logging.getLogger("deja.proxy")
 
@@ -509,3 +510,39 @@ class Registry:
     def open_runs(self) -> list[ProxyRun]:
         with self._lock:
             return list(self.runs)
+
+
+def start_key(who: str, name: str | None, keys: list[str] | None) -> Hashable:
+    """What two requests that could start (or join) the same new run share: their caller,
+    and the run's name, else the first message of the conversation (a request that extends
+    or repeats another starts with the same one), else nothing more (not a model call)."""
+    if name is not None:
+        return who, "name", name
+    return who, "first", keys[0] if keys else None
+
+
+class Starting:
+    """The runs being started, one lock per :func:`start_key`: two requests that could
+    start the same run take turns (the second finds the first's run), while the first
+    requests of other conversations start theirs at once, their cassettes' headers forced
+    to disk side by side instead of one after another."""
+
+    def __init__(self) -> None:
+        self._locks: dict[Hashable, tuple[asyncio.Lock, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    @contextlib.asynccontextmanager
+    async def of(self, key: Hashable) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key) or (asyncio.Lock(), 0)
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)

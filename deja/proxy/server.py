@@ -230,6 +230,7 @@ def serve(options: ProxyOptions, proxy: Proxy | None = None) -> ServeResult:
                                                    options.max_waiting), loop="uvloop",
                             log_level="warning", access_log=False, server_header=False,
                             date_header=False, backlog=2048, timeout_keep_alive=30,
+                            proxy_headers=False,  # X-Forwarded-*: nothing here reads them
                             # a float is what asyncio.wait_for takes; the hint says int
                             timeout_graceful_shutdown=options.grace)  # type: ignore[arg-type]
     server = uvicorn.Server(config)
