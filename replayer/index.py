@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, cast
 
 from recorder.canonical import digest
 from recorder.cassette import Cassette
+from recorder.cassette.lines import Head, Lines, head_of
 from recorder.cassette.schema import STOPS, Kind
 from recorder.effects import Site
 
@@ -34,88 +35,117 @@ FAMILY: dict[str, str] = {Kind.MODEL: "net", Kind.HTTP: "net", Kind.TOOL: "tool"
                           Kind.INTENT: "tool", Kind.EFFECT: "effect", Kind.MCP: "mcp"}
 
 
-def key_of(obs: Mapping[str, Any]) -> tuple[str, str] | None:
-    kind = obs.get("kind")
-    family = FAMILY.get(kind or "")
+def key_of(head: Head) -> tuple[str, str] | None:
+    family = FAMILY.get(head.kind)
     if family is None:
         return None
     if family == "effect":
-        return family, obs["name"]
-    return family, obs["fp"]
+        return family, str(head.name)
+    return family, str(head.fp)
 
 
 def tool_key(name: str, args_key: Any) -> tuple[str, str]:
     return "tool", digest(["tool", name, args_key])
 
 
+def heads(observations: Sequence[Mapping[str, Any]]) -> Sequence[Head]:
+    """What the index matches ``observations`` on: a loaded cassette's heads as load kept
+    them, or those of lines given whole (a fork's prefix)."""
+    if isinstance(observations, Lines):
+        return observations.heads
+    return [head_of(obs) for obs in observations]
+
+
+class _Lines(Mapping[int, Mapping[str, Any]]):
+    """Seqs by key (an intent's seq -> its outcome's), read as the lines they name."""
+
+    def __init__(self, lines: Sequence[Mapping[str, Any]], seqs: dict[int, int]) -> None:
+        self._lines, self.seqs = lines, seqs
+
+    def __getitem__(self, key: int) -> Mapping[str, Any]:
+        return self._lines[self.seqs[key]]
+
+    def __iter__(self) -> Any:
+        return iter(self.seqs)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
 class Index:
-    """Unused observations by key, plus the first unused one of each family."""
+    """Unused observations by key, plus the first unused one of each family. It keeps
+    seqs; a line is read from the cassette (restored then) when a call takes it."""
 
     def __init__(self, cassette: Cassette) -> None:
         self._lock = threading.Lock()
-        self._queues: dict[tuple[str, str], deque[Mapping[str, Any]]] = {}
+        self._lines: Sequence[Mapping[str, Any]] = cassette.observations
+        self._queues: dict[tuple[str, str], deque[int]] = {}
         # every line of each key, served or not, and each line's key
-        self._recorded: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+        self._recorded: dict[tuple[str, str], list[int]] = {}
         self._key_of: dict[int, tuple[str, str]] = {}
         # model and HTTP lines by their key under the replay policy, once a call needs it
-        self._loose: dict[str, list[Mapping[str, Any]]] | None = None
+        self._loose: dict[str, list[int]] | None = None
         self._loose_of: dict[int, str] = {}
         # effects by (name, file, function) of their call site
-        self._sites: dict[tuple[str, str, str], deque[Mapping[str, Any]]] = {}
-        self._order: dict[str, list[Mapping[str, Any]]] = {"net": [], "tool": [], "effect": [],
-                                                           "mcp": []}
+        self._sites: dict[tuple[str, str, str], deque[int]] = {}
+        self._order: dict[str, list[int]] = {"net": [], "tool": [], "effect": [], "mcp": []}
         self._cursor = {family: 0 for family in self._order}
         self.used: set[int] = set()
         self.total = 0
         # outcome of each side-effect intent, by the intent's seq
-        self.outcomes: dict[int, Mapping[str, Any]] = {}
+        self.outcomes = _Lines(self._lines, {})
         # each refusing control line, with the seqs that come before it and must be used
         self.stops: list[tuple[Mapping[str, Any], list[int]]] = []
         self._stop_next = 0
+        self._add(heads(self._lines))
+
+    def _add(self, found: Iterable[Head]) -> None:
         before: list[int] = []
-        # read by field name across kinds (an outcome's intent, an effect's name)
-        observations: tuple[Mapping[str, Any], ...] = cassette.observations
-        for obs in observations:
-            if obs.get("kind") == Kind.CONTROL and obs.get("event") in STOPS \
-                    and "within" not in obs:
-                self.stops.append((obs, list(before)))
-                before.append(obs["seq"])
+        for head in found:
+            seq, within = head.seq, head.within is not None
+            if head.kind == Kind.CONTROL and head.event in STOPS and not within:
+                self.stops.append((self._lines[seq], list(before)))
+                before.append(seq)
                 self.total += 1
                 continue
-            if "observed" in obs:  # seen at a boundary: its request is matched whole
+            if head.observed:  # seen at a boundary: its request is matched whole
                 continue
-            if (key_of(obs) is not None and "within" not in obs) or obs.get("kind") == Kind.OUTCOME:
-                before.append(obs["seq"])
-            if obs.get("kind") == Kind.OUTCOME and "within" not in obs:
-                self.outcomes[obs["intent"]] = obs
+            key = key_of(head)
+            if (key is not None and not within) or head.kind == Kind.OUTCOME:
+                before.append(seq)
+            if head.kind == Kind.OUTCOME and not within:
+                self.outcomes.seqs[cast(int, head.intent)] = seq
                 self.total += 1
                 continue
-            key = key_of(obs)
-            if key is None or "within" in obs:  # made inside a tool body: served with the tool
+            if key is None or within:  # made inside a tool body: served with the tool
                 continue
-            self._queues.setdefault(key, deque()).append(obs)
-            self._recorded.setdefault(key, []).append(obs)
-            self._key_of[obs["seq"]] = key
-            self._order[key[0]].append(obs)
+            self._queues.setdefault(key, deque()).append(seq)
+            self._recorded.setdefault(key, []).append(seq)
+            self._key_of[seq] = key
+            self._order[key[0]].append(seq)
             self.total += 1
-            site = Site.parse(obs.get("site")) if key[0] == "effect" else None
+            site = Site.parse(head.site) if key[0] == "effect" else None
             if site is not None:
-                where = (obs["name"], site.file, site.function)
-                self._sites.setdefault(where, deque()).append(obs)
+                self._sites.setdefault((str(head.name), site.file, site.function),
+                                       deque()).append(seq)
+
+    def _read(self, seqs: Iterable[int]) -> list[Mapping[str, Any]]:
+        return [self._lines[seq] for seq in seqs]
 
     def take(self, key: tuple[str, str]) -> Mapping[str, Any] | None:
         """The first unused observation of ``key``, marked used (None: none is left)."""
         with self._lock:
-            obs = self._next_unused(self._queues.get(key))
-            if obs is not None:
-                self._use(obs)
-            return obs
+            seq = self._next_unused(self._queues.get(key))
+            if seq is None:
+                return None
+            self._use(seq)
+        return self._lines[seq]
 
-    def _use(self, obs: Mapping[str, Any]) -> None:
-        self.used.add(obs["seq"])
-        outcome = self.outcomes.get(obs["seq"])
+    def _use(self, seq: int) -> None:
+        self.used.add(seq)
+        outcome = self.outcomes.seqs.get(seq)
         if outcome is not None:
-            self.used.add(outcome["seq"])
+            self.used.add(outcome)
 
     def take_loose(self, key: str,
                    line_key: Callable[[Mapping[str, Any]], str]) -> Mapping[str, Any] | None:
@@ -124,30 +154,31 @@ class Index:
         used. The lines are keyed at the first call."""
         with self._lock:
             group = self._loose_group(key, line_key)
-            obs = next((o for o in group if o["seq"] not in self.used), None)
-            if obs is not None:
-                self._use(obs)
-            return obs
+            seq = next((s for s in group if s not in self.used), None)
+            if seq is None:
+                return None
+            self._use(seq)
+        return self._lines[seq]
 
     def loose_group(self, key: str,
                     line_key: Callable[[Mapping[str, Any]], str]) -> list[Mapping[str, Any]]:
         """Every model or HTTP line whose key under the replay policy is ``key``, served or
         not, in recorded order."""
         with self._lock:
-            return list(self._loose_group(key, line_key))
+            group = list(self._loose_group(key, line_key))
+        return self._read(group)
 
-    def _loose_group(self, key: str,
-                     line_key: Callable[[Mapping[str, Any]], str]) -> list[Mapping[str, Any]]:
+    def _loose_group(self, key: str, line_key: Callable[[Mapping[str, Any]], str]) -> list[int]:
         if self._loose is None:
             self._loose = {}
-            for obs in self._order["net"]:
-                self._loose_of[obs["seq"]] = loose = line_key(obs)
-                self._loose.setdefault(loose, []).append(obs)
+            for seq in self._order["net"]:
+                self._loose_of[seq] = loose = line_key(self._lines[seq])
+                self._loose.setdefault(loose, []).append(seq)
         return self._loose.get(key, [])
 
     def recorded(self, key: tuple[str, str]) -> list[Mapping[str, Any]]:
         """Every observation of ``key``, served or not, in recorded order."""
-        return list(self._recorded.get(key, ()))
+        return self._read(self._recorded.get(key, ()))
 
     def played(self, seq: int) -> int:
         """How many of the observations that answer what ``seq`` answers (its key; for a
@@ -158,34 +189,34 @@ class Index:
                 group = self._loose[loose]
             else:
                 group = self._recorded.get(self._key_of.get(seq, ("", "")), [])
-            return sum(1 for obs in group if obs["seq"] in self.used)
+            return sum(1 for s in group if s in self.used)
 
     def family(self, family: str) -> list[Mapping[str, Any]]:
         """The recorded observations of ``family``, served or not, in recorded order."""
-        return list(self._order[family])
+        return self._read(self._order[family])
 
     def take_effect(self, name: str, file: str | None,
                     function: str | None) -> tuple[Mapping[str, Any] | None, bool]:
         """The effect that answers ``name`` asked for at ``file``/``function``, and whether
         it was recorded at another site (served by name, in recorded order)."""
         with self._lock:
-            obs = None
+            seq = None
             if file is not None and function is not None:
-                obs = self._next_unused(self._sites.get((name, file, function)))
-            moved = False
-            if obs is None:
-                obs = self._next_unused(self._queues.get(("effect", name)))
-                moved = (obs is not None and file is not None
-                         and Site.parse(obs.get("site")) is not None)
-            if obs is not None:
-                self.used.add(obs["seq"])
-            return obs, moved
+                seq = self._next_unused(self._sites.get((name, file, function)))
+            by_name = seq is None
+            if by_name:
+                seq = self._next_unused(self._queues.get(("effect", name)))
+            if seq is None:
+                return None, False
+            self.used.add(seq)
+        obs = self._lines[seq]
+        return obs, by_name and file is not None and Site.parse(obs.get("site")) is not None
 
-    def _next_unused(self, queue: deque[Mapping[str, Any]] | None) -> Mapping[str, Any] | None:
+    def _next_unused(self, queue: deque[int] | None) -> int | None:
         while queue:
-            obs = queue.popleft()
-            if obs["seq"] not in self.used:
-                return obs
+            seq = queue.popleft()
+            if seq not in self.used:
+                return seq
         return None
 
     def pending_stop(self) -> Mapping[str, Any] | None:
@@ -209,21 +240,21 @@ class Index:
         """The first recorded observation of ``family`` not served yet."""
         with self._lock:
             order, i = self._order[family], self._cursor[family]
-            while i < len(order) and order[i]["seq"] in self.used:
+            while i < len(order) and order[i] in self.used:
                 i += 1
             self._cursor[family] = i
-            return order[i] if i < len(order) else None
+            seq = order[i] if i < len(order) else None
+        return self._lines[seq] if seq is not None else None
 
     def unserved(self, family: str) -> list[Mapping[str, Any]]:
         """The recorded observations of ``family`` not served yet, in recorded order."""
         with self._lock:
-            return [obs for obs in self._order[family][self._cursor[family]:]
-                    if obs["seq"] not in self.used]
+            seqs = [s for s in self._order[family][self._cursor[family]:] if s not in self.used]
+        return self._read(seqs)
 
     def unused(self) -> list[int]:
         with self._lock:
-            seqs = [o["seq"] for fam in self._order.values() for o in fam]
-            seqs += [o["seq"] for o in self.outcomes.values()]
+            seqs = [s for fam in self._order.values() for s in fam]
+            seqs += self.outcomes.seqs.values()
             seqs += [o["seq"] for o, _ in self.stops]
             return sorted(s for s in seqs if s not in self.used)
-

@@ -231,9 +231,8 @@ class ReplaySession(session.Session, Source, mcp.McpSeam, mcp.McpSource):
         used = self.index.used
         tracked = used.union(unused)
         reached = max(used, default=-1)
-        return sum(1 for obs in self.cassette.observations
-                   if obs["seq"] in used or (obs["seq"] not in tracked
-                                             and (not unused or obs["seq"] < reached)))
+        return sum(1 for seq in range(len(self.cassette.observations))
+                   if seq in used or (seq not in tracked and (not unused or seq < reached)))
 
     def finish(self) -> ReplayResult:
         if self.result is not None:
@@ -248,8 +247,7 @@ class ReplaySession(session.Session, Source, mcp.McpSeam, mcp.McpSource):
         if self.divergence is None and unused:
             self.divergence = self.referee.missing(unused)
             self.tally.diverged(Change.MISSING_CALL, sum(
-                1 for o in self.cassette.observations
-                if o["seq"] in unused and o.get("kind") in FAMILY))
+                1 for seq in unused if self.cassette.observations[seq].get("kind") in FAMILY))
         grades, kinds, equivalent = self.tally.summary()
         end: Mapping[str, Any] = self.cassette.end or {}
         serving = (self._last or self._first or 0.0) - (self._first or 0.0)

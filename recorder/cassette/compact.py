@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from recorder import providers  # a module reference: providers imports this package
-from recorder.canonical import Parts, content_decoded, decode_body
+from recorder.canonical import content_decoded, decode_body
 from recorder.cassette import _headers
 from recorder.cassette.schema import Kind
 
@@ -184,31 +184,12 @@ def reply_message(line: dict[str, Any], provider: str | None = None,
     return lambda: reply_items(found, headers)
 
 
-class Replies(dict[int, Any]):
-    """Reader side: seq -> the items the response of that model line gives its
-    conversation, filled as lines are restored (from a body stored as JSON) and otherwise
-    worked out when a request refers to it (a stream, or a line copied into a fork, which
-    holds its body as text). A line with no such items is a ``KeyError``, as for any
-    missing reference."""
-
-    def __init__(self, earlier: Sequence[Mapping[str, Any]]) -> None:
-        super().__init__()
-        self._earlier = earlier
-
-    def __missing__(self, seq: int) -> Any:
-        reply = reply_items(self._earlier[seq])
-        if reply is None:
-            raise KeyError(seq)
-        self[seq] = reply
-        return reply
-
-
-def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]], request: Any,
-           parts: Parts | None = None, replies: dict[int, Any] | None = None) -> None:
-    """Reader side: restore a model line in place; ``earlier`` holds the lines before it,
-    ``parts`` the digests of the request parts seen so far (the fingerprint of a request
-    hashes only what it adds to its conversation); ``replies`` gets the message its
-    response gives the conversation, for the requests after it that refer to it."""
+def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]] | Any, request: Any,
+           fp: str | None = None) -> None:
+    """Reader side: restore a model line in place; ``earlier[seq]`` gives the restored URL,
+    request headers and response headers of a line before it (:mod:`.lines` restores only
+    those), ``request`` is its full request and ``fp`` its fingerprint (worked out from
+    the request when not given)."""
     like = line.pop("like", None)
     if like is not None:  # the URL, request headers and response headers of that line
         line["url"] = line["request_headers"] = like
@@ -217,9 +198,7 @@ def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]], request: 
     if isinstance(line.get("url"), int):
         line["url"] = earlier[line["url"]]["url"]
     url = line.get("url") or ""
-    if "provider" not in line:
-        line["provider"] = providers.model_provider("POST", url) or providers.default().name
-    provider = providers.for_line(line)
+    provider = provider_of(line, url)
     headers = line.get("request_headers")
     if isinstance(headers, int):
         line["request_headers"] = earlier[headers]["request_headers"]
@@ -229,15 +208,11 @@ def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]], request: 
         if "body_json" in response:
             doc = response.pop("body_json")
             response["body"] = json_text(doc)
-            if replies is not None:
-                reply = providers.replied(doc)
-                if reply is not None:
-                    replies[line["seq"]] = reply
         response.setdefault("reason", _phrase(response.get("status", 0)))
         base = response.pop("headers_base", None)
         if base is not None:
-            response["headers"] = _based(response["headers"],
-                                         earlier[base]["response"]["headers"])
+            response["headers"] = based(response["headers"],
+                                        earlier[base]["response"]["headers"])
         if "usage" not in line:
             status, headers = response.get("status", 0), response.get("headers") or []
             if response.get("encoding") is None:
@@ -259,11 +234,19 @@ def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]], request: 
         line.setdefault("model", provider.request_model(request, url))
         line.setdefault("stream", provider.request_streams(request, url))
     if "fp" not in line:
-        line["fp"] = provider.fingerprint("POST", url, request, parts)
+        line["fp"] = fp if fp is not None else provider.fingerprint("POST", url, request)
     line.setdefault("message_id", None)
 
 
-def _based(headers: list[Any], base: list[list[str]]) -> list[list[str]]:
+def provider_of(line: dict[str, Any], url: str) -> providers.Provider:
+    """The provider of a stored model line, which names it only when its URL does not
+    (``line`` gets its name)."""
+    if "provider" not in line:
+        line["provider"] = providers.model_provider("POST", url) or providers.default().name
+    return providers.for_line(line)
+
+
+def based(headers: list[Any], base: list[list[str]]) -> list[list[str]]:
     """Headers stored against ``base``: edits (:mod:`._headers`), or the older form."""
     if _headers.is_edits(headers):
         return _headers.applied(base, headers)

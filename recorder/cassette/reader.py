@@ -19,16 +19,17 @@ import contextlib
 import gc
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from array import array
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from recorder.canonical import Parts
-from recorder.cassette import _delta, _validate, compact, trust
+from recorder.cassette import _validate, trust
 from recorder.cassette.format import KINDS, READABLE_FORMATS, V1
 from recorder.cassette.keys import Keyring, load_keyring
-from recorder.cassette.schema import EndLine, Header, Kind, Line, ModelLine, Observation
+from recorder.cassette.lines import Lines, Reading, Replies, Requests, Sigs, Store
+from recorder.cassette.schema import EndLine, Header, Kind, Observation
 from recorder.cassette.signing import check_bytes, check_sig, line_bytes, split_signed
 from recorder.errors import (
     CassetteError,
@@ -42,19 +43,23 @@ from recorder.errors import (
 
 @dataclass(frozen=True)
 class Cassette:
-    """A loaded cassette: header, observations (``end`` excluded) and what loading found."""
+    """A loaded cassette: header, observations (``end`` excluded) and what loading found.
+
+    :func:`load` gives the observations as :class:`~recorder.cassette.lines.Lines`, each
+    restored from the file's bytes when it is read, and the requests and replies as
+    mappings that rebuild an entry when it is read (:mod:`recorder.cassette.lines`)."""
 
     path: Path
     header: Header
-    observations: tuple[Observation, ...]
+    observations: Sequence[Observation]
     end: EndLine | None
     verified: bool
     verify_note: str
     torn_offset: int | None = None
-    requests: dict[int, Any] = field(default_factory=dict, repr=False)
+    requests: Mapping[int, Any] = field(default_factory=dict, repr=False)
     # seq -> the message its response gives the conversation (requests refer to it)
-    replies: dict[int, Any] = field(default_factory=dict, repr=False)
-    sigs: tuple[str, ...] = field(default=(), repr=False)  # header's first, then each line's
+    replies: Mapping[int, Any] = field(default_factory=dict, repr=False)
+    sigs: Sequence[str] = field(default=(), repr=False)  # header's first, then each line's
     size: int = 0  # bytes in the file when it was read
     end_offset: int | None = None  # where the end line starts
 
@@ -115,27 +120,47 @@ def peek_end(path: str | Path) -> EndLine | None:
         else None
 
 
-def _lines(path: Path) -> tuple[list[tuple[int, bytes]], int | None, int]:
-    """Split the file into (offset, line) pairs; the offset of a torn last line, if any;
-    the file's size."""
+@dataclass(frozen=True)
+class _File:
+    """A file read whole: its bytes, where each whole line starts and ends (without the
+    newline, or a CR before it), where a torn last line starts (None: none is)."""
+
+    data: bytes
+    starts: array[int]
+    ends: array[int]
+    torn: int | None
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def raw(self, index: int) -> bytes:
+        return self.data[self.starts[index]:self.ends[index]]
+
+    def raws(self, start: int = 0) -> Iterator[bytes]:
+        return (self.raw(index) for index in range(start, len(self)))
+
+
+def _lines(path: Path) -> _File:
+    """The file's whole lines, and where its torn last line starts, if it has one."""
     try:
         data = path.read_bytes()
     except IsADirectoryError:
         raise CorruptCassette(f"{path} is a directory, not a cassette file", path=path) from None
     except OSError as exc:
         raise CorruptCassette(f"cannot read {path}: {exc.strerror or exc}", path=path) from None
-    out: list[tuple[int, bytes]] = []
-    pos = 0
+    starts, ends = array("q"), array("q")
+    pos, size, find = 0, len(data), data.find
     torn: int | None = None
-    while pos < len(data):
-        nl = data.find(b"\n", pos)
+    while pos < size:
+        nl = find(b"\n", pos)
         if nl < 0:
             torn = pos
             break
+        starts.append(pos)
         # a line ending in CR LF (a checkout that converts line endings) reads as written
-        out.append((pos, data[pos:nl - 1] if data[nl - 1:nl] == b"\r" else data[pos:nl]))
+        ends.append(nl - 1 if nl > pos and data[nl - 1] == 0x0D else nl)
         pos = nl + 1
-    return out, torn, len(data)
+    return _File(data, starts, ends, torn)
 
 
 def _signed(key: bytes, prev: str, line: Mapping[str, Any], sig: object, path: Path,
@@ -180,13 +205,13 @@ def _check_v2(key: bytes, prev: str, line: dict[str, Any] | bytes, sig: object) 
     return check_bytes(key, prev, line_bytes(last), sig)
 
 
-def _chain(lines: list[tuple[int, bytes]], path: Path, header_sig: object, v1: bool
+def _chain(lines: _File, path: Path, header_sig: object, v1: bool
            ) -> Iterator[tuple[str, Any, object]]:
     """Each observation line as its signature covers it (``deja/1``: parsed, without its
     sig; ``deja/2``: its signed bytes) with the stored sig of the line before it and its
     own, for the trust decision; stops at the first line that cannot be read."""
     prev = header_sig
-    for index, (_, raw) in enumerate(lines[1:], start=1):
+    for index, raw in enumerate(lines.raws(1), start=1):
         payload: Any
         split = None if v1 else split_signed(raw)
         if split is not None:  # the line as read; _check_v2 also tries it re-serialised
@@ -256,23 +281,29 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
         keyring = load_keyring(create=False)
     if allow_unverified is None:
         allow_unverified = trust.allow_unverified_from_env()
-    lines, torn, size = _read(path)
-    header, header_sig = _header(lines[0][1], path)
+    lines = _read(path)
+    header, header_sig = _header(lines.raw(0), path)
     v1 = header["format"] == V1
     verdict = trust.decide(path, header, header_sig,
                            lambda: _chain(lines, path, header_sig, v1), keyring,
                            check_sig if v1 else _check_v2, allow_unverified=allow_unverified,
                            require_signature=require_signature)
     key = verdict.key
-    _verify_header(key, header, header_sig, lines[0][1], v1, path)
+    _verify_header(key, header, header_sig, lines.raw(0), v1, path)
     with _no_cycle_collection():
         body = _body(lines, key, header_sig, v1, path)
-    _report_unfinished(path, body, len(lines), torn, size, verified=key is not None,
-                       allow_torn=allow_torn, allow_incomplete=allow_incomplete)
-    return Cassette(path=path, header=header, observations=tuple(body.observations),
-                    end=body.end, verified=key is not None, verify_note=verdict.note,
-                    torn_offset=torn, requests=body.requests, replies=body.replies,
-                    sigs=tuple(body.sigs), size=size,
+        _report_unfinished(path, body, len(lines), lines.torn, len(lines.data),
+                           verified=key is not None, allow_torn=allow_torn,
+                           allow_incomplete=allow_incomplete)
+        store = body.store
+        observations = Lines(store)
+        if key is None:  # not what deja's writer made: every reference checked now
+            for _ in observations:
+                pass
+    return Cassette(path=path, header=header, observations=observations, end=body.end,
+                    verified=key is not None, verify_note=verdict.note,
+                    torn_offset=lines.torn, requests=Requests(store), replies=Replies(store),
+                    sigs=Sigs(store, body.count, body.odd), size=len(lines.data),
                     end_offset=body.end_offset)
 
 
@@ -302,26 +333,28 @@ def verified_prefix(path: str | Path, *, keyring: Keyring | None = None) -> Pref
     path = Path(path)
     if keyring is None:
         keyring = load_keyring(create=False)
-    lines, torn, size = _read(path)
-    header, header_sig = _header(lines[0][1], path)
+    lines = _read(path)
+    header, header_sig = _header(lines.raw(0), path)
     v1 = header["format"] == V1
     key = trust.decide(path, header, header_sig, lambda: _chain(lines, path, header_sig, v1),
                        keyring, check_sig if v1 else _check_v2, allow_unverified=False,
                        require_signature=True).key
-    _verify_header(key, header, header_sig, lines[0][1], v1, path)
-    body = _Body(sigs=[header_sig if isinstance(header_sig, str) else ""])
+    _verify_header(key, header, header_sig, lines.raw(0), v1, path)
+    body = _reading(path, lines, header_sig)
     kept, fault = 1, None
     with _no_cycle_collection():
-        for index, (offset, raw) in enumerate(lines[1:], start=1):
+        for index in range(1, len(lines)):
             try:
-                _take(raw, offset, index, key, v1, body, path)
+                _take(lines, index, key, v1, body, path)
             except (CorruptCassette, SignatureError) as exc:
                 fault = exc
                 break
             kept += 1
-    keep = lines[kept][0] if kept < len(lines) else torn if torn is not None else size
+    size = len(lines.data)
+    keep = lines.starts[kept] if kept < len(lines) else \
+        lines.torn if lines.torn is not None else size
     return Prefix(path=path, size=size, keep=keep, lines=kept, end=body.end, fault=fault,
-                  junk=junk(raw for _, raw in lines[kept:]))
+                  junk=junk(lines.raws(kept)))
 
 
 @contextlib.contextmanager
@@ -340,17 +373,17 @@ def _no_cycle_collection() -> Iterator[None]:
             gc.enable()
 
 
-def _read(path: Path) -> tuple[list[tuple[int, bytes]], int | None, int]:
-    """The file's lines (at least the header's), its torn last line and its size."""
+def _read(path: Path) -> _File:
+    """The file's lines (at least the header's), and its torn last line."""
     if not path.is_file():
         raise _not_found(path)
-    lines, torn, size = _lines(path)
-    if not lines:
-        if torn is not None:
+    lines = _lines(path)
+    if not len(lines):
+        if lines.torn is not None:
             raise TornCassette(f"{path}: the header line is torn (the recording crashed while "
                                "starting); nothing can be replayed", path=path, offset=0)
         raise CorruptCassette(f"{path} is empty; it is not a deja cassette", path=path)
-    return lines, torn, size
+    return lines
 
 
 def _header(raw: bytes, path: Path) -> tuple[Header, object]:
@@ -388,52 +421,41 @@ def _verify_header(key: bytes | None, header: Header, sig: object, raw: bytes,
             "committed", path=path, seq=None)
 
 
-@dataclass
-class _Body:
-    """What the observation lines make: the steps, the model requests, the end line, and
-    each line's sig (the header's first)."""
-
-    sigs: list[str]
-    observations: list[Observation] = field(default_factory=list)
-    requests: dict[int, Any] = field(default_factory=dict)
-    end: EndLine | None = None
-    end_offset: int | None = None
-    parts: Parts = field(default_factory=Parts)
-    replies: compact.Replies = field(init=False)
-    shapes: dict[int, Any] = field(default_factory=dict)  # seq -> the reply shape it holds
-
-    def __post_init__(self) -> None:
-        self.replies = compact.Replies(self.observations)
+def _reading(path: Path, lines: _File, header_sig: object) -> Reading:
+    """Where the lines read go (:class:`~recorder.cassette.lines.Reading`)."""
+    return Reading.start(Store(path, lines.data, lines.starts, lines.ends), header_sig)
 
 
-def _body(lines: list[tuple[int, bytes]], key: bytes | None, header_sig: object, v1: bool,
-          path: Path) -> _Body:
+def _body(lines: _File, key: bytes | None, header_sig: object, v1: bool, path: Path
+          ) -> Reading:
     """The lines after the header, each through the steps in turn before the next one is
     read: parsed strictly and signed by the line before it (:func:`_parsed` and
     :func:`_verified`, or :func:`_parsed_v2` for ``deja/2``), in its place with the field
-    types deja writes (:func:`_checked`), its compact fields restored (:func:`_restore`)."""
-    body = _Body(sigs=[header_sig if isinstance(header_sig, str) else ""])
-    for index, (offset, raw) in enumerate(lines[1:], start=1):
+    types deja writes (:func:`_checked`), what a replay matches it on kept
+    (:meth:`Reading.note`)."""
+    body = _reading(path, lines, header_sig)
+    for index in range(1, len(lines)):
         try:
-            _take(raw, offset, index, key, v1, body, path)
+            _take(lines, index, key, v1, body, path)
         except (CorruptCassette, SignatureError) as exc:
-            if not junk(raw for _, raw in lines[index:]):
+            if not junk(lines.raws(index)):
                 raise
-            raise _junk_error(exc, path, body, offset) from None
+            raise _junk_error(exc, path, body, lines.starts[index]) from None
     return body
 
 
-def _take(raw: bytes, offset: int, index: int, key: bytes | None, v1: bool, body: _Body,
+def _take(lines: _File, index: int, key: bytes | None, v1: bool, body: Reading,
           path: Path) -> None:
     """Line ``index`` (the header is 0) through the four steps, into ``body``."""
-    number, seq = index + 1, index - 1
+    raw, number, seq = lines.raw(index), index + 1, index - 1
     if v1:
         line, sig = _parsed(raw, number, seq, path)
-        _verified(line, sig, key, body.sigs, number, seq, path)
+        _verified(line, sig, key, body, index, path)
     else:
-        line = _parsed_v2(raw, key, body.sigs, number, seq, path)
+        line = _parsed_v2(raw, key, body, index, path)
     _checked(line, body, number, seq, path, fields=key is None)
-    _restore(cast(Line, line), offset, body, path)
+    body.note(line, lines.starts[index])
+    body.count += 1
 
 
 def junk(lines: Iterable[bytes]) -> bool:
@@ -455,7 +477,7 @@ def junk(lines: Iterable[bytes]) -> bool:
     return True
 
 
-def _junk_error(exc: CassetteError, path: Path, body: _Body, offset: int) -> CorruptCassette:
+def _junk_error(exc: CassetteError, path: Path, body: Reading, offset: int) -> CorruptCassette:
     """The fault at byte ``offset`` with its remedy: everything from there is junk."""
     if body.end is not None:
         return CorruptCassette(
@@ -476,33 +498,32 @@ def _parsed(raw: bytes, number: int, seq: int, path: Path) -> tuple[Any, object]
     return line, sig
 
 
-def _verified(line: Any, sig: object, key: bytes | None, sigs: list[str], number: int,
-              seq: int, path: Path) -> None:
+def _verified(line: Any, sig: object, key: bytes | None, body: Reading, index: int,
+              path: Path) -> None:
     """Step 2: the line signed by the one before it (with ``key``; unchecked without
-    one); ``sigs`` gets its sig."""
-    if key is not None and not _signed(key, sigs[-1], line, sig, path, seq):
-        raise _tampered(path, number, seq)
-    sigs.append(sig if isinstance(sig, str) else "")
+    one); ``body`` gets its sig."""
+    if key is not None and not _signed(key, body.prev, line, sig, path, index - 1):
+        raise _tampered(path, index + 1, index - 1)
+    body.signed(index, sig, tail=False)
 
 
-def _parsed_v2(raw: bytes, key: bytes | None, sigs: list[str], number: int, seq: int,
-               path: Path) -> Any:
+def _parsed_v2(raw: bytes, key: bytes | None, body: Reading, index: int, path: Path) -> Any:
     """Steps 1 and 2 of a ``deja/2`` line: its signed bytes checked first (no parsing is
     needed for that), then parsed. A line whose signature holds is bytes deja wrote, so a
     plain parse reads it exactly; anything else is parsed strictly, so a malformed line is
     reported as such before its signature is, as in ``deja/1``."""
+    number, seq = index + 1, index - 1
     split = split_signed(raw)
-    if key is not None and split is not None and check_bytes(key, sigs[-1], *split):
-        signed, good = split
-        line = _validate.decode_trusted(signed, path, f"line {number} (seq {seq})", seq)
-        sigs.append(good)
+    if key is not None and split is not None and check_bytes(key, body.prev, *split):
+        line = _validate.decode_trusted(split[0], path, f"line {number} (seq {seq})", seq)
+        body.signed(index, split[1], tail=True)
         return line
     line, sig = _parsed(raw, number, seq, path)
     if key is not None:  # well-formed, but not what was signed
         if isinstance(line, dict):  # a value with no JSON form deja writes: say so first
-            _signed(key, sigs[-1], line, sig, path, seq)
+            _signed(key, body.prev, line, sig, path, seq)
         raise _tampered(path, number, seq)
-    sigs.append(sig if isinstance(sig, str) else "")
+    body.signed(index, sig, tail=split is not None and split[1] == sig)
     return line
 
 
@@ -514,7 +535,7 @@ def _tampered(path: Path, number: int, seq: int) -> SignatureError:
         path=path, seq=seq)
 
 
-def _checked(line: Any, body: _Body, number: int, seq: int, path: Path, *,
+def _checked(line: Any, body: Reading, number: int, seq: int, path: Path, *,
              fields: bool = True) -> None:
     """Step 3: the line in its place (dense seq, a known kind, nothing after the end
     line) with the field types deja writes. The types are checked (``fields``) on a line
@@ -535,32 +556,7 @@ def _checked(line: Any, body: _Body, number: int, seq: int, path: Path, *,
         _validate.check_line(line, path, seq)
 
 
-def _restore(line: Line, offset: int, body: _Body, path: Path) -> None:
-    """Step 4: a step with its compact fields restored (a model line's request rebuilt
-    from its delta), or the end line, kept with the byte it starts at."""
-    if line["kind"] == Kind.END:
-        body.end, body.end_offset = line, offset
-        return
-    if line["kind"] == Kind.MODEL:
-        _restore_model(line, body, path)
-    body.observations.append(line)
-
-
-def _restore_model(line: ModelLine, body: _Body, path: Path) -> None:
-    seq = line["seq"]
-    try:
-        stored = line["request"]
-        body.requests[seq] = _delta.decode(stored, body.requests, body.replies, body.parts,
-                                           body.shapes, seq)
-        compact.expand(cast(dict[str, Any], line), body.observations, body.requests.get(seq),
-                       body.parts, body.replies)
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError,
-            RecursionError) as exc:
-        raise CorruptCassette(f"{path}: seq {seq}: it refers to an earlier line that is "
-                              f"missing or different ({exc!r})", path=path, seq=seq) from None
-
-
-def _report_unfinished(path: Path, body: _Body, count: int, torn: int | None, size: int, *,
+def _report_unfinished(path: Path, body: Reading, count: int, torn: int | None, size: int, *,
                        verified: bool, allow_torn: bool, allow_incomplete: bool) -> None:
     """Step 5: refuse a torn last line, or a missing end line, unless allowed. ``count``
     is the number of whole lines, the header's included."""
@@ -581,12 +577,12 @@ def _report_unfinished(path: Path, body: _Body, count: int, torn: int | None, si
             "replay, verify and fork; allow_torn=True in Python)",
             path=path, seq=seq, offset=torn)
     if body.end is None and not allow_incomplete and not (torn is not None and allow_torn):
-        if not body.observations:
+        if not body.store.heads:
             raise CorruptCassette(
                 f"{path} holds only its header: no observation and no end line (the run "
                 "never got going, or everything after the header was cut off)", path=path,
                 seq=0)
-        last = len(body.observations) - 1
+        last = len(body.store.heads) - 1
         raise CorruptCassette(
             f"{path}: no end line after seq {last}: the file was truncated or the run "
             "crashed. Resume the run, or allow an incomplete cassette (--allow-incomplete)",

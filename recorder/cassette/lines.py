@@ -1,0 +1,451 @@
+"""A loaded cassette's lines: kept as the bytes read, restored when a line is asked for.
+
+:func:`recorder.cassette.load` reads a file once: it checks every line's signature over
+its bytes, parses each line once, and keeps of it only what a replay matches on, its
+:class:`Head` (kind, fingerprint, name ...), with the URL and request headers of a model
+line (strings and lists shared with the lines that repeat them). Everything else stays in
+the file's bytes, which are kept whole: a line is parsed again and restored (its compact
+fields: :mod:`recorder.cassette.compact`; its request: :mod:`recorder.cassette._delta`)
+when something reads it, through :class:`Lines`, the cassette's ``observations``.
+
+A line refers to earlier ones (the request it extends, the answer it resends, the response
+headers it edits); :class:`Store` follows those references without recursion and keeps
+the last few lines, requests, answers and headers it restored, so that reading the lines
+in order (a replay, a report) restores each one once. Headers of a few lines in every
+:data:`PIN_EVERY` model lines are kept for good, so that reading a line far from the last
+one read follows at most that many references back.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from array import array
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple, cast, overload
+
+from recorder import providers  # a module reference: providers imports this package
+from recorder.canonical import Parts
+from recorder.cassette import _delta, _shape, compact
+from recorder.cassette.schema import EndLine, Kind, Observation
+from recorder.errors import CorruptCassette
+
+PIN_EVERY = 64  # model lines between the headers kept for good (see the module)
+_CACHED = 32  # lines, requests, answers and headers kept after they were restored
+_KINDS = {kind.value: kind for kind in Kind}
+_FAULTS = (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError)
+
+
+class Head(NamedTuple):
+    """What a replay matches a line on, kept for every line of a loaded cassette."""
+
+    seq: int
+    kind: str
+    fp: str | None = None  # a model line's is worked out at load
+    name: str | None = None
+    within: str | None = None  # the tool call it was made inside
+    observed: bool = False  # seen at a boundary
+    event: str | None = None  # a control line's
+    intent: int | None = None  # an outcome's
+    site: Any = None  # an effect's call site
+
+
+def head_of(line: Mapping[str, Any], fp: str | None = None) -> Head:
+    """The head of ``line`` (a model line's fingerprint: ``fp``, else its own)."""
+    kind = line["kind"]
+    name, event = line.get("name"), line.get("event")
+    return Head(line["seq"], _KINDS.get(kind, kind), fp if fp is not None else line.get("fp"),
+                sys.intern(name) if isinstance(name, str) else name, line.get("within"),
+                "observed" in line, sys.intern(event) if isinstance(event, str) else event,
+                line.get("intent"), line.get("site"))
+
+
+class _Recent(dict[int, Any]):
+    """The last :data:`_CACHED` values put in, and a few kept for good (``pinned``)."""
+
+    def __init__(self, pinned: set[int] | None = None) -> None:
+        super().__init__()
+        self._pinned = pinned if pinned is not None else set()
+        self._kept: dict[int, Any] = {}
+
+    def find(self, seq: int) -> Any:
+        return self._kept[seq] if seq in self._kept else self.get(seq)
+
+    def keep(self, seq: int, value: Any) -> Any:
+        if seq in self._pinned:
+            self._kept[seq] = value
+            return value
+        self[seq] = value
+        if len(self) > _CACHED:
+            del self[next(iter(self))]
+        return value
+
+
+class Store:
+    """A cassette's bytes and what :func:`load` kept of each line; restores a line (its
+    request, its answer, its headers) when asked. ``starts``/``ends``: where each line of
+    the file (the header is line 0) starts and ends in ``data``."""
+
+    def __init__(self, path: Path, data: bytes, starts: array[int], ends: array[int]) -> None:
+        self.path, self.data, self.starts, self.ends = path, data, starts, ends
+        self.heads: list[Head] = []
+        self.urls: list[str | None] = []  # a model line's URL, restored
+        self.request_headers: list[Any] = []  # and its request headers
+        self.shapes: dict[int, _shape.Shape] = {}  # seq -> the reply shape it holds inline
+        self.models = 0  # model lines read
+        self._lines = _Recent()
+        self._requests = _Recent()
+        self._replies = _Recent()
+        self._pinned: set[int] = set()  # model lines whose headers are kept for good
+        self._headers = _Recent(self._pinned)
+
+    def add(self, head: Head, url: str | None = None, request_headers: Any = None) -> None:
+        """The next line's head (a model line's with its URL and request headers)."""
+        if head.kind == Kind.MODEL:
+            if self.models % PIN_EVERY < compact.HEADER_BASES:
+                self._pinned.add(head.seq)
+            self.models += 1
+        self.heads.append(head)
+        self.urls.append(url)
+        self.request_headers.append(request_headers)
+
+    def parsed(self, seq: int) -> dict[str, Any]:
+        """Line ``seq`` parsed again, without its ``sig``: load checked its bytes, which
+        are not changed since, so a plain parse gives what the strict one gave."""
+        index = seq + 1
+        line = cast(dict[str, Any], json.loads(self.data[self.starts[index]:self.ends[index]]))
+        line.pop("sig", None)
+        return line
+
+    def line(self, seq: int) -> Observation:
+        """Line ``seq``, restored (the last few are kept: the same object again)."""
+        found = self._lines.get(seq)
+        if found is not None:
+            return cast(Observation, found)
+        line = self.parsed(seq)
+        if line.get("kind") == Kind.MODEL:
+            try:
+                compact.expand(line, _Earlier(self), self.request(seq), fp=self.heads[seq].fp)
+            except _FAULTS as exc:
+                raise self.broken(seq, exc) from None
+        return cast(Observation, self._lines.keep(seq, line))
+
+    def broken(self, seq: int, exc: BaseException) -> CorruptCassette:
+        return CorruptCassette(f"{self.path}: seq {seq}: it refers to an earlier line that is "
+                               f"missing or different ({exc!r})", path=self.path, seq=seq)
+
+    def require_model(self, seq: int) -> None:
+        """A ``KeyError`` unless ``seq`` is a model line read so far."""
+        if not isinstance(seq, int) or isinstance(seq, bool) or not 0 <= seq < len(self.heads) \
+                or self.heads[seq].kind != Kind.MODEL:
+            raise KeyError(seq)
+
+    def request(self, seq: int) -> Any:
+        """The full request of model line ``seq``: the requests it extends, back to one
+        that is known or stored whole, rebuilt forwards (no recursion)."""
+        known = self._requests.find(seq)
+        if known is not None:
+            return known
+        chain: list[tuple[int, dict[str, Any]]] = []
+        bodies: dict[int, Any] = {}
+        at = seq
+        while True:
+            self.require_model(at)
+            stored = self.parsed(at)["request"]
+            chain.append((at, stored))
+            base = stored.get("base") if "body" not in stored else None
+            if base is None:
+                break
+            self.require_model(base)
+            if base >= at:
+                raise KeyError(base)
+            hit = self._requests.find(base)
+            if hit is not None:
+                bodies[base] = hit
+                break
+            at = base
+        body = None
+        for at, stored in reversed(chain):
+            body = bodies[at] = self._requests.keep(at, _delta.decode(
+                stored, bodies, self.replies, None, self.shapes, at))
+        return body
+
+    def reply(self, seq: int) -> list[Any] | None:
+        """The items the response of model line ``seq`` gives its conversation (None:
+        none it can be read for)."""
+        if seq in self._replies:
+            return cast(list[Any] | None, self._replies[seq])
+        self.require_model(seq)
+        response = self.parsed(seq).get("response")
+        if isinstance(response, dict) and "body_json" in response:
+            items = providers.replied(response["body_json"])
+        else:  # a stream, or a body kept as text: read from the restored line
+            items = compact.reply_items(self.line(seq))
+        return cast(list[Any] | None, self._replies.keep(seq, items))
+
+    @property
+    def replies(self) -> Replies:
+        return Replies(self)
+
+    def response_headers(self, seq: int) -> Any:
+        """The response headers of model line ``seq``, restored: the edits it stores
+        applied to its base's, back to a line that is known or stores them whole."""
+        chain: list[tuple[int, Any]] = []
+        at, value = seq, self._headers.find(seq)
+        while value is None:
+            stored, base = self._stored_headers(at)
+            if base is None:
+                value = self._headers.keep(at, stored)
+                break
+            chain.append((at, stored))
+            at, value = base, self._headers.find(base)
+        for at, stored in reversed(chain):
+            value = self._headers.keep(at, compact.based(stored, value))
+        return value
+
+    def _stored_headers(self, seq: int) -> tuple[Any, int | None]:
+        """Line ``seq``'s response headers as stored, and the line they are based on."""
+        self.require_model(seq)
+        line = self.parsed(seq)
+        response = line["response"]
+        base = line["like"] if line.get("like") is not None else response.get("headers_base")
+        if base is not None:
+            self.require_model(base)
+            if base >= seq:
+                raise KeyError(base)
+        return response["headers"], base
+
+    def sig(self, index: int) -> str:
+        """The signature at the end of line ``index`` as the writer puts it."""
+        end = self.ends[index]
+        return self.data[end - 45:end - 2].decode("ascii")
+
+
+class _Earlier:
+    """Earlier lines as :func:`compact.expand` reads them: a model line's URL, request
+    headers and response headers, restored, without restoring the rest of it."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def __getitem__(self, seq: int) -> Mapping[str, Any]:
+        return _Resolved(self._store, seq)
+
+
+class _Resolved(Mapping[str, Any]):
+    def __init__(self, store: Store, seq: int) -> None:
+        store.require_model(seq)
+        self._store, self._seq = store, seq
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "url":
+            return self._store.urls[self._seq]
+        if key == "request_headers":
+            return self._store.request_headers[self._seq]
+        if key == "response":
+            return {"headers": self._store.response_headers(self._seq)}
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("url", "request_headers", "response"))
+
+    def __len__(self) -> int:
+        return 3
+
+
+class Lines(Sequence[Observation]):
+    """A loaded cassette's observations, restored one at a time when read (see the
+    module); :attr:`heads` are what a replay matches them on."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    @property
+    def heads(self) -> Sequence[Head]:
+        return self._store.heads
+
+    def __len__(self) -> int:
+        return len(self._store.heads)
+
+    @overload
+    def __getitem__(self, index: int) -> Observation: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Observation, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Observation | tuple[Observation, ...]:
+        n = len(self)
+        if isinstance(index, slice):
+            return tuple(self._store.line(seq) for seq in range(*index.indices(n)))
+        seq = index + n if index < 0 else index
+        if not 0 <= seq < n:
+            raise IndexError(f"step {index} is out of range 0-{n - 1}")
+        return self._store.line(seq)
+
+    def __iter__(self) -> Iterator[Observation]:
+        for seq in range(len(self)):
+            yield self._store.line(seq)
+
+    def __eq__(self, other: object) -> bool:
+        """The same lines as ``other`` (these lines or any sequence of lines), in order."""
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # compared by content, like a list
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} lines of {self._store.path}>"
+
+
+class Requests(Mapping[int, Any]):
+    """A loaded cassette's model requests by seq, each rebuilt when read."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    def __getitem__(self, seq: int) -> Any:
+        self._store.require_model(seq)
+        return self._store.request(seq)
+
+    def __iter__(self) -> Iterator[int]:
+        return (h.seq for h in self._store.heads if h.kind == Kind.MODEL)
+
+    def __len__(self) -> int:
+        return sum(1 for h in self._store.heads if h.kind == Kind.MODEL)
+
+
+class Replies(Requests):
+    """Seq -> the items the response of that model line gives its conversation (a line
+    with none is a ``KeyError``), read when asked for."""
+
+    def __getitem__(self, seq: int) -> Any:
+        items = self._store.reply(seq)
+        if items is None:
+            raise KeyError(seq)
+        return items
+
+
+class Sigs(Sequence[str]):
+    """Each line's signature (the header's first), read off the bytes kept; ``odd``:
+    those of lines that do not end in the writer's signature field (or ``deja/1``'s)."""
+
+    def __init__(self, store: Store, count: int, odd: dict[int, str]) -> None:
+        self._store, self._count, self._odd = store, count, odd
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[str, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> str | tuple[str, ...]:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(self._count)))
+        i = index + self._count if index < 0 else index
+        if not 0 <= i < self._count:
+            raise IndexError(index)
+        found = self._odd.get(i)
+        return found if found is not None else self._store.sig(i)
+
+
+_WINDOW = 2 * _delta.WINDOW  # recent requests and replies kept while reading
+_PARTS_SPAN = 128  # model lines read with one Parts (what it remembers is let go after)
+
+
+class _Window(dict[int, Any]):
+    """The last :data:`_WINDOW` values put in (requests or replies, by seq), and the
+    rest from ``fallback`` (the store, which restores them): what a line refers to is
+    nearly always one of the last few."""
+
+    def __init__(self, fallback: Callable[[int], Any]) -> None:
+        super().__init__()
+        self._fallback = fallback
+
+    def __missing__(self, seq: int) -> Any:
+        return self._fallback(seq)
+
+    def put(self, seq: int, value: Any) -> None:
+        self[seq] = value
+        if len(self) > _WINDOW:
+            del self[next(iter(self))]
+
+
+@dataclass
+class Reading:
+    """What :func:`load` makes of the observation lines as it reads them: the store of
+    their heads, the end line, the sig the next line chains from, and what is kept only
+    while reading (recent requests and replies, the digests of request parts)."""
+
+    store: Store
+    prev: str
+    odd: dict[int, str]  # line -> its sig, where it is not the writer's last field
+    count: int = 1  # lines taken, the header's included
+    end: EndLine | None = None
+    end_offset: int | None = None
+    parts: Parts = field(default_factory=Parts)
+    requests: _Window = field(init=False)
+    replies: _Window = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.requests = _Window(self.store.request)
+        self.replies = _Window(self.store.replies.__getitem__)
+
+    @classmethod
+    def start(cls, store: Store, header_sig: object) -> Reading:
+        sig = header_sig if isinstance(header_sig, str) else ""
+        return cls(store, sig, {0: sig})
+
+    def signed(self, index: int, sig: object, *, tail: bool) -> None:
+        """Line ``index`` holds ``sig``, as the writer's last field (``tail``) or not."""
+        self.prev = sig if isinstance(sig, str) else ""
+        if not tail:
+            self.odd[index] = self.prev
+
+    def note(self, line: dict[str, Any], offset: int) -> None:
+        """What a replay matches a step on (its :class:`Head`; a model line's
+        fingerprint, from its request rebuilt), or the end line, kept with the byte it
+        starts at. The line itself is let go: it is restored from the bytes when read."""
+        if line["kind"] == Kind.END:
+            self.end, self.end_offset = cast(EndLine, line), offset
+            return
+        if line["kind"] != Kind.MODEL:
+            self.store.add(head_of(line))
+            return
+        try:
+            self._model(line)
+        except _FAULTS as exc:
+            raise self.store.broken(line["seq"], exc) from None
+
+    def _model(self, line: dict[str, Any]) -> None:
+        """A model line's head, URL and request headers (which later lines refer to) and
+        fingerprint; its request and reply kept while the next lines may refer to them."""
+        seq, store = line["seq"], self.store
+        like = line.get("like")
+        url, headers = (like, like) if like is not None else \
+            (line.get("url"), line.get("request_headers"))
+        if isinstance(url, int):
+            store.require_model(url)
+            url = store.urls[url]
+        if isinstance(headers, int):
+            store.require_model(headers)
+            headers = store.request_headers[headers]
+        url = url or ""
+        provider = compact.provider_of(line, url)
+        if store.models % _PARTS_SPAN == 0:
+            self.parts = Parts()
+        request = _delta.decode(line["request"], self.requests, self.replies, self.parts,
+                                store.shapes, seq)
+        fp = provider.fingerprint("POST", url, request, self.parts)
+        self.requests.put(seq, request)
+        response = line.get("response")
+        if isinstance(response, dict) and "body_json" in response:
+            reply = providers.replied(response["body_json"])
+            if reply is not None:
+                self.replies.put(seq, reply)
+        store.add(head_of(line, fp), url, headers)
