@@ -243,14 +243,7 @@ def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | N
         st.error(md("{}. What this page shows is the file as it is, unchecked.",
                     header.get("verify_note") or "NOT VERIFIED"), icon=":material/warning:")
     panels = st.container()
-    frame, labels = timeline(index.file_state(header["path"]), index)
-    st.subheader("Timeline")
-    st.dataframe(frame, hide_index=True, key="timeline", placeholder=EMPTY,
-                 column_config={
-                     "cost": st.column_config.NumberColumn("cost", format="$%.6f"),
-                     "start_ms": st.column_config.NumberColumn("start (ms)", format="%.2f"),
-                     "latency_ms": st.column_config.NumberColumn("latency (ms)",
-                                                                 format="%.2f")})
+    labels = timeline_grid(index, header)
     with totals:
         cols = st.columns([1.6, 0.8, 1, 1.6, 1, 1.1])  # room for "incomplete", "$0.012345"
         cols[0].metric("Status", md("{}", header["status"]))
@@ -267,26 +260,74 @@ def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | N
         if status and status["record"] is not None:
             widgets.live_panel(header, status)
     # A long run's charts are drawn on request, so its timeline paints first.
-    if len(frame) <= DENSE or st.toggle(md("Charts of the {:,} steps", len(frame)),
-                                        key="charts"):
+    steps = len(labels) if labels is not None else header["steps"]
+    if steps <= DENSE or st.toggle(md("Charts of the {:,} steps", steps), key="charts"):
         charts(queries.run_steps(index, header["path"]))
-    step_panel(index, header, labels, fork_dir)
+    step_panel(header, labels, fork_dir)
 
 
 DENSE = 200  # steps up to which the charts draw one labelled mark per step
+WHOLE = 1000  # steps up to which a run's timeline is sent whole at once (and its picker
+#   lists every step)
+FIRST_SCREEN = 60  # rows a longer run's timeline shows first, before the rest comes
+FILL_S = 0.1  # seconds after the first screen is drawn that the rest is asked for
+FILLED = widgets.FILLED
+
+
+def timeline_grid(index: RunIndex, header: dict[str, Any]) -> dict[int, str] | None:
+    """The timeline, and each step's label in the step picker (None for a long run, whose
+    picker takes a number).
+
+    A run of up to :data:`WHOLE` steps is sent whole. A longer one is sent in two goes,
+    so that its first paint costs what a short run's does: first the grid of its first
+    :data:`FIRST_SCREEN` steps, read from the index alone, and a timer; when the timer
+    fires (the browser has drawn them) the page runs again and sends the whole
+    timeline, which the browser then fills the same grid with. The whole one stays for
+    the page's later runs (a step opened, a refresh of a live run)."""
+    path = header["path"]
+    st.subheader("Timeline")
+    if header["steps"] > WHOLE and st.session_state.get(FILLED) != path:
+        first_screen(index, header)
+        return None
+    frame = timeline(index.file_state(path), index)
+    _grid(frame)
+    if len(frame) > WHOLE:
+        return None
+    return queries.step_labels({c: frame[c].tolist() for c in ("seq", "kind", "name", "mark")})
+
+
+@st.fragment(run_every=FILL_S)
+def first_screen(index: RunIndex, header: dict[str, Any]) -> None:
+    """A long run's first :data:`FIRST_SCREEN` steps, until the timer runs this again:
+    then the whole page runs (which stops the timer) and draws the whole timeline."""
+    if st.session_state.get(FILLED) == header["path"]:
+        st.rerun()
+    columns = queries.timeline(index, header["path"], first=FIRST_SCREEN)
+    _grid(pd.DataFrame(columns, columns=STEP_COLUMNS))
+    st.caption(md("The first {:,} of {:,} steps; the rest follow.", len(columns["seq"]),
+                  header["steps"]))
+    st.session_state[FILLED] = header["path"]
+
+
+def _grid(frame: pd.DataFrame) -> None:
+    st.dataframe(frame, hide_index=True, key="timeline", placeholder=EMPTY,
+                 column_config={
+                     "cost": st.column_config.NumberColumn("cost", format="$%.6f"),
+                     "start_ms": st.column_config.NumberColumn("start (ms)", format="%.2f"),
+                     "latency_ms": st.column_config.NumberColumn("latency (ms)",
+                                                                 format="%.2f")})
 
 
 @st.cache_data(max_entries=16, show_spinner=False)
-def timeline(state: tuple[Any, ...], _index: RunIndex) -> tuple[pd.DataFrame, dict[int, str]]:
+def timeline(state: tuple[Any, ...], _index: RunIndex) -> pd.DataFrame:
     """The timeline table of the file whose index state (:meth:`RunIndex.file_state`) is
-    ``state``, and each step's label in the step picker. Kept across sessions until the
-    file, the index or the trust changes: a long run's page opened again, or by another
-    viewer, draws it without asking the index."""
-    path = state[2]
-    columns, labels = queries.timeline(_index, path)
-    frame = pd.DataFrame(columns, columns=STEP_COLUMNS) if columns["seq"] else pd.DataFrame(
+    ``state`` (its size and modification time when it was indexed, its signature's
+    verdict's keys). Kept across sessions until the file, the index or the trust changes:
+    a long run's page opened again, or by another viewer, draws it without asking the
+    index."""
+    columns = queries.timeline(_index, state[2])
+    return pd.DataFrame(columns, columns=STEP_COLUMNS) if columns["seq"] else pd.DataFrame(
         columns=STEP_COLUMNS)
-    return frame, labels
 
 
 def charts(steps: list[dict[str, Any]]) -> None:
@@ -327,25 +368,39 @@ def charts(steps: list[dict[str, Any]]) -> None:
     st.altair_chart(chart.properties(height=height), width="stretch")
 
 
-def step_panel(index: RunIndex, header: dict[str, Any], names: dict[int, str],
+def step_panel(header: dict[str, Any], names: dict[int, str] | None,
                fork_dir: Path | None = None) -> None:
-    seqs = list(names)
+    """The step picker and the step of the URL (``step``), opened. A short run's picker
+    lists every step (``names``, their labels); a long run's takes a step's number."""
     current = _int(st.query_params.get("step"))
-    current = current if current in names else None
-    st.session_state["step_select"] = current  # the URL is the truth
-
-    def picked() -> None:
-        value = st.session_state["step_select"]
-        if value is None:
-            st.query_params.pop("step", None)
-        else:
-            st.query_params["step"] = str(value)
-
-    st.selectbox("Open step", [None, *seqs], key="step_select", on_change=picked,
-                 format_func=lambda s: "—" if s is None else names[s])
+    if names is not None:
+        current = current if current in names else None
+        st.session_state["step_select"] = current  # the URL is the truth
+        st.selectbox("Open step", [None, *names], key="step_select", on_change=_picked,
+                     args=("step_select",),
+                     format_func=lambda s: "—" if s is None else names[s])
+    else:
+        last = max(header["steps"] - 1, 0)
+        current = current if current is not None and 0 <= current <= last else None
+        st.session_state["step_number"] = current
+        st.number_input(md("Open step (0 to {:,})", last), min_value=0, max_value=last,
+                        step=1, key="step_number", on_change=_picked, args=("step_number",),
+                        placeholder="a step's seq")
     widgets.forks_panel(header)
-    if current is None:
-        return
+    if current is not None:
+        open_step(header, current, fork_dir)
+
+
+def _picked(key: str) -> None:
+    """Callback: the step picked goes into the URL."""
+    value = st.session_state[key]
+    if value is None:
+        st.query_params.pop("step", None)
+    else:
+        st.query_params["step"] = str(int(value))
+
+
+def open_step(header: dict[str, Any], current: int, fork_dir: Path | None) -> None:
     full_key = f"full:{header['path']}:{current}"
     try:
         detail = queries.step_detail(header["path"], current,

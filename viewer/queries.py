@@ -70,6 +70,7 @@ __all__ = [
     "run_steps",
     "side_effect_tools",
     "step_detail",
+    "step_labels",
     "timeline",
     "usage_over_time",
     "validate_edit",
@@ -308,7 +309,8 @@ def run_header(index: RunIndex, run: str) -> dict[str, Any] | None:
 TIMELINE_COLUMNS = ("seq", "kind", "name", "status", "start_ms", "latency_ms", "tokens", "cost",
                     "mark", "error")
 
-# One row per step, marks included, from the index's columns: no payload is parsed.
+# One row per step, marks included, from the index's columns: no payload is parsed. A long
+# run's first screen asks for its first rows alone (``LIMIT``).
 _TIMELINE_SELECT = """
 SELECT seq, kind, name, status, input_tokens, output_tokens,
        CASE WHEN input_tokens IS NULL AND output_tokens IS NULL THEN NULL
@@ -321,23 +323,40 @@ SELECT seq, kind, name, status, input_tokens, output_tokens,
                  CASE WHEN coalesce(within, '') != '' THEN '↳ in ' || within END,
                  CASE WHEN coalesce(error, '') != '' THEN '✗ error' END) AS mark,
        t
-FROM steps WHERE path = ? ORDER BY seq
+FROM steps WHERE path = ? ORDER BY seq LIMIT ?
+"""
+
+# The earliest start among the steps after the first ``n`` that belong to the same part of
+# the run as the ``n``-th (up to the next control line that starts a part): a part's steps
+# are drawn from its earliest start, and a tool step starts before the steps made in its
+# body, which are written before it.
+_PART_REST_START = """
+SELECT min(t) FROM steps WHERE path = ? AND seq > ? AND seq < coalesce(
+    (SELECT min(seq) FROM steps WHERE path = ? AND seq > ? AND kind = 'control'
+     AND name IN (SELECT unnest(?::VARCHAR[]))), 2147483647)
 """
 
 
-def _timeline(index: RunIndex, run: str) -> dict[str, list[Any]]:
-    """The timeline of ``run`` by column (see :func:`run_steps`); empty lists when there
-    is no such run."""
+def _timeline(index: RunIndex, run: str, first: int | None = None) -> dict[str, list[Any]]:
+    """The timeline of ``run`` by column (see :func:`run_steps`), or of its ``first``
+    steps; empty lists when there is no such run."""
     path = run_path(index, run)
-    cur = index.con.execute(_TIMELINE_SELECT, [str(path) if path is not None else None])
+    limit = first if first is not None else 2**62
+    cur = index.con.execute(_TIMELINE_SELECT, [str(path) if path is not None else None, limit])
     names = [d[0] for d in cur.description]
     rows = cur.fetchall() if path is not None else []
     columns: dict[str, list[Any]] = {name: [] for name in names}
     if rows:
         columns = {name: list(values)
                    for name, values in zip(names, zip(*rows, strict=True), strict=True)}
+    rest = None
+    if first is not None and len(rows) == first and rows:
+        last = columns["seq"][-1]
+        found = index.con.execute(_PART_REST_START, [str(path), last, str(path), last,
+                                                     sorted(_NEW_PART)]).fetchone()
+        rest = found[0] if found else None
     columns["start_ms"] = _part_times(columns.pop("t"), columns["kind"], columns["name"],
-                                      columns["latency_ms"])
+                                      columns["latency_ms"], rest)
     return columns
 
 
@@ -347,10 +366,12 @@ _NEW_PART = frozenset({Control.FORK_EDIT, Control.RESUMED})
 
 
 def _part_times(starts: list[Any], kinds: list[Any], names: list[Any],
-                latencies: list[Any]) -> list[float | None]:
+                latencies: list[Any], rest: float | None = None) -> list[float | None]:
     """Each step's start in ms since the run began, each part of the run (a fork's copied
     prefix and its live part, the parts of a resumed run) drawn from where the part before
-    it ended: the hours between recording and forking are not the run's time."""
+    it ended: the hours between recording and forking are not the run's time. ``rest``:
+    for the first steps of a run, the earliest start of the steps of the last part that
+    are not among them."""
     parts: list[list[int]] = [[]]
     for i, (kind, name) in enumerate(zip(kinds, names, strict=True)):
         if kind == Kind.CONTROL and name in _NEW_PART and parts[-1]:
@@ -360,6 +381,8 @@ def _part_times(starts: list[Any], kinds: list[Any], names: list[Any],
     base = 0.0  # ms at which the current part starts on the drawn axis
     for part in parts:
         timed = [starts[i] for i in part if starts[i] is not None]
+        if part is parts[-1] and rest is not None:
+            timed.append(rest)
         if not timed:
             continue
         origin, end = min(timed), base
@@ -384,15 +407,21 @@ def run_steps(index: RunIndex, run: str) -> list[dict[str, Any]]:
             for row in zip(*columns.values(), strict=True)]
 
 
-def timeline(index: RunIndex, run: str) -> tuple[dict[str, list[Any]], dict[int, str]]:
+def timeline(index: RunIndex, run: str, first: int | None = None) -> dict[str, list[Any]]:
     """What a run's page shows of its steps before one is opened: the timeline table's
-    columns (:data:`TIMELINE_COLUMNS`, as :func:`run_steps` has them) and each step's label
-    in the step picker (``seq · kind · name mark``)."""
-    columns = _timeline(index, run)
-    labels = {seq: f"{seq} · {kind} · {name} {mark}" for seq, kind, name, mark in
-              zip(columns["seq"], columns["kind"], columns["name"], columns["mark"],
-                  strict=True)}
-    return {c: columns[c] for c in TIMELINE_COLUMNS}, labels
+    columns (:data:`TIMELINE_COLUMNS`, as :func:`run_steps` has them); ``first``: of its
+    first so many steps alone (a long run's first screen: the index is asked for those
+    rows, and each start time is the one the whole timeline gives it)."""
+    columns = _timeline(index, run, first)
+    return {c: columns[c] for c in TIMELINE_COLUMNS}
+
+
+def step_labels(columns: dict[str, list[Any]]) -> dict[int, str]:
+    """Each step's label in the step picker (``seq · kind · name mark``), from the
+    timeline's columns."""
+    return {seq: f"{seq} · {kind} · {name} {mark}" for seq, kind, name, mark in
+            zip(columns["seq"], columns["kind"], columns["name"], columns["mark"],
+                strict=True)}
 
 
 def usage_over_time(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:

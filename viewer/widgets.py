@@ -25,6 +25,7 @@ from viewer.queries import StepDetail
 from viewer.safe import md
 
 THUMBNAIL_WIDTH = 160
+FILLED = "timeline_filled"  # session state: the run whose whole timeline the page has drawn
 
 
 def go(**params: Any) -> None:
@@ -32,8 +33,10 @@ def go(**params: Any) -> None:
 
     The whole script reruns: a button inside a fragment (the runs table, a run's
     refreshing body) would otherwise rerun only that fragment, and the URL would change
-    with the old page still shown.
+    with the old page still shown. A run's page opened anew draws a long timeline's first
+    screen first again (:func:`viewer.app.timeline_grid`).
     """
+    st.session_state.pop(FILLED, None)
     for name in list(st.query_params):
         try:
             del st.query_params[name]
