@@ -193,6 +193,44 @@ def tool(detail: StepDetail) -> None:
             image(img)
 
 
+_SERVER_FIELDS = ("name", "version", "transport", "command", "url")
+
+
+def mcp(info: dict[str, Any]) -> None:
+    """An MCP step's own part: the server, the method and tool as a small table, then
+    what the server sent before its answer, in order, each notification or request of the
+    client with its params, and the client's answer to a request. All of it text: a grid's
+    cells and JSON are never read as markup."""
+    server = info["server"]
+    rows = [{"": key, "value": " ".join(map(str, server[key])) if key == "command"
+             and isinstance(server[key], list) else _text(server[key])}
+            for key in _SERVER_FIELDS if key in server]
+    rows += [{"": "method", "value": _text(info["method"])}]
+    if info["tool"]:
+        rows += [{"": "tool", "value": _text(info["tool"])},
+                 {"": "destructive", "value": "yes" if info["destructive"] else "no"}]
+    st.caption("MCP server and call")
+    st.dataframe(rows, hide_index=True, key="mcp_server", column_config={
+        "": st.column_config.TextColumn(width="small"),
+        "value": st.column_config.TextColumn(width="large")})
+    exchange = info["exchange"]
+    if not exchange:
+        return
+    with st.expander(md("What the server sent before its answer ({})", len(exchange)),
+                     expanded=True):
+        for n, entry in enumerate(exchange, 1):
+            asked = entry["kind"] == "request"
+            st.markdown(md("**{}** · {} {:code}", n, "request of the client" if asked
+                           else "notification", entry["method"]))
+            st.json(entry.get("params"), expanded=True)
+            if "error" in entry:
+                st.caption("the client's answer: an error")
+                st.json(entry["error"], expanded=True)
+            elif "result" in entry:
+                st.caption("the client's answer")
+                st.json(entry["result"], expanded=True)
+
+
 def control(detail: StepDetail) -> None:
     info = detail.control or {}
     st.warning(md(":material/flag: control line: **{}**", info.get("event")))
@@ -230,7 +268,9 @@ def step(detail: StepDetail) -> None:
         conversation(detail.conversation)
     elif detail.tool is not None:
         tool(detail)
-    elif detail.kind == Kind.END:
+    if detail.mcp is not None:
+        mcp(detail.mcp)
+    if detail.kind == Kind.END:
         st.json(detail.observation, expanded=True)
     raw(detail)
 

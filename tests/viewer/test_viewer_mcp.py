@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from playwright.sync_api import expect
 from streamlit.testing.v1 import AppTest
 from test_viewer_browser import chromium_missing, chromium_page, open_page, serve_viewer, shot
 
@@ -135,6 +136,44 @@ def test_an_mcp_step_shows_its_server_call_and_exchange(runs: dict[str, str]) ->
         "answered)" in asked
 
 
+def server_table(at: AppTest) -> dict[str, str]:
+    [table] = [d.value for d in at.dataframe if "value" in d.value.columns]
+    return dict(zip(table[""], table["value"], strict=True))
+
+
+def exchange(at: AppTest) -> list[str]:
+    """What the exchange panel says, in order: each message's line, its params and any
+    answer (as the JSON shown)."""
+    [panel] = [e for e in at.expander if "before its answer" in unescape(str(e.label))]
+    return [unescape(str(x.value)) for x in panel.children.values()
+            if x.type in ("markdown", "json", "caption")]
+
+
+def test_an_mcp_steps_server_and_exchange_are_drawn_in_order(runs: dict[str, str]) -> None:
+    at = page(run=runs["a"], step=seq("a", "refund"))
+    assert server_table(at) == {"name": "ledger", "version": "1.4.2", "transport": "stdio",
+                                "command": "ledger-server", "method": "tools/call",
+                                "tool": "refund", "destructive": "yes"}
+    said = exchange(at)
+    lines = [line for line in said if line.startswith("**")]
+    assert lines == ["**1** · notification `notifications/progress`",
+                     "**2** · notification `notifications/message`",
+                     "**3** · notification `notifications/progress`"]
+    assert said[1].startswith("{") and '"progress"' in said[1]  # the params, after its line
+
+    over_http = server_table(page(run=runs["c"], step=seq("c", "lookup")))
+    assert over_http["transport"] == "http" and over_http["url"].startswith("http://127.0.0.1:")
+    assert over_http["destructive"] == "no" and "command" not in over_http
+
+    asked = exchange(page(run=runs["ask"], step=seq("ask", "summarize")))
+    at_request = asked.index("**1** · request of the client `sampling/createMessage`")
+    assert '"messages"' in asked[at_request + 1]  # what the server asked
+    assert asked[at_request + 2] == "the client's answer"
+    assert '"role": "assistant"' in asked[at_request + 3]  # what the client answered
+    listed = server_table(page(run=runs["a"], step=seq("a", "prompts/get")))
+    assert listed["method"] == "prompts/get" and "tool" not in listed
+
+
 def test_deja_diff_and_the_viewer_show_an_argument_or_a_server_changed(
         runs: dict[str, str]) -> None:
     folder = Path(os.environ["DEJA_VIEW_DIR"])
@@ -167,7 +206,12 @@ def test_an_mcp_step_in_chromium(runs: dict[str, str], tmp_path: Path) -> None:
         app = browser.get_by_test_id("stApp")
         for words in ("MCP server ledger 1.4.2 (stdio: ledger-server)",
                       "tools/call of tool confirm (destructive)",
-                      "elicitation/create (the client answered)", "A-1: approved"):
+                      "elicitation/create (the client answered)", "A-1: approved",
+                      "What the server sent before its answer (1)",
+                      "request of the client", "the client's answer"):
             app.get_by_text(words, exact=False).first.wait_for()
-        app.get_by_text("MCP server ledger", exact=False).first.scroll_into_view_if_needed()
+        table = browser.get_by_test_id("stDataFrame").last.locator("table")
+        expect(table).to_contain_text("ledger-server")
+        expect(table).to_contain_text("destructive")
+        app.get_by_text("MCP server and call").scroll_into_view_if_needed()
         shot(browser, tmp_path / "mcp-step.png")
