@@ -21,7 +21,6 @@ that a replay whose calls all match exactly never reads a request under the poli
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, cast
 
@@ -79,15 +78,16 @@ class Index:
     def __init__(self, cassette: Cassette) -> None:
         self._lock = threading.Lock()
         self._lines: Sequence[Mapping[str, Any]] = cassette.observations
-        self._queues: dict[tuple[str, str], deque[int]] = {}
-        # every line of each key, served or not, and each line's key
-        self._recorded: dict[tuple[str, str], list[int]] = {}
-        self._key_of: dict[int, tuple[str, str]] = {}
+        self._heads = heads(self._lines)
+        # every line of each key, served or not (one seq, or a list of them), and how far
+        # the calls served have gone through a list
+        self._recorded: dict[tuple[str, str], int | list[int]] = {}
+        self._next: dict[Any, int] = {}
         # model and HTTP lines by their key under the replay policy, once a call needs it
         self._loose: dict[str, list[int]] | None = None
         self._loose_of: dict[int, str] = {}
         # effects by (name, file, function) of their call site
-        self._sites: dict[tuple[str, str, str], deque[int]] = {}
+        self._sites: dict[tuple[str, str, str], list[int]] = {}
         self._order: dict[str, list[int]] = {"net": [], "tool": [], "effect": [], "mcp": []}
         self._cursor = {family: 0 for family in self._order}
         self.used: set[int] = set()
@@ -97,7 +97,7 @@ class Index:
         # each refusing control line, with the seqs that come before it and must be used
         self.stops: list[tuple[Mapping[str, Any], list[int]]] = []
         self._stop_next = 0
-        self._add(heads(self._lines))
+        self._add(self._heads)
 
     def _add(self, found: Iterable[Head]) -> None:
         before: list[int] = []
@@ -119,15 +119,17 @@ class Index:
                 continue
             if key is None or within:  # made inside a tool body: served with the tool
                 continue
-            self._queues.setdefault(key, deque()).append(seq)
-            self._recorded.setdefault(key, []).append(seq)
-            self._key_of[seq] = key
+            group = self._recorded.setdefault(key, seq)
+            if group != seq:  # a second line of the key: a list
+                if isinstance(group, int):
+                    group = self._recorded[key] = [group]
+                group.append(seq)
             self._order[key[0]].append(seq)
             self.total += 1
             site = Site.parse(head.site) if key[0] == "effect" else None
             if site is not None:
                 self._sites.setdefault((str(head.name), site.file, site.function),
-                                       deque()).append(seq)
+                                       []).append(seq)
 
     def _read(self, seqs: Iterable[int]) -> list[Mapping[str, Any]]:
         return [self._lines[seq] for seq in seqs]
@@ -135,7 +137,7 @@ class Index:
     def take(self, key: tuple[str, str]) -> Mapping[str, Any] | None:
         """The first unused observation of ``key``, marked used (None: none is left)."""
         with self._lock:
-            seq = self._next_unused(self._queues.get(key))
+            seq = self._next_unused(key, self._recorded.get(key))
             if seq is None:
                 return None
             self._use(seq)
@@ -178,7 +180,11 @@ class Index:
 
     def recorded(self, key: tuple[str, str]) -> list[Mapping[str, Any]]:
         """Every observation of ``key``, served or not, in recorded order."""
-        return self._read(self._recorded.get(key, ()))
+        return self._read(self._group(key))
+
+    def _group(self, key: tuple[str, str]) -> list[int]:
+        group = self._recorded.get(key, [])
+        return [group] if isinstance(group, int) else group
 
     def played(self, seq: int) -> int:
         """How many of the observations that answer what ``seq`` answers (its key; for a
@@ -188,7 +194,8 @@ class Index:
             if loose is not None and self._loose is not None:
                 group = self._loose[loose]
             else:
-                group = self._recorded.get(self._key_of.get(seq, ("", "")), [])
+                key = key_of(self._heads[seq]) if 0 <= seq < len(self._heads) else None
+                group = self._group(key) if key is not None else []
             return sum(1 for s in group if s in self.used)
 
     def family(self, family: str) -> list[Mapping[str, Any]]:
@@ -202,22 +209,26 @@ class Index:
         with self._lock:
             seq = None
             if file is not None and function is not None:
-                seq = self._next_unused(self._sites.get((name, file, function)))
+                where = (name, file, function)
+                seq = self._next_unused(where, self._sites.get(where))
             by_name = seq is None
             if by_name:
-                seq = self._next_unused(self._queues.get(("effect", name)))
+                seq = self._next_unused(("effect", name), self._recorded.get(("effect", name)))
             if seq is None:
                 return None, False
             self.used.add(seq)
         obs = self._lines[seq]
         return obs, by_name and file is not None and Site.parse(obs.get("site")) is not None
 
-    def _next_unused(self, queue: deque[int] | None) -> int | None:
-        while queue:
-            seq = queue.popleft()
-            if seq not in self.used:
-                return seq
-        return None
+    def _next_unused(self, key: Any, group: int | list[int] | None) -> int | None:
+        """The first seq of ``group`` not used yet (the group of ``key``)."""
+        if group is None or isinstance(group, int):
+            return None if group is None or group in self.used else group
+        i = self._next.get(key, 0)
+        while i < len(group) and group[i] in self.used:
+            i += 1
+        self._next[key] = i
+        return group[i] if i < len(group) else None
 
     def pending_stop(self) -> Mapping[str, Any] | None:
         """The refusing control line the next call meets, once everything before it is used."""

@@ -199,7 +199,8 @@ def decode(stored: dict[str, Any], bodies: dict[int, Any],
     base = bodies[stored["base"]]
     # the base's fields in its order, the list in its place: the request's own order
     body = {k: v for k, v in base.items() if k not in stored.get("unset", ())}
-    body.update(copy.deepcopy(stored.get("set", {})))
+    if "set" in stored:  # a copy: the line's own values stay as stored
+        body.update(copy.deepcopy(stored["set"]))
     added = stored[field]
     if "reply" in stored:
         added = [*_resent(stored, replies if replies is not None else {}, shapes, seq), *added]

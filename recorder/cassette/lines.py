@@ -33,7 +33,8 @@ from recorder.cassette.schema import EndLine, Kind, Observation
 from recorder.errors import CorruptCassette
 
 PIN_EVERY = 64  # model lines between the headers kept for good (see the module)
-_CACHED = 32  # lines, requests, answers and headers kept after they were restored
+_CACHED = 32  # requests, answers and headers kept after they were restored
+_LINES_CACHED = 8  # whole lines kept after they were restored (a call reads its own again)
 _KINDS = {kind.value: kind for kind in Kind}
 _FAULTS = (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError)
 
@@ -54,20 +55,23 @@ class Head(NamedTuple):
 
 def head_of(line: Mapping[str, Any], fp: str | None = None) -> Head:
     """The head of ``line`` (a model line's fingerprint: ``fp``, else its own)."""
-    kind = line["kind"]
-    name, event = line.get("name"), line.get("event")
-    return Head(line["seq"], _KINDS.get(kind, kind), fp if fp is not None else line.get("fp"),
-                sys.intern(name) if isinstance(name, str) else name, line.get("within"),
-                "observed" in line, sys.intern(event) if isinstance(event, str) else event,
-                line.get("intent"), line.get("site"))
+    kind, get = line["kind"], line.get
+    name, event = get("name"), get("event")
+    # tuple.__new__: what Head(...) does, without its argument handling (load makes one
+    # a line)
+    return tuple.__new__(Head, (
+        line["seq"], _KINDS.get(kind, kind), fp if fp is not None else get("fp"),
+        sys.intern(name) if isinstance(name, str) else name, get("within"), "observed" in line,
+        sys.intern(event) if isinstance(event, str) else event, get("intent"), get("site")))
 
 
 class _Recent(dict[int, Any]):
     """The last :data:`_CACHED` values put in, and a few kept for good (``pinned``)."""
 
-    def __init__(self, pinned: set[int] | None = None) -> None:
+    def __init__(self, pinned: set[int] | None = None, size: int = _CACHED) -> None:
         super().__init__()
         self._pinned = pinned if pinned is not None else set()
+        self._size = size
         self._kept: dict[int, Any] = {}
 
     def find(self, seq: int) -> Any:
@@ -78,7 +82,7 @@ class _Recent(dict[int, Any]):
             self._kept[seq] = value
             return value
         self[seq] = value
-        if len(self) > _CACHED:
+        if len(self) > self._size:
             del self[next(iter(self))]
         return value
 
@@ -95,7 +99,7 @@ class Store:
         self.request_headers: list[Any] = []  # and its request headers
         self.shapes: dict[int, _shape.Shape] = {}  # seq -> the reply shape it holds inline
         self.models = 0  # model lines read
-        self._lines = _Recent()
+        self._lines = _Recent(size=_LINES_CACHED)
         self._requests = _Recent()
         self._replies = _Recent()
         self._pinned: set[int] = set()  # model lines whose headers are kept for good

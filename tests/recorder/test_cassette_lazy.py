@@ -1,0 +1,92 @@
+"""A loaded cassette keeps the file's bytes and each line's head, not the lines restored.
+
+``load`` checks every signature and works out what a replay matches on (each model line's
+fingerprint); a line is restored from its bytes when it is read. These tests record a real
+SDK against the stub server and look at what a loaded cassette and a replay index hold
+(object structure, never timing), and that lines read in any order, or again, are the
+lines the file holds.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import recorder
+from recorder.cassette import load
+from recorder.cassette.lines import Lines
+from recorder.cassette.schema import Kind
+from replayer.index import Index
+from tests.recorder.test_cassette_size import messages_agent, script
+
+TURNS = 40  # model calls: more than any cache of restored lines, requests or headers holds
+
+
+@pytest.fixture
+def recorded(stub: Callable[[dict[str, Any]], Any], tmp_path: Path) -> Path:
+    path = tmp_path / "run.jsonl"
+    with recorder.record(path):
+        messages_agent(stub(script(TURNS)).url)
+    return path
+
+
+def reachable_dicts(root: object, key: str) -> list[dict[str, Any]]:
+    """The dicts holding ``key`` that ``root`` reaches, through any references."""
+    seen: set[int] = set()
+    found: list[dict[str, Any]] = []
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, str | bytes | int | float | type):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict) and key in obj:
+            found.append(obj)
+        todo.extend(gc.get_referents(obj))
+    return found
+
+
+def test_a_loaded_cassette_holds_no_restored_line(recorded: Path) -> None:
+    cassette = load(recorded, require_signature=True)
+    assert isinstance(cassette.observations, Lines)
+    assert len(cassette.observations) == TURNS
+    # no response, no request rebuilt: each line is the bytes read, and its head
+    assert reachable_dicts(cassette, "response") == []
+    assert reachable_dicts(cassette, "messages") == []
+    assert all(h.kind == Kind.MODEL and h.fp for h in cassette.observations.heads)
+
+
+def test_reading_every_line_keeps_only_the_last_few(recorded: Path) -> None:
+    cassette = load(recorded, require_signature=True)
+    for line in cassette.observations:
+        assert line["response"]["headers"] and line["fp"]
+    held = reachable_dicts(cassette, "response")
+    assert 0 < len(held) < TURNS // 2
+
+
+def test_the_replay_index_keeps_keys_and_seqs_not_lines(recorded: Path) -> None:
+    cassette = load(recorded, require_signature=True)
+    index = Index(cassette)
+    assert reachable_dicts(index.__dict__, "response") == []
+    line = index.take(("net", cassette.observations.heads[3].fp or ""))
+    assert line is not None and line["seq"] == 3
+
+
+def test_lines_read_in_any_order_are_the_lines_in_order(recorded: Path) -> None:
+    """Backwards (each line's references followed from scratch), and again in order, a
+    line, its request and its signature are the same as when read first to last."""
+    forwards = load(recorded, require_signature=True)
+    in_order = [(dict(line), forwards.requests[line["seq"]]) for line in forwards.observations]
+    backwards = load(recorded, require_signature=True)
+    seqs = range(len(in_order) - 1, -1, -1)
+    assert [(dict(backwards.observations[s]), backwards.requests[s]) for s in seqs] == \
+        in_order[::-1]
+    assert list(forwards.observations) == [line for line, _ in in_order]
+    written = [json.loads(raw)["sig"] for raw in recorded.read_bytes().splitlines()]
+    assert list(backwards.sigs) == written
+    assert backwards.replies.get(0) is not None  # the answer seq 1 resends
