@@ -326,31 +326,52 @@ def rows_size(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     return rows, notes, fails
 
 
-def rows_viewer(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
-    f = r["filter"]
-    paints = [x for x in (r.get("paint_small"), r["paint"]) if x]
-    filter_ok = f["filter_ms"] < 1000.0
-    rows: list[Row] = [
-        (f"Viewer first paint, {p['steps']:,}-step run",
-         f"{p['median_s']:.2f} s (all rows in the grid {p['grid_median_s']:.2f} s)",
-         "-", "< 2 s", _verdict(p["median_s"] < 2.0)) for p in paints]
-    rows.append(
-        (f"Runs-table filter, {f['runs']:,} runs (status + text)",
-         f"{f['filter_ms']:.1f} ms ({f['filter_hits']} runs)",
-         f"index build: {f['index_s']:.1f} s", "< 1 s", _verdict(filter_ok)))
-    notes = [
+PAINT_TARGET_S = 1.5  # first paint of a run of up to 10,000 steps
+HUGE_PAINT_TARGET_S = 3.0  # and of a longer one (the 100,000-step row)
+
+
+def _paint_target(p: dict[str, Any]) -> float:
+    return PAINT_TARGET_S if p["steps"] <= 10_000 else HUGE_PAINT_TARGET_S
+
+
+def _paint_note(p: dict[str, Any]) -> str:
+    made = ("written line by line with the cassette writer, signed, as recording that many "
+            "through the SDK would take minutes," if p.get("written") else
+            "through the SDK against the stub, recorded")
+    return (
         f"viewer paint: `deja view` on 127.0.0.1, headless Chromium (Playwright, Debian's "
         f"chromium, 1280x800) opens ?run=<id> of a {p['steps']:,}-step run ({p['steps'] // 2:,} "
-        f"model calls through the SDK against the stub + {p['steps'] // 2:,} tool calls, "
-        f"{_kb(p['run_bytes'])}, recorded in {p['record_s']:.1f} s, indexed in "
+        f"model calls + {p['steps'] // 2:,} tool calls, {_kb(p['run_bytes'])}, {made} in "
+        f"{p['record_s']:.1f} s, indexed in "
         f"{p['index_s']:.2f} s beforehand); time by the page's clock from the navigation's "
         f"start to the first frame where the timeline's canvas has text in its first row; "
         f"median of {p['loads']} loads, each in a new browser context (empty cache, new "
         f"session): {', '.join(f'{x:.2f}' for x in p['paint_s'])} s; the first, untimed "
         f"load {p['first_load_s']:.2f} s (the server's first session, which also fills "
         f"the viewer's cache of the timeline). The grid's accessible table holds all "
-        f"{p['steps'] + 1:,} rows later ({', '.join(f'{x:.2f}' for x in p['grid_s'])} s)."
+        f"{p['steps'] + 1:,} rows later ({', '.join(f'{x:.2f}' for x in p['grid_s'])} s)"
+        + (f"; the Streamlit server's RSS {p['idle_rss_mib']:.0f} MiB before the loads, "
+           f"{p['rss_mib']:.0f} MiB after, peak {p['peak_rss_mib']:.0f} MiB"
+           if "rss_mib" in p else "") + ".")
+
+
+def rows_viewer(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
+    f = r["filter"]
+    paints = [x for x in (r.get("paint_small"), r["paint"], r.get("paint_huge")) if x]
+    filter_ok = f["filter_ms"] < 1000.0
+    rows: list[Row] = [
+        (f"Viewer first paint, {p['steps']:,}-step run",
+         f"{p['median_s']:.2f} s (all rows in the grid {p['grid_median_s']:.2f} s"
+         + (f"; server RSS {p['rss_mib']:.0f} MiB, peak {p['peak_rss_mib']:.0f}"
+            if "rss_mib" in p else "") + ")",
+         "-", f"<= {_paint_target(p):g} s",
+         _verdict(p["median_s"] <= _paint_target(p), f"{p['median_s']:.2f} s"))
         for p in paints]
+    rows.append(
+        (f"Runs-table filter, {f['runs']:,} runs (status + text)",
+         f"{f['filter_ms']:.1f} ms ({f['filter_hits']} runs)",
+         f"index build: {f['index_s']:.1f} s", "< 1 s", _verdict(filter_ok)))
+    notes = [_paint_note(p) for p in paints]
     notes.append(
         f"viewer filter: {f['runs']:,} signed cassettes (model + tool step, end line; "
         f"written with CassetteWriter in {f['write_s']:.1f} s by {f.get('writers', 1)} "
@@ -360,8 +381,8 @@ def rows_viewer(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         f"completed, text=<word in 1% of the runs, other case>) median of {f['repeats']}; "
         f"no filter (first 500 rows) {f['all_ms']:.1f} ms; tool + model + min tokens + "
         f"since {f['combined_ms']:.1f} ms ({f['combined_rows']} runs).")
-    fails = [f"viewer first paint of a {p['steps']:,}-step run {p['median_s']:.2f} s (>= 2 s)"
-             for p in paints if not p["median_s"] < 2.0]
+    fails = [f"viewer first paint of a {p['steps']:,}-step run {p['median_s']:.2f} s "
+             f"(> {_paint_target(p):g} s)" for p in paints if p["median_s"] > _paint_target(p)]
     if not filter_ok:
         fails.append(f"runs-table filter over {f['runs']:,} runs {f['filter_ms']:.0f} ms "
                      "(>= 1 s)")
@@ -714,7 +735,8 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
                 "resume": {"steps": 1000, "repeats": 3},
                 "load": {"lines": 2000, "repeats": 3, "rewind_repeats": 1},
                 "memory": {"calls": 400},
-                "viewer": {"steps": 2000, "loads": 3, "runs": 2000, "repeats": 5},
+                "viewer": {"steps": 2000, "huge_steps": 20_000, "loads": 3, "runs": 2000,
+                           "repeats": 5},
                 "proxy": {"calls": 100, "block": 25, "convs_per_client": 1, "conc_rounds": 1,
                           "frontier_levels": (1, 8), "frontier_calls": 100,
                           "paced_streams": 20},
@@ -730,8 +752,8 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
             "resume": {"steps": 1000, "repeats": 5},
             "load": {"lines": 10_000, "repeats": 5, "rewind_repeats": 3},
             "memory": {"calls": 2000},
-            "viewer": {"steps": 10_000, "small_steps": 2000, "loads": 5, "runs": 100_000,
-                       "repeats": 7},
+            "viewer": {"steps": 10_000, "small_steps": 2000, "huge_steps": 100_000, "loads": 5,
+                       "runs": 100_000, "repeats": 7},
             "proxy": {"calls": 300, "block": 50, "convs_per_client": 2, "conc_rounds": 2},
             "runs": {"n": 50, "cli_n": 10},
             "suite": {"n": 100, "repeats": 3}}

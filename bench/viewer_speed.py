@@ -68,9 +68,13 @@ TOOLS = ("search", "read_file", "weather", "run_tests")
 # ---------------------------------------------------------------------- first paint
 
 
+def hits(i: int) -> str:
+    return f"row {i}: {i * 7 % 23} hits"
+
+
 @recorder.tool
 def lookup(i: int) -> str:
-    return f"row {i}: {i * 7 % 23} hits"
+    return hits(i)
 
 
 def record_long_run(folder: Path, steps: int) -> tuple[Path, str]:
@@ -85,6 +89,58 @@ def record_long_run(folder: Path, steps: int) -> tuple[Path, str]:
             run = rec.run_id
         c.close()
     return path, run
+
+
+def write_long_run(folder: Path, steps: int) -> tuple[Path, str]:
+    """``steps`` steps as :func:`record_long_run` makes them (a model call, then a tool
+    call), written line by line with the cassette writer, signed: recording a hundred
+    thousand steps through the SDK would take minutes."""
+    path = folder / "long.jsonl"
+    run = new_run_id()
+    header = {"run": run, "parent": None, "created": "2026-01-01T00:00:00.000Z",
+              "argv": ["python", "agent.py"], "cwd": ".", "entry": None, "labels": {},
+              "fsync": "exit"}
+    writer = CassetteWriter(path, header, require_signing_key(load_keyring(create=False)),
+                            "exit")
+    t = datetime(2026, 1, 1, tzinfo=UTC).timestamp()
+    for i in range(steps // 2):
+        request = {"max_tokens": w.MAX_TOKENS, "model": w.MODEL,
+                   "messages": [{"role": "user", "content": w.prompt(i)}]}
+        body = {"id": f"msg_{i:08d}", "type": "message", "role": "assistant",
+                "model": w.MODEL, "content": [{"type": "text", "text": f"ok {i}"}],
+                "stop_reason": "end_turn", "stop_sequence": None,
+                "usage": {"input_tokens": 20, "output_tokens": 5}}
+        writer.append({"kind": "model", "url": "http://127.0.0.1:8765/v1/messages",
+                       "request_headers": [["content-type", "application/json"]],
+                       "t": round(t, 3), "ms": 3.0, "cost_usd": 0.000135,
+                       "response": {"status": 200, "body_json": body,
+                                    "headers": [["content-type", "application/json"]]}},
+                      request_body=request, has_request=True)
+        args = {"i": i}
+        writer.append({"kind": "tool", "name": "lookup", "args": args, "ms": 0.1,
+                       "fp": digest(["tool", "lookup", args]), "t": round(t + 0.003, 3),
+                       "result": hits(i)})
+        t += 0.004
+    writer.close({"status": "completed", "totals": {}})
+    return path, run
+
+
+def _memory(pid: int) -> dict[str, float]:
+    """The resident memory of process ``pid`` now and at its peak, in MiB (Linux)."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "VmHWM"):
+            fields[name] = int(value.split()[0]) / 1024
+    return {"rss_mib": round(fields["VmRSS"], 1), "peak_rss_mib": round(fields["VmHWM"], 1)}
+
+
+def _child(pid: int) -> int:
+    """The one child of ``pid``: the Streamlit server ``deja view`` runs."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    if len(children) != 1:
+        raise RuntimeError(f"deja view ({pid}) has children {children}, not one server")
+    return int(children[0])
 
 
 def _free_port() -> int:
@@ -105,9 +161,9 @@ def _healthy(port: int) -> bool:
 
 
 @contextmanager
-def viewer(folder: Path, log: Path) -> Iterator[tuple[str, str]]:
-    """``deja view FOLDER`` on a free port until the block ends: its base URL and the
-    token of the address it printed."""
+def viewer(folder: Path, log: Path) -> Iterator[tuple[str, str, int]]:
+    """``deja view FOLDER`` on a free port until the block ends: its base URL, the token
+    of the address it printed and the process id of its Streamlit server."""
     port = _free_port()
     with log.open("wb") as sink:
         process = subprocess.Popen([sys.executable, "-m", "deja", "view", str(folder),
@@ -122,7 +178,7 @@ def viewer(folder: Path, log: Path) -> Iterator[tuple[str, str]]:
             printed = re.search(r"/\?token=(\S+) ", log.read_text())
             if printed is None:
                 raise RuntimeError(f"deja view printed no token: {log.read_text()}")
-            yield f"http://127.0.0.1:{port}", printed.group(1)
+            yield f"http://127.0.0.1:{port}", printed.group(1), _child(process.pid)
         finally:
             process.terminate()
             try:
@@ -165,7 +221,10 @@ def _load(page: Any, url: str, rows: int, timeout_ms: int) -> tuple[float, float
     return float(painted.json_value()) / 1000.0, float(grid.json_value()) / 1000.0
 
 
-def first_paint(steps: int, loads: int, timeout_ms: int = 60_000) -> dict[str, Any]:
+def first_paint(steps: int, loads: int, timeout_ms: int = 120_000, *,
+                written: bool = False) -> dict[str, Any]:
+    """First paint of a ``steps``-step run, recorded through the SDK (or ``written`` with
+    the cassette writer), over ``loads`` loads after an untimed one."""
     if not CHROMIUM.exists():
         raise RuntimeError(f"{CHROMIUM} is missing: `make chromium` (or `make test`) installs "
                            "Debian's chromium; Playwright never downloads a browser")
@@ -175,7 +234,7 @@ def first_paint(steps: int, loads: int, timeout_ms: int = 60_000) -> dict[str, A
         folder = d / "runs"
         folder.mkdir()
         t0 = time.perf_counter()
-        path, run = record_long_run(folder, steps)
+        path, run = (write_long_run if written else record_long_run)(folder, steps)
         record_s = time.perf_counter() - t0
         run_bytes = path.stat().st_size
         t0 = time.perf_counter()
@@ -188,7 +247,8 @@ def first_paint(steps: int, loads: int, timeout_ms: int = 60_000) -> dict[str, A
         url = f"/?run={run}"
         painted: list[float] = []
         grids: list[float] = []
-        with viewer(folder, d / "view.log") as (base, token), sync_playwright() as p:
+        with viewer(folder, d / "view.log") as (base, token, server), sync_playwright() as p:
+            idle = _memory(server)
             browser = p.chromium.launch(executable_path=str(CHROMIUM), headless=True,
                                         args=CHROMIUM_ARGS)
             try:
@@ -208,7 +268,9 @@ def first_paint(steps: int, loads: int, timeout_ms: int = 60_000) -> dict[str, A
                         grids.append(grid)
             finally:
                 browser.close()
-    return {"steps": steps, "run_bytes": run_bytes, "record_s": round(record_s, 2),
+            memory = {"idle_rss_mib": idle["rss_mib"], **_memory(server)}
+    return {"steps": steps, "written": written, **memory, "run_bytes": run_bytes,
+            "record_s": round(record_s, 2),
             "index_s": round(index_s, 3), "first_load_s": round(first, 3), "loads": loads,
             "paint_s": [round(x, 3) for x in painted], "grid_s": [round(x, 3) for x in grids],
             "median_s": round(statistics.median(painted), 3),
@@ -345,9 +407,10 @@ def runs_filter(runs: int, repeats: int) -> dict[str, Any]:
 
 
 def run(steps: int = 10_000, loads: int = 5, runs: int = 100_000, repeats: int = 7,
-        small_steps: int | None = None) -> dict[str, Any]:
-    """First paint of a ``steps``-step run (and of a ``small_steps``-step one, when given),
-    then the runs-table filter over ``runs`` runs."""
+        small_steps: int | None = None, huge_steps: int | None = None) -> dict[str, Any]:
+    """First paint of a ``steps``-step run (and of a ``small_steps``-step one and a
+    written ``huge_steps``-step one, when given), then the runs-table filter over ``runs``
+    runs."""
     os.environ.pop("ANTHROPIC_BASE_URL", None)
     out: dict[str, Any] = {}
     if small_steps:
@@ -355,6 +418,9 @@ def run(steps: int = 10_000, loads: int = 5, runs: int = 100_000, repeats: int =
             out["paint_small"] = first_paint(small_steps, loads)
     with w.measurement("viewer"):
         out["paint"] = first_paint(steps, loads)
+    if huge_steps:
+        with w.measurement("viewer, longest run"):
+            out["paint_huge"] = first_paint(huge_steps, loads, written=True)
     with w.measurement("viewer filter"):
         out["filter"] = runs_filter(runs, repeats)
     return out
