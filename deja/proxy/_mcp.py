@@ -260,6 +260,8 @@ class McpEndpoint:
         params = _params(message)
         call = session.call(method, params)
         run = session.run
+        if method == TOOLS_CALL:
+            run.called_over_mcp(params.get("name"), params.get("arguments"))
         if run.stopped is not None or (run.closed and run is not self.host.single):
             raise McpFailure(400, f"deja: run {run.run_id} is "
                                   f"{'stopped' if run.stopped else 'closed'}; start a new "

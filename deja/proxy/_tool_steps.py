@@ -190,7 +190,8 @@ def boundary(run: ProxyRun, rec: Any, reading: Reading) -> None:
     """Log the tool results of the request ``reading`` read that the run has not seen yet
     (and let the guards see them): by the run's session, or, in a replay-then-live, by
     what follows its recording (which marks a result the model was given in the agent's
-    place)."""
+    place). A result of a call the agent made through the proxy's MCP endpoint is that
+    call's step already, and is not logged twice."""
     now = time.time()
     since = run.answered  # the tools ran between the last response and this request
     observe = run.policy.observe if run.policy is not None else rec.observe_tool
@@ -199,6 +200,8 @@ def boundary(run: ProxyRun, rec: Any, reading: Reading) -> None:
             continue
         name, args = call_of(run, reading, result)
         run.logged.add(result.run_id)
+        if run.took_over_by_mcp(name, args):  # made through --mcp: its line is written
+            continue
         observe(name, args if isinstance(args, dict) else {"input": args},
                 result.placed.sent, call_id=result.run_id,
                 is_error=result.placed.result.is_error, start=since or now,

@@ -74,8 +74,8 @@ if TYPE_CHECKING:
     from deja.proxy._then_live import AgentTools, Following
 
 __all__ = ["Dialogue", "Dialogues", "ProxyRun", "Registry", "Starting", "calls_by_id",
-           "conversation_items", "credential", "message_keys", "parse_labels", "start_key",
-           "substituted", "tool_calls", "tool_results"]
+           "conversation_items", "credential", "mcp_call_key", "message_keys", "parse_labels",
+           "start_key", "substituted", "tool_calls", "tool_results"]
 
 log = logging.getLogger("deja.proxy")
 
@@ -262,6 +262,20 @@ def _latest(dialogues: list[Dialogue]) -> Dialogue:
     return max(dialogues, key=lambda d: d.used)
 
 
+def mcp_call_key(name: Any, args: Any) -> tuple[str, str]:
+    """A tool call as an MCP ``tools/call`` and the model's tool call that asked for it
+    both name it: the tool's name, and its arguments as canonical JSON."""
+    return str(name), json.dumps({} if args is None else args, sort_keys=True,
+                                 separators=(",", ":"), default=str)
+
+
+def _same_tool(asked: str, called: str) -> bool:
+    """The model's tool ``asked`` is the MCP tool ``called``: the same name, or the name
+    with a prefix an agent gave its MCP tools (``ledger__lookup``, ``ledger.lookup``)."""
+    return asked == called or (asked.endswith(called)
+                               and not asked[-len(called) - 1].isalnum())
+
+
 def substituted(obs: Mapping[str, Any]) -> bool:
     """Is ``obs`` an observed tool line whose result the model was given in place of what
     the agent sent: a fork's edit, or the answer of a replay-then-live's tool policy
@@ -305,10 +319,29 @@ class ProxyRun:
     model: bool = False  # it has had a model request
     mcp: bool = False  # it has had an MCP session (deja proxy --mcp)
     mcp_sessions: set[str] = field(default_factory=set)  # its MCP sessions still open
+    # the MCP tool calls (name, arguments) it made through the proxy that no model request
+    # has carried the result of yet: that result is the MCP call's, already a step
+    mcp_calls: list[tuple[str, str]] = field(default_factory=list)
     cut: bool = False  # a call was cut short by the proxy's shutdown
     # held while a large line of the run is written in a worker thread: the run's next
     # request waits for it, so that its lines keep their order
     logging: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+
+    def called_over_mcp(self, name: Any, args: Any) -> None:
+        """Note a ``tools/call`` made through the proxy's MCP endpoint (the last 256: a
+        client that talks to no model through the proxy never carries their results)."""
+        self.mcp_calls.append(mcp_call_key(name, args))
+        del self.mcp_calls[:-256]
+
+    def took_over_by_mcp(self, name: str, args: Any) -> bool:
+        """The tool call ``name(args)`` whose result a model request carries was made
+        through the proxy's MCP endpoint (it is a step already): forget it there, True."""
+        _, wanted = mcp_call_key(name, args)
+        for n, (called, given) in enumerate(self.mcp_calls):
+            if given == wanted and _same_tool(name, called):
+                del self.mcp_calls[n]
+                return True
+        return False
 
     @property
     def last_keys(self) -> list[str]:

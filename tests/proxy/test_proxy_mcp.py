@@ -15,7 +15,9 @@ run unless named live, then exactly once.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -282,3 +284,84 @@ def test_a_fork_gives_the_model_a_static_answer_as_no_error_whatever_the_agent_s
     fetch = next(o for o in lines(load_verified(out)) if o.get("name") == "fetch")
     assert (fetch["result"], fetch["policy"], fetch.get("is_error")) == (
         '{"hit": 1}', "static", None)
+
+
+# A Python agent that talks to the model and to the ledger's MCP server, both through one
+# proxy (its model traffic at the proxy's root, its MCP session at /mcp), without deja in
+# its process: the model asks for lookup, the agent calls it over MCP and sends the result
+# back.
+MODEL_AND_MCP_AGENT = '''\
+import os
+import anthropic
+import anyio
+from mcp import ClientSession
+from mcp.client.streamable_http import streamable_http_client
+
+async def main():
+    proxy = os.environ["PROXY_URL"]
+    model = anthropic.AsyncAnthropic(base_url=proxy, api_key="sk-test", max_retries=0)
+    async with streamable_http_client(proxy + "/mcp") as (read, write), \\
+            ClientSession(read, write) as mcp:
+        await mcp.initialize()
+        listed = await mcp.list_tools()
+        tools = [{"name": t.name, "description": t.description or "",
+                  "input_schema": t.input_schema} for t in listed.tools if t.name == "lookup"]
+        messages = [{"role": "user", "content": "What was paid for order A-1?"}]
+        while True:
+            reply = await model.messages.create(model="claude-sonnet-4-6", max_tokens=64,
+                                                tools=tools, messages=messages)
+            messages.append({"role": "assistant", "content": [
+                b.model_dump(exclude_none=True) for b in reply.content]})
+            calls = [b for b in reply.content if b.type == "tool_use"]
+            if not calls:
+                print("answer:", reply.content[-1].text)
+                return
+            results = []
+            for call in calls:
+                got = await mcp.call_tool(call.name, call.input)
+                print(call.name + ":", got.content[0].text)
+                results.append({"type": "tool_result", "tool_use_id": call.id,
+                                "content": got.content[0].text})
+            messages.append({"role": "user", "content": results})
+
+anyio.run(main)
+'''
+LOOKUP_SCRIPT = {"select": "conversation", "turns": [
+    {"text": "Looking it up.", "tool_use": {"name": "lookup", "input": {"order": "A-1"}}},
+    {"text": "A-1: 40.00 EUR paid."}]}
+
+
+def test_a_tool_called_over_mcp_is_one_step_not_two(
+        proxy: Proxy, ledger: Callable[..., LedgerServer], tmp_path: Path) -> None:
+    """The model's tool call answered over the proxy's MCP endpoint is the MCP call's
+    step; the result the next model request carries is not logged again as an agent's
+    own tool step, and the run replays with both servers gone."""
+    server = ledger()
+    agent = tmp_path / "agent.py"
+    agent.write_text(MODEL_AND_MCP_AGENT)
+    directory = tmp_path / "recorded"
+    with StubServer(LOOKUP_SCRIPT) as stub:
+        recording = proxy("--mcp", server.url, "--upstream", stub.url, "--dir", str(directory))
+        run = subprocess.run([sys.executable, str(agent)], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, "PROXY_URL": recording.url})
+        assert run.returncode == 0, run.stderr
+        status, log = recording.stop()
+    assert status == 0, log
+    said = run.stdout.splitlines()
+    assert said == ["lookup: order A-1: 40.00 EUR paid, 0.00 EUR refunded",
+                    "answer: A-1: 40.00 EUR paid."]
+    [cassette] = cassettes(directory)
+    steps = [(o["kind"], o.get("name") or o.get("mcp", {}).get("method"))
+             for o in lines(load_verified(cassette))]
+    assert steps == [("mcp", "initialize"), ("mcp", "tools/list"), ("model", None),
+                     ("tool", "lookup"), ("model", None)], steps
+
+    server.stop()
+    replaying = proxy("--replay", str(cassette))
+    again = subprocess.run([sys.executable, str(agent)], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "PROXY_URL": replaying.url})
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == run.stdout
+    status, log = replaying.stop()
+    assert status == 0, log
+    assert "identical" in log, log
