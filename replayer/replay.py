@@ -61,7 +61,8 @@ from recorder.errors import (
     ToolReplayError,
 )
 from recorder.imports import when_imported
-from replayer.index import FAMILY, Index, tool_key
+from replayer._exact import ExactBytes
+from replayer.index import FAMILY, Index, heads, tool_key
 from replayer.policy import ReplayPolicy
 from replayer.result import ReplayResult
 from replayer.verdicts import Asked, Change, Referee, Tally, recorded_request
@@ -181,6 +182,9 @@ class ReplaySession(session.Session, Source, mcp.McpSeam, mcp.McpSource):
         self.redaction = Redaction.from_header(cassette.header.get("redact"))
         self._parts = Parts()  # the history the agent resends, hashed once
         self._requests = RequestReader()  # and parsed once
+        # a request sent as recorded, byte for byte, is matched without reading it
+        self.exact_bytes = ExactBytes(heads(cassette.observations), cassette.observations,
+                                      self.index.used, self.request_body, self.redaction.url)
         self._lock = threading.Lock()
         self.divergence: DivergenceInfo | None = None
         self.notes: list[str] = []
@@ -336,6 +340,12 @@ class ReplaySession(session.Session, Source, mcp.McpSeam, mcp.McpSource):
     def match_http(self, request: HttpRequest) -> Mapping[str, Any]:
         """The recorded observation that answers ``request``; a Divergence if none does."""
         self.raise_recorded_stop()
+        fp = self.exact_bytes.fingerprint(request.method, request.url, request.body)
+        obs = self.index.take(("net", fp)) if fp is not None else None
+        if obs is not None:
+            self.tally.exact()
+            self._tick()
+            return obs
         kind, provider, body, texts = classify_texts(request.method, request.url,
                                                      request.body, self.redaction,
                                                      self._requests)

@@ -1,0 +1,162 @@
+"""The exact-bytes shortcut of a replay: a model request whose bytes are exactly those of a
+recorded request is that request, and its fingerprint is the recorded one.
+
+Matching a request normally reads it: redaction, a JSON parse, then its fingerprint
+(:func:`recorder.capture.exchange.classify_texts`). An agent replayed against its own
+recording mostly sends the very bytes it sent then, and its SDK writes a request body as
+compact JSON (``separators=(",", ":")``, ``ensure_ascii=False``): the recorded request,
+written the same way, gives those bytes again. When they are equal, the request's
+fingerprint is the recorded line's (same method, same endpoint path and provider, same
+JSON text), so the line is looked up by that fingerprint in the index, which serves it
+exactly as the full reading would have; anything else (one byte different, another key
+order, a request that is no JSON) is read the usual way and judged as before.
+
+A recorded request whose text holds the redaction mark (or merely the word ``redacted``)
+is never used here: redaction may have changed what was sent, so the bytes an agent sends
+are not the stored ones, and their fingerprint is the redacted form's, which only the full
+reading works out. Nothing of a
+request is kept beyond the call, and nothing is written.
+
+The recorded requests are written lazily, a few unused lines ahead in recorded order (an
+agent asks in that order, give or take its concurrent calls), and incrementally: a
+conversation's requests share their history, item for item, so each item is written once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from recorder import providers
+from recorder.cassette.lines import Head
+from recorder.cassette.schema import Kind
+
+# The JSON text the SDKs (and httpx) write a request body as.
+_ENCODE = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+# What every redaction leaves in a text: "[redacted]", or "%5Bredacted%5D" in a URL.
+_MARK = b"redacted"
+
+
+class _Texts:
+    """The JSON text of values, remembered by the object (a cassette's requests share
+    their history and settings with the request they extend, object for object). Two
+    generations of at most :attr:`LIMIT` each: what the recent requests share stays, the
+    rest goes."""
+
+    LIMIT = 2048
+
+    def __init__(self) -> None:
+        self._new: dict[int, tuple[Any, str]] = {}
+        self._old: dict[int, tuple[Any, str]] = {}
+
+    def of(self, value: Any) -> str:
+        if not isinstance(value, (dict, list)):
+            return _ENCODE(value)
+        key = id(value)
+        hit = self._new.get(key)
+        if hit is None or hit[0] is not value:
+            hit = self._old.get(key)
+            if hit is None or hit[0] is not value:
+                hit = (value, _ENCODE(value))
+            if len(self._new) >= self.LIMIT:
+                self._old, self._new = self._new, {}
+            self._new[key] = hit
+        return hit[1]
+
+    def body(self, body: dict[str, Any]) -> str:
+        """``body`` as compact JSON, each list member written item by item."""
+        of = self.of
+        parts = []
+        for key, value in body.items():
+            text = ("[" + ",".join([of(item) for item in value]) + "]"
+                    if isinstance(value, list) else of(value))
+            parts.append(_ENCODE(key) + ":" + text)
+        return "{" + ",".join(parts) + "}"
+
+
+class ExactBytes:
+    """Finds the recorded model line a request's exact bytes name, among the next
+    :attr:`AHEAD` unused ones in recorded order: ``heads`` says what each line is,
+    ``lines`` restores one (only a candidate is read), ``used`` holds the seqs served so
+    far, ``request_of`` gives a line's recorded request body."""
+
+    AHEAD = 4
+    SCAN = 64  # lines looked at for them, at most
+
+    def __init__(self, heads: Sequence[Head], lines: Sequence[Mapping[str, Any]],
+                 used: set[int], request_of: Callable[[int], Any],
+                 redacted_url: Callable[[str], str]) -> None:
+        self._heads, self._lines, self._used = heads, lines, used
+        self._request_of, self._redacted_url = request_of, redacted_url
+        self._next = 0  # the model lines before it are all used, or never served
+        self._texts = _Texts()
+        self._bytes: dict[int, bytes | None] = {}  # seq -> its request as sent (None: never)
+        self._targets: dict[str, tuple[str, str | None] | None] = {}  # url -> (provider, path)
+        self.hits = 0  # requests answered by their exact bytes
+
+    def fingerprint(self, method: str, url: str, body: bytes) -> str | None:
+        """The fingerprint of the request (``method``, ``url``, ``body``) when its bytes are
+        those of one of the next unused recorded model requests; None otherwise."""
+        if method.upper() != "POST" or body[:1] != b"{":
+            return None
+        target = self._target(url)
+        if target is None:
+            return None
+        for head in self._ahead():
+            obs = self._lines[head.seq]
+            if (obs.get("provider") == target[0] and _path(obs.get("url")) == target[1]
+                    and self._sent(head.seq) == body):
+                self.hits += 1
+                return str(head.fp)
+        return None
+
+    def _ahead(self) -> list[Head]:
+        """The next :attr:`AHEAD` model lines a call may take, in recorded order."""
+        heads, used = self._heads, self._used
+        out: list[Head] = []
+        at = self._next
+        end = min(len(heads), at + self.SCAN)
+        while at < end and len(out) < self.AHEAD:
+            head = heads[at]
+            if head.kind == Kind.MODEL and not head.within and not head.observed \
+                    and head.seq not in used:
+                out.append(head)
+            elif not out:  # nothing before it is left to serve
+                self._bytes.pop(head.seq, None)
+                self._next = at + 1
+            at += 1
+        return out
+
+    def _target(self, url: str) -> tuple[str, str | None] | None:
+        """The provider and endpoint path the fingerprint of a request to ``url`` names
+        (the URL redacted as the full reading does); None: no model call."""
+        if url not in self._targets:
+            if len(self._targets) >= 64:
+                self._targets.clear()
+            seam = providers.for_url("POST", url)
+            self._targets[url] = (None if seam is None
+                                  else (seam.name, _path(self._redacted_url(url))))
+        return self._targets[url]
+
+    def _sent(self, seq: int) -> bytes | None:
+        """The recorded request of line ``seq`` as its SDK sent it (None: one this
+        shortcut never answers, as redaction may have changed it)."""
+        if seq not in self._bytes:
+            body = self._request_of(seq)
+            sent = None
+            if isinstance(body, dict):
+                try:
+                    sent = self._texts.body(body).encode("utf-8")
+                except (ValueError, TypeError, RecursionError, UnicodeEncodeError):
+                    sent = None
+                if sent is not None and _MARK in sent:
+                    sent = None
+            self._bytes[seq] = sent
+        return self._bytes[seq]
+
+
+def _path(url: Any) -> str | None:
+    """The part of a URL a model request's fingerprint reads."""
+    return urlsplit(url).path.rstrip("/") if isinstance(url, str) else None
