@@ -18,9 +18,11 @@ here: its YAML of 5,000 whole requests would take minutes to record and to load.
 
 Memory. A run of ``calls`` calls (the replay rows' JSON workload, :func:`workloads.agent_run`)
 is recorded, then replayed in a fresh interpreter (this module run as a script) so nothing
-else this process holds counts: peak RSS once everything is imported and the client made is
-the baseline ("the interpreter"); the peak after the whole replay minus that baseline is what
-the replay took. Peak RSS is the process's own high-water mark, ``VmHWM`` of
+else this process holds counts: peak RSS once everything is imported, the client made and a
+run of :data:`WARM_CALLS` calls replayed (which imports what a replay imports on its first
+use: the HTTP libraries' patchers, about 15 MiB, the same for any cassette) is the baseline
+("the interpreter"); the peak after the whole replay minus that baseline is what the replay
+took. Peak RSS is the process's own high-water mark, ``VmHWM`` of
 ``/proc/self/status``: ``getrusage(RUSAGE_SELF).ru_maxrss`` of a child started with fork +
 exec also counts the parent's peak (Linux carries the old image's high-water mark over
 ``exec``), so it is only the fallback where there is no ``/proc``, and is reported beside.
@@ -209,10 +211,16 @@ def _peak_rss() -> tuple[int, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "ru_maxrss"
 
 
+WARM_CALLS = w.CONV_TURNS  # the calls of the run replayed before the baseline is read
+
+
 def _child(path: str, url: str, calls: int, traced: bool) -> dict[str, Any]:
-    """In a fresh interpreter: baseline peak RSS, then replay (peak once the cassette is
-    loaded, and at the end), under tracemalloc if ``traced``."""
+    """In a fresh interpreter: a short replay (``path`` with ``.warm`` before its suffix),
+    baseline peak RSS, then the replay (peak once the cassette is loaded, and at the end),
+    under tracemalloc if ``traced``."""
     c = w.client(url)
+    with replayer.replay(Path(path).with_suffix(".warm.jsonl"), raise_on_divergence=False):
+        w.agent_run(c, WARM_CALLS)
     gc.collect()
     base, source = _peak_rss()
     base_maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -260,12 +268,15 @@ def run_memory(*, calls: int = 2000) -> dict[str, Any]:
             url = server.url
             with recorder.record(path, budgets=recorder.Budgets()):
                 w.agent_run(w.client(url), calls)
+            with recorder.record(path.with_suffix(".warm.jsonl"), budgets=recorder.Budgets()):
+                w.agent_run(w.client(url), WARM_CALLS)
         w.assert_unpatched("after recording the memory cassette")
         # The stub is stopped: the children's replays must be served from the cassette.
         rss, traced = _children(path, url, calls)
         size = path.stat().st_size
     used = rss["peak_bytes"] - rss["baseline_bytes"]
-    return {"calls": calls, "conv_turns": w.CONV_TURNS, "bytes": size, "rss": rss,
+    return {"calls": calls, "conv_turns": w.CONV_TURNS, "warm_calls": WARM_CALLS,
+            "bytes": size, "rss": rss,
             "traced": traced, "rss_over_baseline_bytes": used,
             "rss_loaded_over_baseline_bytes": rss["loaded_bytes"] - rss["baseline_bytes"],
             "ratio_rss": used / size, "ratio_traced": traced["traced_peak_bytes"] / size}
