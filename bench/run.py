@@ -405,7 +405,7 @@ def rows_resume(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
 
 def rows_load(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     d, fl, lines = r["deja"], r["json_floor"], r["lines"]
-    ok = d["median_ms"] <= 500.0
+    ok = d["median_ms"] <= 300.0
     anchors = [f"json.loads of every line {_fmt_ms(fl['median_ms'])} "
                f"(deja {d['median_ms'] / fl['median_ms']:.0f}x that)"]
     rw = r.get("rewind")
@@ -419,7 +419,7 @@ def rows_load(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         f"Load + verify, {lines:,}-line cassette",
         f"{d['median_ms'] / 1000:.2f} s (min {d['min_ms'] / 1000:.2f} s; "
         f"{r['per_line_us']:.0f} µs/line; {_kb(r['bytes'])})",
-        "; ".join(anchors), "<= 0.5 s", _verdict(ok, f"{d['median_ms'] / 1000:.2f} s"))]
+        "; ".join(anchors), "<= 0.3 s", _verdict(ok, f"{d['median_ms'] / 1000:.2f} s"))]
     notes = [
         f"load: one agent run recorded through the SDK against the stub until the cassette "
         f"had {lines:,} lines: {r['model_calls']:,} model calls in conversations of "
@@ -427,8 +427,10 @@ def rows_load(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         f"@recorder.tool it names ({r['tool_calls']:,} tool lines, search/read_file "
         f"alternating), plus header and end line; {_kb(r['bytes'])}, recorded in "
         f"{r['record_ms'] / 1000:.0f} s. "
-        f"recorder.cassette.load(path) (read, parse, verify the HMAC chain, restore compact "
-        f"fields; verified=True checked), median of {r['repeats']} after one untimed load: "
+        f"recorder.cassette.load(path) (read, verify the HMAC chain over each line's bytes, "
+        f"parse each line once, work out every model line's fingerprint; a line's other "
+        f"compact fields are restored when it is read; verified=True checked), median of "
+        f"{r['repeats']} after one untimed load: "
         f"{', '.join(f'{x:.0f}' for x in d['samples_ms'])} ms. Anchors on the same run: "
         f"read + json.loads of every line of the same file (the floor of any JSON-lines "
         f"reader), median of {r['repeats']}; the loads' order rotated round by round"
@@ -440,14 +442,14 @@ def rows_load(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
            f"{rw['repeats']}; neither verifies anything" if rw else "")
         + "; vcrpy not measured (its YAML of every whole request takes minutes to load)."]
     fails = [] if ok else [f"load + verify of a {lines:,}-line cassette "
-                           f"{d['median_ms'] / 1000:.2f} s (> 0.5 s)"]
+                           f"{d['median_ms'] / 1000:.2f} s (> 0.3 s)"]
     return rows, notes, fails
 
 
 def rows_memory(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     rss, traced, size = r["rss"], r["traced"], r["bytes"]
     used = r["rss_over_baseline_bytes"]
-    ok = r["ratio_rss"] < 2.0
+    ok = r["ratio_rss"] <= 3.0
     rows: list[Row] = [(
         f"Replay memory, {r['calls']:,}-call run (JSON)",
         f"peak RSS +{_kb(used)} = {r['ratio_rss']:.1f}x file (loaded: "
@@ -455,12 +457,15 @@ def rows_memory(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         f"{_kb(traced['traced_peak_bytes'])} = {r['ratio_traced']:.1f}x file (loaded: "
         f"{_kb(traced['traced_loaded_bytes'])})",
         f"file {_kb(size)}; interpreter (baseline RSS) {_kb(rss['baseline_bytes'])}",
-        "peak - interpreter < 2x file", _verdict(ok, f"{r['ratio_rss']:.1f}x"))]
+        "peak - interpreter <= 3x file", _verdict(ok, f"{r['ratio_rss']:.1f}x"))]
     notes = [
         f"memory: the replay rows' JSON workload ({r['calls']:,} calls, conversations of "
         f"{r['conv_turns']}) recorded, then replayed with replayer.replay in a fresh "
         "interpreter (nothing else of this run in it), the stub stopped. Baseline = peak RSS "
-        "after importing everything and making the client; deja = peak RSS after the replay "
+        "after importing everything, making the client and replaying a run of "
+        f"{r.get('warm_calls', 20)} calls (what a replay imports on its first use, about "
+        "15 MiB whatever the cassette, counts as the interpreter); deja = peak RSS after the "
+        "replay "
         f"({_kb(rss['peak_bytes'])}) minus it. Peak RSS = {rss['source']} (the child's own "
         "high-water mark; getrusage ru_maxrss, which after fork + exec also counts the "
         f"parent's peak, read {_kb(rss['ru_maxrss_baseline_bytes'])} -> "
@@ -472,7 +477,7 @@ def rows_memory(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         f"{rss['replay_s']:.1f} s (traced {traced['replay_s']:.1f} s)."]
     fails = [] if ok else [f"replay memory of a {r['calls']:,}-call run: peak RSS "
                            f"+{_kb(used)} over the interpreter = {r['ratio_rss']:.1f}x the "
-                           f"cassette's {_kb(size)} (>= 2x); "
+                           f"cassette's {_kb(size)} (> 3x); "
                            f"+{_kb(r['rss_loaded_over_baseline_bytes'])} of it already once the "
                            "cassette is loaded"]
     return rows, notes, fails
