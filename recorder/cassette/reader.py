@@ -1,11 +1,14 @@
-"""Reading a cassette: parse every line, verify the chain, restore the compact fields.
+"""Reading a cassette: verify the chain, parse every line once, keep what a replay needs.
 
 :func:`load` reads the file and its header, decides which key to verify with
 (:mod:`recorder.cassette.trust`), then takes each observation line through four steps
-(:func:`_body`): parsed (:func:`_parsed`), verified against the line before it
-(:func:`_verified`), checked in its place (:func:`_checked`), and restored with its model
-request (:func:`_restore`); last, an unfinished file is refused unless allowed
-(:func:`_report_unfinished`).
+(:func:`_body`): its signature checked over its bytes and parsed (:func:`_parsed_v2`; in
+``deja/1`` :func:`_parsed`, then :func:`_verified`), checked in its place
+(:func:`_checked`), and noted (:meth:`~recorder.cassette.lines.Reading.note`: what a
+replay matches it on, a model line's fingerprint from its request rebuilt); last, an
+unfinished file is refused unless allowed (:func:`_report_unfinished`). The lines
+themselves are restored from the file's bytes when they are read
+(:mod:`recorder.cassette.lines`).
 
 What a power loss leaves after the last whole line (zeros, a fragment of a line, bytes
 that are no line at all) is refused like any fault, with the remedy named: ``deja repair``
