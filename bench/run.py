@@ -90,15 +90,13 @@ def rows_replay(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         m = r[mode]
         d, v, fl, ratio = m["deja"], m["vcr"], m["floor"], m["ratio"]
         for n in (s, big):
-            checks = [ratio["floor"][n] <= 1.2]
+            checks = [ratio["floor"][n] <= 1.1]
             detail = [f"{ratio['floor'][n]:.2f}x floor"]
-            target = ["<= 1.2x floor"]
+            target = ["<= 1.1x floor"]
             anchors = [f"floor {_fmt_ms(fl[n]['per_call_ms'])}"]
-            if have_rw:
+            if have_rw:  # shown beside: it skips the SDK's HTTP path, which deja goes through
                 rw = m["rewind"]
-                checks.insert(0, ratio["rewind"][n] <= 1.0)
-                detail.insert(0, f"{ratio['rewind'][n]:.2f}x agent-rewind")
-                target.insert(0, "<= agent-rewind")
+                detail.append(f"{ratio['rewind'][n]:.2f}x agent-rewind")
                 anchors.insert(0, f"agent-rewind {_fmt_ms(rw[n]['per_call_ms'])} "
                                   f"(load {_fmt_ms(rw[n]['load_ms'])})")
             else:
@@ -235,19 +233,19 @@ def rows_overhead(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
 
 def rows_ttft(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     t, tot = r["ttft_median_ms"], r["stream_total_median_ms"]
-    ok = r["deja_minus_live_ms"] <= 1.0
+    ok = r["deja_minus_live_ms"] <= 0.3
     rows: list[Row] = [(
         "Time to first SSE delta (streamed)",
         f"{_fmt_ms(t['deja'])} (live {_fmt_ms(t['live'])}, {r['deja_minus_live_ms']:+.2f})",
         f"vcrpy {_fmt_ms(t['vcr'])} ({r['vcr_minus_live_ms']:+.1f})",
-        "<= live + 1 ms", _verdict(ok))]
+        "<= live + 0.3 ms", _verdict(ok, f"{r['deja_minus_live_ms']:+.2f} ms"))]
     notes = [f"ttft: request start -> first content_block_delta from messages.create("
              f"stream=True); 10 SSE events {r['event_delay_ms']} ms apart "
              f"({r['events_per_stream']} reach the iterator, the SDK drops ping), first delta "
              "is the 4th; "
              f"median of {r['calls']['deja']} calls per variant; whole stream: live "
              f"{_fmt_ms(tot['live'])}, deja {_fmt_ms(tot['deja'])}, vcrpy {_fmt_ms(tot['vcr'])}."]
-    fails = [] if ok else [f"ttft: deja adds {r['deja_minus_live_ms']:.2f} ms (> 1 ms)"]
+    fails = [] if ok else [f"ttft: deja adds {r['deja_minus_live_ms']:.2f} ms (> 0.3 ms)"]
     return rows, notes, fails
 
 
