@@ -42,14 +42,17 @@ _MARK = b"redacted"
 class _Texts:
     """The JSON text of values, remembered by the object (a cassette's requests share
     their history and settings with the request they extend, object for object). Two
-    generations of at most :attr:`LIMIT` each: what the recent requests share stays, the
-    rest goes."""
+    generations of at most :attr:`limit` each: what the recent requests share stays, the
+    rest goes. The limit follows the longest list written (twice its items, at least
+    :attr:`LIMIT`): enough for one conversation's history, and not a replay's every
+    request, which a loaded cassette no longer holds restored."""
 
-    LIMIT = 2048
+    LIMIT = 256
 
     def __init__(self) -> None:
         self._new: dict[int, tuple[Any, str]] = {}
         self._old: dict[int, tuple[Any, str]] = {}
+        self.limit = self.LIMIT
 
     def of(self, value: Any) -> str:
         if not isinstance(value, (dict, list)):
@@ -60,7 +63,7 @@ class _Texts:
             hit = self._old.get(key)
             if hit is None or hit[0] is not value:
                 hit = (value, _ENCODE(value))
-            if len(self._new) >= self.LIMIT:
+            if len(self._new) >= self.limit:
                 self._old, self._new = self._new, {}
             self._new[key] = hit
         return hit[1]
@@ -70,8 +73,11 @@ class _Texts:
         of = self.of
         parts = []
         for key, value in body.items():
-            text = ("[" + ",".join([of(item) for item in value]) + "]"
-                    if isinstance(value, list) else of(value))
+            if isinstance(value, list):
+                self.limit = max(self.limit, 2 * len(value))
+                text = "[" + ",".join([of(item) for item in value]) + "]"
+            else:
+                text = of(value)
             parts.append(_ENCODE(key) + ":" + text)
         return "{" + ",".join(parts) + "}"
 
