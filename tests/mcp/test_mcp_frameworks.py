@@ -1,5 +1,6 @@
 """Agents whose tools come from the ledger MCP server through a framework, unmodified:
-Pydantic AI's ``MCPToolset`` (FastMCP's client over stdio) and the OpenAI Agents SDK's
+Pydantic AI's ``MCPToolset`` (FastMCP's client over stdio), LangChain's ``langchain.mcp``
+(``MCPAdapter``, FastMCP's client too) under ``create_agent``, and the OpenAI Agents SDK's
 ``MCPServerStdio``, each against the stub model. Recorded with the server running, replayed
 bit for bit with the server's command and the model gone, forked at the lookup's result:
 the model is asked again and calls the refund, which the fork does not run unless named
@@ -31,6 +32,7 @@ ANSWER = "answer: Refunded 40 EUR on A-1.\n"
 EDITED = "order A-1: 40.00 EUR paid, nothing refunded (checked by hand)"
 FRAMEWORKS = {
     "pydantic_ai_agent": ("ANTHROPIC_BASE_URL", "", {"ANTHROPIC_API_KEY": "sk-ant-test"}),
+    "langchain_agent": ("ANTHROPIC_BASE_URL", "", {"ANTHROPIC_API_KEY": "sk-ant-test"}),
     "openai_agents_agent": ("OPENAI_BASE_URL", "/v1", {
         "OPENAI_API_KEY": "sk-openai-test", "OPENAI_AGENTS_DISABLE_TRACING": "1"}),
 }
@@ -70,6 +72,7 @@ def test_recorded_replayed_without_the_server_and_forked_without_the_refund(
     assert [(o["name"], o["args"]) for o in tools] == [
         ("lookup", {"order": "A-1"}), ("refund", {"order": "A-1", "amount": 40})]
     assert all(o["mcp"]["server"]["name"] == "ledger" for o in tools)
+    assert [o["mcp"].get("destructive") for o in tools] == [None, True]  # the server's hints
     assert [o["kind"] for o in lines].count("model") == 3
 
     model.stop()
