@@ -25,14 +25,15 @@ __all__ = ["when_imported"]
 class _ThenLoader(importlib.abc.Loader):
     """A module's own loader, and something to do once the module has run."""
 
-    def __init__(self, loader: Any, then: Callable[[], None]) -> None:
-        self._loader, self._then = loader, then
+    def __init__(self, loader: Any, then: Callable[[], None], done: Callable[[], None]) -> None:
+        self._loader, self._then, self._done = loader, then, done
 
     def create_module(self, spec: Any) -> Any:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self._loader.exec_module(module)
+        self._done()
         self._then()
 
     def __getattr__(self, name: str) -> Any:  # resource readers and the like: the loader's
@@ -40,7 +41,9 @@ class _ThenLoader(importlib.abc.Loader):
 
 
 class _WhenImported(importlib.abc.MetaPathFinder):
-    """Runs ``then`` once, right after the module ``name`` is first imported."""
+    """Runs ``then`` once, right after the module ``name`` is first imported. It stays in
+    place until the module has run: a lookup alone (``importlib.util.find_spec``, which
+    FastMCP makes of ``mcp`` before importing it) imports nothing."""
 
     def __init__(self, name: str, then: Callable[[], None]) -> None:
         self._name, self._then = name, then
@@ -56,8 +59,7 @@ class _WhenImported(importlib.abc.MetaPathFinder):
             self._looking.on = False
         if spec is None or spec.loader is None:
             return None
-        self.remove()
-        spec.loader = _ThenLoader(spec.loader, self._then)
+        spec.loader = _ThenLoader(spec.loader, self._then, self.remove)
         return spec
 
     def remove(self) -> None:

@@ -12,11 +12,21 @@ process's ``sys.stderr`` to write to, which must be a real file."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from mcp_helpers import Ledger, ledger_fixture, load_agent, seq_of, steps  # noqa: F401
+from mcp_helpers import (  # noqa: F401
+    AGENTS,
+    Ledger,
+    ledger_fixture,
+    load_agent,
+    seq_of,
+    steps,
+)
 
 import recorder
 import replayer
@@ -97,3 +107,44 @@ def test_recorded_replayed_without_the_server_and_forked_without_the_refund(
         refund = next(o for o in steps(fork) if o.get("name") == "refund")
         assert refund.get("policy") == (None if live else "recorded")
         assert refund["mcp"]["server"]["name"] == "ledger"
+
+
+def cli(*args: str, cwd: Path) -> str:
+    """``deja ARGS`` as a user runs it, in ``cwd``; its stdout and stderr, once it
+    succeeded."""
+    done = subprocess.run([sys.executable, "-m", "deja", *args], capture_output=True,
+                          text=True, timeout=120, cwd=cwd, env=dict(os.environ))
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("name", ["langchain_agent", "pydantic_ai_agent"])
+def test_a_fastmcp_agent_under_the_command_line(
+        name: str, ledger: Ledger, stub: Callable[[dict], StubServer], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent whose MCP client is FastMCP's (LangChain's ``langchain.mcp``, Pydantic AI's
+    ``MCPToolset``), unmodified, in a fresh process under ``deja record``: FastMCP looks
+    the MCP SDK up before it imports it, and the capture must still patch it at the import.
+    Then ``deja replay`` with the server's command and the model gone, and ``deja fork`` at
+    the lookup: the refund served unless ``--live-tool refund``."""
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-ant-test")
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", stub(SCRIPT).url)
+    agent = str(AGENTS / f"{name}.py")
+    assert ANSWER in cli("record", "-o", "run.jsonl", "--", "python", agent, cwd=tmp_path)
+    assert ledger.rows() == [("A-1", 40.0)]
+    refund = next(o for o in steps(tmp_path / "run.jsonl") if o.get("name") == "refund")
+    assert refund["mcp"]["destructive"] is True
+
+    ledger.remove()
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", OFFLINE)
+    assert ": identical" in cli("replay", "run.jsonl", cwd=tmp_path)
+
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", stub(SCRIPT).url)
+    at = str(seq_of(tmp_path / "run.jsonl", "tool", "lookup"))
+    fork = ("fork", "run.jsonl", "--at", at, "--set", f"result={EDITED}")
+    served = cli(*fork, "-o", "fork.jsonl", cwd=tmp_path)
+    assert "tool 'refund' not run: served the recorded answer" in served
+    assert ledger.rows() == [("A-1", 40.0)]
+    ledger.install()
+    cli(*fork, "-o", "live.jsonl", "--live-tool", "refund", cwd=tmp_path)
+    assert ledger.rows() == [("A-1", 40.0)] * 2
