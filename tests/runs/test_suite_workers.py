@@ -60,6 +60,20 @@ def half_written(out: Path) -> list[str]:
     return [p.name for p in out.glob("*.jsonl") if cassette_end(p)[0] == "open"]
 
 
+def ended(path: Path) -> bool:
+    """The new cassette has its end line, and not an interrupted one."""
+    state, end = cassette_end(path)
+    return state == "ended" and end is not None and end.get("status") != "interrupted"
+
+
+def wait_gone(worker: Any) -> None:
+    """Until nothing of a killed worker's session is left (its jobs and their programs)."""
+    deadline = time.monotonic() + TIMEOUT
+    while worker.orphans():
+        assert time.monotonic() < deadline, f"the worker's jobs outlived it: {worker.orphans()}"
+        time.sleep(POLL)
+
+
 def wait_for_the_kill_point(client: engine.Client, made: dict[str, str], out: Path,
                             suite: subprocess.Popen[str]) -> tuple[dict[str, Any], list[str]]:
     """Until a verdict is checkpointed and an incident is live; the checkpointed outputs
@@ -94,6 +108,11 @@ def test_a_worker_killed_mid_suite_loses_no_verdict(recorded: Path, tmp_path: Pa
         try:
             done, live = wait_for_the_kill_point(client, made, project / "out", suite)
             worker.kill()
+            # Its jobs die with it (a parent-death signal). One seen half-written may have
+            # ended in the moment before the kill: that one is finished, and taken as is.
+            wait_gone(worker)
+            finished = [name for name in live if ended(project / "out" / name)]
+            live = [name for name in live if name not in finished]
             again = start_worker("w1", env, logs)
             stdout, _ = suite.communicate(timeout=TIMEOUT)
         finally:
@@ -110,6 +129,8 @@ def test_a_worker_killed_mid_suite_loses_no_verdict(recorded: Path, tmp_path: Pa
         for name in live:  # cut short: run again, its half-written cassette replaced
             assert records[name]["process"] != done.get(name, {}).get("process")
             assert "was left unfinished by an earlier attempt" in records[name]["output"]
+        for name in finished:  # ended before the kill, its verdict not yet checkpointed
+            assert "was finished by an earlier attempt" in records[name]["output"]
         assert all(r["worker"] == "w1" for r in records.values())
         resubmitted = subprocess.run(suite_args(), cwd=project, env=env, text=True,
                                      capture_output=True, timeout=TIMEOUT)
