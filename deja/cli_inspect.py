@@ -353,7 +353,11 @@ def _streamlit_argv(package: Path, port: int, allow_hosts: tuple[str, ...],
             "--server.address", "127.0.0.1", "--server.port", str(port),
             "--server.headless", "true", "--browser.gatherUsageStats", "false",
             "--client.toolbarMode", "viewer",  # no Deploy button, no developer menu
-            "--server.enableCORS", "true", "--server.enableXsrfProtection", "true"]
+            "--server.enableCORS", "true", "--server.enableXsrfProtection", "true",
+            # No "magic": the page scripts are compiled from their text, without the
+            # ast.parse that Python 3.11 cannot run while another thread formats a
+            # traceback ("AST constructor recursion depth mismatch"); they use no magic.
+            "--runner.magicEnabled", "false"]
     if "server.allowedHosts" in streamlit_config.get_config_options():  # its own check too
         for name in ("localhost", "127.0.0.1", "::1", *allow_hosts):
             argv += ["--server.allowedHosts", name.strip("[]")]
