@@ -37,9 +37,7 @@ from viewer import diff_page, lineage, queries, suite_page, widgets
 from viewer.index import RunIndex
 from viewer.lineage import open_index, refresh, tree_panel
 from viewer.safe import md
-
-STEP_COLUMNS = list(queries.TIMELINE_COLUMNS)
-EMPTY = "—"  # what a cell without a value shows
+from viewer.timeline import EMPTY, Timeline
 
 
 def directory() -> Path:
@@ -243,7 +241,8 @@ def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | N
         st.error(md("{}. What this page shows is the file as it is, unchecked.",
                     header.get("verify_note") or "NOT VERIFIED"), icon=":material/warning:")
     panels = st.container()
-    labels = timeline_grid(index, header)
+    grid = Timeline(index, header)
+    labels = grid.labels
     with totals:
         cols = st.columns([1.6, 0.8, 1, 1.6, 1, 1.1])  # room for "incomplete", "$0.012345"
         cols[0].metric("Status", md("{}", header["status"]))
@@ -264,72 +263,10 @@ def run_body(index: RunIndex, header: dict[str, Any], status: dict[str, Any] | N
     if steps <= DENSE or st.toggle(md("Charts of the {:,} steps", steps), key="charts"):
         charts(queries.run_steps(index, header["path"]))
     step_panel(header, labels, fork_dir)
+    grid.fill()
 
 
 DENSE = 200  # steps up to which the charts draw one labelled mark per step
-WHOLE = 1000  # steps up to which a run's timeline is sent whole at once (and its picker
-#   lists every step)
-FIRST_SCREEN = 60  # rows a longer run's timeline shows first, before the rest comes
-FILL_S = 0.1  # seconds after the first screen is drawn that the rest is asked for
-FILLED = widgets.FILLED
-
-
-def timeline_grid(index: RunIndex, header: dict[str, Any]) -> dict[int, str] | None:
-    """The timeline, and each step's label in the step picker (None for a long run, whose
-    picker takes a number).
-
-    A run of up to :data:`WHOLE` steps is sent whole. A longer one is sent in two goes,
-    so that its first paint costs what a short run's does: first the grid of its first
-    :data:`FIRST_SCREEN` steps, read from the index alone, and a timer; when the timer
-    fires (the browser has drawn them) the page runs again and sends the whole
-    timeline, which the browser then fills the same grid with. The whole one stays for
-    the page's later runs (a step opened, a refresh of a live run)."""
-    path = header["path"]
-    st.subheader("Timeline")
-    if header["steps"] > WHOLE and st.session_state.get(FILLED) != path:
-        first_screen(index, header)
-        return None
-    frame = timeline(index.file_state(path), index)
-    _grid(frame)
-    if len(frame) > WHOLE:
-        return None
-    return queries.step_labels({c: frame[c].tolist() for c in ("seq", "kind", "name", "mark")})
-
-
-@st.fragment(run_every=FILL_S)
-def first_screen(index: RunIndex, header: dict[str, Any]) -> None:
-    """A long run's first :data:`FIRST_SCREEN` steps, until the timer runs this again:
-    then the whole page runs (which stops the timer) and draws the whole timeline."""
-    if st.session_state.get(FILLED) == header["path"]:
-        st.rerun()
-    columns = queries.timeline(index, header["path"], first=FIRST_SCREEN)
-    _grid(pd.DataFrame(columns, columns=STEP_COLUMNS))
-    st.caption(md("The first {:,} of {:,} steps; the rest follow.", len(columns["seq"]),
-                  header["steps"]))
-    st.session_state[FILLED] = header["path"]
-
-
-def _grid(frame: pd.DataFrame) -> None:
-    st.dataframe(frame, hide_index=True, key="timeline", placeholder=EMPTY,
-                 column_config={
-                     "cost": st.column_config.NumberColumn("cost", format="$%.6f"),
-                     "start_ms": st.column_config.NumberColumn("start (ms)", format="%.2f"),
-                     "latency_ms": st.column_config.NumberColumn("latency (ms)",
-                                                                 format="%.2f")})
-
-
-@st.cache_data(max_entries=16, show_spinner=False)
-def timeline(state: tuple[Any, ...], _index: RunIndex) -> pd.DataFrame:
-    """The timeline table of the file whose index state (:meth:`RunIndex.file_state`) is
-    ``state`` (its size and modification time when it was indexed, its signature's
-    verdict's keys). Kept across sessions until the file, the index or the trust changes:
-    a long run's page opened again, or by another viewer, draws it without asking the
-    index."""
-    columns = queries.timeline(_index, state[2])
-    return pd.DataFrame(columns, columns=STEP_COLUMNS) if columns["seq"] else pd.DataFrame(
-        columns=STEP_COLUMNS)
-
-
 def charts(steps: list[dict[str, Any]]) -> None:
     """Cumulative tokens and cost over the run's time, and every step as a bar from its
     start to its end (a waterfall, as trace viewers draw a trajectory)."""

@@ -34,7 +34,7 @@ def go(**params: Any) -> None:
     The whole script reruns: a button inside a fragment (the runs table, a run's
     refreshing body) would otherwise rerun only that fragment, and the URL would change
     with the old page still shown. A run's page opened anew draws a long timeline's first
-    screen first again (:func:`viewer.app.timeline_grid`).
+    screen first again (:class:`viewer.app.Timeline`).
     """
     st.session_state.pop(FILLED, None)
     for name in list(st.query_params):

@@ -99,25 +99,32 @@ def rows(at: AppTest) -> list[int]:
     return list(timeline["seq"])
 
 
-def test_a_long_run_draws_its_first_screen_then_the_whole_timeline(
+def test_a_long_run_sends_its_first_screen_then_the_whole_timeline_in_one_run(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from viewer.timeline import Timeline
     from viewer.widgets import FILLED
 
     folder = tmp_path / "runs"
     run = long_run(folder / "long.jsonl", 1200)
-    at = page(folder, monkeypatch, run=run)
-    assert rows(at) == list(range(60))  # the first screen, and a timer for the rest
+    # What the page has sent before its last step, the fill: the first screen alone.
+    fill = Timeline.fill
+    monkeypatch.setattr(Timeline, "fill", lambda self: None)
+    first = page(folder, monkeypatch, run=run)
+    assert rows(first) == list(range(60))
     assert "The first 60 of 1,200 steps; the rest follow." in [
-        unescape(str(c.value)) for c in at.caption]
+        unescape(str(c.value)) for c in first.caption]
+    assert FILLED not in first.session_state
+    monkeypatch.setattr(Timeline, "fill", fill)
+    # The same run of the page ends with the whole timeline in the first screen's place.
+    at = page(folder, monkeypatch, run=run)
+    assert rows(at) == list(range(1200))
+    assert not [c for c in at.caption if "the rest follow" in str(c.value)]
+    assert at.session_state[FILLED] == str(folder / "long.jsonl")
     assert not at.selectbox  # no list of 1,200 labels: the picker takes a number
     [picker] = at.number_input
     assert unescape(str(picker.label)) == "Open step (0 to 1,199)"
-    # What the timer's run leaves: the whole timeline, in the same grid, from then on.
-    assert at.session_state[FILLED] == str(folder / "long.jsonl")
-    ran(at)
-    assert rows(at) == list(range(1200))
     picker = at.number_input[0].set_value(1199)
-    ran(picker.run())
+    ran(picker.run())  # the whole timeline stays, without a first screen again
     assert at.query_params["step"] == "1199"
     assert any(unescape(str(h.value)) == "Step 1199: tool lookup" for h in at.subheader)
     assert rows(at) == list(range(1200))
