@@ -89,7 +89,7 @@ def status(run: str, as_json: bool, wait: bool, timeout: float | None,
     if record is None and cassette is not None:
         record = _status_from_cassette(cassette)
     if cassette is None and (record is None or _left_behind(record)):
-        served, why = _from_server("GET", run)
+        served, why = _from_server("GET", run, have_local=record is not None)
         if served is not None:
             _print_served(served, as_json)
             return
@@ -132,8 +132,9 @@ def status(run: str, as_json: bool, wait: bool, timeout: float | None,
              f"  updated:  {record.get('updated')} (pid {record.get('pid')})"]
     if gone:
         lines[0] += (f": its process (pid {record.get('pid')}) is gone without closing the "
-                     f"run, last seen running. Resume it with: deja resume {artefact}")
-    elif record.get("status") == "running":
+                     f"run, last seen {record['last_recorded_status']}. Resume it with: "
+                     f"deja resume {artefact}")
+    elif record.get("status") in LIVE:
         lines.append(f"  cancel:   {record.get('cancel')}")
     click.echo("\n".join(lines))
 
@@ -151,7 +152,7 @@ def _end_line_first(record: dict[str, Any]) -> bool:
     if not isinstance(cassette, str):
         return False
     state, end = cassette_end(cassette)
-    if state != "ended" or end is None or (record.get("status") == "running" and
+    if state != "ended" or end is None or (record.get("status") in LIVE and
                                            not _process_gone(record)):
         return False  # not closed, or a resume is writing it again right now
     status = run_status(end)
@@ -170,9 +171,15 @@ def _left_behind(record: dict[str, Any]) -> bool:
         _pid_gone(record.get("pid"))
 
 
-def _from_server(method: str, run: str) -> tuple[dict[str, Any] | None, str]:
+def _from_server(method: str, run: str, *,
+                 have_local: bool = False) -> tuple[dict[str, Any] | None, str]:
     """What ``deja serve`` says of ``run`` (``POST``: cancels it), or None and why not
-    (to add to the message of a run not found here)."""
+    (to add to the message of a run not found here).
+
+    With ``have_local`` (this machine holds a record of the run, left behind by a process
+    that is gone), the server is only asked in case it ran the run; a server that
+    refuses the question (another DEJA_HOME's, whose token this one lacks) is said on
+    stderr and the local record is used."""
     from deja.cli_serve import ServerSaid, _api, _said
     from deja.runs.errors import ServerUnreachable
     from recorder.harness.progress import valid_run_id
@@ -185,10 +192,14 @@ def _from_server(method: str, run: str) -> tuple[dict[str, Any] | None, str]:
     except ServerUnreachable as exc:
         return None, f"; not asked of deja serve either: {exc}"
     except ServerSaid as exc:
-        if exc.type == "NoSuchRun":
-            from deja.runs.config import server_url
+        from deja.runs.config import server_url
 
+        if exc.type == "NoSuchRun":
             return None, f"; nor does deja serve at {server_url()} hold it (NoSuchRun)"
+        if have_local:
+            click.echo(f"deja: deja serve at {server_url()} refused to say whether it ran "
+                       f"{run} ({exc.type}); this is this machine's record of it", err=True)
+            return None, ""
         _said(exc)
 
 
@@ -249,11 +260,16 @@ def _print_served(record: dict[str, Any], as_json: bool) -> None:
     click.echo("\n".join(lines))
 
 
+LIVE = ("running", "input_required")  # what a run's own record says while it runs
+
+
 def _process_gone(record: dict[str, Any]) -> bool:
-    """A record that says running, written on this host by a process that no longer is."""
+    """A record that says running (or waiting for an answer), written on this host by a
+    process that no longer is."""
     import socket
 
-    if record.get("status") != "running" or record.get("host") != socket.gethostname():
+    if record.get("ended") or record.get("status") not in LIVE or \
+            record.get("host") != socket.gethostname():
         return False
     return _pid_gone(record.get("pid"))
 
@@ -273,7 +289,7 @@ def cancel(run: str, reason: str) -> None:
     run, given = _run_of(run)  # a cassette names the run it cancels only if it verifies
     record = read_status(run)
     if given is None and (record is None or _left_behind(record)):
-        served, why = _from_server("POST", run)
+        served, why = _from_server("POST", run, have_local=record is not None)
         if served is not None:
             _cancelled_served(run, served)
             return

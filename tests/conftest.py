@@ -22,14 +22,19 @@ from recorder.testing.server import StubServer
 MODEL = "claude-sonnet-4-6"
 API_KEY = "sk-ant-test-SECRET-4f1c9e"
 TEST_KEY = "test-key-0123456789abcdef"  # every test's signing key (DEJA_KEY)
+# Where deja's commands look for deja serve unless a test starts one: the discard port,
+# which nothing here serves. (The default port is the one the docs' blocks serve on while
+# other tests run beside them.)
+NO_SERVER = "http://127.0.0.1:9"
 
 
 @pytest.fixture(autouse=True)
 def deja_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Every test gets its own key home and a fixed signing key."""
+    """Every test gets its own key home, a fixed signing key and no deja serve."""
     home = tmp_path_factory.mktemp("deja-home")
     monkeypatch.setenv("DEJA_HOME", str(home))
     monkeypatch.setenv("DEJA_KEY", TEST_KEY)
+    monkeypatch.setenv("DEJA_SERVER", NO_SERVER)
     monkeypatch.delenv("DEJA_OLD_KEYS", raising=False)
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     return home
@@ -42,7 +47,8 @@ def module_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     verifies in each test. (A module's fixtures are made before a test's own key home is
     set: they must give this environment to what they start.)"""
     env = {k: v for k, v in os.environ.items() if k not in ("DEJA_OLD_KEYS", "ANTHROPIC_API_KEY")}
-    env.update(DEJA_HOME=str(tmp_path_factory.mktemp("deja-home-module")), DEJA_KEY=TEST_KEY)
+    env.update(DEJA_HOME=str(tmp_path_factory.mktemp("deja-home-module")), DEJA_KEY=TEST_KEY,
+               DEJA_SERVER=NO_SERVER)
     return env
 
 

@@ -127,7 +127,7 @@ def isolate(monkeypatch: pytest.MonkeyPatch, home: Path) -> Path:
     """Point deja at ``home`` alone: its SQLite database and its cassette directory."""
     home.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("DEJA_HOME", str(home))
-    for name in ("DEJA_DATABASE_URL", "DEJA_CASSETTE_DIR", "DEJA_SERVER", "DEJA_TOKEN"):
+    for name in ("DEJA_DATABASE_URL", "DEJA_CASSETTE_DIR", "DEJA_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     return home
 

@@ -130,7 +130,8 @@ class Deja:
 
 @pytest.fixture
 def deja(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Deja]:
-    for name in ("DEJA_TOKEN", "DEJA_DATABASE_URL", "DEJA_CASSETTE_DIR", "DEJA_SERVER"):
+    # (DEJA_SERVER stays the address nothing serves until the test starts a server)
+    for name in ("DEJA_TOKEN", "DEJA_DATABASE_URL", "DEJA_CASSETTE_DIR"):
         monkeypatch.delenv(name, raising=False)
     d = Deja(tmp_path)
     yield d

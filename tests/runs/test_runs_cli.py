@@ -128,6 +128,39 @@ def test_an_answer_for_a_recorded_run_of_this_machine_is_left_for_it(deja: Deja)
     assert bad.returncode == 2 and "not a run id" in bad.stderr
 
 
+def test_a_crashed_run_of_this_machine_is_shown_though_another_homes_server_refuses(
+        deja: Deja) -> None:  # noqa: F811
+    """A run recorded here whose processes were killed outright leaves its status record
+    behind. `deja status` and `deja cancel` ask deja serve in case it ran the run; a
+    server of another DEJA_HOME refuses them (its token is not this home's): this
+    machine's record is shown, and nothing fails."""
+    import os
+    import signal
+
+    deja.serve(env={"DEJA_HOME": str(deja.tmp / "other-home")})
+    cassette = deja.tmp / "ask.jsonl"
+    run = "r_killedask00000001"
+    with (deja.tmp / "record.log").open("wb") as log:
+        recording = subprocess.Popen(
+            [sys.executable, "-m", "deja", "record", "-o", str(cassette), "--run-id", run,
+             "--", "python", "ask_agent.py"], cwd=deja.work, start_new_session=True,
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: (read_status(run) or {}).get("status") == "input_required", 30,
+                 lambda: (deja.tmp / "record.log").read_text())
+    finally:
+        os.killpg(recording.pid, signal.SIGKILL)  # the launcher and the program at once
+        recording.wait(timeout=30)
+    shown = deja("status", run)
+    assert shown.returncode == 0, shown.stderr
+    assert f"run {run}: crashed: its process" in shown.stdout and "deja resume" in shown.stdout
+    assert "refused to say whether it ran" in shown.stderr and "Unauthorized" in shown.stderr
+    cancelled = deja("cancel", run)
+    assert cancelled.returncode == 2 and "is gone (it crashed)" in cancelled.stderr, \
+        cancelled.stderr
+    assert "Traceback" not in shown.stderr + cancelled.stderr
+
+
 def test_a_database_that_cannot_be_reached_is_a_named_error(deja: Deja) -> None:  # noqa: F811
     blocker = deja.tmp / "a-file"
     blocker.write_text("not a directory\n")
