@@ -433,7 +433,7 @@ def run_file(path: str | Path, run_id: str) -> Path:
         return target / f"{run_id}.jsonl"
     if target.suffix:
         return target
-    if not target.exists():
+    if not target.exists() or target.is_dir():  # (made since: by a run starting beside)
         return target / f"{run_id}.jsonl"
     raise ConfigError(f"{target} is a file without a suffix, not a cassette (.jsonl) nor a "
                       "directory: name a file ending in .jsonl, or a directory to create "

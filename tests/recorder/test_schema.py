@@ -222,6 +222,23 @@ def test_a_run_file_is_a_jsonl_file_or_goes_in_a_directory(tmp_path: Path) -> No
         run_file(plain, "r_1")
 
 
+def test_a_directory_made_by_a_run_starting_beside_is_taken_as_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs told the same new directory start at once: the second looks after the
+    first has made it. (Made here between the two looks run_file takes.)"""
+    target = tmp_path / "runs"
+    looked = Path.is_dir
+
+    def made_after_the_first_look(self: Path) -> bool:
+        seen = looked(self)
+        if self == target and not seen:
+            os.mkdir(target)
+        return seen
+
+    monkeypatch.setattr(Path, "is_dir", made_after_the_first_look)
+    assert run_file(target, "r_2") == target / "r_2.jsonl"
+
+
 def test_record_and_fork_put_their_file_by_that_rule(retried: Path, tmp_path: Path) -> None:
     folder = tmp_path / "runs"
     with recorder.record(folder) as run:
