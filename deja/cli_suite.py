@@ -181,7 +181,9 @@ def suite(folder: Path, command: tuple[str, ...] | None, then: str | None,
                                   on_done=lambda r: _progress(r, plan, done))
     except KeyboardInterrupt:
         interrupted("deja suite", runner is not None, "the incidents go on on the workers: "
-                    f"deja suite ... --id {plan.suite_id} collects their verdicts")
+                    f"deja suite ... --id {plan.suite_id} collects their verdicts",
+                    f"deja suite ... --id {plan.suite_id} goes on where it stopped"
+                    if plan.then else "")
     totals = suites.summary(records, then=plan.then, seconds=time.monotonic() - started)
     status = _report([_as_shown(record, plan) for record in records], plan, totals, where,
                      as_json, junit)
@@ -330,13 +332,14 @@ def _progress(record: dict[str, Any], plan: Plan, done: list[int]) -> None:
         click.echo(f"  {line}", err=True)
 
 
-def interrupted(name: str, on_workers: bool, going_on: str) -> NoReturn:
+def interrupted(name: str, on_workers: bool, going_on: str, again: str = "") -> NoReturn:
     """Ctrl-C while ``name`` (``deja suite``, ``deja sweep``) waits: on the workers the
-    jobs go on (``going_on`` says how to find them), here they stop. Exits 130."""
+    jobs go on (``going_on`` says how to find them), here they stop (``again``: how to go
+    on from where they stopped). Exits 130."""
     if on_workers:
         click.echo(f"{name}: stopped waiting; {going_on}", err=True)
     else:
-        click.echo(f"{name}: interrupted", err=True)
+        click.echo(f"{name}: interrupted" + (f"; {again}" if again else ""), err=True)
     sys.exit(130)
 
 

@@ -36,6 +36,8 @@ from deja.cli_suite import (
 from recorder.cassette.schema import utc_stamp
 from replayer import suite_summary
 
+_SWEEP_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
 
 def junit_cases(report: Any) -> list[Any]:
     """The sweep as JUnit test cases (:func:`replayer.ci.junit_of`), one per perturbation:
@@ -61,25 +63,35 @@ def junit_cases(report: Any) -> list[Any]:
 
 
 def _plan(cassette: Path, rules: tuple[str, ...], output: Path | None,
-          command: tuple[str, ...], cwd: Path | None, policy: Any) -> tuple[Any, list[Any]]:
+          command: tuple[str, ...], cwd: Path | None, policy: Any,
+          sweep_id: str | None = None) -> tuple[Any, list[Any], bool]:
     """Check everything before anything is written: the cassette, the command, the rules
-    and the files the forks will write. Returns the parent and the jobs."""
+    and the files the forks will write (those of the sweep ``sweep_id`` already wrote
+    there may be). Returns the parent, the jobs, and whether that sweep is resumed."""
     from recorder.errors import DejaError
-    from replayer.sweep import plan_jobs, plan_sweep
+    from replayer.sweep import plan_jobs, plan_sweep, sweep_mark
 
+    if sweep_id is not None and _SWEEP_ID.fullmatch(sweep_id) is None:
+        raise BadInput(f"--id {sweep_id!r}: a sweep's id is 1 to 100 letters, digits, '_', "
+                       "'-' and '.', starting with a letter or a digit")
     parent = _load(cassette, require_signature=True, allow_incomplete=True)
     argv = list(command) or list(parent.header.get("argv") or [])
     if not argv:
         raise _no_command(cassette, parent.header, "fork")
     _where_to_run(cassette, parent.header, argv, given=bool(command), cwd=cwd)
     out_dir = output if output is not None else cassette.parent / f"{cassette.stem}-sweep"
+    mark = sweep_mark(out_dir)
+    resume = sweep_id is not None and mark is not None and mark.get("id") == sweep_id
+    if resume and mark is not None and mark.get("run") != parent.run:
+        raise BadInput(f"{out_dir} holds sweep {sweep_id} of run {mark.get('run')}, not of "
+                       f"{cassette} (run {parent.run}): give another -o or --id")
     try:
         perturbations = plan_sweep(parent, rules)
         jobs = plan_jobs(cassette, perturbations, out_dir, command=command, cwd=cwd,
-                         tool_rules=_rules(policy))
+                         tool_rules=_rules(policy), resume=resume)
     except DejaError as exc:
         _fail(exc)
-    return parent, jobs
+    return parent, jobs, resume
 
 
 def _rules(policy: Any) -> list[str]:
@@ -124,13 +136,19 @@ def _progress(total: int) -> Any:
                    "print its record (a sweep's job).")
 @click.option("--at", "at", type=int, hidden=True)
 @workers_option("forks")
+@click.option("--id", "sweep_id", metavar="SWEEP",
+              help="The sweep's id (default: <CASSETTE name>-sweep-<UTC time>-<random>). "
+                   "The same id again, with the same -o, goes on with that sweep: a fork it "
+                   "finished is judged again without running, one it left unfinished is run "
+                   "again, and on the workers a fork with a verdict is not run again.")
 @summary_option("the -o directory")
 @tool_policy_options
 @_cwd_option
 def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs: int,
           output: Path | None, as_json: bool, junit: Path | None, dry_run: bool,
-          job: str | None, at: int | None, on_workers: bool | None, summary: Path | None,
-          tool_rules: tuple[str, ...], live_tools: tuple[str, ...], cwd: Path | None) -> None:
+          job: str | None, at: int | None, on_workers: bool | None, sweep_id: str | None,
+          summary: Path | None, tool_rules: tuple[str, ...], live_tools: tuple[str, ...],
+          cwd: Path | None) -> None:
     """What if a tool had failed? deja sweep CASSETTE --perturb RULE ... [-j N] [-- CMD].
 
     Forks the run once per perturbation (deja fork --at N --replace EDIT), runs the forks
@@ -152,7 +170,8 @@ def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs
     the sweep's queue (-j at a time across the workers), as deja suite's incidents are
     (--workers to insist, --inline to run them here). The sweep leaves its summary, one
     JSON document, in the -o directory's .deja/suites/<id>.json (or --summary FILE), which
-    deja view shows on its Suites page.
+    deja view shows on its Suites page. A sweep has an id (--id): interrupted, the same
+    command with the same --id goes on where it stopped, without running a fork twice.
 
     Exit 0 no perturbation changed the outcome, 1 one did, 2 bad input (nothing is
     written) or a fork that could not run.
@@ -165,7 +184,7 @@ def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs
         run_one(cassette, job, at, output, command, cwd, _rules(policy))
     if not rules:
         raise BadInput("give at least one --perturb RULE, e.g. --perturb tool=search:error")
-    parent, planned = _plan(cassette, rules, output, command, cwd, policy)
+    parent, planned, resume = _plan(cassette, rules, output, command, cwd, policy, sweep_id)
     if dry_run:
         click.echo(json.dumps([{**j.perturbation.to_dict(), **j.to_dict()} for j in planned],
                               indent=2, ensure_ascii=False) if as_json else
@@ -177,7 +196,7 @@ def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs
     if warning is not None:
         click.secho(f"deja: WARNING: {warning}", err=True, fg="yellow")
     report, written = _run(cassette, parent.run, planned, command, jobs, cwd, policy,
-                           on_workers)
+                           on_workers, sweep_id or _sweep_id(cassette), resume)
     click.echo(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if as_json
                else report.render())
     if junit is not None:
@@ -190,26 +209,30 @@ def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs
 
 
 def _run(cassette: Path, run: str, planned: list[Any], command: tuple[str, ...], jobs: int,
-         cwd: Path | None, policy: Any, on_workers: bool | None) -> tuple[Any, dict[str, Any]]:
+         cwd: Path | None, policy: Any, on_workers: bool | None, sweep_id: str,
+         resume: bool) -> tuple[Any, dict[str, Any]]:
     """Run the planned forks, here or on the workers (:func:`deja.cli_suite.runner_for`):
     the sweep's report and its summary document."""
     from replayer.sweep import run_sweep
 
     out_dir = planned[0].out.parent
-    sweep_id = _sweep_id(cassette)
+    again = f"deja sweep {shlex.quote(str(cassette))} ... --id {sweep_id} -o " \
+        f"{shlex.quote(str(out_dir))}"
     runner, where = runner_for(on_workers, [j.suite_job(Path.cwd()) for j in planned],
                                sweep_id, "deja sweep", "forks",
-                               "stop the sweep and run it again with --inline and another -o")
-    click.echo(f"deja: sweeping run {run}: {len(planned)} fork(s), {jobs} at a time, "
-               f"{where}, into {out_dir}", err=True)
+                               f"stop the sweep and run it again with --inline: {again}")
+    click.echo(f"deja: sweep {sweep_id}{' (resumed)' if resume else ''} of run {run}: "
+               f"{len(planned)} fork(s), {jobs} at a time, {where}, into {out_dir}", err=True)
     when, started = utc_stamp("seconds"), time.monotonic()
     try:
         report = run_sweep(cassette, [j.perturbation for j in planned], out_dir=out_dir,
                            command=command, jobs=jobs, cwd=cwd, tool_rules=_rules(policy),
-                           runner=runner, on_done=_progress(len(planned)))
+                           runner=runner, on_done=_progress(len(planned)),
+                           sweep_id=sweep_id, resume=resume)
     except KeyboardInterrupt:
         interrupted("deja sweep", runner is not None,
-                    f"the forks go on on the workers, into {out_dir}")
+                    f"the forks go on on the workers, into {out_dir}: {again} collects "
+                    "their verdicts", f"{again} goes on where it stopped")
     return report, suite_summary.document(
         sweep_id, kind="sweep", mode="sweep", when=when, command=command or None,
         folder=cassette.parent, output=out_dir, where=where,
@@ -218,9 +241,9 @@ def _run(cassette: Path, run: str, planned: list[Any], command: tuple[str, ...],
 
 
 def _sweep_id(cassette: Path) -> str:
-    """A sweep's id, its own (its forks cannot be run twice): the cassette's name, the
-    time and a random tail. It names the sweep's queue and workflows on the workers, and
-    its summary."""
+    """A sweep's default id: the cassette's name, the time and a random tail. It names the
+    sweep's queue and workflows on the workers, and its summary, and is written in its
+    directory (``--id`` again goes on with it)."""
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", cassette.stem).strip("-.")[:60] or "run"
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     return f"{stem}-sweep-{stamp}-{secrets.token_hex(3)}"
@@ -237,7 +260,12 @@ def run_one(cassette: Path, name: str, at: int | None, output: Path | None,
 
     if at is None or output is None:
         raise BadInput("--job NAME needs --at N and -o DIR (the sweep's job)")
-    out = output / f"{name}.jsonl"
+    out, said = output / f"{name}.jsonl", output / f"{name}.record.json"
+    finished = _finished(out, said)
+    if finished is not None:
+        click.echo(json.dumps({"incident": name, "exit_code": finished, "cassette": str(out),
+                               "reused": True}))
+        sys.exit(0)
     args = [str(cassette), "--at", str(at), "--replace", str(output / f"{name}.edit.json"),
             "-o", str(out), *(f"--tool={rule}" for rule in rules),
             *(["--cwd", str(cwd)] if cwd is not None else []),
@@ -248,5 +276,36 @@ def run_one(cassette: Path, name: str, at: int | None, output: Path | None,
             code = 0
         except SystemExit as exc:
             code = exc.code if isinstance(exc.code, int) else 1
-    click.echo(json.dumps({"incident": name, "exit_code": code, "cassette": str(out)}))
+    record = json.dumps({"incident": name, "exit_code": code, "cassette": str(out)})
+    try:  # for an attempt of the sweep after this one: what the fork exited with
+        said.write_text(record + "\n")
+    except OSError:
+        pass
+    click.echo(record)
     sys.exit(0)
+
+
+def _finished(out: Path, said: Path) -> int | None:
+    """A fork an earlier attempt of the sweep wrote: finished (an end line, not
+    ``interrupted``), the exit status it had (``said``, written after it; else 0 for a
+    run that completed, 1 for one that did not), and it is judged again without running;
+    left unfinished (a worker or the sweep stopped under it), it is removed once its
+    writer is gone, and run again. None: it is to be run."""
+    from deja.cli_suite import _writer_gone
+    from recorder.harness.progress import cassette_end
+
+    _writer_gone(out)
+    state, end = cassette_end(out)
+    if state == "ended" and end is not None and end.get("status") != "interrupted":
+        click.echo(f"deja: {out} was finished by an earlier attempt of this sweep: judged "
+                   "again, nothing run", err=True)
+        try:
+            code = json.loads(said.read_text()).get("exit_code")
+        except (OSError, ValueError, AttributeError):
+            code = None
+        return code if isinstance(code, int) else int(end.get("status") != "completed")
+    if out.exists():
+        click.echo(f"deja: {out} was left unfinished by an earlier attempt of this sweep; "
+                   "it is run again", err=True)
+        out.unlink()
+    return None

@@ -120,6 +120,7 @@ def run_job(job: Job, *, started: Callable[[Any], None] | None = None,
     began = time.monotonic()
     when = time.time()
     with _error_stream(job) as err:
+        start = err.tell()  # this attempt's output begins here
         try:
             child = _spawn(job, err, pool)
         except OSError as exc:
@@ -129,7 +130,7 @@ def run_job(job: Job, *, started: Callable[[Any], None] | None = None,
             started(child)
         out, _ = child.communicate()
         err.flush()
-        err.seek(0)
+        err.seek(start)
         tail = err.read()[-OUTPUT_TAIL:].decode("utf-8", "replace")
     record = _last_object(out)
     if record is None:
@@ -157,11 +158,11 @@ def _spawn(job: Job, err: IO[bytes], pool: WarmPool | None) -> Any:
 
 @contextlib.contextmanager
 def _error_stream(job: Job) -> Iterator[IO[bytes]]:
-    """Where a job's standard error goes: its log file, else a temporary file; read back
-    for the record's tail."""
+    """Where a job's standard error goes: its log file (added to: an earlier attempt's
+    output is kept above), else a temporary file; read back for the record's tail."""
     if job.log:
         Path(job.log).parent.mkdir(parents=True, exist_ok=True)
-        with open(job.log, "w+b") as log:
+        with open(job.log, "a+b") as log:
             yield log
     else:
         with tempfile.TemporaryFile() as temporary:

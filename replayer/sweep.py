@@ -478,13 +478,33 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()[:40] or "step"
 
 
+MARK = ".deja-sweep.json"  # in a sweep's directory: its id, the run and cassette it forks
+
+
+def sweep_mark(out_dir: str | Path) -> dict[str, Any] | None:
+    """What the sweep that wrote ``out_dir`` said of itself (its id, the run it forks), or
+    None when no sweep did (or the mark cannot be read)."""
+    try:
+        found = json.loads((Path(out_dir) / MARK).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def mark_sweep(out_dir: str | Path, sweep_id: str, run: str, cassette: str | Path) -> None:
+    """Say in ``out_dir`` which sweep writes it: the same id again resumes it there."""
+    Path(out_dir, MARK).write_text(json.dumps(
+        {"id": sweep_id, "run": run, "cassette": str(Path(cassette).resolve())}) + "\n")
+
+
 def plan_jobs(cassette: str | Path, perturbations: Sequence[Perturbation], out_dir: str | Path,
               *, command: Sequence[str] = (), cwd: str | Path | None = None,
-              tool_rules: Sequence[str] = ()) -> list[SweepJob]:
+              tool_rules: Sequence[str] = (), resume: bool = False) -> list[SweepJob]:
     """One job per perturbation: ``deja fork CASSETTE --at N --replace EDIT -o OUT`` with
     the tool policy's rules (``NAME=RULE``) and ``-- CMD``, run by ``deja sweep --job``;
     its files in ``out_dir`` (``s007-search-error.jsonl``, ``.edit.json``, ``.log``),
-    none of which may exist."""
+    none of which may exist, unless the sweep is ``resume``d there (its jobs then judge
+    what an earlier attempt finished and replace what it left unfinished)."""
     out_dir, taken, jobs = Path(out_dir), set(), []
     flags = (*(f"--tool={rule}" for rule in tool_rules),
              *(("--cwd", str(cwd)) if cwd is not None else ()))
@@ -497,9 +517,10 @@ def plan_jobs(cassette: str | Path, perturbations: Sequence[Perturbation], out_d
         taken.add(stem)
         out, doc, log = (out_dir / f"{stem}{suffix}" for suffix in (".jsonl", ".edit.json",
                                                                    ".log"))
-        for path in (out, doc, log):
+        for path in () if resume else (out, doc, log):
             if path.exists():
-                raise PathTaken(f"{path} already exists; give the sweep another -o directory")
+                raise PathTaken(f"{path} already exists; give the sweep another -o directory "
+                                "(or the id of the sweep that wrote it: --id)")
         fork = ("deja", "fork", str(cassette), "--at", str(p.step), "--replace", str(doc),
                 "-o", str(out), *flags, *then)
         job = ("deja", "sweep", str(cassette), "--job", stem, "--at", str(p.step), "-o",
@@ -512,17 +533,22 @@ def run_sweep(cassette: str | Path, perturbations: Sequence[Perturbation], *,
               out_dir: str | Path, command: Sequence[str] = (), jobs: int = 1,
               cwd: str | Path | None = None, tool_rules: Sequence[str] = (),
               keyring: Keyring | None = None, runner: suite.Runner | None = None,
-              on_done: Callable[[SweepRow], None] | None = None) -> SweepReport:
+              on_done: Callable[[SweepRow], None] | None = None,
+              sweep_id: str | None = None, resume: bool = False) -> SweepReport:
     """Run a fork per perturbation (:func:`plan_jobs`), ``jobs`` at a time, each a job of
     :mod:`replayer.suite` (here, or on ``runner``: the durable workers'), whose program
     goes live with its own environment (its base URL, its keys) under the default tool
     policy plus ``tool_rules``; then compare each with the recording. ``on_done`` is
-    called with each row as its fork ends. Paths are taken from this directory."""
+    called with each row as its fork ends. Paths are taken from this directory.
+    ``sweep_id`` is written in ``out_dir`` (:func:`mark_sweep`); ``resume``: the sweep of
+    that id goes on there (:func:`plan_jobs`)."""
     ring = keyring or load_keyring(create=False)
     parent = load(cassette, keyring=ring, require_signature=True, allow_incomplete=True)
     planned = plan_jobs(cassette, perturbations, out_dir, command=command, cwd=cwd,
-                        tool_rules=tool_rules)
+                        tool_rules=tool_rules, resume=resume)
     Path(out_dir).mkdir(parents=True, exist_ok=True)
+    if sweep_id is not None:
+        mark_sweep(out_dir, sweep_id, parent.run, cassette)
     for job in planned:
         job.edit.write_text(json.dumps(job.perturbation.document, indent=2,
                                        ensure_ascii=False) + "\n")

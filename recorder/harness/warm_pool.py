@@ -221,6 +221,9 @@ class WarmChild:
 def serve() -> None:
     """The fork server's main: ``sys.argv`` is [-c, SOCKET, MODULE...]."""
     path, preload = sys.argv[1], sys.argv[2:]
+    # Ctrl-C in the caller's terminal reaches the whole group: the forks running then stop
+    # on it (each takes Python's handler back), the server goes with its caller.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     for name in preload:
         with contextlib.suppress(Exception):
             importlib.import_module(name)

@@ -320,6 +320,64 @@ def test_an_existing_fork_file_is_refused_before_anything_runs(project: Path) ->
     assert sorted(p.name for p in (project / "out").iterdir()) == ["s019-search-error.jsonl"]
 
 
+def test_an_interrupted_sweep_goes_on_with_its_id_and_runs_no_fork_twice(
+        project: Path) -> None:
+    """Ctrl-C in the middle of a sweep, then the same command with the same --id: the
+    forks it finished are judged again from their cassettes (not run: their bytes do not
+    change), the one it cut is run again, and the report is the whole sweep's."""
+    import hashlib
+    import signal
+    import time
+
+    args = ["sweep", "run.jsonl", "--perturb", "step=9:error,empty", "--perturb",
+            "step=19:error,empty", "-o", "out", "--id", "what-if-1", "--json"]
+    with (project / "first.err").open("wb") as err:
+        first = subprocess.Popen([sys.executable, "-m", "deja", *args, "-j", "1"],
+                                 cwd=project, stdout=subprocess.DEVNULL, stderr=err,
+                                 start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "[1/4]" not in (project / "first.err").read_text():
+            assert first.poll() is None and time.monotonic() < deadline, \
+                (project / "first.err").read_text()
+            time.sleep(0.05)
+        os.killpg(first.pid, signal.SIGINT)  # what Ctrl-C in its terminal sends
+        assert first.wait(timeout=120) == 130, (project / "first.err").read_text()
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    said = (project / "first.err").read_text()
+    assert "deja sweep: interrupted; deja sweep run.jsonl ... --id what-if-1 -o out goes " \
+        "on where it stopped" in said and "Traceback" not in said, said
+    finished = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in (project / "out").glob("*.jsonl")
+                if load(p, allow_incomplete=True, allow_torn=True).end not in (None,) and
+                load(p, allow_incomplete=True, allow_torn=True).end.get("status")
+                != "interrupted"}
+    assert finished, said  # the first fork, at least
+
+    other = deja(*[a if a != "what-if-1" else "what-if-2" for a in args], cwd=project)
+    assert other.returncode == 2 and "already exists" in other.stderr and "--id" in \
+        other.stderr, other.stderr  # another sweep's id: refused, nothing touched
+
+    again = deja(*args, "-j", "2", cwd=project)
+    assert again.returncode == 1, again.stderr
+    assert "sweep what-if-1 (resumed)" in again.stderr
+    logs = {p.name: p.read_text() for p in (project / "out").glob("*.log")}
+    assert sorted(name for name, text in logs.items() if "judged again, nothing run" in text
+                  ) == sorted(name.replace(".jsonl", ".log") for name in finished), logs
+    for name in finished:  # what the fork printed the first time is kept above
+        assert "answer:" in logs[name.replace(".jsonl", ".log")].split("judged again")[0]
+    rows = rows_by(json.loads(again.stdout))
+    assert {key for key, row in rows.items() if row["changed"]} == {
+        (9, "error"), (19, "error"), (19, "empty")}
+    assert all(row["error"] is None and row["exit_code"] == 0 for row in rows.values()), rows
+    for name, sha in finished.items():  # judged again, not run again
+        assert hashlib.sha256((project / "out" / name).read_bytes()).hexdigest() == sha, name
+    assert len(list((project / "out").glob("*.jsonl"))) == 4
+
+
 def test_a_fork_that_could_not_run_is_an_error_row_and_exit_2(project: Path) -> None:
     done = deja("sweep", "run.jsonl", "--perturb", "step=19:error", "--json", "--junit",
                 "junit.xml", "-o", "out", "--", "false", cwd=project)  # no program deja records
