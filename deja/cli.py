@@ -177,6 +177,11 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
               show_default=True,
               help="What a JUnit test case is: a cassette, or a recorded step (the "
                    "diverging step fails, the steps after it are skipped).")
+@click.option("--cold", is_flag=True,
+              help="Of many cassettes: start each one's program in a fresh interpreter. By "
+                   "default they start warm, as forks of this process once it has imported "
+                   "deja and the SDKs (a program that needs a first import of an SDK, e.g. "
+                   "one that sets what the SDK reads as it is imported, needs --cold).")
 @then_options("(-o)")
 @click.option("-o", "--output", "output", type=click.Path(path_type=Path),
               help="With --then: the new cassette (a file, or a directory for <run>.jsonl; "
@@ -187,7 +192,7 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
 def replay(cassettes: tuple[str, ...], command: tuple[str, ...] | None,
            require_signature: bool, allow_unverified: bool, run_recorded_command: bool,
            allow_torn: bool, allow_incomplete: bool, as_json: bool, junit: Path | None,
-           junit_cases: str, then: str | None, then_script: Path | None,
+           junit_cases: str, cold: bool, then: str | None, then_script: Path | None,
            output: Path | None, tool_rules: tuple[str, ...], live_tools: tuple[str, ...],
            ignore: tuple[str, ...], normalise: tuple[str, ...], cwd: Path | None) -> None:
     """Replay recorded runs offline: deja replay CASSETTE|DIR... [-- CMD ...].
@@ -207,7 +212,9 @@ def replay(cassettes: tuple[str, ...], command: tuple[str, ...] | None,
     *.jsonl files, sorted) are replayed in turn, each with CMD or its own recorded
     command, under the same rules; everything before -- is a cassette or a directory.
     Each one's report goes to stderr as it finishes, and a table of them all (run,
-    verdict, steps served, where it diverged, seconds) and the totals to stdout. Under
+    verdict, steps served, where it diverged, seconds) and the totals to stdout. Their
+    programs start warm, as forks of this process once it has imported deja and the SDKs
+    (--cold: each in a fresh interpreter). Under
     GitHub Actions (GITHUB_ACTIONS=true) a divergence or a bad cassette is also an
     ::error annotation on the cassette's line, an equivalent replay a ::notice.
 
@@ -228,7 +235,8 @@ def replay(cassettes: tuple[str, ...], command: tuple[str, ...] | None,
         run_recorded_command=run_recorded_command, allow_torn=allow_torn,
         allow_incomplete=allow_incomplete, as_json=as_json, ignore=ignore,
         normalise=normalise, cwd=cwd, then=then, then_script=then_script, output=output,
-        tool_rules=tool_rules, live_tools=live_tools), junit=junit, junit_cases=junit_cases)
+        tool_rules=tool_rules, live_tools=live_tools, cold=cold), junit=junit,
+        junit_cases=junit_cases)
 
 
 @click.command(cls=RunsCommand)

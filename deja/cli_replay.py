@@ -95,6 +95,7 @@ class ReplayOptions:
     output: Path | None = None
     tool_rules: tuple[str, ...] = ()
     live_tools: tuple[str, ...] = ()
+    cold: bool = False  # of many: each program in a fresh interpreter, not a warm fork
 
     @property
     def quiet_stdout(self) -> bool:
@@ -187,7 +188,11 @@ def attempt(cassette: Path, command: tuple[str, ...],
 def _many(cassettes: list[Path], command: tuple[str, ...], opts: ReplayOptions,
           junit: Path | None, junit_cases: str) -> int:
     """Replay each cassette in turn, its report on stderr as it finishes, then the table
-    (or the JSON document); the status to exit with."""
+    (or the JSON document); the status to exit with. Unless ``opts.cold``, this process
+    first imports what the programs need (:data:`replayer.suite.WARM_MODULES`) and each
+    program that can be is a fork of it (:mod:`recorder.harness.warm`)."""
+    if not opts.cold:
+        _warm_up()
     outcomes = []
     for n, cassette in enumerate(cassettes, start=1):
         click.echo(f"deja: replaying {cassette} ({n}/{len(cassettes)})", err=True)
@@ -208,6 +213,21 @@ def _many(cassettes: list[Path], command: tuple[str, ...], opts: ReplayOptions,
         click.echo(_totals(done))
     _write_junit(junit, outcomes, junit_cases)
     return int(done["exit_status"])
+
+
+def _warm_up() -> None:
+    """Import deja's bootstrap and the SDKs once (those installed), and let this process's
+    programs start as forks of it: each saves the second or so a fresh interpreter takes
+    to import an SDK. A fixed list: nothing in a cassette chooses what is imported."""
+    import importlib
+
+    from recorder.harness import warm
+    from replayer.suite import WARM_MODULES
+
+    for name in WARM_MODULES:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    warm.mark_warm()
 
 
 def _json_of(outcome: Outcome) -> dict[str, Any]:

@@ -158,6 +158,23 @@ def test_a_directory_of_passing_cassettes_exits_0(project: Path) -> None:
     assert "done" in done.stderr and "done" not in done.stdout  # the program's own output
 
 
+@pytest.mark.parametrize("cold", [False, True], ids=["warm", "cold"])
+def test_many_cassettes_start_their_programs_warm_unless_cold(project: Path, cold: bool) -> None:
+    """Of many cassettes, each program is a fork of the replaying process, which has
+    imported the SDK once: the program finds it imported before its own import. --cold
+    starts each in a fresh interpreter, which has not."""
+    (project / "cassettes" / CHANGED).unlink()
+    (project / "probe.py").write_text(
+        "import sys\nprint('sdk imported before the program:', 'anthropic' in sys.modules, "
+        "file=sys.stderr)\n" + AGENT)
+    done = deja("replay", "cassettes", *(["--cold"] if cold else []), "--", "python",
+                "probe.py", cwd=project)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed (1 identical, 1 equivalent), 0 diverged, 0 not judged" in done.stdout
+    said = re.findall(r"sdk imported before the program: (True|False)", done.stderr)
+    assert said == [str(not cold)] * 2, done.stderr
+
+
 def test_a_bad_cassette_among_good_ones_exits_2_and_the_others_are_replayed(
         project: Path) -> None:
     tamper(project)
