@@ -69,10 +69,16 @@ def test_a_sweep_runs_its_forks_on_the_workers(recorded: Path, tmp_path: Path) -
         try:
             wait_up(worker)
             # the sweep's own environment has no model: only the worker can reach the stub
-            done = sweep(project, env, "-o", "out")
+            done = sweep(project, env, "-o", "out", "--id", "what-if-w")
+            forks = {p.name: p.read_bytes() for p in (project / "out").glob("*.jsonl")}
+            # the same sweep again: its forks have their verdicts, none runs again
+            again = sweep(project, env, "-o", "out", "--id", "what-if-w")
         finally:
             worker.stop()
             worker.reap()
+    assert again.returncode == 1 and "sweep what-if-w (resumed)" in again.stderr, again.stderr
+    assert json.loads(again.stdout)["rows"] == json.loads(done.stdout)["rows"]
+    assert {p.name: p.read_bytes() for p in (project / "out").glob("*.jsonl")} == forks
     assert done.returncode == 1, done.stderr[-3000:]  # both perturbations change the outcome
     assert "2 fork(s), 2 at a time, on the workers (w1)" in done.stderr
     rows = {row["kind"]: row for row in json.loads(done.stdout)["rows"]}
