@@ -13,6 +13,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -354,16 +355,28 @@ def launch_fork(path: str | Path, seq: int, document: Any, *, live_url: str | No
     return LaunchedFork(out, process, log, path, seq, live_url or None)
 
 
+_ENDED_LOGS: dict[Path, str] = {}  # the log of a fork that ended, its folder removed
+_ENDED_LOCK = threading.Lock()
+
+
 def fork_state(launched: LaunchedFork, tail: int = 200_000) -> dict[str, Any]:
     """How a launched fork is doing: running or its exit status, its run id, its log
-    (the last ``tail`` characters), and for a failed one ``reason``, in one line."""
+    (the last ``tail`` characters), and for a failed one ``reason``, in one line. Once
+    it has ended, its log is kept here and its private folder (the edit and the log)
+    removed."""
     code = launched.process.poll()
     header = peek_header(launched.path)  # the fork is still writing it: never trusted
     run = header.get("run") if header is not None else None
-    try:
-        log = launched.log.read_text(encoding="utf-8", errors="replace")[-tail:]
-    except FileNotFoundError:
-        log = ""
+    with _ENDED_LOCK:
+        log = _ENDED_LOGS.get(launched.log)
+        if log is None:
+            try:
+                log = launched.log.read_text(encoding="utf-8", errors="replace")[-tail:]
+            except FileNotFoundError:
+                log = ""
+            if code is not None:
+                _ENDED_LOGS[launched.log] = log
+                shutil.rmtree(launched.log.parent, ignore_errors=True)
     failed = code is not None and (code != 0 or not launched.path.exists())
     return {"running": code is None, "returncode": code, "run": run,
             "exists": launched.path.exists(), "log": log,

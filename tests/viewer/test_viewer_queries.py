@@ -470,6 +470,8 @@ def test_launch_fork_creates_a_fork_that_names_its_parent(corpus: Corpus, tmp_pa
     state = queries.fork_state(launched)
     assert not state["running"] and state["returncode"] == 0 and state["run"] == fork.run
     assert "forked run" in state["log"]
+    assert not launched.log.parent.exists()  # its edit and log: removed once it ended
+    assert queries.fork_state(launched)["log"] == state["log"]  # and the log still shown
     with RunIndex(project / "runs") as idx:
         idx.refresh()
         children = queries.lineage(idx, corpus.ids["spiral"])["children"]
