@@ -219,14 +219,10 @@ def _warm_up() -> None:
     """Import deja's bootstrap and the SDKs once (those installed), and let this process's
     programs start as forks of it: each saves the second or so a fresh interpreter takes
     to import an SDK. A fixed list: nothing in a cassette chooses what is imported."""
-    import importlib
-
     from recorder.harness import warm
     from replayer.suite import WARM_MODULES
 
-    for name in WARM_MODULES:
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
+    warm.preload(WARM_MODULES)
     warm.mark_warm()
 
 

@@ -480,7 +480,6 @@ def _then_one(cassette: Path, command: tuple[str, ...],
     one it left unfinished (a worker died under it) is replaced, once its writer is
     gone."""
     from deja._launch import _writer_lock
-    from recorder.harness.progress import cassette_end
 
     out = opts.output
     if out is None:
@@ -488,20 +487,32 @@ def _then_one(cassette: Path, command: tuple[str, ...],
     _writer_gone(out)
     lock = _writer_lock(out, None, "deja suite")
     try:
-        state, end = cassette_end(out)
-        if state == "ended" and end is not None and end.get("status") != "interrupted":
-            click.echo(f"deja: {out} was finished by an earlier attempt of this suite: "
-                       "judged again, nothing run", err=True)
+        if earlier_attempt(out, "suite") is not None:
             return suites.then_live_record(cassette.name, cassette, out, None, reused=True)
-        if out.exists():
-            click.echo(f"deja: {out} was left unfinished by an earlier attempt of this "
-                       "suite; it is replaced", err=True)
-            out.unlink()
         ran = cli_replay.run_then_live(cassette, command, opts)
         cli_replay._said_then_live(cassette, ran.out, ran.target)
         return suites.then_live_record(cassette.name, cassette, ran.out, ran.code)
     finally:
         lock.release()
+
+
+def earlier_attempt(out: Path, what: str) -> dict[str, Any] | None:
+    """What an earlier attempt of this ``what`` (suite, sweep) left at ``out``, its writer
+    gone: the end line of a cassette it finished (not ``interrupted``), to be judged again
+    without running anything; else None, a cassette it left unfinished being removed
+    first (it is run again)."""
+    from recorder.harness.progress import cassette_end
+
+    state, end = cassette_end(out)
+    if state == "ended" and end is not None and end.get("status") != "interrupted":
+        click.echo(f"deja: {out} was finished by an earlier attempt of this {what}: judged "
+                   "again, nothing run", err=True)
+        return end
+    if out.exists():
+        click.echo(f"deja: {out} was left unfinished by an earlier attempt of this {what}; "
+                   f"it is {'replaced' if what == 'suite' else 'run again'}", err=True)
+        out.unlink()
+    return None
 
 
 WRITER_WAIT = 60.0  # seconds an incident waits for an earlier attempt to stop writing

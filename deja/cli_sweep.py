@@ -291,21 +291,14 @@ def _finished(out: Path, said: Path) -> int | None:
     run that completed, 1 for one that did not), and it is judged again without running;
     left unfinished (a worker or the sweep stopped under it), it is removed once its
     writer is gone, and run again. None: it is to be run."""
-    from deja.cli_suite import _writer_gone
-    from recorder.harness.progress import cassette_end
+    from deja.cli_suite import _writer_gone, earlier_attempt
 
     _writer_gone(out)
-    state, end = cassette_end(out)
-    if state == "ended" and end is not None and end.get("status") != "interrupted":
-        click.echo(f"deja: {out} was finished by an earlier attempt of this sweep: judged "
-                   "again, nothing run", err=True)
-        try:
-            code = json.loads(said.read_text()).get("exit_code")
-        except (OSError, ValueError, AttributeError):
-            code = None
-        return code if isinstance(code, int) else int(end.get("status") != "completed")
-    if out.exists():
-        click.echo(f"deja: {out} was left unfinished by an earlier attempt of this sweep; "
-                   "it is run again", err=True)
-        out.unlink()
-    return None
+    end = earlier_attempt(out, "sweep")
+    if end is None:
+        return None
+    try:
+        code = json.loads(said.read_text()).get("exit_code")
+    except (OSError, ValueError, AttributeError):
+        code = None
+    return code if isinstance(code, int) else int(end.get("status") != "completed")

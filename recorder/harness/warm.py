@@ -48,6 +48,14 @@ _base_path: list[str] = []  # the interpreter's own sys.path (no script folder, 
 _close_in_child: set[int] = set()  # the fork server's own descriptors
 
 
+def preload(modules: Sequence[str]) -> None:
+    """Import ``modules`` (those that cannot be imported are left out), for the programs
+    this process will fork to find imported."""
+    for name in modules:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+
+
 def mark_warm(server_fds: Sequence[int] = ()) -> None:
     """This process has imported what its programs need: :func:`fork_program` may be used
     here and in its forks. ``server_fds`` are descriptors a fork must not keep."""

@@ -19,7 +19,6 @@ dies gets SIGTERM (a parent-death signal) and its forks in turn.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import select
@@ -224,9 +223,7 @@ def serve() -> None:
     # Ctrl-C in the caller's terminal reaches the whole group: the forks running then stop
     # on it (each takes Python's handler back), the server goes with its caller.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    for name in preload:
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
+    warm.preload(preload)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
