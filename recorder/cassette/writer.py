@@ -9,9 +9,10 @@ crash or power loss would otherwise take):
 
 - ``sync``: every line, before the call returns;
 - ``turn`` (the default): side effects (intent, outcome), control and end lines before
-  the call returns; model and HTTP lines within about 10 ms, by a background thread that
-  forces whatever has been written since its last pass (a group commit, as databases
-  do), so that the disk's latency stays off the agent's calls;
+  the call returns; the header, model and HTTP lines within about 10 ms, by the process's background
+  thread (:mod:`recorder.background`), which forces whatever has been written since its
+  last pass (a group commit, as databases do), so that the disk's latency stays off the
+  agent's calls;
 - ``exit``: once, when the run ends.
 """
 
@@ -25,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from recorder.background import CHORES
 from recorder.canonical import canonical
 from recorder.cassette import _delta, _validate
 from recorder.cassette import lock as writer_lock
@@ -67,9 +69,10 @@ def _unlike(line: dict[str, Any]) -> None:
 
 
 class _GroupSync:
-    """Forces a file to disk from a background thread, whenever lines were written.
+    """Forces a file to disk off the caller's thread, whenever lines were written (a
+    chore of :data:`recorder.background.CHORES`).
 
-    Passes are at least ``INTERVAL`` seconds apart, so a burst of fast calls shares one
+    Passes start at least ``INTERVAL`` seconds apart, so a burst of fast calls shares one
     fsync instead of queueing behind one each. A failed fsync (an I/O error, a disk that
     filled up under delayed allocation) is kept in ``error``: the writer refuses the next
     line with it.
@@ -79,32 +82,23 @@ class _GroupSync:
 
     def __init__(self, fd: int) -> None:
         self._fd = fd
-        self._wake = threading.Event()
-        self._stop = False
+        self._next = 0.0  # when the next pass may start
         self.error: OSError | None = None
-        self._thread = threading.Thread(target=self._loop, name="deja-fsync", daemon=True)
-        self._thread.start()
 
     def request(self) -> None:
-        self._wake.set()
+        if self.error is None:
+            CHORES.soon(self, self._sync, self._next)
 
-    def _loop(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            if self._stop:
-                return
-            try:
-                os.fsync(self._fd)
-            except OSError as exc:
-                self.error = exc
-                return
-            time.sleep(self.INTERVAL)
+    def _sync(self) -> None:
+        self._next = time.monotonic() + self.INTERVAL
+        try:
+            os.fsync(self._fd)
+        except OSError as exc:
+            self.error = exc
 
     def stop(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join()
+        """No pass after this returns (the file may then be closed)."""
+        CHORES.forget(self)
 
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -167,8 +161,9 @@ class CassetteWriter:
                 **{k: v for k, v in header.items() if k not in ("format", "features")}}
         line["key_id"] = key_id(key)
         self.header: Mapping[str, Any] = line
-        with self._lock, WHOLE:
-            self._write(line, sync=True)
+        with self._lock, WHOLE:  # forced to disk as a model line is: with the group commit
+            self._write(line, sync=self.fsync is Fsync.SYNC)
+            self._group_commit()
 
     @classmethod
     def reopen(cls, cassette: Cassette, key: bytes, fsync: Fsync | str = Fsync.TURN
@@ -271,12 +266,17 @@ class CassetteWriter:
             self._write(line, sync=force)
             if has_request:
                 self._delta.written(self._seq, request_body, reply)
-            if not force and self.fsync is Fsync.TURN:
-                if self._group is None:
-                    self._group = _GroupSync(self._fd)
-                self._group.request()
+            if not force:
+                self._group_commit()
             self._seq += 1
             return line
+
+    def _group_commit(self) -> None:
+        """Under ``turn``, have what was written forced to disk shortly, off this thread."""
+        if self.fsync is Fsync.TURN:
+            if self._group is None:
+                self._group = _GroupSync(self._fd)
+            self._group.request()
 
     def close(self, end: dict[str, Any]) -> dict[str, Any]:
         """Write the ``end`` line, force everything to disk and close the file."""

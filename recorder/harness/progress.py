@@ -11,7 +11,7 @@ expect::
 It is updated at every step in memory and written (atomically) at most every
 ``interval`` seconds, the latest state always reaching the file within ``interval``, and
 at once when the status changes or the run ends, so that a status line costs the agent's
-calls nothing measurable: the periodic writes are made by one background thread per run,
+calls nothing measurable: the periodic writes are made by the process's background thread,
 off the agent's calls (only a change of status or the end is written on the call, before
 it returns). ``deja status RUN`` prints it.
 
@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from recorder.background import CHORES
 from recorder.capture.redact import DEFAULT, Redaction
 from recorder.cassette.keys import deja_home
 from recorder.cassette.reader import peek_end, peek_header
@@ -205,13 +206,12 @@ class Progress:
     """The status record of one run, redacted with the run's rules.
 
     :meth:`update` changes the record in memory. A change of status, or ``force``, writes
-    it before returning; anything else is left to the writer thread, which writes the
-    latest record once ``interval`` has passed since the last write (at once when it
-    already has). Writes are made one at a time, each of the record as it is when the
-    write starts, so the file never goes back to an older state.
+    it before returning; anything else is left to the process's background thread
+    (:mod:`recorder.background`), which writes the latest record once ``interval`` has
+    passed since the last write (at once when it already has). Writes are made one at a
+    time, each of the record as it is when the write starts, so the file never goes back
+    to an older state.
     """
-
-    IDLE = 5.0  # seconds without updates after which the writer thread ends (restarted on need)
 
     def __init__(self, run: str, record: dict[str, Any], *, interval: float = 0.2,
                  redaction: Redaction | None = None) -> None:
@@ -219,12 +219,9 @@ class Progress:
         self.path = status_path(run)
         self.interval = interval
         self.redaction = redaction or DEFAULT
-        self._lock = threading.Lock()  # the record and the writer thread's state
-        self._wake = threading.Condition(self._lock)
+        self._lock = threading.Lock()  # the record
         self._io = threading.Lock()  # one write at a time, in the order of their snapshots
         self._written = 0.0
-        self._dirty = False  # the record changed since the last write
-        self._writer: threading.Thread | None = None
         self._ended = False
         self._failed: str | None = None  # why the last write failed (warned once)
         self.record: dict[str, Any] = {"run_id": run, "status": "running", "turn": 0,
@@ -237,39 +234,20 @@ class Progress:
         with self._lock:
             changed_status = "status" in fields and fields["status"] != self.record["status"]
             self.record.update(fields)
-            if fields.get("ended"):
-                self._ended = True
-                self._wake.notify()  # the writer thread, if any, ends
-            if not (force or changed_status):
-                was_dirty, self._dirty = self._dirty, True
-                if self._writer is None:
-                    if self._ended:  # nothing is written after the end but the end itself
-                        return
-                    self._writer = threading.Thread(target=self._run, daemon=True,
-                                                    name=f"deja-progress-{self.run}")
-                    self._writer.start()
-                elif not was_dirty or time.monotonic() - self._written >= self.interval:
-                    self._wake.notify()  # idle until now, or its write is due: wake it
+            ending = bool(fields.get("ended"))
+            self._ended = self._ended or ending
+            if not (force or changed_status or ending):
+                if not self._ended:  # nothing is written after the end but the end itself
+                    CHORES.soon(self, self._write, self._written + self.interval)
                 return
+        if ending:
+            CHORES.forget(self)
         self._write()
 
-    def _run(self) -> None:
-        """The writer thread: the latest record, at most every ``interval`` seconds."""
-        while True:
-            with self._lock:
-                while True:
-                    if self._ended and not self._dirty:
-                        self._writer = None
-                        return
-                    if self._dirty:
-                        wait = self._written + self.interval - time.monotonic()
-                        if wait <= 0:
-                            break
-                        self._wake.wait(wait)
-                    elif not self._wake.wait(self.IDLE) and not self._dirty:
-                        self._writer = None  # idle: a later update starts another
-                        return
-            self._write()
+    @property
+    def pending(self) -> bool:
+        """Whether a write is left to the background thread."""
+        return CHORES.waiting(self)
 
     def _write(self) -> None:
         """Write the record as it is now (the caller holds no lock)."""
@@ -277,7 +255,6 @@ class Progress:
             with self._lock:
                 self.record["updated"] = _now_iso()
                 self._written = time.monotonic()
-                self._dirty = False
                 text = json.dumps(self.record, default=str)
             self._write_text(self.redaction.json_text(text))
 

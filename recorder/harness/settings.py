@@ -47,6 +47,8 @@ file and key, raised when the run (or the replay) starts.
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -78,13 +80,26 @@ def find_pyproject(start: Path | None = None) -> Path | None:
 
 
 def project_settings(start: Path | None = None) -> tuple[dict[str, Any], Path | None]:
-    """The ``[tool.deja]`` table and the file it came from (empty when there is none)."""
+    """The ``[tool.deja]`` table and the file it came from (empty when there is none).
+
+    A file is parsed again only once its text has changed (the recording proxy resolves
+    the settings for every new run, and a project's ``pyproject.toml`` can be long)."""
     path = find_pyproject(start)
     if path is None:
         return {}, None
     try:
-        data = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read [tool.deja]: {exc}") from None
+    return copy.deepcopy(_deja_table(path, text)), path
+
+
+@functools.lru_cache(maxsize=8)
+def _deja_table(path: Path, text: str) -> dict[str, Any]:
+    """The checked ``[tool.deja]`` table of ``path``, whose text is ``text``."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: cannot read [tool.deja]: {exc}") from None
     table = data.get("tool", {}).get("deja", {})
     if not isinstance(table, dict):
@@ -93,7 +108,7 @@ def project_settings(start: Path | None = None) -> tuple[dict[str, Any], Path | 
     if unknown:
         raise ConfigError(f"{path}: unknown [tool.deja] key(s) {', '.join(unknown)}; known: "
                           f"{', '.join(sorted(_KEYS))}")
-    return table, path
+    return table
 
 
 @dataclass(frozen=True)

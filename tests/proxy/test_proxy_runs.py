@@ -410,6 +410,29 @@ def test_two_conversations_of_one_client_are_two_runs(
         assert kinds(c) == ["model", "tool", "model", "tool", "model"]
 
 
+def test_many_open_runs_share_the_proxys_threads(
+        proxy: Proxy, stub: Stub, tmp_path: Path,
+        clients: Callable[..., anthropic.Anthropic]) -> None:
+    """A run starts no thread of its own: its group commit and its status record are
+    chores of the process's one background thread, so a proxy holding many runs open has
+    a few threads, not two a run (each would cost the event loop a start and compete for
+    the interpreter)."""
+    p = start(proxy, stub(TOOL_LOOP), tmp_path)
+    client = clients(p.url)
+    talks = [Conversation(client, f"task {i}") for i in range(24)]
+    for talk in talks:
+        talk.ask()  # each a run of its own, left open (idle for 300 s before it closes)
+    assert len(set().union(*(t.run_ids for t in talks))) == 24
+    threads = len(list(Path(f"/proc/{p.pid}/task").iterdir()))
+    assert threads < 12  # the event loop, the executor's few workers, the background one
+    for talk in talks:
+        talk.run()
+    stop(p)
+    runs = by_run(tmp_path / "runs")
+    assert len(runs) == 24
+    assert all(c.end is not None and c.end["status"] == "completed" for c in runs.values())
+
+
 def test_named_runs_group_requests(proxy: Proxy, stub: Stub, tmp_path: Path,
                                    clients: Callable[..., anthropic.Anthropic]) -> None:
     server = stub(TOOL_LOOP)

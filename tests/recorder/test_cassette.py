@@ -421,10 +421,11 @@ def test_fsync_policy_decides_which_lines_are_forced_to_disk(
         current[:] = [policy]
         write_cassette(tmp_path / f"{policy}.jsonl", n=6, fsync=policy)
     # 6 observations: 2 effects, 2 tools, 2 model turns; plus header and end
-    assert counts == {("sync", "call"): 8, ("exit", "call"): 2}
+    assert counts == {("sync", "call"): 8, ("exit", "call"): 1}
 
-    # "turn": the header and end are forced on the caller's thread; a model line is forced
-    # by the background group commit shortly after it is written, off the agent's call.
+    # "turn": a side effect and the end are forced on the caller's thread; the header and
+    # a model line by the background group commit shortly after they are written, off the
+    # agent's call.
     current[:] = ["turn"]
     writer = CassetteWriter(tmp_path / "turn.jsonl", {"run": "r_turn"}, KEY, "turn")
     writer.append({"kind": "effect", "name": "uuid", "value": "v"})
@@ -437,7 +438,7 @@ def test_fsync_policy_decides_which_lines_are_forced_to_disk(
     assert counts.get(("turn", "background"), 0) >= 1
     writer.append({"kind": "intent", "name": "pay", "args": {}, "fp": "y"})
     writer.close({"status": "completed"})
-    assert counts[("turn", "call")] == 3  # header, intent, end
+    assert counts[("turn", "call")] == 2  # intent, end
 
 
 @pytest.mark.parametrize("policy", ["always", "", "SYNC", "never"])

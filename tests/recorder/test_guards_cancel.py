@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -184,6 +183,7 @@ def test_the_status_record_reaches_the_latest_state_within_its_interval() -> Non
     assert record["status"] == "exhausted" and record["turn"] == 4
     progress.update(status="exhausted", step="ended: exhausted", ended=True, force=True)
     assert (read_status(run) or {})["ended"] is True
-    wait_for("the writer thread to end", lambda: not any(
-        t.name == f"deja-progress-{run}" for t in threading.enumerate()), timeout=5)
+    assert not progress.pending  # nothing is left to write after the end
+    progress.update(step="after the end")  # kept in memory, never written
+    assert not progress.pending
     assert (read_status(run) or {})["step"] == "ended: exhausted"

@@ -171,3 +171,30 @@ def test_deja_record_flags_override_tool_deja(pyproject: Callable[[str], Path], 
     assert read_lines(path)[0]["budgets"]["tokens"] == 100_000  # the file's, kept
     assert_stopped(path, budget="turns", used=3, limit=3, models=3)
     assert end_of(path)["exit_code"] == 0  # the agent caught it and exited normally
+
+
+def test_tool_deja_is_parsed_once_per_text_and_an_edit_is_read_at_once(
+        pyproject: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A proxy resolves the settings for each new run: the file is read every time, and
+    parsed again only when its text changed (an edit of the same length within the same
+    clock tick included)."""
+    from recorder.harness import settings
+
+    parsed: list[str] = []
+    real = settings.tomllib.loads
+
+    def counting(text: str) -> dict[str, Any]:
+        parsed.append(text)
+        return real(text)
+
+    monkeypatch.setattr(settings.tomllib, "loads", counting)
+    conf = pyproject("[tool.deja.budgets]\nturns = 3\n")
+    for _ in range(3):
+        assert settings.resolve().budgets.turns == 3
+    assert len(parsed) == 1
+    conf.write_text("[tool.deja.budgets]\nturns = 4\n")  # same size, at once
+    assert settings.resolve().budgets.turns == 4
+    assert len(parsed) == 2
+    table, _ = settings.project_settings()
+    table["budgets"]["turns"] = 99  # the caller's copy: the next run reads the file's
+    assert settings.resolve().budgets.turns == 4

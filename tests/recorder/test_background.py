@@ -1,0 +1,145 @@
+"""The recorder's deferred writes (recorder.background): one thread for every open run.
+
+A cassette's group commit and a run's status record are written off the agent's calls by
+one daemon thread per process; starting a run starts no thread of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from recorder.background import CHORES, Chores
+from recorder.cassette import CassetteWriter, load
+from recorder.cassette.keys import Keyring
+from recorder.harness.progress import Progress, read_status
+
+KEY = b"test-key-0123456789abcdef"  # the DEJA_KEY that conftest sets for every test
+
+
+def poll(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def model_line(writer: CassetteWriter, n: int) -> None:
+    writer.append({"kind": "model", "provider": "anthropic", "fp": f"f{n}",
+                   "response": {"status": 200, "body": "a"}},
+                  request_body={"model": "m", "messages": [{"role": "user", "content": "q"}]},
+                  has_request=True)
+
+
+def background_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "deja-background"]
+
+
+def test_chores_run_once_each_in_the_order_they_are_due() -> None:
+    chores = Chores("test-chores")
+    done: list[str] = []
+    now = time.monotonic()
+    chores.soon("late", lambda: done.append("late"), now + 0.05)
+    chores.soon("early", lambda: done.append("early"), now)
+    chores.soon("early", lambda: done.append("early, again"), now)  # waiting: no second
+    poll("both chores", lambda: len(done) == 2)
+    assert done == ["early", "late"]
+    assert not chores.waiting("early") and not chores.waiting("late")
+
+    chores.soon("dropped", lambda: done.append("dropped"), time.monotonic() + 0.05)
+    assert chores.waiting("dropped")
+    chores.forget("dropped")
+    assert not chores.waiting("dropped")
+    chores.soon("after", lambda: done.append("after"), time.monotonic() + 0.1)
+    poll("the chore after the dropped one", lambda: "after" in done)
+    assert done == ["early", "late", "after"]  # the dropped one never ran
+
+
+def test_forget_returns_only_once_a_running_chore_has_ended() -> None:
+    chores = Chores("test-chores")
+    started, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def slow() -> None:
+        started.set()
+        release.wait(30)
+        order.append("chore ended")
+
+    chores.soon("file", slow)
+    assert started.wait(30)
+    forgetting = threading.Thread(target=lambda: (chores.forget("file"),
+                                                  order.append("forget returned")))
+    forgetting.start()
+    poll("forget to wait", lambda: chores.waiting("file"))
+    assert order == []  # the chore runs: forget waits for it
+    release.set()
+    forgetting.join(30)
+    assert order == ["chore ended", "forget returned"]
+
+
+def test_a_chore_that_fails_is_logged_and_the_thread_goes_on(caplog: Any) -> None:
+    chores = Chores("test-chores")
+    done: list[str] = []
+
+    def bad() -> None:
+        raise RuntimeError("a bug in a chore")
+
+    chores.soon("bad", bad)
+    chores.soon("good", lambda: done.append("good"), time.monotonic() + 0.02)
+    poll("the chore after the failed one", lambda: done == ["good"])
+    assert "a background write failed" in caplog.text and "a bug in a chore" in caplog.text
+
+
+def test_many_open_cassettes_and_status_records_share_one_thread(tmp_path: Path) -> None:
+    before = threading.active_count()
+    writers = [CassetteWriter(tmp_path / f"r{i}.jsonl", {"run": f"r_bg_{i}"}, KEY, "turn")
+               for i in range(40)]
+    records = [Progress(f"r_bg_{i}", {}, interval=0.01) for i in range(40)]
+    for i, (writer, progress) in enumerate(zip(writers, records, strict=True)):
+        model_line(writer, i)  # a group commit asked for, off this thread
+        progress.update(turn=1, step="model response 1")  # a write left to the background
+    assert len(background_threads()) == 1
+    assert threading.active_count() <= before + 1  # not one thread per run, or two
+    poll("every record's latest state", lambda: all(
+        (read_status(f"r_bg_{i}") or {}).get("turn") == 1 for i in range(40)))
+    poll("every group commit", lambda: not any(CHORES.waiting(w._group) for w in writers))
+    for writer in writers:
+        writer.close({"status": "completed"})
+    for progress in records:
+        progress.update(status="completed", ended=True, force=True)
+    ring = Keyring.of(KEY)
+    assert all(load(w.path, keyring=ring).verified for w in writers)
+
+
+def test_a_forked_child_records_with_a_background_thread_of_its_own(tmp_path: Path) -> None:
+    parent = CassetteWriter(tmp_path / "parent.jsonl", {"run": "r_parent"}, KEY, "turn")
+    model_line(parent, 0)  # the parent's thread is running
+    assert background_threads()
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's chores are not its own; its writes get done
+        code = 1
+        try:
+            child = CassetteWriter(tmp_path / "child.jsonl", {"run": "r_child"}, KEY, "turn")
+            model_line(child, 0)
+            poll("the child's group commit", lambda: not CHORES.waiting(child._group), 10)
+            progress = Progress("r_child", {}, interval=0.01)
+            progress.update(turn=7)
+            poll("the child's status record",
+                 lambda: (read_status("r_child") or {}).get("turn") == 7, 10)
+            child.close({"status": "completed"})
+            code = 0 if len(background_threads()) == 1 else 2
+        finally:
+            sys.stdout.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    parent.close({"status": "completed"})
+    assert load(tmp_path / "child.jsonl", keyring=Keyring.of(KEY)).end["status"] == "completed"
