@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.deja-installed
 BENCH_STAMP := $(VENV)/.deja-bench-installed
 
-.PHONY: demo check test stress bench lint clean chromium node postgres wheel
+.PHONY: demo check test stress bench lint clean chromium node postgres wheel bytecode
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11) and "deja needs Python 3.11+")'
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) bytecode
 	BIN=$(BIN) bash examples/demo.sh
 
 # The wheel a project installs deja from (dist/deja_replay-VERSION-py3-none-any.whl).
@@ -57,17 +57,24 @@ postgres:
 	  echo "installing Debian's postgresql for the durable-runs tests"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql; }
 
+# deja's own modules compiled ahead: the suite, the demo and the benchmarks start hundreds
+# of Python processes that import them, and where PYTHONDONTWRITEBYTECODE is set none of
+# them would keep what it compiled (half of deja's import time). Only what changed is
+# compiled again; a stale file is never used (Python checks each against its source).
+bytecode: $(STAMP)
+	$(BIN)/python -m compileall -q -x node_modules deja recorder replayer viewer tests examples bench >/dev/null
+
 # Lint and type check: quick, so the suite runs only on code that passes them.
 check: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/mypy
 
 # Two test processes, each taking whole files (a file's servers and ports stay together),
 # in the order tests/conftest.py collects them: the longest files first.
-test: $(STAMP) chromium node postgres check
+test: $(STAMP) chromium node postgres check bytecode
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # Long sweeps; the last writes the chaos table, docs/chaos.md (as root: full disks are tmpfs).
-stress: $(STAMP) node postgres
+stress: $(STAMP) node postgres bytecode
 	DEJA_CRASH_SEEDS=200 $(BIN)/python -m pytest tests/replayer/test_crash_resume.py
 	DEJA_WORKER_SEEDS=100 $(BIN)/python -m pytest tests/runs/test_worker_death.py
 	DEJA_TAMPER=full $(BIN)/python -m pytest tests/replayer/test_tamper.py
@@ -78,7 +85,7 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test,bench]'
 	touch $(BENCH_STAMP)
 
-bench: $(BENCH_STAMP) node postgres
+bench: $(BENCH_STAMP) node postgres bytecode
 	$(BIN)/python bench/run.py
 
 lint: $(STAMP)
@@ -86,3 +93,4 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) cassettes/demo .deja/index .pytest_cache dist
+	find deja recorder replayer viewer tests examples bench -name __pycache__ -prune -exec rm -rf {} +

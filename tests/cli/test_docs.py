@@ -231,14 +231,22 @@ def block_script(commands: list[tuple[str, list[str]]], marks: Path) -> str:
 def copy_repository(copy: Path) -> Path:
     """The repository as a fresh clone has it, at ``copy``: tracked and new files, nothing
     ignored; only the Node examples' dependencies, which `make node` installs, are linked
-    in, so a console block can run those agents."""
+    in, so a console block can run those agents, and the modules `make bytecode` compiled
+    are copied beside their sources (a cache: Python checks each against its source, whose
+    time the copy keeps, and compiles anew what differs)."""
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
                            capture_output=True, check=True).stdout.decode().split("\0")
+    folders = set()
     for name in filter(None, files):
         source = ROOT / name
         if source.is_file():
             (copy / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, copy / name)
+            folders.add(Path(name).parent)
+    for folder in folders:
+        if (ROOT / folder / "__pycache__").is_dir():
+            shutil.copytree(ROOT / folder / "__pycache__", copy / folder / "__pycache__",
+                            dirs_exist_ok=True)
     for example in ("node-agent", "mcp-node-agent"):
         node_modules = Path("examples") / example / "node_modules"
         if (ROOT / node_modules).is_dir() and (copy / node_modules).parent.is_dir():
