@@ -54,13 +54,26 @@ class Chores:
             if key in self._queued:
                 return
             n = next(self._order)
+            heapq.heappush(self._heap, (at, n, key))  # unfiled until the next line: skipped
             self._queued[key] = (n, chore)
-            heapq.heappush(self._heap, (at, n, key))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                self._thread.start()
+                self._start()
             elif self._heap[0][1] == n:  # due before anything the thread waits for
                 self._cond.notify()
+
+    def _start(self) -> None:
+        """Start the thread (the caller holds ``_cond``). When the process can start no
+        more threads, the chores wait: the next :meth:`soon` tries again, and what they
+        would have done is done by their owners at the end (a closing writer forces its
+        file, an ending run writes its record)."""
+        thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:
+            log.warning("deja: cannot start the background writer thread (%s); lines are "
+                        "forced to disk when their run ends", exc)
+            return
+        self._thread = thread
 
     def waiting(self, key: Hashable) -> bool:
         """Whether a chore of ``key`` is waiting or running."""
@@ -94,7 +107,7 @@ class Chores:
                 self._cond.release()
                 try:
                     chore()
-                except Exception:  # a chore keeps its own errors; this one is a bug
+                except BaseException:  # a chore keeps its own errors; this one is a bug
                     log.exception("deja: a background write failed")
                 finally:
                     self._cond.acquire()

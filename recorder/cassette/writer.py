@@ -155,7 +155,7 @@ class CassetteWriter:
         self._seq = 0
         self._size = 0
         self._group: _GroupSync | None = None
-        self.failed: CassetteWriteError | None = None
+        self._failed: CassetteWriteError | None = None
         self.closed = False
         line = {"format": FORMAT, "features": list(FEATURES),
                 **{k: v for k, v in header.items() if k not in ("format", "features")}}
@@ -213,7 +213,7 @@ class CassetteWriter:
         self._seq = len(cassette.observations)
         self._size = keep
         self._group = None
-        self.failed = None
+        self._failed = None
         self.closed = False
         self.header = cassette.header
         return self
@@ -234,6 +234,18 @@ class CassetteWriter:
             self._write(copy, sync=self.fsync is Fsync.SYNC)
             self._seq += 1
             return copy
+
+    @property
+    def failed(self) -> CassetteWriteError | None:
+        """What stopped this cassette: a write that failed, or a group commit whose fsync
+        did (then the file is cut back as for a failed write, and nothing more goes out)."""
+        group = self._group
+        if self._failed is None and group is not None and group.error is not None:
+            with self._lock, WHOLE:
+                if self._failed is None and not self.closed:
+                    with contextlib.suppress(CassetteWriteError):
+                        self._check_open()
+        return self._failed
 
     @property
     def next_seq(self) -> int:
@@ -281,9 +293,9 @@ class CassetteWriter:
     def close(self, end: dict[str, Any]) -> dict[str, Any]:
         """Write the ``end`` line, force everything to disk and close the file."""
         with self._lock, WHOLE:
+            self._stop_group()  # then its last pass's error, if any, refuses the end
             self._check_open()
             line = {"seq": self._seq, "kind": Kind.END.value, **end}
-            self._stop_group()
             try:
                 self._write(line, sync=True)
             except CassetteWriteError:
@@ -308,20 +320,24 @@ class CassetteWriter:
         self._writer_lock.release()
 
     def _check_open(self) -> None:
-        if self.failed is not None:
-            raise CassetteWriteError(f"{self.path}: an earlier write failed ({self.failed}); "
+        if self._failed is not None:
+            raise CassetteWriteError(f"{self.path}: an earlier write failed ({self._failed}); "
                                      "nothing more is written to this cassette",
                                      path=self.path)
         if self.closed:
             raise SessionError(f"cassette {self.path} is closed; nothing more can be appended")
         group = self._group
         if group is not None and group.error is not None:
-            self._fail(group.error, "forcing lines to disk")
+            if self._seq == 0:  # only the header was written, and it may not be on disk
+                self._size = 0
+            self._fail(group.error, "forcing to disk")
 
     def _stop_group(self) -> None:
+        """No group commit after this; one that failed is kept for :meth:`_check_open`."""
         if self._group is not None:
             self._group.stop()
-            self._group = None
+            if self._group.error is None:
+                self._group = None
 
     def _fail(self, exc: OSError, doing: str) -> None:
         """Cut the file back to its last whole line, refuse everything after, raise."""
@@ -339,7 +355,7 @@ class CassetteWriter:
                 f"stops here; the cassette keeps its {seq} whole observation line(s) and "
                 "still verifies. Free the disk (or fix its permissions), then `deja "
                 "resume` it", path=self.path, seq=seq)
-        self.failed = error
+        self._failed = error
         raise error
 
     def _write(self, line: dict[str, Any], *, sync: bool) -> None:

@@ -14,9 +14,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from recorder.background import CHORES, Chores
 from recorder.cassette import CassetteWriter, load
 from recorder.cassette.keys import Keyring
+from recorder.errors import CassetteWriteError
 from recorder.harness.progress import Progress, read_status
 
 KEY = b"test-key-0123456789abcdef"  # the DEJA_KEY that conftest sets for every test
@@ -143,3 +146,51 @@ def test_a_forked_child_records_with_a_background_thread_of_its_own(tmp_path: Pa
     assert os.waitstatus_to_exitcode(status) == 0
     parent.close({"status": "completed"})
     assert load(tmp_path / "child.jsonl", keyring=Keyring.of(KEY)).end["status"] == "completed"
+
+
+def failing_in_background(monkeypatch: Any) -> list[int]:
+    """``os.fsync`` failing (a disk that filled up under delayed allocation) when the
+    background thread calls it; the fds it was called with."""
+    real, calls = os.fsync, []
+
+    def fsync(fd: int) -> None:
+        if threading.current_thread().name == "deja-background":
+            calls.append(fd)
+            raise OSError(28, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return calls
+
+
+def test_a_header_the_group_commit_cannot_force_is_no_recording(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """Under fsync="turn" the header goes to disk with the group commit; when that fails,
+    nothing was recorded, as when the header's own write fails: the file is emptied (so
+    `deja record` removes it, exits 74, and a worker dispatches the run again), and the
+    next call is refused before it goes out."""
+    calls = failing_in_background(monkeypatch)
+    writer = CassetteWriter(tmp_path / "run.jsonl", {"run": "r_hdr"}, KEY, "turn")
+    poll("the group commit of the header", lambda: calls)
+    failed = poll("the writer to say it failed", lambda: writer.failed)
+    assert "its header failed" in str(failed) and "Nothing was recorded" in str(failed)
+    assert (tmp_path / "run.jsonl").stat().st_size == 0
+    with pytest.raises(CassetteWriteError, match="its header failed"):
+        model_line(writer, 0)
+    assert (tmp_path / "run.jsonl").stat().st_size == 0
+    writer.abandon()
+
+
+def test_a_failed_group_commit_refuses_the_end_line(tmp_path: Path, monkeypatch: Any) -> None:
+    """A pass that failed just before the run ends is not lost: the end line is refused
+    (a completed status would claim lines the disk may not have)."""
+    writer = CassetteWriter(tmp_path / "run.jsonl", {"run": "r_end"}, KEY, "turn")
+    poll("the header's group commit", lambda: not CHORES.waiting(writer._group))
+    calls = failing_in_background(monkeypatch)
+    model_line(writer, 0)
+    poll("the failed pass", lambda: calls and writer._group.error is not None)
+    with pytest.raises(CassetteWriteError, match="forcing to disk seq 1 failed"):
+        writer.close({"status": "completed"})
+    writer.abandon()
+    lines = (tmp_path / "run.jsonl").read_text().splitlines()
+    assert len(lines) == 2 and '"kind":"end"' not in lines[-1]
