@@ -7,6 +7,7 @@ one daemon thread per process; starting a run starts no thread of its own.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -122,30 +123,63 @@ def test_many_open_cassettes_and_status_records_share_one_thread(tmp_path: Path)
     assert all(load(w.path, keyring=ring).verified for w in writers)
 
 
+FORKED = """
+import os, sys, threading, time
+from pathlib import Path
+from recorder.background import CHORES
+from recorder.cassette import CassetteWriter, load
+from recorder.cassette.keys import Keyring
+from recorder.harness.progress import Progress, read_status
+
+KEY, d = %r, Path(sys.argv[1])
+
+def model_line(writer):
+    writer.append({"kind": "model", "provider": "anthropic", "fp": "f",
+                   "response": {"status": 200, "body": "a"}},
+                  request_body={"model": "m", "messages": []}, has_request=True)
+
+def poll(check):
+    deadline = time.monotonic() + 30
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+def threads():
+    return [t for t in threading.enumerate() if t.name == "deja-background"]
+
+parent = CassetteWriter(d / "parent.jsonl", {"run": "r_parent"}, KEY, "turn")
+model_line(parent)  # the parent's background thread runs
+assert threads()
+pid = os.fork()
+if pid == 0:  # the parent's chores are not the child's; the child's own get done
+    code = 1
+    try:
+        child = CassetteWriter(d / "child.jsonl", {"run": "r_child"}, KEY, "turn")
+        model_line(child)
+        poll(lambda: not CHORES.waiting(child._group))
+        progress = Progress("r_child", {}, interval=0.01)
+        progress.update(turn=7)
+        poll(lambda: (read_status("r_child") or {}).get("turn") == 7)
+        child.close({"status": "completed"})
+        code = 0 if len(threads()) == 1 else 2
+    finally:
+        os._exit(code)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+parent.close({"status": "completed"})
+ring = Keyring.of(KEY)
+assert load(d / "child.jsonl", keyring=ring).end["status"] == "completed"
+assert load(d / "parent.jsonl", keyring=ring).end["status"] == "completed"
+print("ok")
+"""
+
+
 def test_a_forked_child_records_with_a_background_thread_of_its_own(tmp_path: Path) -> None:
-    parent = CassetteWriter(tmp_path / "parent.jsonl", {"run": "r_parent"}, KEY, "turn")
-    model_line(parent, 0)  # the parent's thread is running
-    assert background_threads()
-    pid = os.fork()
-    if pid == 0:  # the child: the parent's chores are not its own; its writes get done
-        code = 1
-        try:
-            child = CassetteWriter(tmp_path / "child.jsonl", {"run": "r_child"}, KEY, "turn")
-            model_line(child, 0)
-            poll("the child's group commit", lambda: not CHORES.waiting(child._group), 10)
-            progress = Progress("r_child", {}, interval=0.01)
-            progress.update(turn=7)
-            poll("the child's status record",
-                 lambda: (read_status("r_child") or {}).get("turn") == 7, 10)
-            child.close({"status": "completed"})
-            code = 0 if len(background_threads()) == 1 else 2
-        finally:
-            sys.stdout.flush()
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    parent.close({"status": "completed"})
-    assert load(tmp_path / "child.jsonl", keyring=Keyring.of(KEY)).end["status"] == "completed"
+    """A process forked while the background thread runs (a warm fork server's program,
+    say) gets a thread of its own for its chores; the parent's stay the parent's."""
+    done = subprocess.run([sys.executable, "-c", FORKED % KEY, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 def failing_in_background(monkeypatch: Any) -> list[int]:
