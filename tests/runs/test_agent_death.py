@@ -125,8 +125,9 @@ class Rig:
                     cmdline = fh.read()
             except (OSError, ValueError, KeyError):
                 return None
-            return int(record["pid"]) if b"reconciliation.py" in cmdline and \
-                b"deja" not in cmdline else None
+            argv = cmdline.split(b"\0")  # the agent's, not its launcher's (`-m deja`)
+            return int(record["pid"]) if any(a.endswith(b"reconciliation.py") for a in argv) \
+                and b"deja" not in argv else None
         return int(self.wait("the agent's pid", probe, every=0.01))
 
     def launcher_pid(self, run_id: str) -> int:
@@ -144,7 +145,7 @@ class Rig:
                         cmdline = fh.read()
                 except (OSError, IndexError, ValueError):
                     continue
-                if ppid == self.worker.pid and b"deja" in cmdline and \
+                if ppid == self.worker.pid and b"deja" in cmdline.split(b"\0") and \
                         run_id.encode() in cmdline:  # type: ignore[union-attr]
                     return int(pid)
             return None
