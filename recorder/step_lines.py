@@ -28,6 +28,7 @@ from recorder.capture.exchange import (
     classify_texts,
     response_record,
     semantic_headers,
+    sent_digest,
 )
 from recorder.cassette.schema import Kind
 from recorder.errors import UnserializableValue
@@ -70,10 +71,12 @@ class StepLines:
 
     def classify(self, request: HttpRequest) -> tuple[str, str | None, Any]:
         if request.classified is None:
-            request.classified = classify_texts(
-                request.method, request.url,
-                request.original_body if request.original_body is not None else request.body,
-                self.redaction, self._requests)[:3]
+            data = request.original_body if request.original_body is not None else request.body
+            kind, provider, body, _, untouched = classify_texts(
+                request.method, request.url, data, self.redaction, self._requests)
+            request.classified = kind, provider, body
+            if kind == Kind.MODEL and untouched:
+                request.sent = sent_digest(data)
         return request.classified
 
     def exchange(self, request: HttpRequest, response: HttpResponse | None,
@@ -140,8 +143,11 @@ class StepLines:
         url = self._redacted_url(request.url)
         headers = self._request_headers(request.headers, provider if kind == Kind.MODEL else None)
         if kind == Kind.MODEL:
-            return {"kind": Kind.MODEL.value, "provider": provider, "url": url,
+            line = {"kind": Kind.MODEL.value, "provider": provider, "url": url,
                     "request_headers": headers}
+            if request.sent is not None:
+                line["sent"] = request.sent
+            return line
         return {"kind": Kind.HTTP.value, "method": request.method.upper(), "url": url,
                 "fp": fingerprint(Kind.HTTP, request.method, url, body),
                 "request": {"headers": headers, "body": body}}

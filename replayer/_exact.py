@@ -25,11 +25,14 @@ conversation's requests share their history, item for item, so each item is writ
 from __future__ import annotations
 
 import json
+import operator
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from recorder import providers
+from recorder.capture.exchange import sent_digest
 from recorder.cassette.lines import Head
 from recorder.cassette.schema import Kind
 
@@ -48,11 +51,13 @@ class _Texts:
     request, which a loaded cassette no longer holds restored."""
 
     LIMIT = 256
+    LISTS = 8  # lists whose text is kept whole, the most recent
 
     def __init__(self) -> None:
         self._new: dict[int, tuple[Any, str]] = {}
         self._old: dict[int, tuple[Any, str]] = {}
         self.limit = self.LIMIT
+        self._lists: deque[tuple[list[Any], str]] = deque(maxlen=self.LISTS)
 
     def of(self, value: Any) -> str:
         if not isinstance(value, (dict, list)):
@@ -70,16 +75,28 @@ class _Texts:
 
     def body(self, body: dict[str, Any]) -> str:
         """``body`` as compact JSON, each list member written item by item."""
-        of = self.of
         parts = []
         for key, value in body.items():
-            if isinstance(value, list):
-                self.limit = max(self.limit, 2 * len(value))
-                text = "[" + ",".join([of(item) for item in value]) + "]"
-            else:
-                text = of(value)
+            text = self.items(value) if isinstance(value, list) else self.of(value)
             parts.append(_ENCODE(key) + ":" + text)
         return "{" + ",".join(parts) + "}"
+
+    def items(self, value: list[Any]) -> str:
+        """The list ``value`` as compact JSON. A conversation's request holds the same
+        item objects as the one it extends, in the same places: the text of the longest
+        recent list that ``value`` starts with, object for object, is taken whole, and only
+        the items after it are written."""
+        self.limit = max(self.limit, 2 * len(value))
+        start, text = 0, "["
+        for known, known_text in self._lists:
+            n = len(known)
+            if start < n <= len(value) and all(map(operator.is_, value, known)):
+                start, text = n, known_text[:-1]
+        of = self.of
+        rest = ",".join([of(item) for item in value[start:]])
+        text = text + ("," if start and rest else "") + rest + "]"
+        self._lists.append((value, text))
+        return text
 
 
 class ExactBytes:
@@ -102,21 +119,41 @@ class ExactBytes:
         self._targets: dict[str, tuple[str, str | None] | None] = {}  # url -> (provider, path)
         self.hits = 0  # requests answered by their exact bytes
 
-    def fingerprint(self, method: str, url: str, body: bytes) -> str | None:
-        """The fingerprint of the request (``method``, ``url``, ``body``) when its bytes are
-        those of one of the next unused recorded model requests; None otherwise."""
+    def find(self, method: str, url: str, body: bytes) -> Head | None:
+        """The head of the next unused recorded model request whose bytes are those of the
+        request (``method``, ``url``, ``body``), None if there is none: a line that keeps
+        the digest of its request as sent is compared by it, without restoring the line;
+        any other by its request written again."""
         if method.upper() != "POST" or body[:1] != b"{":
             return None
         target = self._target(url)
         if target is None:
             return None
+        digest = None
         for head in self._ahead():
-            obs = self._lines[head.seq]
-            if (obs.get("provider") == target[0] and _path(obs.get("url")) == target[1]
-                    and self._sent(head.seq) == body):
+            if head.sent is not None:
+                if digest is None:
+                    digest = sent_digest(body)
+                if head.sent != digest:
+                    continue
+                provider, recorded = self._where(head.seq)
+            else:
+                obs = self._lines[head.seq]
+                provider, recorded = obs.get("provider"), obs.get("url")
+                if self._sent(head.seq) != body:
+                    continue
+            if provider == target[0] and _path(recorded) == target[1]:
                 self.hits += 1
-                return str(head.fp)
+                return head
         return None
+
+    def _where(self, seq: int) -> tuple[str | None, Any]:
+        """The provider and URL of model line ``seq``, restored."""
+        target = getattr(self._lines, "target", None)
+        if target is not None:
+            return cast(tuple[str | None, Any], target(seq))
+        obs = self._lines[seq]
+        return obs.get("provider"), obs.get("url")
 
     def _ahead(self) -> list[Head]:
         """The next :attr:`AHEAD` model lines a call may take, in recorded order."""

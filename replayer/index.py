@@ -134,13 +134,17 @@ class Index:
     def _read(self, seqs: Iterable[int]) -> list[Mapping[str, Any]]:
         return [self._lines[seq] for seq in seqs]
 
-    def take(self, key: tuple[str, str]) -> Mapping[str, Any] | None:
-        """The first unused observation of ``key``, marked used (None: none is left)."""
+    def take(self, key: tuple[str, str], *, served: bool = False) -> Mapping[str, Any] | None:
+        """The first unused observation of ``key``, marked used (None: none is left);
+        ``served``: only what serving it reads, when the lines are a loaded cassette's
+        (:meth:`~recorder.cassette.lines.Lines.served`)."""
         with self._lock:
             seq = self._next_unused(key, self._recorded.get(key))
             if seq is None:
                 return None
             self._use(seq)
+        if served and isinstance(self._lines, Lines):
+            return self._lines.served(seq)
         return self._lines[seq]
 
     def _use(self, seq: int) -> None:

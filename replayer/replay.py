@@ -337,16 +337,18 @@ class ReplaySession(session.Session, Source, mcp.McpSeam, mcp.McpSource):
         raise cls(f"{message} [replayed from seq {stop['seq']}]", reason=detail.get("reason"),
                   detail=detail)
 
-    def match_http(self, request: HttpRequest) -> Mapping[str, Any]:
-        """The recorded observation that answers ``request``; a Divergence if none does."""
+    def match_http(self, request: HttpRequest, *, served: bool = False) -> Mapping[str, Any]:
+        """The recorded observation that answers ``request``; a Divergence if none does.
+        ``served``: only to serve its response (a request sent as recorded, byte for
+        byte, gets its line as :meth:`~recorder.cassette.lines.Lines.served` restores it)."""
         self.raise_recorded_stop()
-        fp = self.exact_bytes.fingerprint(request.method, request.url, request.body)
-        obs = self.index.take(("net", fp)) if fp is not None else None
+        head = self.exact_bytes.find(request.method, request.url, request.body)
+        obs = self.index.take(("net", str(head.fp)), served=served) if head is not None else None
         if obs is not None:
             self.tally.exact()
             self._tick()
             return obs
-        kind, provider, body, texts = classify_texts(request.method, request.url,
+        kind, provider, body, texts, _ = classify_texts(request.method, request.url,
                                                      request.body, self.redaction,
                                                      self._requests)
         url = self.redaction.url(request.url)
@@ -387,7 +389,7 @@ class ReplaySession(session.Session, Source, mcp.McpSeam, mcp.McpSource):
         return served
 
     def begin_http(self, request: HttpRequest) -> HttpResponse | None:
-        return self.response_of(self.match_http(request))
+        return self.response_of(self.match_http(request, served=True))
 
     def end_http(self, request: HttpRequest, response: HttpResponse | None,
                  timing: session.Timing, error: BaseException | None = None) -> None:

@@ -10,9 +10,11 @@ form.
 
 from __future__ import annotations
 
+import base64
 import bisect
 import collections
 import functools
+import hashlib
 import json
 import re
 import threading
@@ -37,7 +39,8 @@ from recorder.providers import volatile_header
 
 __all__ = ["RETRYABLE_STATUSES", "History", "HttpRequest", "HttpResponse", "RequestReader",
            "classify", "classify_texts", "json_body", "pretty", "request_fingerprint",
-           "response_from_record", "response_record", "semantic_headers", "upstream"]
+           "response_from_record", "response_record", "semantic_headers", "sent_digest",
+           "upstream"]
 
 # Statuses after which the SDKs retry; on replay their wait is cut to nothing.
 RETRYABLE_STATUSES = frozenset({408, 409, 429}) | frozenset(range(500, 600))
@@ -52,6 +55,9 @@ class HttpRequest:
     original_body: bytes | None = None  # set when a guard rewrote the body (clamping)
     # (kind, provider, body) once classified, so that recording does it once per exchange
     classified: tuple[str, str | None, Any] | None = field(default=None, repr=False)
+    # the digest of the body as sent (:func:`sent_digest`), for a model request that
+    # redaction left as it was; set with ``classified``
+    sent: str | None = field(default=None, repr=False)
 
     @property
     def parts(self):
@@ -361,11 +367,11 @@ def classify(method: str, url: str, data: bytes,
 
 def classify_texts(method: str, url: str, data: bytes, redaction: Redaction,
                    reader: RequestReader | None = None
-                   ) -> tuple[str, str | None, Any, Texts | None]:
-    """:func:`classify`, and the exact text of a model request's parts as the body holds
+                   ) -> tuple[str, str | None, Any, Texts | None, bool]:
+    """:func:`classify`, the exact text of a model request's parts as the body holds
     them (None when there are none, or when configured redaction changed the parsed body
-    since), for an incremental fingerprint; ``reader`` parses a model request from where
-    it stops repeating a recent one."""
+    since), for an incremental fingerprint, and whether redaction left the body as sent;
+    ``reader`` parses a model request from where it stops repeating a recent one."""
     seam = providers.for_url(method, url)
     provider = seam.name if seam is not None else None
     clean = redaction.data(data, remember=True)
@@ -381,11 +387,20 @@ def classify_texts(method: str, url: str, data: bytes, redaction: Redaction,
                 f"{problem}; deja stores a model request as JSON and cannot record this one "
                 "faithfully. Nothing of it was written; fix the value the agent sends")
         text, encoding = encode_body(clean)
-        return Kind.HTTP.value, provider, {"text": text, "body_encoding": encoding or "text"}, None
+        return (Kind.HTTP.value, provider, {"text": text, "body_encoding": encoding or "text"},
+                None, clean == data)
     redacted = redaction.body(body)
     if redacted is not body:
         texts = None
-    return (Kind.MODEL.value if provider else Kind.HTTP.value), provider, redacted, texts
+    return ((Kind.MODEL.value if provider else Kind.HTTP.value), provider, redacted, texts,
+            redacted is body and clean == data)
+
+
+def sent_digest(data: bytes) -> str:
+    """The digest a model line keeps of its request's bytes as the agent sent them: a
+    replay knows a request sent again byte for byte by it (BLAKE2b, 128 bits, base64url)."""
+    return base64.urlsafe_b64encode(hashlib.blake2b(data, digest_size=16).digest()
+                                    ).rstrip(b"=").decode("ascii")
 
 
 def response_record(resp: HttpResponse, redaction: Redaction) -> dict[str, Any]:

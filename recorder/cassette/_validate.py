@@ -138,7 +138,7 @@ _REQUIRED: dict[str, _Fields] = {
 }
 _OPTIONAL_BY_KIND: dict[str, _Fields] = {
     Kind.MODEL: {"url": (str, int), "request_headers": (list, int), "provider": (str,),
-                 "response": (dict,), "like": (int,)},
+                 "response": (dict,), "like": (int,), "sent": (str,)},
     Kind.HTTP: {"response": (dict,)},
     Kind.TOOL: {"observed": (str,), "call_id": (str,), "is_error": (bool,), "mcp": (dict,)},
     Kind.MCP: {"params": (dict,)},

@@ -93,7 +93,7 @@ class Compactor:
             obs["request_headers"] = req[0]
         response = obs.get("response")
         if response is not None:
-            if response.get("reason") == _phrase(response["status"]):
+            if response.get("reason") == phrase(response["status"]):
                 response = {k: v for k, v in response.items() if k != "reason"}
             if response.get("encoding") is None:
                 doc = _exact_json(response["body"])
@@ -150,7 +150,7 @@ def _edited(response: dict[str, Any], bases: list[tuple[int, list[list[str]]]]
     return {**response, "headers_base": best[1], "headers": best[2]}
 
 
-def _phrase(status: int) -> str:
+def phrase(status: int) -> str:
     return http.client.responses.get(status, "")
 
 
@@ -208,7 +208,7 @@ def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]] | Any, req
         if "body_json" in response:
             doc = response.pop("body_json")
             response["body"] = json_text(doc)
-        response.setdefault("reason", _phrase(response.get("status", 0)))
+        response.setdefault("reason", phrase(response.get("status", 0)))
         base = response.pop("headers_base", None)
         if base is not None:
             response["headers"] = based(response["headers"],

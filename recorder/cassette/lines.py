@@ -36,6 +36,7 @@ PIN_EVERY = 64  # model lines between the headers kept for good (see the module)
 _CACHED = 32  # requests, answers and headers kept after they were restored
 _LINES_CACHED = 8  # whole lines kept after they were restored (a call reads its own again)
 _KINDS = {kind.value: kind for kind in Kind}
+_NONE = object()
 _FAULTS = (KeyError, IndexError, TypeError, ValueError, AttributeError, RecursionError)
 
 
@@ -51,6 +52,7 @@ class Head(NamedTuple):
     event: str | None = None  # a control line's
     intent: int | None = None  # an outcome's
     site: Any = None  # an effect's call site
+    sent: str | None = None  # a model line's digest of its request's bytes as sent
 
 
 def head_of(line: Mapping[str, Any], fp: str | None = None) -> Head:
@@ -62,7 +64,8 @@ def head_of(line: Mapping[str, Any], fp: str | None = None) -> Head:
     return tuple.__new__(Head, (
         line["seq"], _KINDS.get(kind, kind), fp if fp is not None else get("fp"),
         sys.intern(name) if isinstance(name, str) else name, get("within"), "observed" in line,
-        sys.intern(event) if isinstance(event, str) else event, get("intent"), get("site")))
+        sys.intern(event) if isinstance(event, str) else event, get("intent"), get("site"),
+        get("sent")))
 
 
 class _Recent(dict[int, Any]):
@@ -97,16 +100,20 @@ class Store:
         self.heads: list[Head] = []
         self.urls: list[str | None] = []  # a model line's URL, restored
         self.request_headers: list[Any] = []  # and its request headers
+        self.providers: list[str | None] = []  # and the name of its provider
         self.shapes: dict[int, _shape.Shape] = {}  # seq -> the reply shape it holds inline
         self.models = 0  # model lines read
         self._lines = _Recent(size=_LINES_CACHED)
         self._requests = _Recent()
         self._replies = _Recent()
+        self._docs = _Recent(size=_LINES_CACHED)  # seq -> a restored line's answer, parsed
         self._pinned: set[int] = set()  # model lines whose headers are kept for good
         self._headers = _Recent(self._pinned)
 
-    def add(self, head: Head, url: str | None = None, request_headers: Any = None) -> None:
-        """The next line's head (a model line's with its URL and request headers)."""
+    def add(self, head: Head, url: str | None = None, request_headers: Any = None,
+            provider: str | None = None) -> None:
+        """The next line's head (a model line's with its URL, request headers and
+        provider)."""
         if head.kind == Kind.MODEL:
             if self.models % PIN_EVERY < compact.HEADER_BASES:
                 self._pinned.add(head.seq)
@@ -114,6 +121,7 @@ class Store:
         self.heads.append(head)
         self.urls.append(url)
         self.request_headers.append(request_headers)
+        self.providers.append(provider)
 
     def parsed(self, seq: int) -> dict[str, Any]:
         """Line ``seq`` parsed again, without its ``sig``: load checked its bytes, which
@@ -131,10 +139,50 @@ class Store:
         line = self.parsed(seq)
         if line.get("kind") == Kind.MODEL:
             try:
-                compact.expand(line, _Earlier(self), self.request(seq), fp=self.heads[seq].fp)
+                response = line.get("response")
+                doc = response.get("body_json", _NONE) if isinstance(response, dict) else _NONE
+                compact.expand(line, _Earlier(self), self.request(seq, line.get("request")),
+                               fp=self.heads[seq].fp)
             except _FAULTS as exc:
                 raise self.broken(seq, exc) from None
+            # what the next line reads of this one, kept so it is not parsed again: its
+            # response headers (the next one's base) and its answer's JSON (resent)
+            if isinstance(response, dict) and isinstance(response.get("headers"), list):
+                self._headers.keep(seq, response["headers"])
+            if doc is not _NONE:
+                self._docs.keep(seq, doc)
         return cast(Observation, self._lines.keep(seq, line))
+
+    def served(self, seq: int) -> Observation:
+        """Line ``seq`` as a replay serves it: a model line's response restored (its body
+        and headers), without its request or what the reader derives from the two (usage,
+        model ...), which serving does not read; any other line whole. A line restored
+        whole already is that line."""
+        found = self._lines.get(seq)
+        if found is not None:
+            return cast(Observation, found)
+        line = self.parsed(seq)
+        if line.get("kind") != Kind.MODEL:
+            return cast(Observation, self._lines.keep(seq, line))
+        out: dict[str, Any] = {"seq": line["seq"], "kind": line["kind"]}
+        if "error" in line:
+            out["error"] = line["error"]
+        response = line.get("response")
+        if not isinstance(response, dict):
+            return cast(Observation, out)
+        try:
+            headers = self.response_headers(seq, line)
+            response.pop("headers_base", None)
+            response["headers"] = headers
+            if "body_json" in response:
+                doc = response.pop("body_json")
+                response["body"] = compact.json_text(doc)
+                self._docs.keep(seq, doc)
+            response.setdefault("reason", compact.phrase(response.get("status", 0)))
+        except _FAULTS as exc:
+            raise self.broken(seq, exc) from None
+        out["response"] = response
+        return cast(Observation, out)
 
     def broken(self, seq: int, exc: BaseException) -> CorruptCassette:
         return CorruptCassette(f"{self.path}: seq {seq}: it refers to an earlier line that is "
@@ -146,8 +194,9 @@ class Store:
                 or self.heads[seq].kind != Kind.MODEL:
             raise KeyError(seq)
 
-    def request(self, seq: int) -> Any:
-        """The full request of model line ``seq``: the requests it extends, back to one
+    def request(self, seq: int, stored: Any = None) -> Any:
+        """The full request of model line ``seq`` (``stored``: its request as the line
+        stores it, when the line is parsed already): the requests it extends, back to one
         that is known or stored whole, rebuilt forwards (no recursion)."""
         known = self._requests.find(seq)
         if known is not None:
@@ -157,7 +206,8 @@ class Store:
         at = seq
         while True:
             self.require_model(at)
-            stored = self.parsed(at)["request"]
+            if at != seq or not isinstance(stored, dict):
+                stored = self.parsed(at)["request"]
             chain.append((at, stored))
             base = stored.get("base") if "body" not in stored else None
             if base is None:
@@ -182,9 +232,13 @@ class Store:
         if seq in self._replies:
             return cast(list[Any] | None, self._replies[seq])
         self.require_model(seq)
-        response = self.parsed(seq).get("response")
-        if isinstance(response, dict) and "body_json" in response:
-            items = providers.replied(response["body_json"])
+        doc = self._docs.get(seq, _NONE)
+        if doc is _NONE and seq not in self._lines:  # else restored: its answer is not JSON
+            response = self.parsed(seq).get("response")
+            if isinstance(response, dict) and "body_json" in response:
+                doc = response["body_json"]
+        if doc is not _NONE:
+            items = providers.replied(doc)
         else:  # a stream, or a body kept as text: read from the restored line
             items = compact.reply_items(self.line(seq))
         return cast(list[Any] | None, self._replies.keep(seq, items))
@@ -193,13 +247,14 @@ class Store:
     def replies(self) -> Replies:
         return Replies(self)
 
-    def response_headers(self, seq: int) -> Any:
-        """The response headers of model line ``seq``, restored: the edits it stores
-        applied to its base's, back to a line that is known or stores them whole."""
+    def response_headers(self, seq: int, parsed: dict[str, Any] | None = None) -> Any:
+        """The response headers of model line ``seq`` (``parsed``: the line, parsed
+        already), restored: the edits it stores applied to its base's, back to a line that
+        is known or stores them whole."""
         chain: list[tuple[int, Any]] = []
         at, value = seq, self._headers.find(seq)
         while value is None:
-            stored, base = self._stored_headers(at)
+            stored, base = self._stored_headers(at, parsed if at == seq else None)
             if base is None:
                 value = self._headers.keep(at, stored)
                 break
@@ -209,10 +264,12 @@ class Store:
             value = self._headers.keep(at, compact.based(stored, value))
         return value
 
-    def _stored_headers(self, seq: int) -> tuple[Any, int | None]:
-        """Line ``seq``'s response headers as stored, and the line they are based on."""
+    def _stored_headers(self, seq: int, line: dict[str, Any] | None = None
+                        ) -> tuple[Any, int | None]:
+        """Line ``seq``'s response headers as stored (``line``: the line, parsed already),
+        and the line they are based on."""
         self.require_model(seq)
-        line = self.parsed(seq)
+        line = self.parsed(seq) if line is None else line
         response = line["response"]
         base = line["like"] if line.get("like") is not None else response.get("headers_base")
         if base is not None:
@@ -291,6 +348,14 @@ class Lines(Sequence[Observation]):
     def __iter__(self) -> Iterator[Observation]:
         for seq in range(len(self)):
             yield self._store.line(seq)
+
+    def served(self, seq: int) -> Observation:
+        """Line ``seq`` as a replay serves it (:meth:`Store.served`)."""
+        return self._store.served(seq)
+
+    def target(self, seq: int) -> tuple[str | None, str | None]:
+        """The provider and URL of model line ``seq``, restored."""
+        return self._store.providers[seq], self._store.urls[seq]
 
     def __eq__(self, other: object) -> bool:
         """The same lines as ``other`` (these lines or any sequence of lines), in order."""
@@ -452,4 +517,4 @@ class Reading:
             reply = providers.replied(response["body_json"])
             if reply is not None:
                 self.replies.put(seq, reply)
-        store.add(head_of(line, fp), url, headers)
+        store.add(head_of(line, fp), url, headers, provider.name)

@@ -28,12 +28,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from recorder.cassette import Cassette
+from recorder.cassette.lines import Lines
 from recorder.cassette.reader import peek_header
 from recorder.cassette.schema import (
     Control,
     Kind,
     StepTotals,
-    control_event,
     error_of,
     totals_of,
 )
@@ -133,12 +133,17 @@ def live_from(cassette: Cassette) -> int:
     parent = cassette.header.get("parent")
     if isinstance(parent, dict) and isinstance(parent.get("step"), int):
         start = parent["step"] + (0 if parent.get("mode") == "then_live" else 1)
-    for obs in cassette.observations:
-        event = control_event(obs)
+    steps = cassette.observations
+    # a loaded cassette's heads say each line's kind and event, without restoring it
+    found = ((h.seq, h.kind, h.event) for h in steps.heads) if isinstance(steps, Lines) \
+        else ((o["seq"], o.get("kind"), o.get("event")) for o in steps)
+    for seq, kind, event in found:
+        if kind != Kind.CONTROL:
+            continue
         if event == Control.FORK_EDIT:
-            start = max(start, obs["seq"] + 1)
+            start = max(start, seq + 1)
         elif event == Control.RESUMED:
-            start = max(start, obs["seq"])
+            start = max(start, seq)
     return start
 
 

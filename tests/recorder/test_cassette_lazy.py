@@ -90,3 +90,28 @@ def test_lines_read_in_any_order_are_the_lines_in_order(recorded: Path) -> None:
     written = [json.loads(raw)["sig"] for raw in recorded.read_bytes().splitlines()]
     assert list(backwards.sigs) == written
     assert backwards.replies.get(0) is not None  # the answer seq 1 resends
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_reading_the_lines_in_order_parses_each_line_once(
+        stub: Callable[[dict[str, Any]], Any], tmp_path: Path, stream: bool) -> None:
+    """A replay reads a line, the request it extends, the answer it resends and the
+    response headers it edits: each is kept from the line read before, none parsed again."""
+    path = tmp_path / "run.jsonl"
+    with recorder.record(path):
+        messages_agent(stub(script(TURNS)).url, stream=stream)
+    cassette = load(path, require_signature=True)
+    store = cassette.observations._store
+    parsed: list[int] = []
+    parse = store.parsed
+
+    def counting(seq: int) -> dict[str, Any]:
+        parsed.append(seq)
+        return parse(seq)
+
+    store.parsed = counting  # type: ignore[method-assign]
+    restored = [dict(line) for line in cassette.observations]
+    assert parsed == list(range(TURNS))
+    again = load(path, require_signature=True)
+    assert restored == [dict(again.observations[seq]) for seq in reversed(range(TURNS))][::-1]
+    assert all(line["request"].get("base") == line["seq"] - 1 for line in restored[1:])

@@ -7,6 +7,7 @@ replays; ``exact_bytes.hits`` counts the calls answered by their bytes alone.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,8 @@ from record_replay_helpers import sync_client
 import recorder
 import replayer
 from replayer.verdicts import Change
+from tests.recorder.test_cassette_size import KEY
+from tests.tamper import join, resign
 
 
 def _converse(url: str, first: dict[str, Any], *, stream: bool = False) -> list[str]:
@@ -42,8 +45,9 @@ def _converse(url: str, first: dict[str, Any], *, stream: bool = False) -> list[
 
 def _record(stub, path: Path, first: dict[str, Any], **kwargs: Any) -> tuple[str, list[str]]:
     server = stub({"turns": [{"text": "first answer"}, {"text": "second answer"}]})
+    stream = kwargs.pop("stream", False)
     with recorder.record(path, **kwargs):
-        texts = _converse(server.url, first, stream=kwargs.pop("stream", False))
+        texts = _converse(server.url, first, stream=stream)
     server.stop()
     return server.url, texts
 
@@ -116,6 +120,8 @@ def test_a_request_redaction_changed_is_never_matched_by_its_bytes(stub,
     url, recorded = _record(stub, path, first, redact_patterns=(r"u-7f3a-\w+",))
     lines = path.read_bytes().split(b"\n", 1)[1]  # the header names the pattern
     assert b"u-7f3a-SECRET" not in lines and b"[redacted]" in lines
+    # no digest of bytes that held a secret (a guess at the secret could be checked by it)
+    assert [("sent" in json.loads(raw)) for raw in lines.splitlines()[:-1]] == [False, False]
     # The agent sends the secret again: read, redacted as recorded, and matched exactly.
     with replayer.replay(path) as session:
         assert _converse(url, first) == recorded
@@ -126,3 +132,79 @@ def test_a_request_redaction_changed_is_never_matched_by_its_bytes(stub,
         _converse(url, {"role": "user", "content": "user [redacted] asks"})
     assert session.exact_bytes.hits == 0
     assert session.result is not None and session.result.identical
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_sent_again_is_known_by_its_digest_and_its_request_is_not_restored(
+        stub, tmp_path: Path, stream: bool) -> None:
+    """Each model line keeps the digest of its request's bytes as sent; a replay finds the
+    line by it and serves the response alone, without rebuilding the request (nor, for a
+    stream, assembling the answer the next request resends)."""
+    path = tmp_path / "run.jsonl"
+    url, recorded = _record(stub, path, USER, stream=stream)
+    lines = [json.loads(raw) for raw in path.read_bytes().splitlines()[1:-1]]
+    assert [line["kind"] for line in lines] == ["model", "model"]
+    assert all(len(line["sent"]) == 22 for line in lines)
+    with replayer.replay(path) as session:
+        store = session.cassette.observations._store
+        rebuilt: list[int] = []
+        request = store.request
+
+        def counting(seq: int, stored: Any = None) -> Any:
+            rebuilt.append(seq)
+            return request(seq, stored)
+
+        store.request = counting
+        assert _converse(url, USER, stream=stream) == recorded
+        assert rebuilt == []
+    assert session.exact_bytes.hits == 2
+    assert session.result is not None and session.result.identical
+    assert session.result.grades["exact"] == 2
+    # read whole afterwards, the lines are the lines: served ones were not kept half-restored
+    assert [line["stream"] for line in session.cassette.observations] == [stream] * 2
+
+
+def test_a_line_without_a_digest_is_matched_by_its_request_written_again(
+        stub, tmp_path: Path) -> None:
+    """A cassette whose lines keep no digest (written before lines had one) is matched by
+    each request written again as the SDK writes it, as before."""
+    path = tmp_path / "run.jsonl"
+    url, recorded = _record(stub, path, USER)
+    docs = [json.loads(raw) for raw in path.read_bytes().splitlines()]
+    for doc in docs:
+        doc.pop("sent", None)
+    old = tmp_path / "old.jsonl"
+    old.write_bytes(join(resign(docs, KEY)))
+    with replayer.replay(old) as session:
+        assert _converse(url, USER) == recorded
+    assert session.exact_bytes.hits == 2
+    assert session.result is not None and session.result.identical
+
+
+def test_a_conversations_requests_are_written_once_item_by_item() -> None:
+    """Each request of a conversation holds the items of the one before, object for object:
+    only the items it adds are written, and every text is the body's compact JSON."""
+    from replayer._exact import _ENCODE, _Texts
+
+    written: list[Any] = []
+
+    class Counting(_Texts):
+        def of(self, value: Any) -> str:
+            written.append(value)
+            return super().of(value)
+
+    texts = Counting()
+    messages: list[Any] = [{"role": "user", "content": "hi"}]
+    for turn in range(30):
+        messages = [*messages, {"role": "assistant", "content": [{"type": "text",
+                                                                  "text": f"a{turn}"}]},
+                    {"role": "user", "content": f"q{turn}"}]
+        body = {"model": MODEL, "max_tokens": 32, "messages": messages}
+        assert texts.body(body) == _ENCODE(body)
+    items = [value for value in written if isinstance(value, dict)]
+    assert len(items) == 1 + 2 * 30  # each message once, not once per request holding it
+
+    # the same items, equal but not the same objects (keys in another order): written anew
+    reordered = [{"content": m["content"], "role": m["role"]} for m in messages]
+    body = {"model": MODEL, "max_tokens": 32, "messages": reordered}
+    assert texts.body(body) == _ENCODE(body) != _ENCODE({**body, "messages": messages})
