@@ -23,7 +23,7 @@ _CLASSES: dict[tuple[str, str], type] = {}
 
 def _request(real: Any, body: bytes) -> HttpRequest:
     return HttpRequest(method=real.method, url=str(real.url),
-                       headers=[(k, v) for k, v in real.headers.multi_items()], body=body)
+                       headers=real.headers.multi_items(), body=body)  # a new list each call
 
 
 def _response_meta(real: Any) -> HttpResponse:

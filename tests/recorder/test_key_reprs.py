@@ -72,8 +72,9 @@ def test_a_showlocals_traceback_shows_no_key(pytester: pytest.Pytester) -> None:
                                               keyring=load_keyring())
             assert (rec, plan) is None
     ''')
-    result = pytester.runpytest_subprocess("--showlocals", "--tb=long", "-p",
-                                           "no:cacheprovider")
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    result = pytester.runpytest_inprocess("--showlocals", "--tb=long", "-p",
+                                          "no:cacheprovider")
     result.assert_outcomes(failed=3)
     out = result.stdout.str() + result.stderr.str()
     assert "<key k_" in out and "Keyring(signing=k_" in out  # the locals were shown

@@ -298,7 +298,7 @@ def test_the_marker_adds_to_the_projects_rules(pytester: pytest.Pytester,
             monkeypatch.setenv("TODAY", "2030-01-31")
             runpy.run_path({str(project / "agent.py")!r})
     """))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
 
 

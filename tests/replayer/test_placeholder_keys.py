@@ -129,7 +129,7 @@ def test_the_pytest_plugin_replays_without_a_key_and_names_an_early_failure(
             mp.delenv(var, raising=False)
         for name, value in env.items():
             mp.setenv(name, value)
-        result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+        result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     out = result.stdout.str()
     assert "RuntimeError: the fixture data is missing" in out, out

@@ -97,7 +97,7 @@ def test_the_marker_carries_the_policy_into_a_test(pytester: pytest.Pytester,
             ask()
     """))
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*test_strict*", "*nearest recorded request: step 0, "
                                  "which differs in metadata, system"])

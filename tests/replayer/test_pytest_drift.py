@@ -3,8 +3,9 @@
 answers differ from the cassette's in a ``deja drift`` section, and writes no cassette.
 
 Each test writes the count agent and a marked test of it into a pytester folder, with a
-cassette recorded once for the module by the plugin itself, and runs pytest on it in a
-subprocess against the stub model on 127.0.0.1.
+cassette recorded once for the module by the plugin itself, and runs pytest on it in
+process (pytester's own run: a session of its own, its modules let go after) against the
+stub model on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def cassette(pytester: pytest.Pytester, recorded_once: Path) -> Path:
 
 
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", *args)
 
 
 def dry_run(pytester: pytest.Pytester, cassette: Path, monkeypatch: pytest.MonkeyPatch,

@@ -56,7 +56,7 @@ def test_a_marked_test_that_diverges_fails(pytester: pytest.Pytester) -> None:
             retry_spiral.main()
     """)
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*replay of r_*DIVERGED*",
                                  "*divergence: step 4 (model): the run ended before*"])
@@ -80,7 +80,7 @@ def _unverified_project(pytester: pytest.Pytester, marker_kwargs: str = "") -> N
 def test_a_cassette_this_machine_cannot_verify_fails_the_test(
         pytester: pytest.Pytester) -> None:
     _unverified_project(pytester)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*UnverifiedCassette*not one of this machine's keys*"])
 
@@ -92,7 +92,7 @@ def test_unverified_replay_when_allowed_is_listed_at_the_end(
     if how == "env":
         monkeypatch.setenv("DEJA_ALLOW_UNVERIFIED", "1")
     args = ["-p", "no:cacheprovider", *(["--deja-allow-unverified"] if how == "flag" else [])]
-    result = pytester.runpytest_subprocess(*args)
+    result = pytester.runpytest_inprocess(*args)
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*deja: cassettes replayed NOT VERIFIED*",
                                  "*test_incident: NOT VERIFIED: it is signed with key*",
@@ -118,7 +118,7 @@ def _agent_project(pytester: pytest.Pytester, marker_kwargs: str = "") -> Path:
 
 
 def _pytest(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", *args)
 
 
 @pytest.fixture

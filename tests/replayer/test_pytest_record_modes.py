@@ -1,7 +1,8 @@
 """The pytest plugin's record modes, its deja_config fixture and the network it blocks.
 
 Each test writes a small project (the count agent and a marked test of it) and runs pytest
-on it in a subprocess, against the stub model on 127.0.0.1 when it records.
+on it in process (pytester's own run: a session of its own, its modules let go after),
+against the stub model on 127.0.0.1 when it records.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def project(pytester: pytest.Pytester, marker_kwargs: str = "") -> Path:
 
 
 def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+    return pytester.runpytest_inprocess("-p", "no:cacheprovider", *args)
 
 
 def header(cassette: Path) -> dict:

@@ -213,7 +213,7 @@ def test_the_pytest_marker_makes_a_case_of_each_incident(
             runpy.run_path({str(recorded / "fixed.py")!r}, run_name="__main__")
     """)
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-v")
     # the agent as recorded: the incident that crashed still crashes; the fix diverges
     # from the two recordings whose calls it changes
     result.assert_outcomes(passed=5, failed=3)

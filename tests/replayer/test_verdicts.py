@@ -266,7 +266,7 @@ def test_a_failing_pytest_test_shows_the_kind_and_the_counts(pytester: pytest.Py
             agent(OFFLINE, "reordered")
     """))
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*test_reordered*", "*: DIVERGED",
                                  "*calls:      3 exact, 1 diverged (reordered: 1)",
