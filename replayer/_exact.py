@@ -1,6 +1,11 @@
 """The exact-bytes shortcut of a replay: a model request whose bytes are exactly those of a
 recorded request is that request, and its fingerprint is the recorded one.
 
+A model line keeps the digest of its request's bytes as sent (``sent``, none when
+redaction changed them): a request whose digest is that line's is that request, and the
+line is found without restoring it. The rest of this describes lines without one (a
+cassette written before lines had it, a request redaction changed).
+
 Matching a request normally reads it: redaction, a JSON parse, then its fingerprint
 (:func:`recorder.capture.exchange.classify_texts`). An agent replayed against its own
 recording mostly sends the very bytes it sent then, and its SDK writes a request body as
@@ -88,7 +93,7 @@ class _Texts:
         the items after it are written."""
         self.limit = max(self.limit, 2 * len(value))
         start, text = 0, "["
-        for known, known_text in self._lists:
+        for known, known_text in tuple(self._lists):  # another thread may append
             n = len(known)
             if start < n <= len(value) and all(map(operator.is_, value, known)):
                 start, text = n, known_text[:-1]

@@ -54,6 +54,7 @@ from recorder.errors import (
     BudgetExhausted,
     Cancelled,
     CircuitOpen,
+    CorruptCassette,
     Divergence,
     DivergenceInfo,
     LoopDetected,
@@ -378,14 +379,20 @@ class ReplaySession(session.Session, Source, mcp.McpSeam, mcp.McpSource):
         return obs
 
     def response_of(self, obs: Mapping[str, Any]) -> HttpResponse:
-        error = obs.get("error")
-        if "response" in obs:
-            served = response_from_record(obs["response"])
-        else:
-            served = HttpResponse(status=0, headers=[], body=b"")
-        if error:
-            served.extra["error"] = error
-            served.extra["has_response"] = bool(error.get("has_response"))
+        try:
+            error = obs.get("error")
+            if "response" in obs:
+                served = response_from_record(obs["response"])
+            else:
+                served = HttpResponse(status=0, headers=[], body=b"")
+            if error:
+                served.extra["error"] = error
+                served.extra["has_response"] = bool(error.get("has_response"))
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            # a signed line deja never wrote: named, never a traceback through the SDK
+            raise CorruptCassette(f"{self.path}: seq {obs.get('seq')}: its response cannot "
+                                  f"be served ({exc!r})", path=self.path,
+                                  seq=obs.get("seq")) from None
         return served
 
     def begin_http(self, request: HttpRequest) -> HttpResponse | None:

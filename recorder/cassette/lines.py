@@ -132,7 +132,9 @@ class Store:
         return line
 
     def line(self, seq: int) -> Observation:
-        """Line ``seq``, restored (the last few are kept: the same object again)."""
+        """Line ``seq``, restored (the last few are kept: the same object again). A
+        restored line is read-only: it shares its request's items with the requests
+        rebuilt from it, and its response headers with the next line's."""
         found = self._lines.get(seq)
         if found is not None:
             return cast(Observation, found)
@@ -179,6 +181,7 @@ class Store:
                 response["body"] = compact.json_text(doc)
                 self._docs.keep(seq, doc)
             response.setdefault("reason", compact.phrase(response.get("status", 0)))
+            _servable(response, out.get("error"))
         except _FAULTS as exc:
             raise self.broken(seq, exc) from None
         out["response"] = response
@@ -282,6 +285,21 @@ class Store:
         """The signature at the end of line ``index`` as the writer puts it."""
         end = self.ends[index]
         return self.data[end - 45:end - 2].decode("ascii")
+
+
+def _servable(response: dict[str, Any], error: Any) -> None:
+    """A ``TypeError`` unless ``response`` has the types a replay serves (what restoring a
+    whole line checks by reading them): a signed line deja never wrote is refused as
+    corrupt, never served half-read."""
+    status, headers = response.get("status"), response.get("headers")
+    if not (isinstance(status, int) and not isinstance(status, bool)
+            and isinstance(response.get("body"), str)
+            and isinstance(response.get("reason"), str)
+            and isinstance(response.get("encoding"), str | None)
+            and isinstance(error, dict | None) and isinstance(headers, list)
+            and all(isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)
+                    and isinstance(pair[1], str) for pair in headers)):
+        raise TypeError("a response field of a type deja never writes")
 
 
 class _Earlier:

@@ -17,6 +17,7 @@ from record_replay_helpers import sync_client
 
 import recorder
 import replayer
+from recorder.errors import CorruptCassette
 from replayer.verdicts import Change
 from tests.recorder.test_cassette_size import KEY
 from tests.tamper import join, resign
@@ -208,3 +209,24 @@ def test_a_conversations_requests_are_written_once_item_by_item() -> None:
     reordered = [{"content": m["content"], "role": m["role"]} for m in messages]
     body = {"model": MODEL, "max_tokens": 32, "messages": reordered}
     assert texts.body(body) == _ENCODE(body) != _ENCODE({**body, "messages": messages})
+
+
+@pytest.mark.parametrize(("seq", "edit"), [
+    (1, {"body": 5}), (0, {"headers": [["content-type"]]}), (0, {"headers": [5]}),
+    (1, {"status": "200"})], ids=["body", "header-pair", "header", "status"])
+def test_a_signed_response_of_a_type_deja_never_writes_is_refused_as_corrupt(
+        stub, tmp_path: Path, seq: int, edit: dict[str, Any]) -> None:
+    """A line served by its digest is checked as a line restored whole is: a response
+    field of a type deja never writes is a CorruptCassette naming the line, never a
+    traceback from inside the SDK."""
+    path = tmp_path / "run.jsonl"
+    url, _ = _record(stub, path, USER)
+    docs = [json.loads(raw) for raw in path.read_bytes().splitlines()]
+    response = docs[seq + 1]["response"]
+    if "body" in edit:
+        response.pop("body_json")
+    response.update(edit)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(join(resign(docs, KEY)))
+    with pytest.raises(CorruptCassette, match=f"seq {seq}"), replayer.replay(bad):
+        _converse(url, USER)
