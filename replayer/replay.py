@@ -379,20 +379,15 @@ class ReplaySession(session.Session, Source, mcp.McpSeam, mcp.McpSource):
         return obs
 
     def response_of(self, obs: Mapping[str, Any]) -> HttpResponse:
-        try:
+        try:  # a signed line deja never wrote is a CorruptCassette, never an SDK traceback
             error = obs.get("error")
-            if "response" in obs:
-                served = response_from_record(obs["response"])
-            else:
-                served = HttpResponse(status=0, headers=[], body=b"")
+            served = response_from_record(obs["response"]) if "response" in obs else \
+                HttpResponse(status=0, headers=[], body=b"")
             if error:
-                served.extra["error"] = error
-                served.extra["has_response"] = bool(error.get("has_response"))
+                served.extra.update(error=error, has_response=bool(error.get("has_response")))
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-            # a signed line deja never wrote: named, never a traceback through the SDK
-            raise CorruptCassette(f"{self.path}: seq {obs.get('seq')}: its response cannot "
-                                  f"be served ({exc!r})", path=self.path,
-                                  seq=obs.get("seq")) from None
+            raise CorruptCassette(f"{self.path}: seq {obs.get('seq')}: its response cannot be "
+                                  f"served ({exc!r})", path=self.path, seq=obs.get("seq")) from None
         return served
 
     def begin_http(self, request: HttpRequest) -> HttpResponse | None:
