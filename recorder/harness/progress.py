@@ -8,12 +8,21 @@ expect::
      "tokens": 91420, "token_limit": 400000, "spend_usd": 1.12, "dollar_limit": 20.0,
      "artefacts": ["cassettes/r_01a2….jsonl"], "cancel": "deja cancel r_01a2…", ...}
 
-It is updated at every step in memory and written (atomically) at most every
-``interval`` seconds, the latest state always reaching the file within ``interval``, and
-at once when the status changes or the run ends, so that a status line costs the agent's
-calls nothing measurable: the periodic writes are made by the process's background thread,
-off the agent's calls (only a change of status or the end is written on the call, before
-it returns). ``deja status RUN`` prints it.
+It is updated at every step in memory and written at most every ``interval`` seconds,
+the latest state always reaching the file within ``interval``, and at once when the status
+changes or the run ends, so that a status line costs the agent's calls nothing measurable:
+the periodic writes are made by the process's background thread, off the agent's calls
+(only a change of status or the end is written on the call, before it returns).
+``deja status RUN`` prints it.
+
+A record is written over in place, in one write, never as a new file renamed onto it:
+making a file costs a file system far more than writing one (on the machines of
+``docs/benchmarks.md``, 80-400 µs of CPU against 10), and the recording proxy writes the
+records of a run per conversation. Its last field, ``check``, is the CRC-32 of what
+precedes it, so that a reader who catches a record while it is being written over reads
+it again (:func:`read_status`); a shorter record is padded with spaces to the length of
+the one it replaces, so that a process killed while writing leaves the old record or the
+new one whole, never the new one's head on the old one's tail.
 
 Cancelling is a flag file, ``$DEJA_HOME/runs/<run>.cancel``: ``deja cancel RUN`` (or the
 viewer's button) creates it; the recorder reads it before each call and after writes
@@ -35,8 +44,9 @@ import re
 import socket
 import threading
 import time
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from recorder.background import CHORES
 from recorder.capture.redact import DEFAULT, Redaction
@@ -121,6 +131,60 @@ def _write_private(path: Path, text: str) -> None:
         raise
 
 
+_SEAL = re.compile(r'(, |\{)"check": "([0-9a-f]{8})"\}\s*\Z')
+_TORN = object()  # a record read while it was being written over
+_READS = 4  # reads of a record found torn before it counts as none (2 + 4 + 6 ms apart)
+
+
+def _sealed(text: str) -> bytes:
+    """A record's JSON text (an object) with its ``check`` field last: the CRC-32 of the
+    text before it, closed."""
+    head = text.rstrip()[:-1].rstrip()
+    check = _crc(head + "}")
+    return f'{head}{"" if head == "{" else ", "}"check": "{check:08x}"}}'.encode()
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode("utf-8"))
+
+
+def _unsealed(text: str) -> Any:
+    """The record a status file holds (None: not a JSON object); :data:`_TORN` when its
+    ``check`` does not match, or it is no JSON at all (being written, or left cut)."""
+    m = _SEAL.search(text)
+    if m is not None:
+        text = text[:m.start()] + ("{}" if m[1] == "{" else "}")
+        if _crc(text) != int(m[2], 16):
+            return _TORN
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return _TORN
+    return record if isinstance(record, dict) else None
+
+
+def _write_over(path: Path, data: bytes) -> None:
+    """Write ``data`` over the file at ``path`` (made 0600 if there is none), in place and
+    in one write, padded with spaces to the file's length."""
+    _private_dir(path.parent)
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except FileNotFoundError:  # the folder was removed since: make it again
+        _TIGHTENED.discard(path.parent)
+        _private_dir(path.parent)
+        fd = os.open(path, flags, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        if len(data) < size:
+            data += b" " * (size - len(data))
+        view, done = memoryview(data), 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], done)
+    finally:
+        os.close(fd)
+
+
 def request_cancel(run: str, reason: str = "") -> Path:
     """Ask run ``run`` to stop at its next boundary (any process may call this).
 
@@ -147,7 +211,7 @@ def close_record(run: str, status: str, error: str) -> None:
     record.update(status=status, ended=True, error=DEFAULT.text(error),
                   step=f"ended: {status}", updated=_now_iso())
     try:
-        _write_private(status_path(run), json.dumps(record, default=str))
+        _write_over(status_path(run), _sealed(json.dumps(record, default=str)))
     except OSError as exc:
         log.warning("run %s: cannot write its status record (%s)", run, exc.strerror or exc)
 
@@ -195,11 +259,17 @@ def read_status(run: str) -> dict[str, Any] | None:
     run id no record can have, a record that is not JSON)."""
     if not valid_run_id(run):
         return None
-    try:
-        record = json.loads(status_path(run).read_text())
-    except (OSError, ValueError):  # no record, no runs folder, a directory, not JSON
-        return None
-    return record if isinstance(record, dict) else None
+    path = status_path(run)
+    for attempt in range(_READS):
+        try:
+            record = _unsealed(path.read_text(encoding="utf-8", errors="replace"))
+        except OSError:  # no record, no runs folder, a directory
+            return None
+        if record is not _TORN:
+            return cast(dict[str, Any] | None, record)
+        if attempt + 1 < _READS:  # caught while being written: read it again
+            time.sleep(0.002 * (attempt + 1))
+    return None  # not JSON, or left cut by a write that failed (a full disk)
 
 
 class Progress:
@@ -260,7 +330,7 @@ class Progress:
 
     def _write_text(self, text: str) -> None:
         try:
-            _write_private(self.path, text)
+            _write_over(self.path, _sealed(text))
         except OSError as exc:
             if self._failed is None:
                 log.warning("run %s: cannot write its status record %s (%s); the run goes "

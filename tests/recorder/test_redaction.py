@@ -364,7 +364,7 @@ def test_an_unwritable_deja_home_does_not_stop_a_run(stub, tmp_path: Path, deja_
 def test_a_status_record_that_cannot_be_replaced_is_skipped(tmp_path: Path,
                                                             caplog: pytest.LogCaptureFixture
                                                             ) -> None:
-    status_path("r_blocked").mkdir(parents=True)  # the rename onto it fails
+    status_path("r_blocked").mkdir(parents=True)  # writing it fails
     with caplog.at_level(logging.WARNING, logger="deja.recorder"):
         progress = Progress("r_blocked", {}, interval=0)
         progress.update(step="one", force=True)
