@@ -50,10 +50,13 @@ def background_threads() -> list[threading.Thread]:
 def test_chores_run_once_each_in_the_order_they_are_due() -> None:
     chores = Chores("test-chores")
     done: list[str] = []
+    gate = threading.Event()  # the thread's first chore holds it until the others are filed,
+    chores.soon("gate", gate.wait)  # however late this thread is scheduled between them
     now = time.monotonic()
     chores.soon("late", lambda: done.append("late"), now + 0.05)
     chores.soon("early", lambda: done.append("early"), now)
     chores.soon("early", lambda: done.append("early, again"), now)  # waiting: no second
+    gate.set()
     poll("both chores", lambda: len(done) == 2)
     assert done == ["early", "late"]
     assert not chores.waiting("early") and not chores.waiting("late")
