@@ -35,7 +35,7 @@ from recorder.canonical import content_decoded, decode_body
 from recorder.cassette import _headers
 from recorder.cassette.schema import Kind
 
-_NO_DOC = object()  # a response body stored as text, not as JSON
+NO_DOC = object()  # a response body stored as text, not as JSON
 _DERIVED = ("usage", "stop_reason", "api_error", "message_id", "model", "stream", "fp")
 
 
@@ -204,11 +204,7 @@ def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]] | Any, req
         line["request_headers"] = earlier[headers]["request_headers"]
     response = line.get("response")
     if response is not None:
-        doc = _NO_DOC
-        if "body_json" in response:
-            doc = response.pop("body_json")
-            response["body"] = json_text(doc)
-        response.setdefault("reason", phrase(response.get("status", 0)))
+        doc = restore_body(response)
         base = response.pop("headers_base", None)
         if base is not None:
             response["headers"] = based(response["headers"],
@@ -223,7 +219,7 @@ def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]] | Any, req
                                            headers)
                 except ValueError:
                     body = b""
-            summary = (provider.summarize(status, headers, body) if doc is _NO_DOC
+            summary = (provider.summarize(status, headers, body) if doc is NO_DOC
                        else provider.summarize_parsed(status, headers, body, doc))
             line["usage"] = summary.get("usage") or None
             line["stop_reason"] = summary.get("stop_reason")
@@ -236,6 +232,18 @@ def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]] | Any, req
     if "fp" not in line:
         line["fp"] = fp if fp is not None else provider.fingerprint("POST", url, request)
     line.setdefault("message_id", None)
+
+
+def restore_body(response: dict[str, Any]) -> Any:
+    """A stored response's body back as the text received (a JSON document stored parsed
+    is written out again) and its reason phrase, in place; the document, else
+    :data:`NO_DOC`."""
+    doc = NO_DOC
+    if "body_json" in response:
+        doc = response.pop("body_json")
+        response["body"] = json_text(doc)
+    response.setdefault("reason", phrase(response.get("status", 0)))
+    return doc
 
 
 def provider_of(line: dict[str, Any], url: str) -> providers.Provider:

@@ -176,11 +176,9 @@ class Store:
             headers = self.response_headers(seq, line)
             response.pop("headers_base", None)
             response["headers"] = headers
-            if "body_json" in response:
-                doc = response.pop("body_json")
-                response["body"] = compact.json_text(doc)
+            doc = compact.restore_body(response)
+            if doc is not compact.NO_DOC:
                 self._docs.keep(seq, doc)
-            response.setdefault("reason", compact.phrase(response.get("status", 0)))
             _servable(response, out.get("error"))
         except _FAULTS as exc:
             raise self.broken(seq, exc) from None
