@@ -98,11 +98,34 @@ def _wrap(stats: _Stats) -> None:
         setattr(owner, name, staticmethod(wrapped) if static else wrapped)
 
 
+GC = "garbage collection (any thread)"
+
+
+def _time_gc(stats: _Stats) -> None:
+    """Each pass of the cyclic garbage collector, as a step."""
+    import gc
+
+    started: dict[int, tuple[float, float]] = {}
+
+    def callback(phase: str, info: dict[str, Any]) -> None:
+        import threading
+
+        me = threading.get_ident()
+        if phase == "start":
+            started[me] = (time.perf_counter(), time.thread_time())
+        elif me in started:
+            t0, c0 = started.pop(me)
+            stats.add(GC, time.perf_counter() - t0, time.thread_time() - c0)
+
+    gc.callbacks.append(callback)
+
+
 def serve(stats_file: Path, proxy_args: list[str]) -> None:
     """``deja proxy PROXY_ARGS`` with its steps timed; the figures go to ``stats_file``
     when it exits."""
     stats = _Stats()
     _wrap(stats)
+    _time_gc(stats)
 
     def dump() -> None:
         stats_file.write_text(json.dumps({"wall": stats.wall, "cpu": stats.cpu}))
@@ -154,7 +177,7 @@ def measure(conversations: int = 200, rounds: int = 4) -> dict[str, Any]:
     # the warm-up's conversation is in the steps too: one more per kind
     model_calls = calls["proxied"] + ps.TURNS
     steps = []
-    for _, _, label in STEPS:
+    for label in [label for _, _, label in STEPS] + [GC]:
         walls = raw["wall"].get(label, [])
         steps.append({"step": label, "n": len(walls),
                       "median_wall_us": statistics.median(walls) * 1e6 if walls else None,
