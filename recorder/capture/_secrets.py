@@ -340,6 +340,8 @@ class _Pass:
             recent = list(self._recent)
         best, shared = None, 0
         for entry in reversed(recent):
+            if len(entry[0]) <= shared:  # it cannot share more (an earlier turn, say)
+                continue
             n = _shared_prefix(entry[0], data, self._CHUNK)
             if n > shared:
                 best, shared = entry, n
