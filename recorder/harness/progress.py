@@ -37,6 +37,7 @@ full, read-only or gone, the run goes on (with one warning); the cassette is wha
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -165,7 +166,8 @@ def _unsealed(text: str) -> Any:
 
 def _write_over(path: Path, data: bytes) -> None:
     """Write ``data`` over the file at ``path`` (made 0600 if there is none), in place and
-    in one write, padded with spaces to the file's length."""
+    in one write, padded with spaces to the file's length; the file's ``flock`` is held
+    meanwhile (released with its descriptor), so that two writers never interleave."""
     _private_dir(path.parent)
     flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
@@ -175,6 +177,7 @@ def _write_over(path: Path, data: bytes) -> None:
         _private_dir(path.parent)
         fd = os.open(path, flags, 0o600)
     try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process writing it waits: one whole record
         size = os.fstat(fd).st_size
         if len(data) < size:
             data += b" " * (size - len(data))

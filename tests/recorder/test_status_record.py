@@ -78,6 +78,7 @@ def test_a_record_caught_while_being_written_is_read_again(
 
 def test_readers_never_see_a_record_half_written() -> None:
     record = Progress("r_busy", {}, interval=0)
+    record.update(turn=0, step="turn 0 ", force=True)
     stop = threading.Event()
 
     def write() -> None:
@@ -110,3 +111,34 @@ def test_a_worker_closing_a_dead_runs_record_writes_it_the_same_way() -> None:
     assert os.stat(record.path).st_ino == inode
     shown = read_status("r_dead") or {}
     assert shown["status"] == "crashed" and shown["ended"] is True and shown["turn"] == 2
+
+
+def test_two_writers_of_one_record_never_leave_it_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two processes may write one run's record (a launcher closing it as its program
+    ends): each write is whole, under the file's lock. Here the second writes a longer
+    record just after the first has read the file's length: without the lock the first
+    would pad its shorter record to the old length and leave the longer one's tail."""
+    short, long = Progress("r_two", {}, interval=0), Progress("r_two", {}, interval=0)
+    short.update(step="s", force=True)
+    real_fstat = progress.os.fstat
+    done = threading.Event()
+
+    def fstat_then_the_other_writes(fd: int) -> os.stat_result:
+        result = real_fstat(fd)
+        if not done.is_set() and threading.current_thread() is threading.main_thread():
+            other = threading.Thread(target=lambda: (
+                long.update(step="l" * 300, force=True), done.set()))
+            other.start()
+            done.wait(0.5)  # with the lock it waits for this write: the pause runs out
+            monkeypatch.setattr(progress.os, "fstat", real_fstat)
+            threads.append(other)
+        return result
+
+    threads: list[threading.Thread] = []
+    monkeypatch.setattr(progress.os, "fstat", fstat_then_the_other_writes)
+    short.update(step="short", force=True)
+    for t in threads:
+        t.join()
+    shown = read_status("r_two")
+    assert shown is not None and shown["step"] in ("short", "l" * 300)
+    assert json.loads(raw("r_two"))["step"] == shown["step"]
