@@ -31,6 +31,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -54,13 +55,21 @@ STEPS = (
 
 
 class _Stats:
+    """Times per step, added from the proxy's event loop and from its worker threads."""
+
     def __init__(self) -> None:
         self.wall: dict[str, list[float]] = {}
         self.cpu: dict[str, float] = {}
+        self._lock = threading.RLock()  # a GC pass inside add() adds its own time
 
     def add(self, label: str, wall: float, cpu: float) -> None:
-        self.wall.setdefault(label, []).append(wall)
-        self.cpu[label] = self.cpu.get(label, 0.0) + cpu
+        with self._lock:
+            self.wall.setdefault(label, []).append(wall)
+            self.cpu[label] = self.cpu.get(label, 0.0) + cpu
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {"wall": {k: list(v) for k, v in self.wall.items()}, "cpu": dict(self.cpu)}
 
 
 def _timed(fn: Callable[..., Any], label: str, stats: _Stats) -> Callable[..., Any]:
@@ -128,7 +137,7 @@ def serve(stats_file: Path, proxy_args: list[str]) -> None:
     _time_gc(stats)
 
     def dump() -> None:
-        stats_file.write_text(json.dumps({"wall": stats.wall, "cpu": stats.cpu}))
+        stats_file.write_text(json.dumps(stats.snapshot()))
 
     atexit.register(dump)
     from deja.cli import main as deja_main

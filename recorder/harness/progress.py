@@ -15,14 +15,16 @@ the periodic writes are made by the process's background thread, off the agent's
 (only a change of status or the end is written on the call, before it returns).
 ``deja status RUN`` prints it.
 
-A record is written over in place, in one write, never as a new file renamed onto it:
-making a file costs a file system far more than writing one (on the machines of
-``docs/benchmarks.md``, 80-400 µs of CPU against 10), and the recording proxy writes the
-records of a run per conversation. Its last field, ``check``, is the CRC-32 of what
-precedes it, so that a reader who catches a record while it is being written over reads
-it again (:func:`read_status`); a shorter record is padded with spaces to the length of
-the one it replaces, so that a process killed while writing leaves the old record or the
-new one whole, never the new one's head on the old one's tail.
+A record is written over in place, in one write of at most a page, never as a new file
+renamed onto it: making a file costs a file system far more than writing one (on the
+machines of ``docs/benchmarks.md``, 80-400 µs of CPU against 10), and the recording proxy
+writes the records of a run per conversation. A shorter record is padded with spaces to
+the length of the one it replaces, so that a process killed while writing leaves the old
+record or the new one whole, never the new one's head on the old one's tail; the rare
+record longer than a page is a new file renamed over the old. Writers hold the file's
+``flock``, readers wait briefly for it, and a record's last field, ``check``, is the
+CRC-32 of what precedes it: a reader who still catches one cut (written by a process that
+did not wait for the lock) reads it again (:func:`read_status`).
 
 Cancelling is a flag file, ``$DEJA_HOME/runs/<run>.cancel``: ``deja cancel RUN`` (or the
 viewer's button) creates it; the recorder reads it before each call and after writes
@@ -37,12 +39,14 @@ full, read-only or gone, the run goes on (with one warning); the cassette is wha
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
 import os
 import re
 import socket
+import stat
 import threading
 import time
 import zlib
@@ -135,6 +139,11 @@ def _write_private(path: Path, text: str) -> None:
 _SEAL = re.compile(r'(, |\{)"check": "([0-9a-f]{8})"\}\s*\Z')
 _TORN = object()  # a record read while it was being written over
 _READS = 4  # reads of a record found torn before it counts as none (2 + 4 + 6 ms apart)
+_PAGE = 4096  # a record this long or shorter is written over in place
+_LOCK_WAIT = 1.0  # seconds a write waits for another's lock on a record
+_READ_WAIT = 0.05  # seconds a read waits for a write under way
+_STUCK: set[Path] = set()  # records whose lock was held past _LOCK_WAIT: not waited for
+_pause = time.sleep
 
 
 def _sealed(text: str) -> bytes:
@@ -165,27 +174,113 @@ def _unsealed(text: str) -> Any:
 
 
 def _write_over(path: Path, data: bytes) -> None:
-    """Write ``data`` over the file at ``path`` (made 0600 if there is none), in place and
-    in one write, padded with spaces to the file's length; the file's ``flock`` is held
-    meanwhile (released with its descriptor), so that two writers never interleave."""
+    """Write ``data`` over the record file at ``path`` (made 0600 if there is none) under
+    its ``flock`` (:func:`_open_locked`), so that two writers never interleave.
+
+    A record of at most a page (:data:`_PAGE`, the common case by far) is written in place,
+    padded with spaces to the file's length, in one ``pwrite`` at offset 0: the kernel
+    copies one page whole or not at all, so that a writer killed, or stopped by a full
+    disk, leaves the old record or the new one, never the new one's head on the old one's
+    tail. A longer one (or one replacing a longer one) is written as a new file renamed
+    over the old, which no cut can leave half-written either.
+    """
     _private_dir(path.parent)
-    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = _open_locked(path)
+    try:
+        size = os.fstat(fd).st_size
+        if len(data) > _PAGE or size > _PAGE:
+            _write_private(path, data.decode())
+            return
+        if len(data) < size:
+            data += b" " * (size - len(data))
+        if os.pwrite(fd, data, 0) != len(data):  # a regular file's page: whole or error
+            raise OSError(errno.EIO, "short write")
+    finally:
+        os.close(fd)
+
+
+def _open_locked(path: Path) -> int:
+    """A descriptor of the record file at ``path``, holding its exclusive ``flock``.
+
+    A writer that holds the lock for long (stopped, or a forked child that kept an
+    inherited descriptor) never stops the run: after :data:`_LOCK_WAIT` seconds the write
+    goes on without it (warned once; a reader that catches the record cut reads it again,
+    see :func:`read_status`) and later writes of that record do not wait for it again.
+    A file renamed over the one locked meanwhile (a long record) is opened again.
+    """
+    for _ in range(3):
+        fd = _open_record(path, os.O_WRONLY | os.O_CREAT)
+        try:
+            held = _locked(fd, fcntl.LOCK_EX, 0.0 if path in _STUCK else _LOCK_WAIT)
+            if not held and path not in _STUCK:
+                _STUCK.add(path)
+                log.warning("deja: status record %s is locked by another process for "
+                            "over %.0f s; it is written without the lock", path, _LOCK_WAIT)
+            elif held:
+                _STUCK.discard(path)
+            if not held or os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # replaced while we waited: lock the new one
+    return _open_record(path, os.O_WRONLY | os.O_CREAT)
+
+
+def _open_record(path: Path, flags: int) -> int:
+    """``os.open`` of a record file that is a regular file of its owner's: never a link
+    followed nor a FIFO waited on; one made more open by someone else is closed again."""
+    flags |= os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
         fd = os.open(path, flags, 0o600)
-    except FileNotFoundError:  # the folder was removed since: make it again
-        _TIGHTENED.discard(path.parent)
+    except FileNotFoundError:
+        if not flags & os.O_CREAT:
+            raise
+        _TIGHTENED.discard(path.parent)  # the folder was removed since: make it again
         _private_dir(path.parent)
         fd = os.open(path, flags, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # another process writing it waits: one whole record
-        size = os.fstat(fd).st_size
-        if len(data) < size:
-            data += b" " * (size - len(data))
-        view, done = memoryview(data), 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], done)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        if flags & os.O_CREAT and mode & 0o077:
+            os.fchmod(fd, 0o600)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _locked(fd: int, how: int, wait: float) -> bool:
+    """Whether ``fd``'s ``flock`` ``how`` is taken within ``wait`` seconds (polled: a
+    write holds it for microseconds)."""
+    deadline, pause = 0.0, 0.0005
+    while True:
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        deadline = deadline or now + wait
+        if now >= deadline:
+            return False
+        _pause(min(pause, deadline - now))
+        pause = min(pause * 2, 0.02)
+
+
+def _read_record(path: Path) -> str:
+    """The text of the record file at ``path``, read under its shared ``flock`` when a
+    writer lets go of it within :data:`_READ_WAIT` seconds (else read as it is)."""
+    fd = _open_record(path, os.O_RDONLY)
+    try:
+        _locked(fd, fcntl.LOCK_SH, _READ_WAIT)
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
     finally:
         os.close(fd)
+    return b"".join(chunks).decode("utf-8", errors="replace")
 
 
 def request_cancel(run: str, reason: str = "") -> Path:
@@ -265,13 +360,13 @@ def read_status(run: str) -> dict[str, Any] | None:
     path = status_path(run)
     for attempt in range(_READS):
         try:
-            record = _unsealed(path.read_text(encoding="utf-8", errors="replace"))
-        except OSError:  # no record, no runs folder, a directory
+            record = _unsealed(_read_record(path))
+        except OSError:  # no record, no runs folder, not a regular file
             return None
         if record is not _TORN:
             return cast(dict[str, Any] | None, record)
         if attempt + 1 < _READS:  # caught while being written: read it again
-            time.sleep(0.002 * (attempt + 1))
+            _pause(0.002 * (attempt + 1))
     return None  # not JSON, or left cut by a write that failed (a full disk)
 
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
+import subprocess
+import sys
 import threading
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -71,12 +76,39 @@ def test_a_record_caught_while_being_written_is_read_again(
         waits.append(seconds)
         status_path("r_caught").write_text(good)
 
-    monkeypatch.setattr(progress.time, "sleep", writer_finishes)
+    monkeypatch.setattr(progress, "_pause", writer_finishes)
     shown = read_status("r_caught")
     assert shown is not None and shown["turn"] == 4 and len(waits) == 1
 
 
-def test_readers_never_see_a_record_half_written() -> None:
+def test_a_reader_waits_for_the_write_under_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer holds the record's lock while it writes: a reader waits for it, and reads
+    the record whole the first time (here it has no second read to fall back on)."""
+    record = Progress("r_wait", {}, interval=0)
+    record.update(turn=6, step="tool search", force=True)
+    good = raw("r_wait")
+    monkeypatch.setattr(progress, "_READS", 1)
+    waiting = threading.Event()
+    real_pause = progress._pause
+    monkeypatch.setattr(progress, "_pause", lambda s: (waiting.set(), real_pause(s)))
+    monkeypatch.setattr(progress, "_READ_WAIT", 30.0)
+    fd = os.open(record.path, os.O_WRONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        os.pwrite(fd, good[:len(good) // 2].encode(), 0)  # half of it, and the old tail
+        os.ftruncate(fd, len(good) // 2)
+        result: list[dict[str, Any] | None] = []
+        reader = threading.Thread(target=lambda: result.append(read_status("r_wait")))
+        reader.start()
+        assert waiting.wait(30)  # the reader is waiting for the lock
+        os.pwrite(fd, good.encode(), 0)
+    finally:
+        os.close(fd)  # the lock goes with it
+    reader.join(30)
+    assert result and result[0] is not None and result[0]["turn"] == 6
+
+
+def test_readers_and_a_writer_at_full_speed() -> None:
     record = Progress("r_busy", {}, interval=0)
     record.update(turn=0, step="turn 0 ", force=True)
     stop = threading.Event()
@@ -103,6 +135,22 @@ def test_readers_never_see_a_record_half_written() -> None:
     assert seen == sorted(seen)  # never an older record after a newer one
 
 
+def test_a_record_longer_than_a_page_is_a_new_file_renamed_over_the_old() -> None:
+    record = Progress("r_long", {}, interval=0)
+    small = os.stat(record.path).st_ino
+    record.update(step="tool write_file(" + "x" * 5000 + ")", force=True)
+    long = os.stat(record.path)
+    assert long.st_ino != small and stat.S_IMODE(long.st_mode) == 0o600
+    assert len((read_status("r_long") or {})["step"]) == 5017
+    record.update(step="done", force=True)  # after a long one: a new, short file
+    after = os.stat(record.path)
+    assert after.st_ino != long.st_ino and after.st_size < 4096
+    record.update(step="done again", force=True)  # and in place from then on
+    assert os.stat(record.path).st_ino == after.st_ino
+    assert (read_status("r_long") or {})["step"] == "done again"
+    assert sorted(p.name for p in runs_dir().iterdir()) == ["r_long.json"]
+
+
 def test_a_worker_closing_a_dead_runs_record_writes_it_the_same_way() -> None:
     record = Progress("r_dead", {}, interval=0)
     record.update(turn=2, step="tool pay(" + "x" * 300 + ")", force=True)
@@ -116,29 +164,82 @@ def test_a_worker_closing_a_dead_runs_record_writes_it_the_same_way() -> None:
 def test_two_writers_of_one_record_never_leave_it_cut(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two processes may write one run's record (a launcher closing it as its program
     ends): each write is whole, under the file's lock. Here the second writes a longer
-    record just after the first has read the file's length: without the lock the first
-    would pad its shorter record to the old length and leave the longer one's tail."""
+    record while the first is about to write: without the lock the first would pad its
+    shorter record to the old length and leave the longer one's tail."""
     short, long = Progress("r_two", {}, interval=0), Progress("r_two", {}, interval=0)
     short.update(step="s", force=True)
-    real_fstat = progress.os.fstat
+    monkeypatch.setattr(progress, "_LOCK_WAIT", 30.0)
+    real_pwrite = progress.os.pwrite
     done = threading.Event()
+    threads: list[threading.Thread] = []
 
-    def fstat_then_the_other_writes(fd: int) -> os.stat_result:
-        result = real_fstat(fd)
-        if not done.is_set() and threading.current_thread() is threading.main_thread():
+    def the_other_writes_first(fd: int, data: bytes, offset: int) -> int:
+        if not threads and threading.current_thread() is threading.main_thread():
             other = threading.Thread(target=lambda: (
                 long.update(step="l" * 300, force=True), done.set()))
-            other.start()
-            done.wait(0.5)  # with the lock it waits for this write: the pause runs out
-            monkeypatch.setattr(progress.os, "fstat", real_fstat)
             threads.append(other)
-        return result
+            other.start()
+            done.wait(0.3)  # with the lock it waits for this write: the pause runs out
+        return real_pwrite(fd, data, offset)
 
-    threads: list[threading.Thread] = []
-    monkeypatch.setattr(progress.os, "fstat", fstat_then_the_other_writes)
+    monkeypatch.setattr(progress.os, "pwrite", the_other_writes_first)
     short.update(step="short", force=True)
-    for t in threads:
-        t.join()
+    threads[0].join(30)
+    assert done.is_set()
     shown = read_status("r_two")
-    assert shown is not None and shown["step"] in ("short", "l" * 300)
+    assert shown is not None and shown["step"] == "l" * 300  # written last, whole
     assert json.loads(raw("r_two"))["step"] == shown["step"]
+
+
+HOLDER = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_lock_held_by_a_stuck_process_never_stops_the_run(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A process that holds a record's lock and never lets go (stopped; a forked child
+    with an inherited descriptor) delays one write by the lock's wait, then none."""
+    record = Progress("r_stuck", {}, interval=0)
+    monkeypatch.setattr(progress, "_LOCK_WAIT", 0.2)
+    with subprocess.Popen([sys.executable, "-c", HOLDER, str(record.path)],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as holder:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        waits: list[float] = []
+        real_pause = progress._pause
+        monkeypatch.setattr(progress, "_pause", lambda s: (waits.append(s), real_pause(s)))
+        record.update(turn=1, step="tool pay", force=True)
+        assert waits and sum(waits) <= 0.2 + 1e-9  # waited for the lock, then went on
+        assert "locked by another process" in caplog.text
+        waits.clear()
+        record.update(turn=2, force=True)
+        assert not waits  # not waited for again
+        shown = read_status("r_stuck")  # a reader does not wait for it long either
+        assert shown is not None and shown["turn"] == 2
+        holder.communicate("")
+    record.update(turn=3, force=True)  # the lock is free again: taken as usual
+    assert record.path not in progress._STUCK
+    assert (read_status("r_stuck") or {})["turn"] == 3
+
+
+def test_what_is_not_a_regular_file_at_a_records_path_is_never_written_through(
+        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
+    runs_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.mkfifo(status_path("r_fifo"), 0o600)  # no reader: an open for writing would wait
+    Progress("r_fifo", {}, interval=0).update(turn=1, force=True)
+    assert read_status("r_fifo") is None
+    assert "cannot write its status record" in caplog.text
+    target = tmp_path / "elsewhere.json"
+    target.write_text("{}")
+    status_path("r_link").symlink_to(target)
+    Progress("r_link", {}, interval=0)
+    assert target.read_text() == "{}" and read_status("r_link") is None
+    status_path("r_open").write_text("{}")
+    status_path("r_open").chmod(0o644)  # made by hand, readable by everyone
+    Progress("r_open", {}, interval=0).update(turn=1, force=True)
+    assert stat.S_IMODE(os.stat(status_path("r_open")).st_mode) == 0o600
+    assert (read_status("r_open") or {})["turn"] == 1
