@@ -15,6 +15,13 @@ nothing, and asking while it runs files it again (the new state is written by th
 run). :meth:`Chores.forget` drops a key's chore and returns once no run of it is in
 progress, so that its owner may close the file it works on. A chore handles its own
 errors; one it lets through is logged, and the thread goes on.
+
+The thread blocks the signals sent to a whole process (:func:`keep_signals_off`): Python
+runs a signal's handler in the main thread only, and a main thread waiting in a system
+call (the agent's ``time.sleep``, a socket read) wakes for a signal the kernel delivered
+to it, not for one it delivered to this thread, which it may when this thread does not
+block it: a ``SIGTERM`` would then wait for the main thread's sleep to end. A chore
+never starts a process (a child would inherit the blocked signals).
 """
 
 from __future__ import annotations
@@ -23,11 +30,24 @@ import heapq
 import itertools
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Hashable
 
 log = logging.getLogger("deja.recorder")
+
+# Sent to a process as a whole: by kill, a terminal, a timer, a child's end.
+PROCESS_SIGNALS = frozenset({
+    signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM,
+    signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGWINCH})
+
+
+def keep_signals_off() -> None:
+    """Block :data:`PROCESS_SIGNALS` in the calling thread, one of deja's own that never
+    starts a process: the kernel delivers them to a thread of the program instead, the
+    main thread when it is the only other one, whose handlers then run at once."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, PROCESS_SIGNALS)
 
 
 class Chores:
@@ -88,6 +108,7 @@ class Chores:
                 self._cond.wait()
 
     def _loop(self) -> None:
+        keep_signals_off()
         with self._cond:
             while True:
                 heap = self._heap

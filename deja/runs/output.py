@@ -16,6 +16,8 @@ import threading
 import time
 from typing import IO
 
+from recorder.background import keep_signals_off
+
 TAIL_LINES = 20
 TAIL_BYTES = 4000
 
@@ -31,6 +33,7 @@ class StderrTail:
         self._thread.start()
 
     def _copy(self) -> None:
+        keep_signals_off()  # the worker's stop signals reach its main thread
         out = sys.stderr.buffer
         with self._stream:
             for line in iter(self._stream.readline, b""):

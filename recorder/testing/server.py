@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -517,9 +518,13 @@ class StubServer:
             return self
         httpd = _HTTPServer((self.host, self._requested_port), self)
         self._httpd = httpd
+        def serve() -> None:  # it and its request threads leave the process's signals
+            signal.pthread_sigmask(  # to the main thread (of a test, of `deja stub`)
+                signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+            httpd.serve_forever(poll_interval=0.05)
+
         self._thread = threading.Thread(
-            target=httpd.serve_forever,
-            kwargs={"poll_interval": 0.05},
+            target=serve,
             name=f"deja-stub-{self.port}",
             daemon=True,
         )

@@ -231,3 +231,40 @@ def test_a_failed_group_commit_refuses_the_end_line(tmp_path: Path, monkeypatch:
     writer.abandon()
     lines = (tmp_path / "run.jsonl").read_text().splitlines()
     assert len(lines) == 2 and '"kind":"end"' not in lines[-1]
+
+
+SLEEPER = """
+import threading, time
+from recorder.background import CHORES
+ran = threading.Event()
+CHORES.soon("k", ran.set)
+ran.wait()
+print(threading.get_native_id(), CHORES._thread.native_id, flush=True)
+time.sleep(60)
+"""
+
+
+def blocked_signals(pid: int, tid: int) -> int:
+    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("SigBlk:"))
+               .split()[1], 16)
+
+
+def test_the_thread_leaves_a_process_s_signals_to_the_program() -> None:
+    """The kernel may deliver a process's SIGTERM to any thread that does not block it;
+    Python acts on it in the main thread only, and a main thread asleep wakes only for
+    one delivered to it. The background thread blocks them: a SIGTERM reaches the
+    program's main thread, asleep or not, at once."""
+    import signal
+
+    with subprocess.Popen([sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE,
+                          text=True) as program:
+        assert program.stdout is not None
+        main, background = map(int, program.stdout.readline().split())
+        bit = 1 << (signal.SIGTERM - 1)
+        assert blocked_signals(program.pid, background) & bit
+        for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGALRM, signal.SIGCHLD):
+            assert blocked_signals(program.pid, background) & 1 << (signum - 1)
+        assert not blocked_signals(program.pid, main) & bit
+        program.send_signal(signal.SIGTERM)
+        assert program.wait(timeout=30) == -signal.SIGTERM

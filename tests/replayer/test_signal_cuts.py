@@ -43,6 +43,17 @@ TIMEOUT = 30.0
 HOLD = "30"  # seconds an agent waits for the signal (it comes at once)
 SIGTERMED = 128 + signal.SIGTERM
 
+# The agents wait in short sleeps, as an agent waiting on something polls: a signal that
+# lands after the interpreter last looked for one and before a sleep starts is acted on at
+# the next step. One long sleep would hold it until the sleep ends (CPython runs a handler
+# between bytecodes; a sleep is woken only by a signal that lands inside it).
+DWELL = """\
+def dwell(seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.02)
+"""
+
 # Two streamed calls, every event printed. Under AGENT_HOLD the agent dwells on each event
 # of the second call (only the recording has it: a resume or a replay runs straight on).
 STREAM_AGENT = '''\
@@ -56,6 +67,8 @@ client = anthropic.Anthropic(max_retries=0)
 messages = [{"role": "user", "content": "count to three"}]
 
 
+%(dwell)s
+
 def ask(n):
     params = {"model": "%(model)s", "max_tokens": 64, "messages": messages}
     text = ""
@@ -63,13 +76,13 @@ def ask(n):
         with client.messages.stream(**params) as stream:
             for event in stream:
                 print(f"event {n} {event.type}")
-                time.sleep(HOLD if n == 2 else 0)
+                dwell(HOLD if n == 2 else 0)
             text = stream.get_final_message().content[0].text
     else:
         with client.messages.create(stream=True, **params) as stream:
             for event in stream:
                 print(f"event {n} {event.type}")
-                time.sleep(HOLD if n == 2 else 0)
+                dwell(HOLD if n == 2 else 0)
                 if event.type == "content_block_delta":
                     text += event.delta.text
     return text
@@ -98,6 +111,8 @@ URL = os.environ["ANTHROPIC_BASE_URL"] + "/v1/messages"
 HEADERS = {"x-api-key": os.environ["ANTHROPIC_API_KEY"], "anthropic-version": "2023-06-01"}
 
 
+%(dwell)s
+
 def work():
     messages = [{"role": "user", "content": "count to three"}]
     with httpx.Client(headers=HEADERS) as client:
@@ -112,7 +127,7 @@ def work():
 
 def linger():
     print("done")
-    time.sleep(HOLD)
+    dwell(HOLD)
 
 
 if "%(exit)s" == "sleeps":
@@ -129,6 +144,10 @@ else:
     work()
     atexit.register(linger)
 '''
+
+
+def agent(template: str, **values: str) -> str:
+    return template % {"model": MODEL, "dwell": DWELL, **values}
 
 
 class Deja:
@@ -174,7 +193,13 @@ class Deja:
 
     def finish(self) -> int:
         """Wait for the process to end; all it printed is in ``out``; its status."""
-        code = self.process.wait(timeout=TIMEOUT)
+        try:
+            code = self.process.wait(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=TIMEOUT)
+            raise AssertionError(f"still running after {TIMEOUT} s; it printed {self.out}"
+                                 f"\n{self.stderr}") from None
         self._reader.join(timeout=TIMEOUT)
         while (line := self._lines.get_nowait()) is not None:
             self.out.append(line)
@@ -247,7 +272,7 @@ def replay_matches(cassette: Path, resumed: list[str], run_deja: Any,
                          ids=["in-the-read", "while-handling-an-event"])
 def test_a_stream_cut_by_sigterm_is_not_logged_and_the_resume_asks_again(
         tmp_path: Path, run_deja: Any, where: str, api: str) -> None:
-    (tmp_path / "agent.py").write_text(STREAM_AGENT % {"model": MODEL, "api": api})
+    (tmp_path / "agent.py").write_text(agent(STREAM_AGENT, api=api))
     cut: dict[str, Any] = {"text": "four five six"}
     if where == "read":
         cut["event_delay_ms"] = 3000  # the next event is seconds away: the SDK waits in a read
@@ -294,7 +319,7 @@ def test_a_stream_cut_by_sigterm_is_not_logged_and_the_resume_asks_again(
 @pytest.mark.parametrize("exit_how", ["sleeps", "catches"])
 def test_a_program_stopped_on_its_way_out_ends_interrupted_and_resumes_offline(
         tmp_path: Path, run_deja: Any, exit_how: str) -> None:
-    (tmp_path / "agent.py").write_text(EXIT_AGENT % {"model": MODEL, "exit": exit_how})
+    (tmp_path / "agent.py").write_text(agent(EXIT_AGENT, exit=exit_how))
     script = {"model": MODEL, "turns": [{"text": "one two three"}, {"text": "four five six"}]}
     cassette = tmp_path / "run.jsonl"
     with StubServer(script) as server:
@@ -327,7 +352,7 @@ def test_a_program_stopped_on_its_way_out_ends_interrupted_and_resumes_offline(
 
 def test_a_program_stopped_in_its_atexit_handler_with_status_0_ends_completed(
         tmp_path: Path, run_deja: Any) -> None:
-    (tmp_path / "agent.py").write_text(EXIT_AGENT % {"model": MODEL, "exit": "atexit"})
+    (tmp_path / "agent.py").write_text(agent(EXIT_AGENT, exit="atexit"))
     script = {"model": MODEL, "turns": [{"text": "one two three"}, {"text": "four five six"}]}
     cassette = tmp_path / "run.jsonl"
     with StubServer(script) as server:
