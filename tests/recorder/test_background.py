@@ -259,12 +259,12 @@ def test_the_thread_leaves_a_process_s_signals_to_the_program() -> None:
 
     with subprocess.Popen([sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE,
                           text=True) as program:
-        assert program.stdout is not None
-        main, background = map(int, program.stdout.readline().split())
-        bit = 1 << (signal.SIGTERM - 1)
-        assert blocked_signals(program.pid, background) & bit
-        for signum in (signal.SIGINT, signal.SIGHUP, signal.SIGALRM, signal.SIGCHLD):
-            assert blocked_signals(program.pid, background) & 1 << (signum - 1)
-        assert not blocked_signals(program.pid, main) & bit
-        program.send_signal(signal.SIGTERM)
-        assert program.wait(timeout=30) == -signal.SIGTERM
+        try:
+            assert program.stdout is not None
+            main, background = map(int, program.stdout.readline().split())
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGALRM,
+                           signal.SIGCHLD):
+                assert blocked_signals(program.pid, background) & 1 << (signum - 1)
+                assert not blocked_signals(program.pid, main) & 1 << (signum - 1)
+        finally:
+            program.kill()
