@@ -371,12 +371,14 @@ def _run_streamlit(argv: list[str], env: dict[str, str], terminated: list[int]) 
     started, in ``terminated``) stops it with us. Its exit status."""
     import signal
 
+    from recorder.harness.child import wait
+
     process = subprocess.Popen(argv, env=env)
     signal.signal(signal.SIGTERM, lambda *_: process.terminate())
     if terminated:
         process.terminate()
     try:
-        return process.wait()
+        return wait(process)  # a SIGTERM that lands just before the wait stops it too
     except KeyboardInterrupt:  # the viewer has the same Ctrl-C and stops on its own
         try:
             return process.wait(timeout=10)

@@ -232,7 +232,8 @@ def stub(script: Path | None, from_cassette: Path | None, output: Path | None,
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        stop.wait()
+        while not stop.wait(0.5):  # a timed wait: its handler runs even for a signal that
+            pass  # landed just before a wait began, which nothing would wake
     except KeyboardInterrupt:
         pass
     finally:

@@ -47,6 +47,7 @@ from deja.boot import LAUNCH_ENV
 from recorder.cassette.lock import WriterLock
 from recorder.harness import warm
 from recorder.harness.child import preexec
+from recorder.harness.child import wait as child_wait
 from recorder.harness.warm import Forked
 from recorder.launch import LaunchSpec
 
@@ -162,7 +163,7 @@ def run(argv: list[str], *, env: dict[str, str], cwd: Path | None = None,
     with _forwarding(child, received, mask):
         while True:
             try:
-                code = child.wait()
+                code = child_wait(child)
                 break
             except KeyboardInterrupt:  # a SIGINT before our handler was in place
                 received.append(signal.SIGINT)

@@ -1,14 +1,21 @@
-"""A child process that dies with its parent: on Linux, a parent-death signal (SIGTERM)
-set between fork and exec, so that a launcher or worker killed even with SIGKILL never
-leaves its program running unwatched."""
+"""A child process that dies with its parent, and a wait for it that signals interrupt.
+
+On Linux a child gets a parent-death signal (SIGTERM) set between fork and exec, so that
+a launcher or worker killed even with SIGKILL never leaves its program running unwatched.
+:func:`wait` waits for it as ``Popen.wait`` does, except that a signal which lands just
+before the wait starts is acted on at once, not when the child ends by itself.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
+import select
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 _PR_SET_PDEATHSIG = 1
 
@@ -34,3 +41,48 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 def preexec() -> Callable[[], None] | None:
     """The ``preexec_fn`` for ``subprocess.Popen`` (None where there is no such signal)."""
     return _die_with_parent if _PRCTL is not None else None
+
+
+class Waitable(Protocol):
+    pid: int
+
+    def poll(self) -> int | None: ...
+
+    def wait(self) -> int: ...
+
+
+def wait(child: Waitable) -> int:
+    """``child.wait()``, during which the handlers of our signals run as they land.
+
+    A plain ``waitpid`` sleeps through a signal that lands after the interpreter last
+    looked for one and before the call starts (CPython runs a handler between bytecodes,
+    and a blocking call wakes only for a signal that lands inside it): a SIGTERM to a
+    launcher would reach its program only once the program had ended by itself. Here the
+    wait is a ``select`` on the child's pidfd and on the interpreter's signal wakeup
+    descriptor, to which every signal writes a byte whenever it lands. Without pidfds
+    (before Linux 5.3, other systems) or outside the main thread: ``child.wait()``.
+    """
+    try:
+        pidfd = os.pidfd_open(child.pid)
+    except (AttributeError, OSError):
+        return child.wait()
+    wake_r, wake_w = os.pipe()
+    try:
+        os.set_blocking(wake_w, False)
+        os.set_blocking(wake_r, False)
+        try:
+            previous = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread
+            return child.wait()
+        try:
+            while (code := child.poll()) is None:
+                select.select([pidfd, wake_r], [], [])
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(wake_r, 256):
+                        pass
+            return code
+        finally:
+            signal.set_wakeup_fd(previous)
+    finally:
+        for fd in (pidfd, wake_r, wake_w):
+            os.close(fd)

@@ -36,7 +36,8 @@ reply = client.messages.create(model="claude-sonnet-4-6", max_tokens=32,
 print("warm", json.dumps("warm_marker" in sys.modules), flush=True)
 if os.environ.get("AGENT_HOLD"):
     open(os.environ["AGENT_HOLD"], "w").write(str(os.getpid()))
-    time.sleep(60)
+    for _ in range(3000):  # short sleeps: a signal landing just before one is acted on
+        time.sleep(0.02)
 print(reply.content[0].text, search("session"), flush=True)
 '''
 
