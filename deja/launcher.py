@@ -10,7 +10,9 @@ run``):
 - **Signals are passed on.** SIGTERM, SIGINT and SIGHUP sent to the launcher are sent to
   the child, which ends its run ``interrupted`` with an end line (see ``deja.boot``); the
   launcher waits for it and exits 128 + the signal's number, as a shell reports a
-  process killed by that signal. A child killed by a signal gives the same status.
+  process killed by that signal. A child killed by a signal gives the same status. A
+  signal that lands just before the wait starts is passed on at once too
+  (:func:`recorder.harness.child.wait`).
 - **The writer lock travels with the program.** The cassette's writer lock, taken by the
   launcher before anything is read or written, is inherited by the child (the launch
   spec's ``lock_fd``), so it is held while either of them lives. The child is told the
