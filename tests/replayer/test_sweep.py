@@ -331,10 +331,16 @@ def test_an_interrupted_sweep_goes_on_with_its_id_and_runs_no_fork_twice(
 
     args = ["sweep", "run.jsonl", "--perturb", "step=9:error,empty", "--perturb",
             "step=19:error,empty", "-o", "out", "--id", "what-if-1", "--json"]
-    with (project / "first.err").open("wb") as err:
-        first = subprocess.Popen([sys.executable, "-m", "deja", *args, "-j", "1"],
-                                 cwd=project, stdout=subprocess.DEVNULL, stderr=err,
-                                 start_new_session=True)
+    # As from a terminal: Ctrl-C not ignored, even when these tests run in the background
+    # of a shell (which starts them with SIGINT ignored, and a child inherits that).
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with (project / "first.err").open("wb") as err:
+            first = subprocess.Popen([sys.executable, "-m", "deja", *args, "-j", "1"],
+                                     cwd=project, stdout=subprocess.DEVNULL, stderr=err,
+                                     start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     try:
         deadline = time.monotonic() + 300
         while "[1/4]" not in (project / "first.err").read_text():
