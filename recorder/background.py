@@ -16,7 +16,7 @@ run). :meth:`Chores.forget` drops a key's chore and returns once no run of it is
 progress, so that its owner may close the file it works on. A chore handles its own
 errors; one it lets through is logged, and the thread goes on.
 
-The thread blocks the signals sent to a whole process (:func:`keep_signals_off`): Python
+The thread blocks the signals sent to a whole process (:func:`start_quiet`): Python
 runs a signal's handler in the main thread only, and a main thread waiting in a system
 call (the agent's ``time.sleep``, a socket read) wakes for a signal the kernel delivered
 to it, not for one it delivered to this thread, which it may when this thread does not
@@ -43,11 +43,16 @@ PROCESS_SIGNALS = frozenset({
     signal.SIGUSR1, signal.SIGUSR2, signal.SIGCHLD, signal.SIGWINCH})
 
 
-def keep_signals_off() -> None:
-    """Block :data:`PROCESS_SIGNALS` in the calling thread, one of deja's own that never
-    starts a process: the kernel delivers them to a thread of the program instead, the
-    main thread when it is the only other one, whose handlers then run at once."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, PROCESS_SIGNALS)
+def start_quiet(thread: threading.Thread) -> None:
+    """Start ``thread``, one of deja's own that never starts a process, with
+    :data:`PROCESS_SIGNALS` blocked from its first instruction (it inherits the mask of
+    the thread that starts it, here for the moment of the start): the kernel delivers
+    them to a thread of the program instead, whose handlers then run at once."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, PROCESS_SIGNALS)
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class Chores:
@@ -88,7 +93,7 @@ class Chores:
         file, an ending run writes its record)."""
         thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
         try:
-            thread.start()
+            start_quiet(thread)
         except RuntimeError as exc:
             log.warning("deja: cannot start the background writer thread (%s); lines are "
                         "forced to disk when their run ends", exc)
@@ -108,7 +113,6 @@ class Chores:
                 self._cond.wait()
 
     def _loop(self) -> None:
-        keep_signals_off()
         with self._cond:
             while True:
                 heap = self._heap

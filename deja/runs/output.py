@@ -16,7 +16,7 @@ import threading
 import time
 from typing import IO
 
-from recorder.background import keep_signals_off
+from recorder.background import start_quiet
 
 TAIL_LINES = 20
 TAIL_BYTES = 4000
@@ -30,10 +30,9 @@ class StderrTail:
         self._lines: collections.deque[bytes] = collections.deque(maxlen=TAIL_LINES)
         self._thread = threading.Thread(target=self._copy, name="deja-run-stderr",
                                         daemon=True)
-        self._thread.start()
+        start_quiet(self._thread)  # the worker's stop signals reach its main thread
 
     def _copy(self) -> None:
-        keep_signals_off()  # the worker's stop signals reach its main thread
         out = sys.stderr.buffer
         with self._stream:
             for line in iter(self._stream.readline, b""):

@@ -62,27 +62,34 @@ def wait(child: Waitable) -> int:
     descriptor, to which every signal writes a byte whenever it lands. Without pidfds
     (before Linux 5.3, other systems) or outside the main thread: ``child.wait()``.
     """
+    opened: list[int] = []
+    previous: int | None = None
     try:
-        pidfd = os.pidfd_open(child.pid)
-    except (AttributeError, OSError):
-        return child.wait()
-    wake_r, wake_w = os.pipe()
-    try:
+        try:
+            opened.append(os.pidfd_open(child.pid))
+        except (AttributeError, OSError):
+            return child.wait()
+        opened.extend(os.pipe())
+        pidfd, wake_r, wake_w = opened
         os.set_blocking(wake_w, False)
         os.set_blocking(wake_r, False)
         try:
+            previous = -1  # until set_wakeup_fd returns, what was there is not known
             previous = signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         except ValueError:  # not the main thread
+            previous = None
             return child.wait()
-        try:
-            while (code := child.poll()) is None:
-                select.select([pidfd, wake_r], [], [])
-                with contextlib.suppress(BlockingIOError):
-                    while os.read(wake_r, 256):
-                        pass
-            return code
-        finally:
-            signal.set_wakeup_fd(previous)
+        poller = select.poll()  # not select(): it refuses a descriptor numbered >= 1024
+        poller.register(pidfd, select.POLLIN)
+        poller.register(wake_r, select.POLLIN)
+        while (code := child.poll()) is None:
+            poller.poll()
+            with contextlib.suppress(BlockingIOError):
+                while os.read(wake_r, 256):
+                    pass
+        return code
     finally:
-        for fd in (pidfd, wake_r, wake_w):
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
+        for fd in opened:
             os.close(fd)

@@ -144,6 +144,9 @@ _LOCK_WAIT = 1.0  # seconds a write waits for another's lock on a record
 _READ_WAIT = 0.05  # seconds a read waits for a write under way
 _STUCK: set[Path] = set()  # records whose lock was held past _LOCK_WAIT: not waited for
 _pause = time.sleep
+_WRITING = threading.Lock()  # held from a record's open to its close, and around a fork
+os.register_at_fork(before=_WRITING.acquire, after_in_parent=_WRITING.release,
+                    after_in_child=_WRITING.release)
 
 
 def _sealed(text: str) -> bytes:
@@ -185,18 +188,19 @@ def _write_over(path: Path, data: bytes) -> None:
     over the old, which no cut can leave half-written either.
     """
     _private_dir(path.parent)
-    fd = _open_locked(path)
-    try:
-        size = os.fstat(fd).st_size
-        if len(data) > _PAGE or size > _PAGE:
-            _write_private(path, data.decode())
-            return
-        if len(data) < size:
-            data += b" " * (size - len(data))
-        if os.pwrite(fd, data, 0) != len(data):  # a regular file's page: whole or error
-            raise OSError(errno.EIO, "short write")
-    finally:
-        os.close(fd)
+    with _WRITING:  # no fork in this process meanwhile: a child never holds the lock
+        fd = _open_locked(path)
+        try:
+            size = os.fstat(fd).st_size
+            if len(data) > _PAGE or size > _PAGE:
+                _write_private(path, data.decode())
+                return
+            if len(data) < size:
+                data += b" " * (size - len(data))
+            if os.pwrite(fd, data, 0) != len(data):  # a regular file's page: whole or error
+                raise OSError(errno.EIO, "short write")
+        finally:
+            os.close(fd)
 
 
 def _open_locked(path: Path) -> int:
@@ -208,7 +212,7 @@ def _open_locked(path: Path) -> int:
     see :func:`read_status`) and later writes of that record do not wait for it again.
     A file renamed over the one locked meanwhile (a long record) is opened again.
     """
-    for _ in range(3):
+    for attempt in range(3):
         fd = _open_record(path, os.O_WRONLY | os.O_CREAT)
         try:
             held = _locked(fd, fcntl.LOCK_EX, 0.0 if path in _STUCK else _LOCK_WAIT)
@@ -218,13 +222,14 @@ def _open_locked(path: Path) -> int:
                             "over %.0f s; it is written without the lock", path, _LOCK_WAIT)
             elif held:
                 _STUCK.discard(path)
-            if not held or os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
-                return fd
+            if not held or attempt == 2 or \
+                    os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+                return fd  # (replaced three times while we waited: this one will do)
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)  # replaced while we waited: lock the new one
-    return _open_record(path, os.O_WRONLY | os.O_CREAT)
+    raise AssertionError("unreachable")
 
 
 def _open_record(path: Path, flags: int) -> int:

@@ -4,6 +4,8 @@ the wait started."""
 
 from __future__ import annotations
 
+import os
+import resource
 import signal
 import subprocess
 import sys
@@ -62,3 +64,19 @@ def test_a_child_that_ends_is_waited_for_and_the_wakeup_descriptor_is_given_back
     child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(7)"])
     assert wait(child) == 7 and child.returncode == 7
     assert signal.set_wakeup_fd(before) == before
+
+
+def test_a_launcher_with_many_descriptors_open_waits_all_the_same() -> None:
+    """The pidfd may be numbered past 1023, which ``select`` refuses."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    held: list[int] = []
+    try:
+        while len(held) < 1100:
+            held.append(os.open(os.devnull, os.O_RDONLY))
+        child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        assert wait(child) == 3
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -5,10 +5,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -243,3 +245,76 @@ def test_what_is_not_a_regular_file_at_a_records_path_is_never_written_through(
     Progress("r_open", {}, interval=0).update(turn=1, force=True)
     assert stat.S_IMODE(os.stat(status_path("r_open")).st_mode) == 0o600
     assert (read_status("r_open") or {})["turn"] == 1
+
+
+def test_a_writer_that_waited_for_a_record_renamed_over_writes_the_new_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record longer than a page is a new file renamed over the old: a writer that was
+    waiting for the old file's lock meanwhile writes the new file, never the one gone."""
+    record = Progress("r_moved", {}, interval=0)
+    monkeypatch.setattr(progress, "_LOCK_WAIT", 30.0)
+    waiting = threading.Event()
+    real_pause = progress._pause
+    monkeypatch.setattr(progress, "_pause", lambda s: (waiting.set(), real_pause(s)))
+    fd = os.open(record.path, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        writer = threading.Thread(target=lambda: record.update(turn=7, force=True))
+        writer.start()
+        assert waiting.wait(30)  # the writer waits for the lock of the file it opened
+        moved = record.path.with_name("moved.tmp")
+        moved.write_bytes(progress._sealed(json.dumps({"run_id": "r_moved", "turn": 6,
+                                                        "step": "x" * 5000})))
+        os.replace(moved, record.path)
+    finally:
+        os.close(fd)
+    writer.join(30)
+    assert (read_status("r_moved") or {})["turn"] == 7
+
+
+@pytest.mark.filterwarnings("ignore:This process:DeprecationWarning")  # fork, threads
+def test_a_process_forked_while_a_record_is_written_never_holds_its_lock(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fork (a multiprocessing worker, say) waits for a write under way: a child that
+    lives on never holds the record's lock, and the run's next writes never wait."""
+    record = Progress("r_fork", {}, interval=0)
+    monkeypatch.setattr(progress, "_LOCK_WAIT", 5.0)
+    inside, go = threading.Event(), threading.Event()
+    real_pwrite = progress.os.pwrite
+
+    def held_pwrite(fd: int, data: bytes, offset: int) -> int:
+        if threading.current_thread() is not threading.main_thread() and not go.is_set():
+            inside.set()
+            go.wait(30)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(progress.os, "pwrite", held_pwrite)
+    writer = threading.Thread(target=lambda: record.update(turn=1, force=True))
+    writer.start()
+    assert inside.wait(30)
+    forked: list[int] = []
+
+    def fork() -> None:
+        pid = os.fork()
+        if pid == 0:  # the child lives on, holding whatever descriptor it inherited
+            time.sleep(60)
+            os._exit(0)
+        forked.append(pid)
+
+    forker = threading.Thread(target=fork)
+    forker.start()
+    forker.join(0.3)
+    assert not forked  # the fork waits for the write
+    go.set()
+    writer.join(30)
+    forker.join(30)
+    try:
+        assert forked
+        waits: list[float] = []
+        monkeypatch.setattr(progress, "_pause", waits.append)
+        record.update(turn=2, force=True)
+        assert not waits and (read_status("r_fork") or {})["turn"] == 2
+    finally:
+        for pid in forked:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
