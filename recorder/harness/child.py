@@ -58,7 +58,7 @@ def wait(child: Waitable) -> int:
     looked for one and before the call starts (CPython runs a handler between bytecodes,
     and a blocking call wakes only for a signal that lands inside it): a SIGTERM to a
     launcher would reach its program only once the program had ended by itself. Here the
-    wait is a ``select`` on the child's pidfd and on the interpreter's signal wakeup
+    wait is a ``poll`` of the child's pidfd and of the interpreter's signal wakeup
     descriptor, to which every signal writes a byte whenever it lands. Without pidfds
     (before Linux 5.3, other systems) or outside the main thread: ``child.wait()``.
     """

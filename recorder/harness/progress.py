@@ -189,9 +189,8 @@ def _write_over(path: Path, data: bytes) -> None:
     """
     _private_dir(path.parent)
     with _WRITING:  # no fork in this process meanwhile: a child never holds the lock
-        fd = _open_locked(path)
+        fd, size = _open_locked(path)
         try:
-            size = os.fstat(fd).st_size
             if len(data) > _PAGE or size > _PAGE:
                 _write_private(path, data.decode())
                 return
@@ -203,8 +202,9 @@ def _write_over(path: Path, data: bytes) -> None:
             os.close(fd)
 
 
-def _open_locked(path: Path) -> int:
-    """A descriptor of the record file at ``path``, holding its exclusive ``flock``.
+def _open_locked(path: Path) -> tuple[int, int]:
+    """A descriptor of the record file at ``path``, holding its exclusive ``flock``, and
+    the file's size once locked.
 
     A writer that holds the lock for long (stopped, or a forked child that kept an
     inherited descriptor) never stops the run: after :data:`_LOCK_WAIT` seconds the write
@@ -222,9 +222,10 @@ def _open_locked(path: Path) -> int:
                             "over %.0f s; it is written without the lock", path, _LOCK_WAIT)
             elif held:
                 _STUCK.discard(path)
+            found = os.fstat(fd)
             if not held or attempt == 2 or \
-                    os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
-                return fd  # (replaced three times while we waited: this one will do)
+                    os.stat(path, follow_symlinks=False).st_ino == found.st_ino:
+                return fd, found.st_size  # (replaced three times while we waited: it will do)
         except BaseException:
             os.close(fd)
             raise

@@ -518,6 +518,7 @@ class StubServer:
             return self
         httpd = _HTTPServer((self.host, self._requested_port), self)
         self._httpd = httpd
+
         def serve() -> None:  # it and its request threads leave the process's signals
             signal.pthread_sigmask(  # to the main thread (of a test, of `deja stub`)
                 signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
