@@ -25,7 +25,10 @@ run``):
   is in place, and a signal that came meanwhile ends the run ``interrupted`` as soon as it
   has started. Unblocked, a Ctrl-C during Python's start-up is a "Fatal Python error" and
   a run left without its end line. Other programs (and ``python -I``, ``-E`` or ``-S``,
-  which skip the bootstrap) start with no signal blocked.
+  which skip the bootstrap) start with no signal blocked: the launcher blocks them in
+  itself around their start all the same, and the child lets them in before it becomes
+  the program, so a signal that lands between the start and the forwarding is passed on
+  once the forwarding is in place rather than stopping the launcher alone.
 
 The launcher tells the child all of this in the one launch spec it is started with
 (``DEJA_LAUNCH``, a :class:`recorder.launch.LaunchSpec`): the session that
@@ -40,7 +43,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -101,7 +104,7 @@ def shell_status(returncode: int) -> int:
 
 @contextlib.contextmanager
 def _forwarding(child: subprocess.Popen[bytes] | Forked, received: list[int],
-                mask: Iterable[int] | None) -> Iterator[None]:
+                mask: Iterable[int]) -> Iterator[None]:
     """Our signals passed on to ``child`` while it runs; ``mask``, the signal mask to go
     back to once the handlers are in place (what was blocked while the child started)."""
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -113,9 +116,8 @@ def _forwarding(child: subprocess.Popen[bytes] | Forked, received: list[int],
     for signum in FORWARDED:
         with contextlib.suppress(ValueError, OSError):  # not the main thread: no handlers
             previous[signum] = signal.signal(signum, forward)
-    if mask is not None:  # a signal that came meanwhile is forwarded now
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     try:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one that came meanwhile: forwarded
         yield
     finally:
         for signum, handler in previous.items():
@@ -123,15 +125,33 @@ def _forwarding(child: subprocess.Popen[bytes] | Forked, received: list[int],
 
 
 def _start(argv: list[str], *, env: dict[str, str], cwd: Path | None,
-           pass_fds: tuple[int, ...], stdout: int | None) -> subprocess.Popen[bytes] | Forked:
+           pass_fds: tuple[int, ...], stdout: int | None,
+           mask: Iterable[int] | None) -> subprocess.Popen[bytes] | Forked:
     """The program started: a fresh interpreter, or (in a warm process, for a plain
     ``python script`` or ``python -m module``) a fork of this one that becomes the program
-    with the SDKs already imported (:mod:`recorder.harness.warm`)."""
-    if warm.forkable(argv):
+    with the SDKs already imported (:mod:`recorder.harness.warm`). ``mask``: the signal
+    mask a fresh program starts with (None: the one it inherits, stop signals blocked)."""
+    if warm.forkable(argv):  # a Python program that boots: it lets them in itself
         return Forked(argv, env=env, cwd=str(cwd) if cwd is not None else None,
                       fds={1: stdout} if stdout is not None else {}, keep=pass_fds)
     return subprocess.Popen(argv, env=env, cwd=cwd, pass_fds=pass_fds, stdout=stdout,
-                            preexec_fn=preexec())
+                            preexec_fn=_child_start(mask))
+
+
+def _child_start(mask: Iterable[int] | None) -> Callable[[], None] | None:
+    """What a fresh child runs between its fork and its exec: the parent-death signal
+    (:func:`recorder.harness.child.preexec`) and, with ``mask``, that signal mask."""
+    die = preexec()
+    if mask is None:
+        return die
+    unblocked = frozenset(mask)
+
+    def start() -> None:
+        if die is not None:
+            die()
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+
+    return start
 
 
 def run(argv: list[str], *, env: dict[str, str], cwd: Path | None = None,
@@ -150,24 +170,24 @@ def run(argv: list[str], *, env: dict[str, str], cwd: Path | None = None,
         lock_cassette=str(Path(lock.cassette).resolve()) if lock is not None else None)
     env[LAUNCH_ENV] = spec.encode()
     pass_fds = (lock.fd,) if lock is not None else ()
-    mask = None
-    if held:  # blocked here, the child starts with them blocked (see above)
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    # Blocked here until the forwarding is in place; a program that boots starts with them
+    # blocked too (see above), any other with our mask as it was.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
-        child = _start(argv, env=env, cwd=cwd, pass_fds=pass_fds, stdout=stdout)
+        child = _start(argv, env=env, cwd=cwd, pass_fds=pass_fds, stdout=stdout,
+                       mask=None if held else mask)
     except BaseException:
-        if mask is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         raise
-    if lock is not None:
-        lock.note(child=child.pid)
     received: list[int] = []
     with _forwarding(child, received, mask):
+        if lock is not None:
+            lock.note(child=child.pid)
         while True:
             try:
                 code = child_wait(child)
                 break
-            except KeyboardInterrupt:  # a SIGINT before our handler was in place
+            except KeyboardInterrupt:  # a SIGINT with no handler of ours (not the main thread)
                 received.append(signal.SIGINT)
                 with contextlib.suppress(ProcessLookupError):
                     child.send_signal(signal.SIGINT)

@@ -67,6 +67,12 @@ from recorder.testing.script import StubScriptError, load_script
 
 __all__ = ["StubScriptError", "StubServer", "load_script"]
 
+# Signals a process is sent rather than one a thread causes itself (a fault): those a test or
+# `deja stub` handles, which no thread of the server takes from it.
+_PROCESS_SIGNALS = frozenset(signal.valid_signals()) - {
+    signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE,
+    signal.SIGILL, signal.SIGTRAP, signal.SIGSYS}
+
 log = logging.getLogger(__name__)
 
 
@@ -517,19 +523,19 @@ class StubServer:
         if self._httpd is not None:
             return self
         httpd = _HTTPServer((self.host, self._requested_port), self)
-        self._httpd = httpd
-
-        def serve() -> None:  # it and its request threads leave the process's signals
-            signal.pthread_sigmask(  # to the main thread (of a test, of `deja stub`)
-                signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
-            httpd.serve_forever(poll_interval=0.05)
-
-        self._thread = threading.Thread(
-            target=serve,
-            name=f"deja-stub-{self.port}",
-            daemon=True,
-        )
-        self._thread.start()
+        thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                  name=f"deja-stub-{httpd.server_address[1]}", daemon=True)
+        # It and its request threads start with the process's signals blocked: the kernel
+        # gives them to a thread of the test or of `deja stub`, whose handlers run at once.
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _PROCESS_SIGNALS)
+        try:
+            thread.start()
+        except BaseException:
+            httpd.server_close()
+            raise
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        self._httpd, self._thread = httpd, thread
         log.debug("stub server listening on %s", self.url)
         return self
 
@@ -538,7 +544,8 @@ class StubServer:
         httpd, thread = self._httpd, self._thread
         if httpd is None:
             return
-        httpd.shutdown()
+        if thread is not None and thread.is_alive():  # else nothing would answer the request
+            httpd.shutdown()
         httpd.server_close()
         httpd.close_connections()
         if thread is not None:
