@@ -54,13 +54,18 @@ STEPS = (
 )
 
 
-class _Stats:
+class Stats:
     """Times per step, added from the proxy's event loop and from its worker threads."""
 
     def __init__(self) -> None:
         self.wall: dict[str, list[float]] = {}
         self.cpu: dict[str, float] = {}
         self._lock = threading.RLock()  # a GC pass inside add() adds its own time
+
+    def clear(self) -> None:
+        with self._lock:
+            self.wall.clear()
+            self.cpu.clear()
 
     def add(self, label: str, wall: float, cpu: float) -> None:
         with self._lock:
@@ -72,7 +77,7 @@ class _Stats:
             return {"wall": {k: list(v) for k, v in self.wall.items()}, "cpu": dict(self.cpu)}
 
 
-def _timed(fn: Callable[..., Any], label: str, stats: _Stats) -> Callable[..., Any]:
+def timed(fn: Callable[..., Any], label: str, stats: Stats) -> Callable[..., Any]:
     if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)
         async def run_async(*args: Any, **kwargs: Any) -> Any:
@@ -93,32 +98,31 @@ def _timed(fn: Callable[..., Any], label: str, stats: _Stats) -> Callable[..., A
     return run
 
 
-def _wrap(stats: _Stats) -> None:
+def wrap(stats: Stats, steps: tuple[tuple[str, str, str], ...] = STEPS) -> None:
     import importlib
 
-    for module_name, path, label in STEPS:
+    for module_name, path, label in steps:
         owner: Any = importlib.import_module(module_name)
         *outer, name = path.split(".")
         for part in outer:
             owner = getattr(owner, part)
         raw = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
         static = isinstance(raw, staticmethod)
-        wrapped = _timed(raw.__func__ if static else raw, label, stats)
+        wrapped = timed(raw.__func__ if static else raw, label, stats)
         setattr(owner, name, staticmethod(wrapped) if static else wrapped)
 
 
 GC = "garbage collection (any thread)"
 
 
-def _time_gc(stats: _Stats) -> None:
-    """Each pass of the cyclic garbage collector, as a step."""
+def time_gc(stats: Stats) -> Callable[[str, dict[str, Any]], None]:
+    """Each pass of the cyclic garbage collector, as a step (:data:`GC`); returns the
+    callback, for ``gc.callbacks.remove``."""
     import gc
 
     started: dict[int, tuple[float, float]] = {}
 
     def callback(phase: str, info: dict[str, Any]) -> None:
-        import threading
-
         me = threading.get_ident()
         if phase == "start":
             started[me] = (time.perf_counter(), time.thread_time())
@@ -127,14 +131,15 @@ def _time_gc(stats: _Stats) -> None:
             stats.add(GC, time.perf_counter() - t0, time.thread_time() - c0)
 
     gc.callbacks.append(callback)
+    return callback
 
 
 def serve(stats_file: Path, proxy_args: list[str]) -> None:
     """``deja proxy PROXY_ARGS`` with its steps timed; the figures go to ``stats_file``
     when it exits."""
-    stats = _Stats()
-    _wrap(stats)
-    _time_gc(stats)
+    stats = Stats()
+    wrap(stats)
+    time_gc(stats)
 
     def dump() -> None:
         stats_file.write_text(json.dumps(stats.snapshot()))
