@@ -4,19 +4,23 @@
 (``bench/record_overhead.py``: conversations of ``workloads.CONV_TURNS`` calls whose history
 grows, two tools alternating, the real anthropic SDK against the stub server) live and
 inside ``recorder.record`` (its defaults: ``fsync="turn"``, every guard; the turns budget
-raised, as in the row), in alternating
-blocks. It prints:
+raised, as in the row), in rounds of one block of each, their order alternating. It prints:
 
-- the agent thread's CPU per call, live and recorded (``time.thread_time``: waiting for a
-  CPU or for the interpreter lock does not count, so the figures hold on a busy machine),
-  and their difference: what recording adds to the thread that makes the call;
-- each step of that addition, timed where it runs, as CPU per call; an indented step is
-  part of the one above it. What is left of the difference after the steps is the
-  interception itself: the request and response objects around httpx's, and the tee the
-  response's bytes go through;
+- each step of a recorded call, timed where it runs, as CPU per call: the CPU time of the
+  thread that ran it (``time.thread_time``, which waiting for the interpreter lock or for
+  the machine's CPUs does not count; a machine slower on the whole still slows it). An
+  indented step is part of the one above it; each timed step also carries the cost of
+  the timing (two clock reads, about a microsecond), and those nested in it theirs;
 - the work recording moves off the call: the group commit (``fsync``) and the status
-  record, in deja's background thread.
+  record, in deja's background thread; and the garbage collector's passes, in recorded
+  and in live blocks;
+- the agent thread's CPU per call in the live and the recorded blocks, median and range.
+  Their difference also holds what the steps leave out (deja's request and response
+  objects around httpx's, the tee the response's bytes go through), but blocks vary more
+  from one to the next than that, on a busy machine: the steps are the figures to read.
 """
+
+
 
 from __future__ import annotations
 
@@ -55,7 +59,17 @@ BUDGETS = {"turns": 1_000_000}  # as the recording row: no budget stops the work
 
 
 def measure(calls: int = 300, rounds: int = 5) -> dict[str, Any]:
-    os.environ.setdefault("DEJA_HOME", tempfile.mkdtemp(prefix="deja-record-steps-"))
+    if os.environ.get("DEJA_HOME"):
+        return _measure(calls, rounds)
+    with tempfile.TemporaryDirectory(prefix="deja-record-steps-") as home:
+        os.environ["DEJA_HOME"] = home  # its signing key goes with it
+        try:
+            return _measure(calls, rounds)
+        finally:
+            del os.environ["DEJA_HOME"]
+
+
+def _measure(calls: int, rounds: int) -> dict[str, Any]:
     import workloads as w
 
     import recorder
@@ -111,9 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="recording's time, step by step")
     parser.add_argument("--calls", type=int, default=300,
                         help="calls per block (a multiple of the conversation's turns)")
-    parser.add_argument("--rounds", type=int, default=5, help="blocks of each kind")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds of one live and one recorded block")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
+    import workloads as w
+
+    if args.calls < 1 or args.calls % w.CONV_TURNS or args.rounds < 1:
+        parser.error(f"--calls must be a multiple of {w.CONV_TURNS} and --rounds at least 1")
     res = measure(args.calls, args.rounds)
     print(json.dumps(res, indent=2) if args.json else table(res))
     return 0

@@ -25,10 +25,13 @@ run``):
   is in place, and a signal that came meanwhile ends the run ``interrupted`` as soon as it
   has started. Unblocked, a Ctrl-C during Python's start-up is a "Fatal Python error" and
   a run left without its end line. Other programs (and ``python -I``, ``-E`` or ``-S``,
-  which skip the bootstrap) start with no signal blocked: the launcher blocks them in
-  itself around their start all the same, and the child lets them in before it becomes
-  the program, so a signal that lands between the start and the forwarding is passed on
-  once the forwarding is in place rather than stopping the launcher alone.
+  which skip the bootstrap) start with the signal mask the launcher had: the launcher
+  blocks the three in itself around their start all the same, and the child lets them in
+  before it becomes the program, so a signal that lands between the start and the
+  forwarding is passed on once the forwarding is in place (a Ctrl-C would otherwise stop
+  the launcher with a traceback, and the program by its parent-death signal, with neither
+  an ``interrupted`` run nor the status 128 + N). This holds as long as the launcher's
+  other threads block them too, as deja's own do.
 
 The launcher tells the child all of this in the one launch spec it is started with
 (``DEJA_LAUNCH``, a :class:`recorder.launch.LaunchSpec`): the session that
@@ -106,20 +109,22 @@ def shell_status(returncode: int) -> int:
 def _forwarding(child: subprocess.Popen[bytes] | Forked, received: list[int],
                 mask: Iterable[int]) -> Iterator[None]:
     """Our signals passed on to ``child`` while it runs; ``mask``, the signal mask to go
-    back to once the handlers are in place (what was blocked while the child started)."""
+    back to once the handlers are in place (what was blocked while the child started),
+    and in any case on the way out."""
     def forward(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
         with contextlib.suppress(ProcessLookupError):
             child.send_signal(signum)
 
     previous = {}
-    for signum in FORWARDED:
-        with contextlib.suppress(ValueError, OSError):  # not the main thread: no handlers
-            previous[signum] = signal.signal(signum, forward)
     try:
+        for signum in FORWARDED:
+            with contextlib.suppress(ValueError, OSError):  # not the main thread: no handlers
+                previous[signum] = signal.signal(signum, forward)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one that came meanwhile: forwarded
         yield
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
@@ -132,6 +137,7 @@ def _start(argv: list[str], *, env: dict[str, str], cwd: Path | None,
     with the SDKs already imported (:mod:`recorder.harness.warm`). ``mask``: the signal
     mask a fresh program starts with (None: the one it inherits, stop signals blocked)."""
     if warm.forkable(argv):  # a Python program that boots: it lets them in itself
+        assert mask is None, "a warm fork boots: it starts with the stop signals blocked"
         return Forked(argv, env=env, cwd=str(cwd) if cwd is not None else None,
                       fds={1: stdout} if stdout is not None else {}, keep=pass_fds)
     return subprocess.Popen(argv, env=env, cwd=cwd, pass_fds=pass_fds, stdout=stdout,
@@ -140,7 +146,10 @@ def _start(argv: list[str], *, env: dict[str, str], cwd: Path | None,
 
 def _child_start(mask: Iterable[int] | None) -> Callable[[], None] | None:
     """What a fresh child runs between its fork and its exec: the parent-death signal
-    (:func:`recorder.harness.child.preexec`) and, with ``mask``, that signal mask."""
+    (:func:`recorder.harness.child.preexec`) and, with ``mask``, that signal mask. A stop
+    signal that reached the child meanwhile (a terminal's Ctrl-C goes to the launcher and
+    to it) then does what it would do to the program: our Python handlers, which its exec
+    would reset, are reset first, so it ends the child rather than raise in it."""
     die = preexec()
     if mask is None:
         return die
@@ -149,6 +158,9 @@ def _child_start(mask: Iterable[int] | None) -> Callable[[], None] | None:
     def start() -> None:
         if die is not None:
             die()
+        for signum in FORWARDED:
+            if callable(signal.getsignal(signum)):
+                signal.signal(signum, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
 
     return start
@@ -173,22 +185,14 @@ def run(argv: list[str], *, env: dict[str, str], cwd: Path | None = None,
     # Blocked here until the forwarding is in place; a program that boots starts with them
     # blocked too (see above), any other with our mask as it was.
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    received: list[int] = []
     try:
         child = _start(argv, env=env, cwd=cwd, pass_fds=pass_fds, stdout=stdout,
                        mask=None if held else mask)
-    except BaseException:
+        with _forwarding(child, received, mask):
+            if lock is not None:
+                lock.note(child=child.pid)
+            code = child_wait(child)
+    finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        raise
-    received: list[int] = []
-    with _forwarding(child, received, mask):
-        if lock is not None:
-            lock.note(child=child.pid)
-        while True:
-            try:
-                code = child_wait(child)
-                break
-            except KeyboardInterrupt:  # a SIGINT with no handler of ours (not the main thread)
-                received.append(signal.SIGINT)
-                with contextlib.suppress(ProcessLookupError):
-                    child.send_signal(signal.SIGINT)
     return Exit(shell_status(code), received[0] if received else None)

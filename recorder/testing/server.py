@@ -43,14 +43,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from recorder.testing import bedrock_reply, gemini_reply, openai_reply
+from recorder.testing._http import HttpServer, serve_in_thread
 from recorder.testing.match import attempt, pick, position
 from recorder.testing.reply import (
     Answer,
@@ -67,12 +67,6 @@ from recorder.testing.script import StubScriptError, load_script
 
 __all__ = ["StubScriptError", "StubServer", "load_script"]
 
-# Signals a process is sent rather than one a thread causes itself (a fault): those a test or
-# `deja stub` handles, which no thread of the server takes from it.
-_PROCESS_SIGNALS = frozenset(signal.valid_signals()) - {
-    signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE,
-    signal.SIGILL, signal.SIGTRAP, signal.SIGSYS}
-
 log = logging.getLogger(__name__)
 
 
@@ -81,56 +75,11 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------------
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    allow_reuse_address = True
-    request_queue_size = 128
-
-    def __init__(self, address: tuple[str, int], stub: StubServer) -> None:
-        self.stub = stub
-        self._conns: set[socket.socket] = set()
-        self._conns_lock = threading.Lock()
-        super().__init__(address, _Handler)
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        sock, addr = super().get_request()
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:  # pragma: no cover - not a TCP socket
-            pass
-        with self._conns_lock:
-            self._conns.add(sock)
-        return sock, addr
-
-    def shutdown_request(self, request: Any) -> None:
-        with self._conns_lock:
-            self._conns.discard(request)
-        super().shutdown_request(request)
-
-    def close_connections(self) -> None:
-        with self._conns_lock:
-            conns = list(self._conns)
-            self._conns.clear()
-        for sock in conns:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            try:
-                sock.close()
-            except OSError:  # pragma: no cover
-                pass
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.debug("stub server: error while handling %s", client_address, exc_info=True)
-
-
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "deja-stub/1.0"
     sys_version = ""
-    server: _HTTPServer
+    server: HttpServer
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -500,7 +449,7 @@ class StubServer:
         self._next = 0  # "sequence": index of the next turn
         self.served = 0
         self.requests: list[dict] = []
-        self._httpd: _HTTPServer | None = None
+        self._httpd: HttpServer | None = None
         self._thread: threading.Thread | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -522,20 +471,9 @@ class StubServer:
         """Bind and serve in a daemon thread; returns ``self``. No-op if already running."""
         if self._httpd is not None:
             return self
-        httpd = _HTTPServer((self.host, self._requested_port), self)
-        thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                                  name=f"deja-stub-{httpd.server_address[1]}", daemon=True)
-        # It and its request threads start with the process's signals blocked: the kernel
-        # gives them to a thread of the test or of `deja stub`, whose handlers run at once.
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _PROCESS_SIGNALS)
-        try:
-            thread.start()
-        except BaseException:
-            httpd.server_close()
-            raise
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-        self._httpd, self._thread = httpd, thread
+        httpd = HttpServer((self.host, self._requested_port), _Handler, self)
+        self._thread = serve_in_thread(httpd, f"deja-stub-{httpd.server_address[1]}")
+        self._httpd = httpd
         log.debug("stub server listening on %s", self.url)
         return self
 
@@ -544,8 +482,7 @@ class StubServer:
         httpd, thread = self._httpd, self._thread
         if httpd is None:
             return
-        if thread is not None and thread.is_alive():  # else nothing would answer the request
-            httpd.shutdown()
+        httpd.shutdown()
         httpd.server_close()
         httpd.close_connections()
         if thread is not None:
