@@ -58,18 +58,20 @@ STEPS = (
 BUDGETS = {"turns": 1_000_000}  # as the recording row: no budget stops the workload
 
 
-def measure(calls: int = 300, rounds: int = 5) -> dict[str, Any]:
+def measure(calls: int = 300, rounds: int = 5, *, stream: bool = False) -> dict[str, Any]:
+    """The figures of ``rounds`` rounds of ``calls`` calls each way (``stream``: streamed
+    calls, whose first event waits for what is done before the call)."""
     if os.environ.get("DEJA_HOME"):
-        return _measure(calls, rounds)
+        return _measure(calls, rounds, stream)
     with tempfile.TemporaryDirectory(prefix="deja-record-steps-") as home:
         os.environ["DEJA_HOME"] = home  # its signing key goes with it
         try:
-            return _measure(calls, rounds)
+            return _measure(calls, rounds, stream)
         finally:
             del os.environ["DEJA_HOME"]
 
 
-def _measure(calls: int, rounds: int) -> dict[str, Any]:
+def _measure(calls: int, rounds: int, stream: bool) -> dict[str, Any]:
     import workloads as w
 
     import recorder
@@ -80,19 +82,19 @@ def _measure(calls: int, rounds: int) -> dict[str, Any]:
     cpu: dict[str, list[float]] = {"live": [], "recorded": []}
     gc_cpu = {"live": 0.0, "recorded": 0.0}
     with w.tempdir("record-steps") as d, w.stub(w.agent_script(w.CONV_TURNS)) as server:
-        w.agent_run(w.client(server.url), 60)  # warm-up: imports, connections, first calls
+        w.agent_run(w.client(server.url), 60, stream=stream)  # warm-up: imports, first calls
         with recorder.record(d / "warm.jsonl", budgets=BUDGETS):
-            w.agent_run(w.client(server.url), 60)
+            w.agent_run(w.client(server.url), 60, stream=stream)
         stats.clear()  # the warm-up is not counted
         for r in range(rounds):
             for kind in ("live", "recorded") if r % 2 == 0 else ("recorded", "live"):
                 before = stats.cpu.get(GC, 0.0)
                 c0 = time.thread_time()
                 if kind == "live":
-                    w.agent_run(w.client(server.url), calls)
+                    w.agent_run(w.client(server.url), calls, stream=stream)
                 else:
                     with recorder.record(d / f"r{r}.jsonl", budgets=BUDGETS):
-                        w.agent_run(w.client(server.url), calls)
+                        w.agent_run(w.client(server.url), calls, stream=stream)
                 cpu[kind].append((time.thread_time() - c0) / calls * 1e6)
                 gc_cpu[kind] += stats.cpu.get(GC, 0.0) - before
     gc.callbacks.remove(timing_gc)
@@ -101,7 +103,8 @@ def _measure(calls: int, rounds: int) -> dict[str, Any]:
     steps = [{"step": label, "cpu_us_per_call": raw["cpu"].get(label, 0.0) / n * 1e6,
               "n": len(raw["wall"].get(label, []))} for _, _, label in STEPS]
     live, recorded = statistics.median(cpu["live"]), statistics.median(cpu["recorded"])
-    return {"calls": n, "live_us": live, "recorded_us": recorded, "added_us": recorded - live,
+    return {"calls": n, "stream": stream, "live_us": live, "recorded_us": recorded,
+            "added_us": recorded - live,
             "live_rounds_us": cpu["live"], "recorded_rounds_us": cpu["recorded"],
             "gc_us": {k: v / n * 1e6 for k, v in gc_cpu.items()}, "steps": steps}
 
@@ -127,13 +130,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="calls per block (a multiple of the conversation's turns)")
     parser.add_argument("--rounds", type=int, default=5,
                         help="rounds of one live and one recorded block")
+    parser.add_argument("--stream", action="store_true",
+                        help="streamed calls (the time to the first event row's workload)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     import workloads as w
 
     if args.calls < 1 or args.calls % w.CONV_TURNS or args.rounds < 1:
         parser.error(f"--calls must be a multiple of {w.CONV_TURNS} and --rounds at least 1")
-    res = measure(args.calls, args.rounds)
+    res = measure(args.calls, args.rounds, stream=args.stream)
     print(json.dumps(res, indent=2) if args.json else table(res))
     return 0
 
