@@ -176,9 +176,11 @@ def _named_source() -> str:
         for suffix, extra in (('"', 1), ("'", 1), (r"\\\"", 2), ("", 0), (" ", 1)):
             by_width.setdefault(len(word) + extra, []).append(f"(?i:{word}){suffix}")
     names = "|".join(rf"(?<=(?:{'|'.join(g)})[:=])" for _, g in sorted(by_width.items()))
-    ending = "dDeEtTyYsSlLnNhH"  # the words' last letters: most separators stop here
-    quick = (rf"(?:(?<=[{ending}][:=])|(?<=[{ending}][\"' ][:=])"
-             rf"|(?<=[{ending}]\\\"[:=]))")
+    # the words' last two letters, before the suffix: most separators stop here, before the
+    # lookbehinds of every name are tried (a JSON body has a ':' after each of its keys)
+    ending = "(?i:" + "|".join(sorted({word[-2:] for word in _NAME_WORDS})) + ")"
+    quick = (rf"(?:(?<={ending}[:=])|(?<={ending}[\"' ][:=])"
+             rf"|(?<={ending}\\\"[:=]))")
     # possessive: a value is read once, in runs, and never given back
     quoted = r"(?!\[redacted\])(?:[^\"\\\n]++|\\[^\"\n])++"
     single = r"(?!\[redacted\])(?:[^'\\\n]++|\\[^'\n])++"
