@@ -25,7 +25,7 @@ import recorder
 import replayer
 from deja.cli import main
 from recorder.canonical import fingerprint
-from recorder.capture._secrets import _Scanner
+from recorder.capture._secrets import _NAME_WORDS, _Scanner
 from recorder.capture.exchange import classify
 from recorder.capture.redact import REDACTED, RULES, Redaction
 from recorder.cassette import load
@@ -485,6 +485,23 @@ def test_values_named_like_secrets_in_any_case_style() -> None:
     old = Redaction.from_header({"rules": 1})
     assert old.text('{"password": "hunter2"}') == '{"password": "hunter2"}'
     assert "access_key" not in old.query and old.to_header()["query"] == []
+
+
+def test_every_name_of_a_secret_is_found_in_every_case_and_form() -> None:
+    """The second pass looks at a separator only when the letters before it can end one of
+    these names: each is found, in any case, however it is quoted or separated."""
+    r = Redaction()
+    value = "abcDEF123456ghiJKL"
+    quoted = ('{"%s": "%s"}', "{'%s': '%s'}", '"{\\"%s\\": \\"%s\\"}"', '%s = "%s"')
+    for word in _NAME_WORDS:
+        name = "api_key" if word == "key" else word  # a bare key is no secret's name
+        # a cookie's value is read as a header's: name=value pairs, or quoted in JSON
+        forms = quoted if word == "cookie" else (*quoted, "%s=%s", "%s: %s")
+        for spelled in (name, name.upper(), name.capitalize()):
+            for form in forms:
+                text = form % (spelled, value)
+                assert value not in r.text(text), text
+                assert value.encode() not in r.data(text.encode()), text
 
 
 def test_dash_p_is_a_password_when_it_looks_like_one() -> None:
