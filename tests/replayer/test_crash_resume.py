@@ -25,9 +25,12 @@ starts only once its intent is on disk). When ``seed % 6 == 5`` the first resume
 too, inside its first live ``pay`` (before or after the ledger write), and a second resume
 finishes the run (one ``resumed`` line per resume).
 
-``DEJA_CRASH_SEEDS`` sets the number of seeds (12: every way of crashing twice, two double
-kills; ``make stress`` runs 200). Seeds run two at a time in background threads (every step
-is a subprocess); each seed's test waits for its own and checks it.
+Without ``DEJA_CRASH_SEEDS`` the seeds are 0-5 and 11: each way of crashing once (2 and 3
+at the two edges, the first line and the last), and both double kills (the resume killed
+before, then after, its ledger write). ``DEJA_CRASH_SEEDS=N`` runs seeds 0 to N-1 (``make
+stress`` runs 200: kill points drawn all over the run). Seeds run two at a time in
+background threads (every step is a subprocess); each seed's test waits for its own and
+checks it.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ AGENT = "examples/reconciliation.py"
 SCRIPT = ROOT / "examples" / "reconciliation.stub.json"
 TINY = "tests/intent_agent.py"
 KEY = "test-key-0123456789abcdef"  # conftest's DEJA_KEY, given explicitly to subprocesses
-SEEDS = range(int(os.environ.get("DEJA_CRASH_SEEDS", 12)))
+SEEDS = (range(int(os.environ["DEJA_CRASH_SEEDS"])) if os.environ.get("DEJA_CRASH_SEEDS")
+         else (0, 1, 2, 3, 4, 5, 11))
 WORKERS = 2
 KILLS = ("before_ledger", "after_ledger", "harness", "harness", "harness_torn")
 PAYS = 20

@@ -27,12 +27,14 @@ On Postgres two workers (``a`` and ``b``) share the database and the cassette di
 the one running the run is killed mid-run, and the other takes it over (heartbeats, then
 the engine's recovery call) within 15 s and completes it, with the same guarantees.
 
-``DEJA_WORKER_SEEDS`` sets the number of seeds (8: the two edges, then six drawn; ``make
-stress`` runs 100). Seeds run two at a time in background threads (every step is a
-subprocess; each seed has its own home, database, stub model and worker); each seed's test
-waits for its own and checks it. The
-figures (where the kills landed, restart to working, time for orphans to die, takeover,
-wall time) are printed at the end of the module.
+Without ``DEJA_WORKER_SEEDS`` the seeds are 0, 1, 5 and 7: the two edges (a kill at the
+header, then one more later in the run; a kill once the end line is written), two kills
+each a delay after a launch (5), and a delayed kill then one on lines (7).
+``DEJA_WORKER_SEEDS=N`` runs seeds 0 to N-1 (``make stress`` runs 100: kills drawn all over
+the run). Seeds run two at a time in background threads (every step is a subprocess; each
+seed has its own home, database, stub model and worker); each seed's test waits for its
+own and checks it. The figures (where the kills landed, restart to working, time for
+orphans to die, takeover, wall time) are printed at the end of the module.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ from deja.runs.store import ENDED
 from recorder.cassette import lock as writer_lock
 from recorder.testing.server import StubServer
 
-SEEDS = range(int(os.environ.get("DEJA_WORKER_SEEDS", 8)))
+SEEDS = (range(int(os.environ["DEJA_WORKER_SEEDS"])) if os.environ.get("DEJA_WORKER_SEEDS")
+         else (0, 1, 5, 7))
 PG_SEEDS = (0, 1)
 PARALLEL = 2
 TIMEOUT = 120.0  # for a run to end, a kill point to be reached, a run to be dispatched
