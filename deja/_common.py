@@ -38,6 +38,36 @@ class RunsCommand(click.Command):
                 f"deja {self.name} ... -- python agent.py --its-option)", ctx) from None
 
 
+class ReplayCommand(RunsCommand):
+    """``deja replay``'s parsing: click alone cannot tell where the cassettes end and the
+    command begins, so the first ``--`` splits them; what comes before it is parsed as
+    usual (options anywhere, the cassettes and directories), what comes after it is the
+    command, given to the callback as ``command`` (None when there is no ``--``)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        command = None
+        if "--" in args:
+            at = args.index("--")
+            args, command = args[:at], args[at + 1:]
+        args = _then_stub_script(args)
+        rest = super().parse_args(ctx, args)
+        ctx.params["command"] = tuple(command) if command is not None else None
+        return rest
+
+    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
+        return [*super().collect_usage_pieces(ctx), "[-- CMD ...]"]
+
+
+def _then_stub_script(args: list[str]) -> list[str]:
+    """``--then stub SCRIPT`` as click takes it: ``--then stub --then-script SCRIPT``."""
+    out = list(args)
+    for n, word in enumerate(out[:-2]):
+        if word == "--then" and out[n + 1] == "stub" and not out[n + 2].startswith("-"):
+            out[n + 2:n + 2] = ["--then-script"]
+            break
+    return out
+
+
 def _allow_unverified_option(func: Any) -> Any:
     return click.option(
         "--allow-unverified", is_flag=True,

@@ -12,6 +12,7 @@ program they run is in ``deja._launch``); the commands that look at recorded run
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import shlex
@@ -21,22 +22,9 @@ from typing import TYPE_CHECKING
 
 import click
 
-from deja import (
-    cli_drift,
-    cli_export,
-    cli_import,
-    cli_inspect,
-    cli_proxy,
-    cli_replay,
-    cli_runs,
-    cli_serve,
-    cli_stub,
-    cli_suite,
-    cli_sweep,
-    cli_wait,
-)
 from deja._common import (
     BadInput,
+    ReplayCommand,
     RunsCommand,
     _allow_unverified_option,
     _cwd_option,
@@ -56,13 +44,46 @@ from deja._common import (
     tool_policy_options,
 )
 from deja._launch import _echo_split, _launch, _where_to_run, _writer_lock
-from deja.cli_replay import PROXY_TOOLS_WARNING
 
 if TYPE_CHECKING:
     from replayer.fork import ForkPlan
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+# The commands of the other cli_* modules, each imported when it runs (or when --help lists
+# them all): a command does not pay for importing the others and what they need.
+COMMANDS = {name: module for module, names in {
+    "deja.cli_inspect": ("verify", "repair", "show", "ls", "view", "diff"),
+    "deja.cli_runs": ("status", "cancel"),
+    "deja.cli_stub": ("stub",),
+    "deja.cli_proxy": ("proxy",),
+    "deja.cli_export": ("export",),
+    "deja.cli_import": ("import",),
+    "deja.cli_serve": ("worker", "serve", "submit", "runs", "answer", "schedule", "check"),
+    "deja.cli_wait": ("wait",),
+    "deja.cli_drift": ("drift",),
+    "deja.cli_suite": ("suite",),
+    "deja.cli_sweep": ("sweep",),
+}.items() for name in names}
+
+
+class _Commands(click.Group):
+    """deja's command group: the commands of :data:`COMMANDS` are found in their modules
+    by name when asked for."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in self.commands or cmd_name not in COMMANDS:
+            return self.commands.get(cmd_name)
+        module = importlib.import_module(COMMANDS[cmd_name])
+        [command] = [c for c in vars(module).values()
+                     if isinstance(c, click.Command) and c.name == cmd_name]
+        self.add_command(command)
+        return command
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="deja-replay")
 def main() -> None:
     """deja: record, replay and inspect LLM agent runs.
@@ -154,7 +175,7 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
     sys.exit(code)
 
 
-@click.command(cls=cli_replay.ReplayCommand)
+@click.command(cls=ReplayCommand)
 @click.argument("cassettes", nargs=-1, required=True, metavar="CASSETTE|DIR...")
 @click.option("--require-signature", is_flag=True,
               help="Refuse a cassette whose signature cannot be checked, even when "
@@ -230,6 +251,8 @@ def replay(cassettes: tuple[str, ...], command: tuple[str, ...] | None,
     judged (a bad, torn or refused cassette, a program that failed before the replay
     reported); 2 wins over 1.
     """
+    from deja import cli_replay
+
     cli_replay.run(cassettes, command, cli_replay.ReplayOptions(
         require_signature=require_signature, allow_unverified=allow_unverified,
         run_recorded_command=run_recorded_command, allow_torn=allow_torn,
@@ -311,6 +334,9 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
     if warning is not None:  # said before anything runs
         click.secho(f"deja: WARNING: {warning}", err=True, fg="yellow")
     if isinstance(plan.parent.header.get("proxy"), dict):  # an agent in any language
+        from deja.cli_proxy import through_proxy
+        from deja.cli_replay import PROXY_TOOLS_WARNING
+
         click.secho(PROXY_TOOLS_WARNING, err=True, fg="yellow")
         if then_replay is not None:
             raise BadInput("--then-replay is for runs deja launched; a run recorded through "
@@ -318,7 +344,7 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
         edit_args = ([f"--set={pair}" for pair in sets] if sets else
                      ["--patch", str(patch_file)] if patch_file else
                      ["--replace", str(replace_file)])
-        code = cli_proxy.through_proxy(
+        code = through_proxy(
             ["--fork", str(cassette.resolve()), "--at", str(at), *edit_args,
              "-o", str(plan.out.resolve()), "--upstream", os.environ.get("ANTHROPIC_BASE_URL", "https://api.anthropic.com")],
             argv, cwd)
@@ -396,13 +422,7 @@ def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
     sys.exit(code)
 
 
-for command in (record, replay, cli_inspect.verify, cli_inspect.repair, cli_inspect.show,
-                cli_inspect.ls_, cli_inspect.view, fork, resume, cli_inspect.diff,
-                cli_runs.status, cli_runs.cancel, cli_stub.stub, cli_proxy.proxy,
-                cli_export.export, cli_import.import_, cli_serve.worker, cli_serve.serve,
-                cli_serve.submit, cli_serve.runs_, cli_serve.answer, cli_serve.schedule,
-                cli_serve.check, cli_wait.wait, cli_drift.drift, cli_suite.suite,
-                cli_sweep.sweep):
+for command in (record, replay, fork, resume):
     main.add_command(command)
 
 

@@ -5,7 +5,8 @@ Actions annotations).
 The command line is ``deja replay CASSETTE|DIR... [-- CMD ...]``: everything before ``--``
 is a cassette or a directory (its ``*.jsonl`` files, sorted), everything after it the
 command to run. One cassette prints what it always did; several (or a directory) also end
-with a table. The click command itself, its options and its help, is in :mod:`deja.cli`.
+with a table. The click command itself, its options and its help, is in :mod:`deja.cli`; its parsing
+(:class:`deja._common.ReplayCommand`) in :mod:`deja._common`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from deja import cli_proxy
 from deja._common import (
     EXIT_DIVERGED,
     BadInput,
-    RunsCommand,
     _header_run,
     _load,
     _no_command,
@@ -48,26 +48,6 @@ PROXY_TOOLS_WARNING = ("deja: WARNING: this run was recorded through deja proxy:
                        "the model's answers, but the agent's own tools run in its process, "
                        "for real, as they did when it was recorded")
 TABLE = ["cassette", "run", "verdict", "steps", "divergence", "seconds"]
-
-
-class ReplayCommand(RunsCommand):
-    """``deja replay``'s parsing: click alone cannot tell where the cassettes end and the
-    command begins, so the first ``--`` splits them; what comes before it is parsed as
-    usual (options anywhere, the cassettes and directories), what comes after it is the
-    command, given to the callback as ``command`` (None when there is no ``--``)."""
-
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        command = None
-        if "--" in args:
-            at = args.index("--")
-            args, command = args[:at], args[at + 1:]
-        args = _then_stub_script(args)
-        rest = super().parse_args(ctx, args)
-        ctx.params["command"] = tuple(command) if command is not None else None
-        return rest
-
-    def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
-        return [*super().collect_usage_pieces(ctx), "[-- CMD ...]"]
 
 
 @dataclass(frozen=True)
@@ -128,16 +108,6 @@ def run(words: Sequence[str], command: Sequence[str] | None, opts: ReplayOptions
     if failed is not None:
         raise failed
     sys.exit(outcome.status)
-
-
-def _then_stub_script(args: list[str]) -> list[str]:
-    """``--then stub SCRIPT`` as click takes it: ``--then stub --then-script SCRIPT``."""
-    out = list(args)
-    for n, word in enumerate(out[:-2]):
-        if word == "--then" and out[n + 1] == "stub" and not out[n + 2].startswith("-"):
-            out[n + 2:n + 2] = ["--then-script"]
-            break
-    return out
 
 
 def _split(words: Sequence[str],

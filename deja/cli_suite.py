@@ -40,6 +40,7 @@ import click
 from deja import cli_replay
 from deja._common import (
     BadInput,
+    ReplayCommand,
     _cwd_option,
     _print_table,
     policy_options,
@@ -92,7 +93,7 @@ def summary_option(where: str) -> Callable[[F], F]:
                              f"{where}/.deja/suites/<id>.json, which deja view shows).")
 
 
-@click.command("suite", cls=cli_replay.ReplayCommand)
+@click.command("suite", cls=ReplayCommand)
 @click.argument("folder", metavar="DIR", type=click.Path(path_type=Path))
 @then_options("under OUTDIR, for each incident")
 @click.option("-j", "--jobs", "parallel", type=click.IntRange(min=1), metavar="N",

@@ -57,11 +57,13 @@ _log = logging.getLogger("deja.replayer")
 
 VERDICTS = ("identical", "equivalent", "changed", "now_completes", "now_fails", "error")
 # What a warm fork server imports once for all of a suite's jobs: deja's command line and
-# the modules its bootstrap starts a replay with, and the SDKs deja captures (those not
+# the commands a job runs (replay, fork, sweep; each imports its module when it runs), the
+# modules its bootstrap starts a replay with, and the SDKs deja captures (those not
 # installed are left out). A fixed list: nothing in a cassette chooses what is imported.
-WARM_MODULES = ("deja.cli", "deja.boot", "replayer.replay", "replayer.continuation",
-                "replayer.then_live", "recorder.record", "recorder.capture.vcr", "vcr.patch",
-                "anthropic", "openai", "google.genai", "mcp", "httpx", "httpx2")
+WARM_MODULES = ("deja.cli", "deja.cli_replay", "deja.cli_sweep", "deja.boot",
+                "replayer.replay", "replayer.continuation", "replayer.then_live",
+                "recorder.record", "recorder.capture.vcr", "vcr.patch", "anthropic", "openai",
+                "google.genai", "mcp", "httpx", "httpx2")
 OUTPUT_TAIL = 6000  # characters of a job's standard error kept in its record
 REPORT_LIMIT = 12000  # characters of an incident's report kept in its record
 

@@ -245,12 +245,22 @@ def test_private_modules_and_names_stay_in_their_package() -> None:
     assert not found, report(found, "private modules or names used outside their package")
 
 
+def _top_level(tree: ast.Module) -> list[ast.stmt]:
+    """The module's statements, with those of an ``if TYPE_CHECKING:`` block (the names a
+    package imports on first use, as type checkers see them)."""
+    out: list[ast.stmt] = []
+    for node in tree.body:
+        lazy = isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+        out.extend(node.body if lazy else [node])
+    return out
+
+
 def _bound_public_names(tree: ast.Module) -> tuple[set[str], set[str]]:
     """The public names an ``__init__`` defines or re-exports (what ``__all__`` must hold),
     and those it imports of deja for its own use (what ``__all__`` may hold)."""
     defined: set[str] = set()
     imported: set[str] = set()
-    for node in tree.body:
+    for node in _top_level(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             defined.add(node.name)
         elif isinstance(node, ast.Assign | ast.AnnAssign):

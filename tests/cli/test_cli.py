@@ -338,3 +338,28 @@ def test_wait_for_a_cassette_counts_its_steps_and_sees_its_end(spiral_cassette: 
     assert wait() == 1  # a torn end line is no end
     growing.write_bytes(b"".join(lines))
     assert wait() == 0 and wait("--steps", "1000") == 0  # ended: nothing more to wait for
+
+
+def _imported(*args: str) -> set[str]:
+    """The modules ``deja ARGS`` has imported when it exits (whatever its status), in a
+    fresh interpreter."""
+    code = ("import json, sys\nfrom deja.cli import main\ntry:\n    main()\n"
+            "except SystemExit:\n    pass\nprint(json.dumps(sorted(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    return set(json.loads(done.stdout.splitlines()[-1]))
+
+
+def test_a_command_imports_what_it_needs_and_not_the_other_commands() -> None:
+    """Each command of deja's group is imported when it runs: ``--version`` imports none
+    of deja's packages, ``verify`` reads a cassette without the replayer, the server, the
+    proxy or the suite, and ``--help`` still lists them all."""
+    version = _imported("--version")
+    assert "deja.cli" in version
+    assert not {m for m in version if m.split(".")[0] in ("recorder", "replayer", "viewer")}
+    verify = _imported("verify", str(ROOT / "tests" / "golden" / "v2_tool_agent.jsonl"))
+    assert {"deja.cli_inspect", "recorder.cassette.reader"} <= verify
+    assert not verify & {"replayer", "deja.cli_serve", "deja.cli_proxy", "deja.cli_suite"}
+    listed = CliRunner().invoke(main, ["--help"]).output
+    for name in ("verify", "serve", "proxy", "suite", "sweep", "record", "replay"):
+        assert f"\n  {name} " in listed

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import anthropic
+import click
 import pytest
 from anthropic.types import MessageParam, TextBlock, ToolUseBlock
 from click.testing import CliRunner
@@ -35,7 +36,7 @@ RUN_ELSEWHERE = {("README.md", "Install"): "tests/cli/test_install.py"}
 
 
 def test_every_cli_command_is_in_the_readme_and_back() -> None:
-    commands = set(main.commands)
+    commands = set(main.list_commands(click.Context(main)))
     for name in commands:
         assert f"`deja {name}" in README, f"deja {name} is not documented in the README"
     mentioned = set(re.findall(r"`deja ([a-z]+)", README)) | set(

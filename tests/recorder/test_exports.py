@@ -55,3 +55,31 @@ def test_the_heavy_check_can_see_a_heavy_import() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, timeout=60, check=True)
     assert json.loads(out.stdout) is True
+
+
+def _fresh(code: str) -> object:
+    done = subprocess.run([sys.executable, "-c", f"import json, sys\n{code}"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60, check=True)
+    return json.loads(done.stdout)
+
+
+def test_a_name_is_imported_from_its_module_on_first_use() -> None:
+    """``import recorder`` imports none of its modules; a name brings in its own module."""
+    loaded = _fresh("import recorder\n"
+                    "before = sorted(m for m in sys.modules if m.startswith('recorder.'))\n"
+                    "recorder.Budgets\n"
+                    "after = sorted(m for m in sys.modules if m.startswith('recorder.'))\n"
+                    "print(json.dumps([before, 'recorder.harness.guards' in after,"
+                    " 'recorder.record' in after]))")
+    assert loaded == [[], True, False]
+
+
+@pytest.mark.parametrize("first", ["recorder.record", "recorder.ask", "recorder"])
+def test_a_function_named_like_its_module_stays_the_function(first: str) -> None:
+    """``recorder.record`` and ``recorder.ask`` are the functions, whichever is imported
+    first: the package, or the module the function is defined in (which the import system
+    would otherwise bind to the package's attribute of the same name)."""
+    out = _fresh(f"import {first}\nimport recorder\n"
+                 "print(json.dumps([type(recorder.record).__name__, recorder.record.__name__,"
+                 " type(recorder.ask).__name__, recorder.ask.__name__]))")
+    assert out == ["function", "record", "function", "ask"]
