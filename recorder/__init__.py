@@ -8,12 +8,11 @@ until a session starts.
 
 from __future__ import annotations
 
-import importlib
-import sys
-import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # what a type checker sees; at run time, _WHERE below
+from recorder.imports import import_on_first_use
+
+if TYPE_CHECKING:  # what a type checker sees; at run time, each is imported on first use
     from recorder.ask import artefact, ask
     from recorder.capture.session import Session, active, mode
     from recorder.cassette import FORMAT, Cassette, CassetteWriter, Fsync, load
@@ -131,8 +130,8 @@ __all__ = [
 ]
 
 
-# Where each name of __all__ is: the module it is imported from on first use.
-_WHERE: dict[str, str] = {name: module for module, names in {
+# The module each name of __all__ is defined in; the others are errors (recorder.errors).
+_DEFINED_IN = {name: module for module, names in {
     "recorder.ask": ("artefact", "ask"),
     "recorder.capture.session": ("Session", "active", "mode"),
     "recorder.cassette": ("FORMAT", "Cassette", "CassetteWriter", "Fsync", "load"),
@@ -144,30 +143,4 @@ _WHERE: dict[str, str] = {name: module for module, names in {
     "recorder.record": ("RecordSession", "record", "start"),
     "recorder.tools": ("tool",),
 }.items() for name in names}
-# The functions named like the module they are defined in: the package's attribute stays
-# the function when the module is imported (the import system sets the attribute to the
-# module then), as it did when this file imported everything up front.
-_SHADOWED = frozenset({"ask", "record"})
-
-
-class _Package(types.ModuleType):
-    """The ``recorder`` module's type: it imports a name of ``__all__`` on first use."""
-
-    def __getattr__(self, name: str) -> Any:
-        module = _WHERE.get(name) or ("recorder.errors" if name in __all__ else None)
-        if module is None:
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(module), name)
-        self.__dict__[name] = value
-        return value
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _SHADOWED and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-    def __dir__(self) -> list[str]:
-        return sorted(set(super().__dir__()) | set(__all__))
-
-
-sys.modules[__name__].__class__ = _Package
+import_on_first_use(__name__, {name: _DEFINED_IN.get(name, "recorder.errors") for name in __all__})

@@ -1,4 +1,10 @@
-"""Patching a library the moment the program imports it, and not before.
+"""Importing what is used when it is first used.
+
+**A package's names** (:func:`import_on_first_use`): ``recorder`` and ``replayer`` import
+each name of their ``__all__`` from its module when it is first used, so a command or a
+program that needs one part of deja does not pay for importing the rest.
+
+**Patching a library** the moment the program imports it, and not before.
 
 A session patches some libraries while it is active (the SDKs' retry sleeps in a replay,
 the MCP SDK's client). Importing them up front costs a fresh process most of its start-up
@@ -12,14 +18,50 @@ the block ends or once it has fired.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.abc
 import importlib.util
 import sys
 import threading
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["when_imported"]
+__all__ = ["import_on_first_use", "when_imported"]
+
+
+def import_on_first_use(package: str, where: Mapping[str, str]) -> None:
+    """Give the package ``package`` the names of ``where`` (a name to the module it is
+    defined in), each imported from its module when it is first used.
+
+    The package's modules are its attributes as before (``recorder.providers.register``
+    after ``import recorder``): one not imported yet is imported when first used. A
+    function named like the module it is defined in (``recorder.record``) stays the
+    package's attribute when that module is imported: the import system would set the
+    attribute to the module then.
+    """
+    shadowed = frozenset(name for name, module in where.items() if module == f"{package}.{name}")
+
+    class Package(types.ModuleType):
+        def __getattr__(self, name: str) -> Any:
+            if name in where:
+                value = getattr(importlib.import_module(where[name]), name)
+            elif not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}"):
+                value = importlib.import_module(f"{package}.{name}")
+            else:
+                raise AttributeError(f"module {package!r} has no attribute {name!r}")
+            self.__dict__[name] = value
+            return value
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name in shadowed and isinstance(value, types.ModuleType):
+                return
+            super().__setattr__(name, value)
+
+        def __dir__(self) -> list[str]:
+            return sorted({*super().__dir__(), *where})
+
+    sys.modules[package].__class__ = Package
 
 
 class _ThenLoader(importlib.abc.Loader):

@@ -63,23 +63,43 @@ def _fresh(code: str) -> object:
     return json.loads(done.stdout)
 
 
-def test_a_name_is_imported_from_its_module_on_first_use() -> None:
-    """``import recorder`` imports none of its modules; a name brings in its own module."""
-    loaded = _fresh("import recorder\n"
-                    "before = sorted(m for m in sys.modules if m.startswith('recorder.'))\n"
-                    "recorder.Budgets\n"
-                    "after = sorted(m for m in sys.modules if m.startswith('recorder.'))\n"
-                    "print(json.dumps([before, 'recorder.harness.guards' in after,"
-                    " 'recorder.record' in after]))")
-    assert loaded == [[], True, False]
+@pytest.mark.parametrize(("package", "name", "module", "not_yet"), [
+    ("recorder", "Budgets", "recorder.harness.guards", "recorder.record"),
+    ("replayer", "fork", "replayer.fork", "replayer.resume")])
+def test_a_name_is_imported_from_its_module_on_first_use(package: str, name: str, module: str,
+                                                         not_yet: str) -> None:
+    """Importing a package imports none of its modules (but the one that does this); a
+    name brings in its own module, not the others."""
+    loaded = _fresh(f"import {package}\n"
+                    f"before = sorted(m for m in sys.modules if m.startswith('{package}.'))\n"
+                    f"{package}.{name}\n"
+                    "print(json.dumps([before, sorted(sys.modules)]))")
+    assert loaded[0] == (["recorder.imports"] if package == "recorder" else [])
+    assert module in loaded[1] and not_yet not in loaded[1]
 
 
-@pytest.mark.parametrize("first", ["recorder.record", "recorder.ask", "recorder"])
-def test_a_function_named_like_its_module_stays_the_function(first: str) -> None:
-    """``recorder.record`` and ``recorder.ask`` are the functions, whichever is imported
-    first: the package, or the module the function is defined in (which the import system
-    would otherwise bind to the package's attribute of the same name)."""
-    out = _fresh(f"import {first}\nimport recorder\n"
-                 "print(json.dumps([type(recorder.record).__name__, recorder.record.__name__,"
-                 " type(recorder.ask).__name__, recorder.ask.__name__]))")
-    assert out == ["function", "record", "function", "ask"]
+# The functions named like the module they are defined in.
+SHADOWED = {"recorder": ("record", "ask"), "replayer": ("replay", "fork", "resume")}
+
+
+@pytest.mark.parametrize(("package", "first"), [
+    (package, first) for package, names in SHADOWED.items()
+    for first in (package, *(f"{package}.{name}" for name in names))])
+def test_a_function_named_like_its_module_stays_the_function(package: str, first: str) -> None:
+    """``recorder.record``, ``replayer.fork`` and the others are the functions, whichever
+    is imported first: the package, or the module the function is defined in (which the
+    import system would otherwise bind to the package's attribute of the same name)."""
+    names = SHADOWED[package]
+    out = _fresh(f"import {first}\nimport {package}\n"
+                 f"print(json.dumps([[type(getattr({package}, n)).__name__,"
+                 f" getattr({package}, n).__name__] for n in {names!r}]))")
+    assert out == [["function", name] for name in names]
+
+
+def test_a_module_of_the_package_is_its_attribute_as_before() -> None:
+    """``import recorder`` then ``recorder.providers.register`` (the documented way to
+    add a provider) works without importing ``recorder.providers`` by name."""
+    out = _fresh("import recorder, replayer\n"
+                 "print(json.dumps([recorder.providers.register.__name__,"
+                 " replayer.diff.compare.__name__, hasattr(recorder, 'no_such_module')]))")
+    assert out == ["register", "compare", False]
