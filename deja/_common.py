@@ -294,7 +294,7 @@ def replay_policy(ignore: tuple[str, ...], normalise: tuple[str, ...],
 
 def then_options(where: str) -> Any:
     """``--then live|stub SCRIPT`` (SCRIPT reaches the command as the hidden
-    ``--then-script``, see :class:`deja.cli_replay.ReplayCommand`); ``where``: where the
+    ``--then-script``, see :class:`ReplayCommand`); ``where``: where the
     new cassette goes, for the help."""
     def add(func: Any) -> Any:
         func = click.option("--then-script", type=click.Path(path_type=Path, dir_okay=False,
