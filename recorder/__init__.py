@@ -131,7 +131,7 @@ __all__ = [
 
 
 # The module each name of __all__ is defined in; the others are errors (recorder.errors).
-_DEFINED_IN = {name: module for module, names in {
+import_on_first_use(__name__, {
     "recorder.ask": ("artefact", "ask"),
     "recorder.capture.session": ("Session", "active", "mode"),
     "recorder.cassette": ("FORMAT", "Cassette", "CassetteWriter", "Fsync", "load"),
@@ -142,5 +142,4 @@ _DEFINED_IN = {name: module for module, names in {
     "recorder.providers.pricing": ("Price", "PriceTable"),
     "recorder.record": ("RecordSession", "record", "start"),
     "recorder.tools": ("tool",),
-}.items() for name in names}
-import_on_first_use(__name__, {name: _DEFINED_IN.get(name, "recorder.errors") for name in __all__})
+}, rest="recorder.errors")

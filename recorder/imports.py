@@ -24,15 +24,17 @@ import importlib.util
 import sys
 import threading
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = ["import_on_first_use", "when_imported"]
 
 
-def import_on_first_use(package: str, where: Mapping[str, str]) -> None:
-    """Give the package ``package`` the names of ``where`` (a name to the module it is
-    defined in), each imported from its module when it is first used.
+def import_on_first_use(package: str, modules: Mapping[str, Sequence[str]],
+                        rest: str | None = None) -> None:
+    """Give the package ``package`` the names its ``modules`` define (a module to the names
+    taken from it; ``rest``: the module of the other names of the package's ``__all__``),
+    each imported from its module when it is first used.
 
     The package's modules are its attributes as before (``recorder.providers.register``
     after ``import recorder``): one not imported yet is imported when first used. A
@@ -40,6 +42,9 @@ def import_on_first_use(package: str, where: Mapping[str, str]) -> None:
     package's attribute when that module is imported: the import system would set the
     attribute to the module then.
     """
+    where = {name: module for module, names in modules.items() for name in names}
+    if rest is not None:
+        where.update((name, rest) for name in sys.modules[package].__all__ if name not in where)
     shadowed = frozenset(name for name, module in where.items() if module == f"{package}.{name}")
 
     class Package(types.ModuleType):

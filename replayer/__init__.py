@@ -41,7 +41,7 @@ __all__ = [
     "start",
 ]
 
-import_on_first_use(__name__, {name: module for module, names in {
+import_on_first_use(__name__, {
     "recorder.errors": ("Divergence", "DivergenceInfo"),
     "replayer.continuation": ("ContinuationSession",),
     "replayer.diff": ("RunDiff", "compare"),
@@ -51,4 +51,4 @@ import_on_first_use(__name__, {name: module for module, names in {
     "replayer.replay": ("ReplaySession", "replay", "start"),
     "replayer.result": ("ReplayResult",),
     "replayer.resume": ("plan_resume", "resume"),
-}.items() for name in names})
+})
