@@ -230,8 +230,10 @@ class Runs:
         record = record_of(row, self._engine([row]).get(run_id))
         if record["status"] in ENDED:
             return {**record, "note": f"the run already ended {record['status']}"}
-        if record["status"] != "input_required":  # a waiting run has no workflow running
-            self.client.cancel(current_workflow(row))
+        # Its current part too, whatever the run shows: a waiting run's part has ended,
+        # unless its worker died before the engine recorded that, and a pending part is
+        # taken up again when a worker starts (the engine leaves an ended part as it is).
+        self.client.cancel(current_workflow(row))
         if record["status"] in ("queued", "input_required"):
             self.store.update_run(run_id, status="cancelled", question=None)
         return {"run_id": run_id, "status": "cancelled" if record["status"] != "working"

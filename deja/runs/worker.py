@@ -148,9 +148,12 @@ class AgentStep:
         run_id = spec["run_id"]
         if not valid_run_id(run_id):
             return {"status": "failed", "error": f"{run_id!r} is not a run id"}
-        if self.store.get_run(run_id) is None:  # a submission withdrawn: its caller was told
+        row = self.store.get_run(run_id)
+        if row is None:  # a submission withdrawn: its caller was told
             return {"status": "failed", "error": f"run {run_id} is not in the runs database "
                                                  "(its submission failed); nothing was run"}
+        if row["status"] == "cancelled":  # cancelled while queued or waiting: never again
+            return {"status": "cancelled"}
         self.store.update_run(run_id, status="working", worker=self.worker_id, question=None,
                               error=None)
         with self.locks.hold(run_id, self.stopping):

@@ -6,6 +6,8 @@ shared, a worker id already in use)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 from pathlib import Path
@@ -33,6 +35,7 @@ from deja.runs.cassettes import check_shared
 from deja.runs.errors import CassettesNotShared, DatabaseUnavailable, WorkerIdTaken
 from deja.runs.locks import WorkerIdLock
 from deja.runs.store import Store
+from deja.runs.worker import AgentStep
 from recorder.errors import NoSuchRun
 
 
@@ -127,6 +130,60 @@ def test_cancel_of_a_queued_and_of_a_working_run(
     assert record["worker"] is None
     assert runs.store.get_run(queued)["status"] == "cancelled"  # type: ignore[index]
     assert {r["run_id"] for r in runs.list_runs(status=["cancelled"])} == {queued, working}
+
+
+QUICK_AGENT = """\
+import recorder
+
+recorder.now()
+"""
+
+
+def test_a_waiting_run_whose_worker_died_before_the_engine_knew_is_cancelled_for_good(
+        runs: service.Runs, workers: Workers, tmp_path: Path) -> None:
+    """A worker wrote that its run waits for an answer and died before the engine recorded
+    the end of the run's part: the row says ``input_required``, the engine still has the
+    part pending. Cancelling the run cancels that part too: the run says cancelled, and
+    a worker started with the same id does not take it up again."""
+    slow = write_agent(tmp_path, "slow.py", SLOW_AGENT)
+    run_id = submit(runs, tmp_path, slow)
+    first = workers.start("w1")
+    wait_for("the run to make turns",
+             lambda: (runs.get(run_id).get("step") or "").startswith("tool tick"),
+             show=lambda: (runs.get(run_id), first.output()))
+    os.killpg(first.proc.pid, signal.SIGKILL)  # the worker and its agent, at once
+    first.proc.wait(10)
+    runs.store.update_run(run_id, status="input_required", question="Go on?")
+    assert runs.get(run_id)["status"] == "input_required"
+
+    assert runs.cancel(run_id) == {"run_id": run_id, "status": "cancelled",
+                                   "was": "input_required"}
+    assert runs.get(run_id)["status"] == "cancelled"
+    cassette = config.cassette_dir() / f"{run_id}.jsonl"
+    written = cassette.read_bytes()
+
+    workers.start("w1")  # the engine takes up the pending parts of w1 as it starts
+    quick = submit(runs, tmp_path, write_agent(tmp_path, "quick.py", QUICK_AGENT))
+    done = wait_for("a run submitted after it to end",
+                    lambda: status_of(runs, quick, "completed", "failed"))
+    assert done["status"] == "completed", done
+    assert runs.get(run_id)["status"] == "cancelled"
+    assert runs.store.get_run(run_id)["status"] == "cancelled"  # type: ignore[index]
+    assert cassette.read_bytes() == written  # not resumed
+
+
+def test_a_part_of_a_run_cancelled_while_it_waited_runs_nothing(
+        runs: service.Runs, home: Path, tmp_path: Path) -> None:
+    """A part the engine starts for a run whose row says cancelled (a cancel that reached
+    deja's row and not the engine) runs no program and leaves the run cancelled."""
+    run_id = submit(runs, tmp_path, write_agent(tmp_path, "quick.py", QUICK_AGENT))
+    runs.store.update_run(run_id, status="cancelled")
+    row = runs.store.get_run(run_id)
+    assert row is not None
+    step = AgentStep(runs.store, "w1", config.cassette_dir(), lambda workflow: False)
+    assert step(row["spec"], None, run_id) == {"status": "cancelled"}
+    assert runs.store.get_run(run_id)["status"] == "cancelled"  # type: ignore[index]
+    assert not Path(row["spec"]["cassette"]).exists()
 
 
 def test_a_failing_agent_ends_failed_with_its_error(
