@@ -179,15 +179,17 @@ def responses_run(c: openai.OpenAI, n_calls: int, stream: bool) -> int:
     return n_calls
 
 
-def floor_client(answers: list[tuple[int, list[tuple[str, str]], bytes]]) -> openai.OpenAI:
-    """The openai SDK's floor: its whole HTTP path answered in order from memory."""
+def floor_client(answers: list[tuple[int, list[tuple[str, str]], bytes]],
+                 base_url: str) -> openai.OpenAI:
+    """The openai SDK's floor: its whole HTTP path answered in order from memory, at the
+    replays' ``base_url``."""
     it = iter(answers)
 
     def handle(request: httpx2.Request) -> httpx2.Response:
         status, headers, body = next(it)
         return httpx2.Response(status, headers=headers, content=body)
 
-    return client("http://floor.invalid", httpx2.Client(transport=httpx2.MockTransport(handle)))
+    return client(base_url, httpx2.Client(transport=httpx2.MockTransport(handle)))
 
 
 
@@ -264,17 +266,17 @@ def _run_mode(d: Path, mode: str, n: int, repeats: int) -> dict[str, Any]:
     runners: dict[str, Callable[[], dict[str, float]]] = {
         "openai": lambda: _deja(paths["openai"], lambda: client(url), agent_run, n, stream),
         "openai_floor": lambda: _timed(lambda: None, lambda: None,
-                                       lambda: floor_client(answers["openai"]), agent_run, n,
+                                       lambda: floor_client(answers["openai"], url), agent_run, n,
                                        stream),
         "responses": lambda: _deja(paths["responses"], lambda: client(url), responses_run, n,
                                    stream),
         "responses_floor": lambda: _timed(lambda: None, lambda: None,
-                                          lambda: floor_client(answers["responses"]),
+                                          lambda: floor_client(answers["responses"], url),
                                           responses_run, n, stream),
         "anthropic": lambda: _deja(paths["anthropic"], lambda: w.client(url), _anthropic_run,
                                    n, stream),
         "anthropic_floor": lambda: _timed(lambda: None, lambda: None,
-                                          lambda: w.floor_client(answers["anthropic"]),
+                                          lambda: w.floor_client(answers["anthropic"], url),
                                           _anthropic_run, n, stream),
     }
     for run in runners.values():

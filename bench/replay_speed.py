@@ -17,7 +17,8 @@ replay would fail to connect.
   types; no HTTP at all.
 - vcrpy: ``use_cassette(path, record_mode="none", match_on=[method, uri, body])``.
 - SDK floor: the same client with ``http_client=httpx2.Client(transport=MockTransport(...))``
-  answering the recorded responses in order from memory (:func:`workloads.floor_client`):
+  at the same base URL, answering the recorded responses in order from memory
+  (:func:`workloads.floor_client`):
   request building, httpx2 and response parsing, with no matching and no storage. A replay
   through the SDK's HTTP path cannot beat it.
 
@@ -102,8 +103,8 @@ def _vcr(path: Path, url: str, n: int, stream: bool,
                   n, stream, convs)
 
 
-def _floor(answers: list[Any], n: int, stream: bool) -> dict[str, float]:
-    return _timed(lambda: None, lambda: None, lambda: w.floor_client(answers), n, stream)
+def _floor(answers: list[Any], url: str, n: int, stream: bool) -> dict[str, float]:
+    return _timed(lambda: None, lambda: None, lambda: w.floor_client(answers, url), n, stream)
 
 
 def _summary(samples: list[dict[str, float]]) -> dict[str, Any]:
@@ -154,7 +155,7 @@ def _run_mode(d: Path, mode: str, small: int, large: int, repeats: int, vcr_repe
     # The stub is stopped: from here on nothing answers at `url`.
     runners: dict[str, Callable[[int], dict[str, float]]] = {
         "deja": lambda n: _deja(paths["deja", n], url, n, stream),
-        "floor": lambda n: _floor(answers[n], n, stream),
+        "floor": lambda n: _floor(answers[n], url, n, stream),
     }
     if have_rewind:
         runners["rewind"] = lambda n: _rewind(paths["rewind", n], url, n, stream)

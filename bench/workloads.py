@@ -374,17 +374,19 @@ class Capture:
         self._upstream.close()
 
 
-def floor_client(answers: list[tuple[int, list[tuple[str, str]], bytes]]) -> anthropic.Anthropic:
+def floor_client(answers: list[tuple[int, list[tuple[str, str]], bytes]],
+                 base_url: str) -> anthropic.Anthropic:
     """The SDK's own floor: the real client and its whole HTTP path (request building,
     httpx2, response parsing), answered in order from memory by an in-process
-    ``httpx2.MockTransport``, no socket, no matching."""
+    ``httpx2.MockTransport``, no socket, no matching. ``base_url`` is the one the replays
+    use: the SDK parses each request's URL, and an IP address costs it more than a name."""
     it = iter(answers)
 
     def handle(request: httpx2.Request) -> httpx2.Response:
         status, headers, body = next(it)
         return httpx2.Response(status, headers=headers, content=body)
 
-    return anthropic.Anthropic(base_url="http://floor.invalid", api_key=API_KEY,
+    return anthropic.Anthropic(base_url=base_url, api_key=API_KEY,
                                http_client=httpx2.Client(transport=httpx2.MockTransport(handle)))
 
 
