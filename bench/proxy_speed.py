@@ -79,42 +79,11 @@ def script() -> dict[str, Any]:
 # ---------------------------------------------------------------------------- processes
 
 
-def _wait_file(path: Path, proc: subprocess.Popen[bytes], log: Path, what: str) -> str:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if path.is_file():
-            return path.read_text()
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log.read_text()}")
-        time.sleep(0.01)
-    proc.kill()
-    proc.wait()
-    raise RuntimeError(f"{what} did not listen within 30 s:\n{log.read_text()}")
-
-
-def _stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-    try:
-        return proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return proc.wait()
-
-
 @contextlib.contextmanager
 def stub_process(d: Path) -> Iterator[str]:
-    """The stub server in a process of its own (not sharing this process's GIL)."""
-    spec, ready, log = d / "stub.json", d / "stub.ready", d / "stub.log"
-    spec.write_text(json.dumps(script()))
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "deja", "stub", "--script", str(spec),
-                                 "--port", "0", "--ready-file", str(ready)],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=d)
-    try:
-        yield _wait_file(ready, proc, log, "deja stub").strip()
-    finally:
-        _stop(proc)
+    """The stub server serving :func:`script` in a process of its own."""
+    with w.stub_process(d, script()) as url:
+        yield url
 
 
 @dataclass
@@ -162,10 +131,10 @@ def proxy_process(d: Path, upstream: str, name: str,
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=work)
     p = ProxyProc(proc, "", cassettes, log)
     try:
-        p.url = json.loads(_wait_file(ready, proc, log, "deja proxy"))["url"]
+        p.url = json.loads(w.wait_file(ready, proc, log, "deja proxy"))["url"]
         yield p
     finally:
-        code = _stop(proc, signal.SIGINT if profile else signal.SIGTERM)
+        code = w.stop(proc, signal.SIGINT if profile else signal.SIGTERM)
         if code != 0:
             raise RuntimeError(f"deja proxy exited with {code}:\n{log.read_text()[-3000:]}")
 
@@ -183,10 +152,10 @@ def forwarder_process(d: Path, upstream: str, name: str) -> Iterator[ProxyProc]:
                                 stdout=out, stderr=subprocess.STDOUT, cwd=work)
     p = ProxyProc(proc, "", work, log)
     try:
-        p.url = json.loads(_wait_file(ready, proc, log, "the bare forwarder"))["url"]
+        p.url = json.loads(w.wait_file(ready, proc, log, "the bare forwarder"))["url"]
         yield p
     finally:
-        _stop(proc)
+        w.stop(proc)
 
 
 @contextlib.contextmanager

@@ -2,7 +2,9 @@
 
 The same N non-streamed calls (the agent workload of :func:`workloads.agent_run`:
 conversations of ``workloads.CONV_TURNS`` calls whose history grows turn by turn, two tools
-alternating) go to one stub server four ways: live (nothing installed), inside
+alternating) go to one stub server, in a process of its own as a remote API is (an
+in-process stub would share the agent's interpreter lock and CPU time with deja's work),
+four ways: live (nothing installed), inside
 ``recorder.record(tmpdir)`` at the default durability (fsync="turn": model lines are forced to
 disk by a background group commit, off the call), inside a vcrpy cassette
 (record_mode="all"), and inside agent-rewind's ``rewind.record(path)`` with
@@ -54,8 +56,7 @@ def run(*, n: int = 300, n_rounds: int = 5) -> dict[str, Any]:
     per_round: dict[str, list[float]] = {k: [] for k in variants}
     open_close: dict[str, list[float]] = {k: [] for k in variants if k != "live"}
     with (w.measurement("record overhead"), w.tempdir("overhead") as d,
-          w.stub(w.agent_script(w.CONV_TURNS)) as server):
-        url = server.url
+          w.stub_process(d, w.agent_script(w.CONV_TURNS)) as url):
         counter = {"deja": 0, "deja_exit": 0, "vcr": 0, "rewind": 0}
 
         def live() -> None:

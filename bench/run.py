@@ -219,7 +219,8 @@ def rows_overhead(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
     oc = r["open_close_ms"]
     notes = [f"overhead: {r['method']}, {r['rounds']} rounds x {r['n']} calls per variant, "
              f"order rotated; the replay's agent workload (conversations of "
-             f"{r['conv_turns']} calls, growing history, alternating tools), not streamed. "
+             f"{r['conv_turns']} calls, growing history, alternating tools), not streamed, "
+             "to a stub in a process of its own. "
              "deja at default fsync='turn' (model lines forced to disk by the "
              "background group commit, at most every 10 ms). Session open+close: deja "
              f"{_fmt_ms(oc['deja'])}, vcrpy {_fmt_ms(oc['vcr'])} (YAML save)"
@@ -240,7 +241,8 @@ def rows_ttft(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         f"vcrpy {_fmt_ms(t['vcr'])} ({r['vcr_minus_live_ms']:+.1f})",
         "<= live + 0.3 ms", _verdict(ok, f"{r['deja_minus_live_ms']:+.2f} ms"))]
     notes = [f"ttft: request start -> first content_block_delta from messages.create("
-             f"stream=True); 10 SSE events {r['event_delay_ms']} ms apart "
+             f"stream=True); 10 SSE events {r['event_delay_ms']} ms apart from a stub in a "
+             "process of its own "
              f"({r['events_per_stream']} reach the iterator, the SDK drops ping), first delta "
              "is the 4th; "
              f"median of {r['calls']['deja']} calls per variant; whole stream: live "
@@ -749,7 +751,7 @@ def params(quick: bool, full_vcr: bool) -> dict[str, dict[str, Any]]:
                        "stride": 100, "full_vcr": full_vcr},
             "openai": {"n": 200, "repeats": 5},
             "overhead": {"n": 300, "n_rounds": 5},
-            "ttft": {"calls_per_block": 10, "n_rounds": 2},
+            "ttft": {"calls_per_block": 20, "n_rounds": 5},
             "size": {"turns": (50, 200, 800), "large_chars": 1000, "vcr_max_turns": 200,
                      "late_turns": 200},
             "resume": {"steps": 1000, "repeats": 5},

@@ -1,6 +1,7 @@
 """Row 3: time to the first SSE event the agent sees, live vs recording.
 
-The stub streams ~10 SSE events with ``event_delay_ms`` between them. For each call:
+The stub, in a process of its own as a remote API is, streams ~10 SSE events with
+``event_delay_ms`` between them. For each call:
 t0, ``client.messages.create(..., stream=True)``, iterate; TTFT = time to the first
 ``content_block_delta`` event; the stream is then read to its end (so the recording is
 complete). Variants: live, inside ``recorder.record`` (default fsync), inside a vcrpy
@@ -42,8 +43,7 @@ def run(*, calls_per_block: int = 10, n_rounds: int = 2, event_delay_ms: int = 2
     ttft: dict[str, list[float]] = {"live": [], "deja": [], "vcr": []}
     total: dict[str, list[float]] = {"live": [], "deja": [], "vcr": []}
     n_events = 0
-    with w.measurement("ttft"), w.tempdir("ttft") as d, w.stub(script) as server:
-        url = server.url
+    with w.measurement("ttft"), w.tempdir("ttft") as d, w.stub_process(d, script) as url:
         counter = {"i": 0}
 
         def block(kind: str) -> None:

@@ -1,7 +1,9 @@
 """Shared workload for the benchmarks: the real anthropic SDK against deja's stub server.
 
 Everything here is offline (127.0.0.1). A measurement starts its own stub server and
-stops it when done (:func:`stub`), works in its own temporary directory (:func:`tempdir`),
+stops it when done: in a thread of this process (:func:`stub`), or in a process of its own
+(:func:`stub_process`) where a row times what the agent's process does while the model
+answers, as a remote API would; it works in its own temporary directory (:func:`tempdir`),
 and checks before and after that no HTTP patches (deja's or vcrpy's) are left active
 (:func:`assert_unpatched`), so deja, vcrpy and agent-rewind are never measured on top of each
 other. The SDK's floor (:func:`floor_client`) answers the same calls from memory through an
@@ -15,7 +17,10 @@ import gc
 import http.client
 import json
 import secrets
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -112,6 +117,47 @@ def stub(script: dict[str, Any] | None = None) -> Iterator[StubServer]:
         yield server
     finally:
         server.stop()
+
+
+def wait_file(path: Path, proc: subprocess.Popen[bytes], log: Path, what: str) -> str:
+    """The text of ``path`` once ``proc`` (``what``, writing to ``log``) has written it."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if path.is_file():
+            return path.read_text()
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log.read_text()}")
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    raise RuntimeError(f"{what} did not listen within 30 s:\n{log.read_text()}")
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+@contextlib.contextmanager
+def stub_process(d: Path, script: dict[str, Any] | None = None) -> Iterator[str]:
+    """``python -m deja stub`` serving ``script`` in a process of its own, which shares
+    neither this process's interpreter lock nor its CPU time; yields its base URL."""
+    spec, ready, log = d / "stub.json", d / "stub.ready", d / "stub.log"
+    spec.write_text(json.dumps(script or ECHO_SCRIPT))
+    ready.unlink(missing_ok=True)
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "deja", "stub", "--script", str(spec),
+                                 "--port", "0", "--ready-file", str(ready)],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=d)
+    try:
+        yield wait_file(ready, proc, log, "deja stub").strip()
+    finally:
+        stop(proc)
 
 
 @contextlib.contextmanager
