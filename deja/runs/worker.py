@@ -316,6 +316,21 @@ class AgentStep:
         self.children.stop()
 
 
+def cancelled_while_down(store: Store, worker: Any, worker_id: str) -> list[str]:
+    """Runs a worker of this id was running when it died, cancelled since: the engine never
+    takes up a cancelled part and this worker, just started, runs none of them, so nobody
+    would end them; their rows are set ``cancelled`` (else a live worker of their id makes
+    them read as still stopping, ``working``, for good). What was done, in words."""
+    done = []
+    for row in store.list_runs(status=["working"], limit=RECONCILE_ROWS):
+        part = workflow_id(row["run_id"], int(row.get("attempt") or 0))
+        if row.get("worker") == worker_id and worker.cancelled(part):
+            store.update_run(row["run_id"], status="cancelled")
+            done.append(f"run {row['run_id']}: cancelled while its worker was down; it "
+                        "ends cancelled")
+    return done
+
+
 def reconcile(store: Store, worker: Any, now: float | None = None) -> list[str]:
     """Bring the runs database and the engine back into agreement; what was done, in words.
 
@@ -431,7 +446,7 @@ def serve(worker_id: str, url: str | None = None, concurrency: int = 1,
     worker.launch()
     store.wait_for_database()  # from here on, an outage is waited out, not a failure
     worker.backfill_unfired({s["name"]: s["created"] for s in store.schedules()})
-    for line in reconcile(store, worker):
+    for line in [*cancelled_while_down(store, worker, worker_id), *reconcile(store, worker)]:
         log.warning("%s", line)
     sys.stderr.write(f"deja: worker {worker_id} is up ({concurrency} at a time; "
                      f"database {'embedded SQLite' if is_sqlite(url) else 'Postgres'}, "

@@ -172,6 +172,31 @@ def test_a_waiting_run_whose_worker_died_before_the_engine_knew_is_cancelled_for
     assert cassette.read_bytes() == written  # not resumed
 
 
+def test_a_working_run_cancelled_while_its_worker_is_dead_stays_cancelled_when_it_restarts(
+        runs: service.Runs, workers: Workers, tmp_path: Path) -> None:
+    """A worker is killed while its run works, the run is cancelled, and the worker comes
+    back with the same id: the run says cancelled (no one is left to stop it at a boundary,
+    and a live worker of its id made it read as still stopping), and it is not resumed."""
+    slow = write_agent(tmp_path, "slow.py", SLOW_AGENT)
+    run_id = submit(runs, tmp_path, slow)
+    first = workers.start("w1")
+    wait_for("the run to make turns",
+             lambda: (runs.get(run_id).get("step") or "").startswith("tool tick"),
+             show=lambda: (runs.get(run_id), first.output()))
+    os.killpg(first.proc.pid, signal.SIGKILL)  # the worker and its agent, at once
+    first.proc.wait(10)
+    cancelled = runs.cancel(run_id)
+    assert cancelled["was"] == "working", cancelled
+    cassette = config.cassette_dir() / f"{run_id}.jsonl"
+    written = cassette.read_bytes()
+
+    again = workers.start("w1")
+    assert runs.get(run_id)["status"] == "cancelled", again.output()
+    assert runs.store.get_run(run_id)["status"] == "cancelled"  # type: ignore[index]
+    assert f"run {run_id}: cancelled while its worker was down" in again.output()
+    assert cassette.read_bytes() == written  # not resumed
+
+
 def test_a_part_of_a_run_cancelled_while_it_waited_runs_nothing(
         runs: service.Runs, home: Path, tmp_path: Path) -> None:
     """A part the engine starts for a run whose row says cancelled (a cancel that reached
