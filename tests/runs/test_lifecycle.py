@@ -139,20 +139,25 @@ recorder.now()
 """
 
 
-def test_a_waiting_run_whose_worker_died_before_the_engine_knew_is_cancelled_for_good(
-        runs: service.Runs, workers: Workers, tmp_path: Path) -> None:
-    """A worker wrote that its run waits for an answer and died before the engine recorded
-    the end of the run's part: the row says ``input_required``, the engine still has the
-    part pending. Cancelling the run cancels that part too: the run says cancelled, and
-    a worker started with the same id does not take it up again."""
-    slow = write_agent(tmp_path, "slow.py", SLOW_AGENT)
-    run_id = submit(runs, tmp_path, slow)
+def killed_mid_run(runs: service.Runs, workers: Workers, tmp_path: Path) -> str:
+    """A slow run, working under worker w1 when w1 and its agent get SIGKILL; its id."""
+    run_id = submit(runs, tmp_path, write_agent(tmp_path, "slow.py", SLOW_AGENT))
     first = workers.start("w1")
     wait_for("the run to make turns",
              lambda: (runs.get(run_id).get("step") or "").startswith("tool tick"),
              show=lambda: (runs.get(run_id), first.output()))
     os.killpg(first.proc.pid, signal.SIGKILL)  # the worker and its agent, at once
     first.proc.wait(10)
+    return run_id
+
+
+def test_a_waiting_run_whose_worker_died_before_the_engine_knew_is_cancelled_for_good(
+        runs: service.Runs, workers: Workers, tmp_path: Path) -> None:
+    """A worker wrote that its run waits for an answer and died before the engine recorded
+    the end of the run's part: the row says ``input_required``, the engine still has the
+    part pending. Cancelling the run cancels that part too: the run says cancelled, and
+    a worker started with the same id does not take it up again."""
+    run_id = killed_mid_run(runs, workers, tmp_path)
     runs.store.update_run(run_id, status="input_required", question="Go on?")
     assert runs.get(run_id)["status"] == "input_required"
 
@@ -177,14 +182,7 @@ def test_a_working_run_cancelled_while_its_worker_is_dead_stays_cancelled_when_i
     """A worker is killed while its run works, the run is cancelled, and the worker comes
     back with the same id: the run says cancelled (no one is left to stop it at a boundary,
     and a live worker of its id made it read as still stopping), and it is not resumed."""
-    slow = write_agent(tmp_path, "slow.py", SLOW_AGENT)
-    run_id = submit(runs, tmp_path, slow)
-    first = workers.start("w1")
-    wait_for("the run to make turns",
-             lambda: (runs.get(run_id).get("step") or "").startswith("tool tick"),
-             show=lambda: (runs.get(run_id), first.output()))
-    os.killpg(first.proc.pid, signal.SIGKILL)  # the worker and its agent, at once
-    first.proc.wait(10)
+    run_id = killed_mid_run(runs, workers, tmp_path)
     cancelled = runs.cancel(run_id)
     assert cancelled["was"] == "working", cancelled
     cassette = config.cassette_dir() / f"{run_id}.jsonl"
