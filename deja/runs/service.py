@@ -24,6 +24,7 @@ from recorder.launch import new_run_id
 
 log = logging.getLogger("deja.runs")
 
+MOVES = 5  # reads of a run a cancel makes while other callers move it
 LIFECYCLE = ("queued", "working", "input_required", "completed", "failed", "cancelled",
              "exhausted", "stopped", "interrupted", "needs_attention")
 
@@ -226,18 +227,23 @@ class Runs:
         return out[:limit]
 
     def cancel(self, run_id: str) -> dict[str, Any]:
-        row = self._row(run_id)
-        record = record_of(row, self._engine([row]).get(run_id))
-        if record["status"] in ENDED:
-            return {**record, "note": f"the run already ended {record['status']}"}
-        # Its current part too, whatever the run shows: a waiting run's part has ended,
-        # unless its worker died before the engine recorded that, and a pending part is
-        # taken up again when a worker starts (the engine leaves an ended part as it is).
-        self.client.cancel(current_workflow(row))
-        if record["status"] in ("queued", "input_required"):
-            self.store.update_run(run_id, status="cancelled", question=None)
-        return {"run_id": run_id, "status": "cancelled" if record["status"] != "working"
-                else "cancelling", "was": record["status"]}
+        for _ in range(MOVES):  # the run moved between reading it and writing: read again
+            row = self._row(run_id)
+            record = record_of(row, self._engine([row]).get(run_id))
+            if record["status"] in ENDED:
+                return {**record, "note": f"the run already ended {record['status']}"}
+            # Its current part too, whatever the run shows: a waiting run's part has ended,
+            # unless its worker died before the engine recorded that, and a pending part is
+            # taken up again when a worker starts (the engine leaves an ended part as it is).
+            self.client.cancel(current_workflow(row))
+            if record["status"] not in ("queued", "input_required"):
+                return {"run_id": run_id, "status": "cancelling", "was": record["status"]}
+            # Only if it still is what was read: a worker that took it up meanwhile stops it
+            # at its next boundary; an answer that came meanwhile made a part cancelled next.
+            if self.store.move_run(run_id, row["status"], int(row.get("attempt") or 0),
+                                   status="cancelled", question=None):
+                return {"run_id": run_id, "status": "cancelled", "was": record["status"]}
+        return {"run_id": run_id, "status": "cancelling", "was": record["status"]}
 
     def answer(self, run_id: str, text: str) -> dict[str, Any]:
         if not isinstance(text, str):
@@ -253,8 +259,17 @@ class Runs:
         question = row.get("question")
         attempt = int(row.get("attempt") or 0) + 1
         text = seal_answer(run_id, text)  # the engine keeps it: redacted (recorder.ask)
+        # The part first (a crash before the row moves leaves it to run, answer and all),
+        # then the row, only if it still waits: the part of a run cancelled meanwhile runs
+        # nothing (it finds the row cancelled), and the caller is told.
         self.client.answer(row["spec"], text, attempt)  # the same answer twice: one part
-        self.store.update_run(run_id, status="queued", attempt=attempt)
+        if not self.store.move_run(run_id, ("input_required", "working"), attempt - 1,
+                                   status="queued", attempt=attempt):
+            now = self._row(run_id)
+            if now["status"] == "cancelled" and int(now.get("attempt") or 0) < attempt:
+                self.client.cancel(workflow_id(run_id, attempt))
+                raise BadRunRequest(f"run {run_id} was cancelled as it was answered; the "
+                                    "answer is not used")
         return {"run_id": run_id, "status": record["status"], "question": question,
                 "answered": True}
 

@@ -159,6 +159,12 @@ def workflow_id(run_id: str, attempt: int) -> str:
     return run_id if attempt == 0 else f"{run_id}.{attempt}"
 
 
+def part_of(workflow: str, run_id: str) -> int:
+    """The part (attempt) of ``run_id`` that engine workflow ``workflow`` runs."""
+    tail = workflow[len(run_id) + 1:] if workflow.startswith(f"{run_id}.") else ""
+    return int(tail) if tail.isdigit() else 0
+
+
 def deja_argv() -> list[str]:
     return [sys.executable, "-m", "deja"]
 

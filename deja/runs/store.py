@@ -130,6 +130,19 @@ def _row(row: Any) -> dict[str, Any]:
     return out
 
 
+def _values(fields: dict[str, Any]) -> dict[str, Any]:
+    """A run row's columns for ``fields``: redacted and serialised, stamped."""
+    values: dict[str, Any] = {"updated": time.time()}
+    for key, value in fields.items():
+        if key in ("question", "error", "progress") and value is not None:
+            value = DEFAULT.value(value)  # nothing secret is stored (recorder's rules)
+        values[key] = json.dumps(value) if key in ("progress", "artefacts") and \
+            value is not None else value
+    if fields.get("status") in ENDED:
+        values.setdefault("ended", time.time())
+    return values
+
+
 def _created_meanwhile(exc: sa.exc.DBAPIError) -> bool:
     """Another process created a table (or locked the file to do so) as this one did."""
     text = str(getattr(exc, "orig", exc)).lower()
@@ -262,12 +275,8 @@ class Store:
     def requeue(self, run_id: str, status: str, attempt: int) -> bool:
         """Move a run that is ``status`` at part ``attempt`` to its next part, ``queued``:
         True for exactly one caller (two workers reconciling at once agree)."""
-        with self.begin() as conn:
-            return bool(conn.execute(runs_table.update().where(
-                runs_table.c.run_id == run_id, runs_table.c.status == status,
-                runs_table.c.attempt == attempt).values(
-                status="queued", attempt=attempt + 1, error=None, ended=None,
-                updated=time.time())).rowcount)
+        return self.move_run(run_id, status, attempt, status="queued", attempt=attempt + 1,
+                             error=None, ended=None, wait=False)
 
     @_retried
     def get_run(self, run_id: str) -> dict[str, Any] | None:
@@ -288,16 +297,32 @@ class Store:
 
     @_retried
     def update_run(self, run_id: str, **fields: Any) -> None:
-        values: dict[str, Any] = {"updated": time.time()}
-        for key, value in fields.items():
-            if key in ("question", "error", "progress") and value is not None:
-                value = DEFAULT.value(value)  # nothing secret is stored (recorder's rules)
-            values[key] = json.dumps(value) if key in ("progress", "artefacts") and \
-                value is not None else value
-        if fields.get("status") in ENDED:
-            values.setdefault("ended", time.time())
         with self.begin() as conn:
-            conn.execute(runs_table.update().where(runs_table.c.run_id == run_id).values(**values))
+            conn.execute(runs_table.update().where(runs_table.c.run_id == run_id).values(
+                **_values(fields)))
+
+    @_retried
+    def move_run(self, run_id: str, was: str | tuple[str, ...], part: int,
+                 **fields: Any) -> bool:
+        """Update a run that is ``was`` (a status, or one of them) at part ``part``:
+        False when it is no longer (another caller moved it first; of two racing callers,
+        exactly one wins)."""
+        with self.begin() as conn:
+            return bool(conn.execute(runs_table.update().where(
+                runs_table.c.run_id == run_id,
+                runs_table.c.status.in_([was] if isinstance(was, str) else was),
+                runs_table.c.attempt == part).values(**_values(fields))).rowcount)
+
+    @_retried
+    def claim_run(self, run_id: str, worker_id: str, attempt: int) -> bool:
+        """Mark the run ``working`` under ``worker_id`` for its part ``attempt``, unless it
+        was cancelled or a later part took over: False then, and nothing is written."""
+        with self.begin() as conn:
+            return bool(conn.execute(runs_table.update().where(
+                runs_table.c.run_id == run_id, runs_table.c.status != "cancelled",
+                runs_table.c.attempt <= attempt).values(**_values(dict(
+                    status="working", worker=worker_id, question=None, error=None,
+                    attempt=attempt)))).rowcount)
 
     # -- workers
 

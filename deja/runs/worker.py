@@ -75,7 +75,7 @@ from deja.runs.config import cassette_dir, database_url, is_sqlite
 from deja.runs.errors import DatabaseUnavailable
 from deja.runs.locks import DEAD_AFTER, RunLock, WorkerIdLock, WorkerStopping
 from deja.runs.output import Children, StderrTail
-from deja.runs.spec import record_argv, resume_argv, workflow_id
+from deja.runs.spec import part_of, record_argv, resume_argv, workflow_id
 from deja.runs.store import DISK_ERROR, Store
 from deja.runs.suites import JobStep
 from recorder.ask import ANSWER_ENV, EXIT_INPUT_REQUIRED, WORKER_ENV
@@ -152,10 +152,16 @@ class AgentStep:
         if row is None:  # a submission withdrawn: its caller was told
             return {"status": "failed", "error": f"run {run_id} is not in the runs database "
                                                  "(its submission failed); nothing was run"}
-        if row["status"] == "cancelled":  # cancelled while queued or waiting: never again
-            return {"status": "cancelled"}
-        self.store.update_run(run_id, status="working", worker=self.worker_id, question=None,
-                              error=None)
+        # Cancelled while queued or waiting, or a later part took over: nothing runs. The
+        # claim is one conditional write, so a cancel that read the run queued or waiting
+        # either lands first or finds it working (and stops it at its next boundary).
+        part = part_of(workflow, run_id)
+        if not self.store.claim_run(run_id, self.worker_id, part):
+            row = self.store.get_run(run_id) or row
+            if row["status"] == "cancelled":
+                return {"status": "cancelled"}
+            return {"status": "superseded", "error": f"part {workflow} of run {run_id} was "
+                    f"followed by part {row.get('attempt')}; it ran nothing"}
         with self.locks.hold(run_id, self.stopping):
             outcome = self._run(spec, answer, workflow)
         fields: dict[str, Any] = {"status": outcome["status"],
@@ -169,7 +175,9 @@ class AgentStep:
             progress = {**(progress or {}), "stderr_tail": tail}
         if progress is not None:
             fields["progress"] = progress
-        self.store.update_run(run_id, **fields)
+        # Unless a later part took over (an answer read the run's status from the engine
+        # first): that part's claim says what the run is.
+        self.store.move_run(run_id, "working", part, **fields)
         if outcome["status"] in ("failed", "interrupted"):  # one line per run
             log.warning("run %s %s: %s", run_id, outcome["status"], outcome.get("error"))
         if outcome["status"] != "input_required":
@@ -323,9 +331,10 @@ def cancelled_while_down(store: Store, worker: Any, worker_id: str) -> list[str]
     them read as still stopping, ``working``, for good). What was done, in words."""
     done = []
     for row in store.list_runs(status=["working"], limit=RECONCILE_ROWS):
-        part = workflow_id(row["run_id"], int(row.get("attempt") or 0))
-        if row.get("worker") == worker_id and worker.cancelled(part):
-            store.update_run(row["run_id"], status="cancelled")
+        attempt = int(row.get("attempt") or 0)
+        if row.get("worker") == worker_id and \
+                worker.cancelled(workflow_id(row["run_id"], attempt)) and \
+                store.move_run(row["run_id"], "working", attempt, status="cancelled"):
             done.append(f"run {row['run_id']}: cancelled while its worker was down; it "
                         "ends cancelled")
     return done

@@ -47,6 +47,13 @@ recorder.artefact("decision.txt")
 print(f"answer: {answer}")
 """
 
+# An agent that ends at once.
+QUICK_AGENT = """\
+import recorder
+
+recorder.now()
+"""
+
 # An agent that works slowly: a tool call (a turn boundary) every 0.2 s, 100 of them.
 SLOW_AGENT = """\
 import time

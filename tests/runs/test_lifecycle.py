@@ -18,6 +18,7 @@ from lifecycle_helpers import (  # noqa: F401 (fixtures)
     ASKING_AGENT,
     FAILING_AGENT,
     PYTHON,
+    QUICK_AGENT,
     SLOW_AGENT,
     Workers,
     cassette_lines,
@@ -130,13 +131,6 @@ def test_cancel_of_a_queued_and_of_a_working_run(
     assert record["worker"] is None
     assert runs.store.get_run(queued)["status"] == "cancelled"  # type: ignore[index]
     assert {r["run_id"] for r in runs.list_runs(status=["cancelled"])} == {queued, working}
-
-
-QUICK_AGENT = """\
-import recorder
-
-recorder.now()
-"""
 
 
 def killed_mid_run(runs: service.Runs, workers: Workers, tmp_path: Path) -> str:
