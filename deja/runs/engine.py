@@ -43,7 +43,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from dbos import DBOS, DBOSClient, DBOSConfig, EnqueueOptions, SetWorkflowID
@@ -320,21 +320,27 @@ class Worker:
         DBOS.register_queue(SCHEDULES_QUEUE, polling_interval_sec=0.5,
                             on_conflict="always_update")
 
-    def backfill_unfired(self, created: dict[str, float]) -> int:
-        """Submit the missed occurrences of schedules that never fired.
+    def backfill(self, created: dict[str, float], since: float | None = None) -> int:
+        """Submit the missed occurrences the engine's automatic backfill leaves out, under
+        the ids its scheduler uses (never twice, whoever submits first); how many.
 
-        The engine backfills from a schedule's last firing; one that never fired (no
-        worker was up since it was added) has none, so its occurrences since it was
-        added are enqueued here, under the same deterministic ids the scheduler uses:
-        never twice, whoever starts first."""
+        ``since=None``, as the worker starts: schedules that never fired (no worker was up
+        since they were added) have no last firing to backfill from, so their occurrences
+        since they were added are enqueued. ``since`` a time: every schedule's occurrences
+        from then (or from when it was added, if later) to a second ago. The engine's
+        backfill ends when it runs, and its scheduler counts from when it starts, a moment
+        later: an occurrence due in between (a worker started on the second of one) is
+        submitted by neither, and a call with ``since`` the worker's start finds it."""
         now = datetime.now(UTC)
         count = 0
         for name, stamp in created.items():
             schedule = DBOS.get_schedule(f"deja-{name}")
-            if schedule is None or schedule.get("last_fired_at"):
+            if schedule is None or (since is None and schedule.get("last_fired_at")):
                 continue
-            count += len(DBOS.backfill_schedule(
-                f"deja-{name}", datetime.fromtimestamp(stamp, UTC), now))
+            start = datetime.fromtimestamp(max(stamp, since or stamp), UTC)
+            end = now if since is None else now - timedelta(seconds=1)
+            if start < end:
+                count += len(DBOS.backfill_schedule(f"deja-{name}", start, end))
         return count
 
     def recover(self, executor_ids: list[str]) -> list[str]:

@@ -383,14 +383,22 @@ def reconcile(store: Store, worker: Any, now: float | None = None) -> list[str]:
     return done
 
 
+def _created(store: Store) -> dict[str, float]:
+    return {s["name"]: s["created"] for s in store.schedules()}
+
+
 def _beat_and_watch(store: Store, worker_id: str, worker: Any, stop: threading.Event,
-                    check_every: float) -> None:
+                    check_every: float, launched: float) -> None:
     host, pid = socket.gethostname(), os.getpid()
     last_check = last_reconcile = 0.0
+    started_gap: float | None = launched - 1.0  # (engine.Worker.backfill), once
     while not stop.wait(BEAT):
         try:
             store.beat(worker_id, host, pid)
             now = time.time()
+            if started_gap is not None:  # the engine's scheduler runs by now
+                worker.backfill(_created(store), since=started_gap)
+                started_gap = None
             # After the database was down, every worker's beat is old: wait until the
             # others had time to beat again before calling any of them dead.
             settled = time.monotonic() - store.back_since >= DEAD_AFTER
@@ -452,9 +460,10 @@ def serve(worker_id: str, url: str | None = None, concurrency: int = 1,
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     store.beat(worker_id, socket.gethostname(), os.getpid(), first=True)
+    launched = time.time()
     worker.launch()
     store.wait_for_database()  # from here on, an outage is waited out, not a failure
-    worker.backfill_unfired({s["name"]: s["created"] for s in store.schedules()})
+    worker.backfill(_created(store))
     for line in [*cancelled_while_down(store, worker, worker_id), *reconcile(store, worker)]:
         log.warning("%s", line)
     sys.stderr.write(f"deja: worker {worker_id} is up ({concurrency} at a time; "
@@ -462,7 +471,7 @@ def serve(worker_id: str, url: str | None = None, concurrency: int = 1,
                      f"cassettes in {cassettes})\n")
     sys.stderr.flush()
     beat = threading.Thread(target=_beat_and_watch, name="deja-heartbeat", daemon=True,
-                            args=(store, worker_id, worker, stop, check_every))
+                            args=(store, worker_id, worker, stop, check_every, launched))
     beat.start()
     while not stop.wait(1.0):
         pass

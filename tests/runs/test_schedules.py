@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from lifecycle_helpers import (  # noqa: F401 (fixtures)
     FAILING_AGENT,
     PYTHON,
@@ -154,6 +155,40 @@ def test_occurrences_missed_before_any_worker_came_up_are_backfilled(
                     show=lambda: statuses(runs, "early"))
     assert min(held) == missed[0]
     check_runs_are_the_occurrences(held, "early", tmp_path / "ledger.txt")
+
+
+def test_an_occurrence_due_as_the_worker_starts_is_submitted(
+        runs: service.Runs, workers: Workers, tmp_path: Path) -> None:
+    """The engine's backfill ends when it runs and its scheduler counts from when it
+    starts, a moment later: an occurrence due in between is the worker's to submit. Here
+    the gap is made wide: the engine backfills nothing (as if its backfill had ended
+    before the worker started), and a schedule fires every second."""
+    agent = write_agent(tmp_path, "report.py", REPORT_AGENT)
+    runs.add_schedule("sec", "* * * * * *", "UTC", None, None, payload(tmp_path, agent))
+    added = datetime.now(UTC)
+    with runs.store.begin() as conn:
+        assert conn.execute(sa.text(
+            "UPDATE workflow_schedules SET automatic_backfill = :no, last_fired_at = :at "
+            "WHERE schedule_name = 'deja-sec'"), {"no": False, "at": added.isoformat()}
+        ).rowcount == 1
+    wait_for("two occurrences to pass with no worker up",
+             lambda: datetime.now(UTC) > added + timedelta(seconds=2.5))
+    worker = workers.start("w1", "-j", "4")
+    record = runs.store.worker("w1")
+    assert record is not None
+    started = datetime.fromtimestamp(record["started"], UTC)  # before the engine starts
+    held = wait_for("the occurrences up to 3 s after the worker started to be submitted",
+                    lambda: (h := scheduled(runs, "sec")) and
+                    max(h) >= started + timedelta(seconds=3) and h,
+                    show=worker.output)
+    worker.stop()
+    runs.remove_schedule("sec")
+    first = min(held)
+    # The occurrence of the second before the engine's scheduler started, not later.
+    assert first <= started, (first, started)
+    assert first > added  # none from before the engine's last firing
+    seconds = sorted(held)
+    assert seconds == [first + timedelta(seconds=i) for i in range(len(seconds))]
 
 
 def test_an_absence_alert_with_no_worker_up_fires_once_from_the_database_alone(
