@@ -43,7 +43,7 @@ import logging
 import sqlite3
 import time
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 from dbos import DBOS, DBOSClient, DBOSConfig, EnqueueOptions, SetWorkflowID
@@ -249,7 +249,7 @@ class Client:
         if not run_ids:
             return {}
         out: dict[str, dict[str, Any]] = {}
-        for status in self._client.list_workflows(workflow_ids=run_ids):
+        for status in self._client.list_workflows(workflow_ids=run_ids, load_input=False):
             out[status.workflow_id] = {
                 "status": status.status, "output": status.output,
                 "error": str(status.error) if status.error is not None else None,
@@ -265,6 +265,14 @@ class Client:
                                  workflow_id=workflow_id(spec["run_id"], attempt),
                                  app_version=APP_VERSION)
         self._client.enqueue(options, spec, text)
+
+    def answer_of(self, run_id: str, attempt: int) -> str | None:
+        """The answer part ``attempt`` of the run was enqueued with (None: no such part)."""
+        for status in self._client.list_workflows(
+                workflow_ids=[workflow_id(run_id, attempt)], load_output=False):
+            args = status.input["args"] if status.input is not None else ()
+            return str(args[1]) if len(args) > 1 and args[1] is not None else None
+        return None
 
     def add_schedule(self, name: str, cron: str, tz: str) -> None:
         self._client.create_schedule(
@@ -320,28 +328,32 @@ class Worker:
         DBOS.register_queue(SCHEDULES_QUEUE, polling_interval_sec=0.5,
                             on_conflict="always_update")
 
-    def backfill(self, created: dict[str, float], since: float | None = None) -> int:
-        """Submit the missed occurrences the engine's automatic backfill leaves out, under
-        the ids its scheduler uses (never twice, whoever submits first); how many.
+    def backfill_unfired(self, created: dict[str, float]) -> None:
+        """Submit the missed occurrences of schedules that never fired.
 
-        ``since=None``, as the worker starts: schedules that never fired (no worker was up
-        since they were added) have no last firing to backfill from, so their occurrences
-        since they were added are enqueued. ``since`` a time: every schedule's occurrences
-        from then (or from when it was added, if later) to a second ago. The engine's
-        backfill ends when it runs, and its scheduler counts from when it starts, a moment
-        later: an occurrence due in between (a worker started on the second of one) is
-        submitted by neither, and a call with ``since`` the worker's start finds it."""
+        The engine backfills from a schedule's last firing; one that never fired (no
+        worker was up since it was added) has none, so its occurrences since it was
+        added are enqueued here, under the same deterministic ids the scheduler uses:
+        never twice, whoever starts first."""
         now = datetime.now(UTC)
-        count = 0
         for name, stamp in created.items():
             schedule = DBOS.get_schedule(f"deja-{name}")
-            if schedule is None or (since is None and schedule.get("last_fired_at")):
-                continue
-            start = datetime.fromtimestamp(max(stamp, since or stamp), UTC)
-            end = now if since is None else now - timedelta(seconds=1)
-            if start < end:
-                count += len(DBOS.backfill_schedule(f"deja-{name}", start, end))
-        return count
+            if schedule is not None and not schedule.get("last_fired_at"):
+                DBOS.backfill_schedule(f"deja-{name}", datetime.fromtimestamp(stamp, UTC),
+                                       now)
+
+    def backfill_window(self, name: str, start: float, end: float) -> None:
+        """Submit the occurrences of schedule ``name`` after ``start`` and before ``end``
+        that nobody submitted (the same ids: never twice).
+
+        The engine's scheduler leaves some out: its backfill ends when it runs, and the
+        schedule's own thread counts from when it starts, a moment later (after the
+        backfill of every schedule before it, however long that takes); an occurrence
+        due in between, or one whose submission failed while the database was down, is
+        submitted by nobody else."""
+        if start < end:
+            DBOS.backfill_schedule(f"deja-{name}", datetime.fromtimestamp(start, UTC),
+                                   datetime.fromtimestamp(end, UTC))
 
     def recover(self, executor_ids: list[str]) -> list[str]:
         """Take over the pending runs of dead executors (the engine's recovery call)."""

@@ -15,7 +15,7 @@ from deja.runs.config import cassette_dir
 from deja.runs.errors import BadRunRequest, DatabaseUnavailable, NoSuchSchedule
 from deja.runs.guard import bad_text
 from deja.runs.spec import validate, workflow_id
-from deja.runs.store import ENDED, Store
+from deja.runs.store import DISK_ERROR, ENDED, Store
 from recorder.ask import seal_answer
 from recorder.cassette.schema import run_status
 from recorder.errors import NoSuchRun
@@ -230,18 +230,24 @@ class Runs:
         for _ in range(MOVES):  # the run moved between reading it and writing: read again
             row = self._row(run_id)
             record = record_of(row, self._engine([row]).get(run_id))
-            if record["status"] in ENDED:
+            # A run interrupted by its cassette directory is dispatched again once it is
+            # writable (runs.worker.reconcile): it has not ended until then.
+            stalled = row["status"] == "interrupted" and \
+                str(row.get("error") or "").startswith(DISK_ERROR)
+            if record["status"] in ENDED and not stalled:
                 return {**record, "note": f"the run already ended {record['status']}"}
             # Its current part too, whatever the run shows: a waiting run's part has ended,
             # unless its worker died before the engine recorded that, and a pending part is
             # taken up again when a worker starts (the engine leaves an ended part as it is).
             self.client.cancel(current_workflow(row))
-            if record["status"] not in ("queued", "input_required"):
+            if record["status"] not in ("queued", "input_required") and not stalled:
                 return {"run_id": run_id, "status": "cancelling", "was": record["status"]}
-            # Only if it still is what was read: a worker that took it up meanwhile stops it
-            # at its next boundary; an answer that came meanwhile made a part cancelled next.
+            # Only if the row is as read, unwritten since: a worker that took the run up
+            # meanwhile stops it at its next boundary; an answer that came meanwhile made a
+            # part, cancelled on the next read.
             if self.store.move_run(run_id, row["status"], int(row.get("attempt") or 0),
-                                   status="cancelled", question=None):
+                                   unchanged_since=row["updated"], status="cancelled",
+                                   question=None):
                 return {"run_id": run_id, "status": "cancelled", "was": record["status"]}
         return {"run_id": run_id, "status": "cancelling", "was": record["status"]}
 
@@ -270,6 +276,9 @@ class Runs:
                 self.client.cancel(workflow_id(run_id, attempt))
                 raise BadRunRequest(f"run {run_id} was cancelled as it was answered; the "
                                     "answer is not used")
+        if self.client.answer_of(run_id, attempt) != text:  # the engine kept another's
+            raise BadRunRequest(f"run {run_id} was answered by another caller at the same "
+                                "moment; that answer is used, not this one")
         return {"run_id": run_id, "status": record["status"], "question": question,
                 "answered": True}
 

@@ -303,15 +303,19 @@ class Store:
 
     @_retried
     def move_run(self, run_id: str, was: str | tuple[str, ...], part: int,
-                 **fields: Any) -> bool:
-        """Update a run that is ``was`` (a status, or one of them) at part ``part``:
-        False when it is no longer (another caller moved it first; of two racing callers,
+                 unchanged_since: float | None = None, **fields: Any) -> bool:
+        """Update a run that is ``was`` (a status, or one of them) at part ``part`` (and,
+        given ``unchanged_since``, the row's ``updated`` as read: no write since): False
+        when it is no longer (another caller moved it first; of two racing callers,
         exactly one wins)."""
+        where = [runs_table.c.run_id == run_id,
+                 runs_table.c.status.in_([was] if isinstance(was, str) else was),
+                 runs_table.c.attempt == part]
+        if unchanged_since is not None:
+            where.append(runs_table.c.updated == unchanged_since)
         with self.begin() as conn:
-            return bool(conn.execute(runs_table.update().where(
-                runs_table.c.run_id == run_id,
-                runs_table.c.status.in_([was] if isinstance(was, str) else was),
-                runs_table.c.attempt == part).values(**_values(fields))).rowcount)
+            return bool(conn.execute(runs_table.update().where(*where).values(
+                **_values(fields))).rowcount)
 
     @_retried
     def claim_run(self, run_id: str, worker_id: str, attempt: int) -> bool:

@@ -387,18 +387,37 @@ def _created(store: Store) -> dict[str, float]:
     return {s["name"]: s["created"] for s in store.schedules()}
 
 
+def _fill_gaps(store: Store, worker: Any, covered: dict[str, float], launched: float,
+               now: float) -> None:
+    """Submit what the engine's scheduler left out since this worker started
+    (:meth:`engine.Worker.backfill_window`): each schedule from where its last window
+    ended (or from the second before the start, or from when it was added) to a second
+    ago. A schedule whose window fails keeps its start and is tried again."""
+    end = now - 1.0
+    for name, created in _created(store).items():
+        start = max(covered.get(name, launched - 1.0), created)
+        try:
+            worker.backfill_window(name, start, end)
+        except Exception as exc:  # noqa: BLE001 (one schedule's trouble stops no other)
+            if name not in covered or covered[name] != start:
+                log.warning("schedule %s: its occurrences since %s could not be checked "
+                            "(%s: %s); tried again", name, time.strftime(
+                                "%H:%M:%S", time.gmtime(start)), type(exc).__name__,
+                            (str(exc).strip().splitlines() or [""])[0])
+            covered[name] = start
+            continue
+        covered[name] = end - 1.0  # a second over: a window's start is not in it
+
+
 def _beat_and_watch(store: Store, worker_id: str, worker: Any, stop: threading.Event,
                     check_every: float, launched: float) -> None:
     host, pid = socket.gethostname(), os.getpid()
     last_check = last_reconcile = 0.0
-    started_gap: float | None = launched - 1.0  # (engine.Worker.backfill), once
+    covered: dict[str, float] = {}  # schedule: its occurrences submitted up to then
     while not stop.wait(BEAT):
         try:
             store.beat(worker_id, host, pid)
             now = time.time()
-            if started_gap is not None:  # the engine's scheduler runs by now
-                worker.backfill(_created(store), since=started_gap)
-                started_gap = None
             # After the database was down, every worker's beat is old: wait until the
             # others had time to beat again before calling any of them dead.
             settled = time.monotonic() - store.back_since >= DEAD_AFTER
@@ -415,6 +434,7 @@ def _beat_and_watch(store: Store, worker_id: str, worker: Any, stop: threading.E
                 last_reconcile = now
                 for line in reconcile(store, worker, now):
                     log.warning("%s", line)
+                _fill_gaps(store, worker, covered, launched, now)
             if now - last_check >= check_every:
                 last_check = now
                 schedules.check(store)
@@ -459,11 +479,11 @@ def serve(worker_id: str, url: str | None = None, concurrency: int = 1,
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    store.beat(worker_id, socket.gethostname(), os.getpid(), first=True)
     launched = time.time()
+    store.beat(worker_id, socket.gethostname(), os.getpid(), first=True)
     worker.launch()
     store.wait_for_database()  # from here on, an outage is waited out, not a failure
-    worker.backfill(_created(store))
+    worker.backfill_unfired(_created(store))
     for line in [*cancelled_while_down(store, worker, worker_id), *reconcile(store, worker)]:
         log.warning("%s", line)
     sys.stderr.write(f"deja: worker {worker_id} is up ({concurrency} at a time; "

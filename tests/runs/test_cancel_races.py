@@ -30,6 +30,7 @@ from lifecycle_helpers import (  # noqa: F401 (fixtures)
 
 from deja.runs import config, service
 from deja.runs.errors import BadRunRequest
+from deja.runs.store import DISK_ERROR
 from deja.runs.worker import AgentStep
 
 
@@ -52,7 +53,10 @@ class Meanwhile:
             out = method(*args)
             if self.then is not None:
                 then, self.then = self.then, None
-                self.result = then()
+                try:
+                    self.result = then()
+                except BadRunRequest as exc:  # what the other caller was told
+                    self.result = exc
             return out
 
         return called
@@ -65,6 +69,9 @@ def waiting_run(runs: service.Runs, workers: Workers, tmp_path: Path) -> tuple[s
                               "cwd": str(tmp_path)})["run_id"])
     first = workers.start("w1")
     wait_for("the run to ask", lambda: status_of(runs, run_id, "input_required"))
+    # The engine records the end of the part just after the row says it waits.
+    wait_for("the engine to record that the run's part ended",
+             lambda: runs.client.states([run_id])[run_id]["status"] == "SUCCESS")
     first.stop()
     cassette = config.cassette_dir() / f"{run_id}.jsonl"
     assert ended(cassette) is None  # open, waiting for its answer
@@ -159,3 +166,54 @@ def test_a_cancel_that_a_worker_beats_to_a_queued_run_stops_it_at_its_next_bound
     assert row is not None and (row["status"], row["worker"]) == ("working", "w1")
     # What the worker watches for, to stop its agent at the next boundary:
     assert runs.client.states([run_id])[run_id]["status"] == "CANCELLED"
+
+
+def test_of_two_answers_given_at_once_one_is_used_and_the_other_caller_is_told(
+        runs: service.Runs, workers: Workers, tmp_path: Path) -> None:
+    run_id, _ = waiting_run(runs, workers, tmp_path)
+    client = Meanwhile(runs.client, "answer", lambda: runs.answer(run_id, "no, once"))
+    answered = service.Runs(runs.store, client).answer(run_id, "yes, twice")
+    assert answered["answered"] is True
+    # The other answer came after this one reached the engine: it is not used, and says so.
+    assert isinstance(client.result, BadRunRequest)
+    assert str(client.result) == (f"run {run_id} was answered by another caller at the "
+                                  "same moment; that answer is used, not this one")
+    workers.start("w1")
+    done = wait_for("the run to complete", lambda: status_of(runs, run_id, "completed",
+                                                             "failed"))
+    assert done["status"] == "completed", done
+    assert (tmp_path / "decision.txt").read_text() == "answer: yes, twice\n"
+
+
+def test_a_run_waiting_for_its_cassette_directory_can_be_cancelled(
+        runs: service.Runs, workers: Workers, tmp_path: Path) -> None:
+    """A run interrupted by a full cassette directory is dispatched again once the
+    directory is writable: until then it can be cancelled, and then it is not."""
+    run_id, _ = waiting_run(runs, workers, tmp_path)  # a part ended, its cassette open
+    runs.store.update_run(run_id, status="interrupted",
+                          error=f"{DISK_ERROR}: the disk is full; the run is dispatched "
+                                "again once it is writable")
+    assert runs.cancel(run_id) == {"run_id": run_id, "status": "cancelled",
+                                   "was": "interrupted"}
+    assert runs.get(run_id)["status"] == "cancelled"
+    assert not runs.store.requeue(run_id, "interrupted", 0)  # what reconcile would do
+    assert runs.cancel(run_id)["note"] == "the run already ended cancelled"
+
+
+def test_a_cancel_that_a_worker_beats_to_a_recovered_part_stops_it_at_its_next_boundary(
+        runs: service.Runs, home: Path, tmp_path: Path) -> None:
+    """A worker died mid-run and the engine queued its part again: the row still says
+    working under the dead worker, the run reads queued. A live worker takes the part up
+    between the cancel's read and its write: the run is stopped, not marked cancelled
+    under its running agent."""
+    run_id = runs.submit({"command": [PYTHON, write_agent(tmp_path, "quick.py",
+                                                           QUICK_AGENT).name],
+                          "cwd": str(tmp_path)})["run_id"]
+    runs.store.update_run(run_id, status="working", worker="w0")  # w0 died with it
+    assert runs.get(run_id)["status"] == "queued"  # the engine holds its part, queued
+    runs.store.beat("w1", socket.gethostname(), os.getpid(), first=True)
+    client = Meanwhile(runs.client, "cancel", lambda: runs.store.claim_run(run_id, "w1", 0))
+    assert service.Runs(runs.store, client).cancel(run_id) == {
+        "run_id": run_id, "status": "cancelling", "was": "working"}
+    row = runs.store.get_run(run_id)
+    assert row is not None and (row["status"], row["worker"]) == ("working", "w1")
