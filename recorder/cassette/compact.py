@@ -32,7 +32,7 @@ from typing import Any
 
 from recorder import providers  # a module reference: providers imports this package
 from recorder.canonical import content_decoded, decode_body
-from recorder.cassette import _headers
+from recorder.cassette import _fastjson, _headers
 from recorder.cassette.schema import Kind
 
 NO_DOC = object()  # a response body stored as text, not as JSON
@@ -47,7 +47,7 @@ def _exact_json(text: str) -> Any:
         doc = json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError):
         return None
-    if json.dumps(doc, separators=(",", ":"), ensure_ascii=False) != text:
+    if json_text(doc) != text:
         return None
     return doc
 
@@ -56,8 +56,7 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} has no canonical JSON form")
 
 
-def json_text(doc: Any) -> str:
-    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
+json_text = _fastjson.dumps_compact
 
 
 HEADER_BASES = 4  # recent model lines whose response headers a line may be stored against
@@ -234,14 +233,15 @@ def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]] | Any, req
     line.setdefault("message_id", None)
 
 
-def restore_body(response: dict[str, Any]) -> Any:
+def restore_body(response: dict[str, Any], fast: bool = False) -> Any:
     """A stored response's body back as the text received (a JSON document stored parsed
-    is written out again) and its reason phrase, in place; the document, else
+    is written out again; ``fast``: by orjson, which the line's bytes allow,
+    :func:`._fastjson.exact_for`) and its reason phrase, in place; the document, else
     :data:`NO_DOC`."""
     doc = NO_DOC
     if "body_json" in response:
         doc = response.pop("body_json")
-        response["body"] = json_text(doc)
+        response["body"] = (_fastjson.dumps_compact_fast if fast else json_text)(doc)
     response.setdefault("reason", phrase(response.get("status", 0)))
     return doc
 

@@ -18,7 +18,6 @@ one read follows at most that many references back.
 
 from __future__ import annotations
 
-import json
 import sys
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -28,7 +27,7 @@ from typing import Any, NamedTuple, cast, overload
 
 from recorder import providers  # a module reference: providers imports this package
 from recorder.canonical import Parts
-from recorder.cassette import _delta, _shape, compact
+from recorder.cassette import _delta, _fastjson, _shape, compact
 from recorder.cassette.schema import EndLine, Kind, Observation
 from recorder.errors import CorruptCassette
 
@@ -126,10 +125,15 @@ class Store:
     def parsed(self, seq: int) -> dict[str, Any]:
         """Line ``seq`` parsed again, without its ``sig``: load checked its bytes, which
         are not changed since, so a plain parse gives what the strict one gave."""
-        index = seq + 1
-        line = cast(dict[str, Any], json.loads(self.data[self.starts[index]:self.ends[index]]))
+        return self._parse(seq, check=False)[0]
+
+    def _parse(self, seq: int, check: bool = True) -> tuple[dict[str, Any], bool]:
+        """:meth:`parsed`, and (``check``) whether a JSON body in it may be written back
+        by orjson (:mod:`._fastjson`)."""
+        start, end = self.starts[seq + 1], self.ends[seq + 1]
+        line, fast = _fastjson.read(self.data[start:end])
         line.pop("sig", None)
-        return line
+        return line, check and fast and _fastjson.exact_for(self.data, start, end)
 
     def line(self, seq: int) -> Observation:
         """Line ``seq``, restored (the last few are kept: the same object again). A
@@ -163,7 +167,7 @@ class Store:
         found = self._lines.get(seq)
         if found is not None:
             return cast(Observation, found)
-        line = self.parsed(seq)
+        line, fast = self._parse(seq)
         if line.get("kind") != Kind.MODEL:
             return cast(Observation, self._lines.keep(seq, line))
         out: dict[str, Any] = {"seq": line["seq"], "kind": line["kind"]}
@@ -176,7 +180,7 @@ class Store:
             headers = self.response_headers(seq, line)
             response.pop("headers_base", None)
             response["headers"] = headers
-            doc = compact.restore_body(response)
+            doc = compact.restore_body(response, fast=fast)
             if doc is not compact.NO_DOC:
                 self._docs.keep(seq, doc)
             _servable(response, out.get("error"))
