@@ -364,11 +364,12 @@ class Worker:
         status = DBOS.get_workflow_status(workflow)
         return status is not None and status.status == "CANCELLED"
 
-    def known(self, workflows: list[str]) -> set[str]:
-        """Which of ``workflows`` the engine holds."""
+    def known(self, workflows: list[str]) -> dict[str, str]:
+        """Which of ``workflows`` the engine holds, with the status of each."""
         if not workflows:
-            return set()
-        return {status.workflow_id for status in DBOS.list_workflows(workflow_ids=workflows)}
+            return {}
+        return {status.workflow_id: status.status for status in DBOS.list_workflows(
+            workflow_ids=workflows, load_input=False, load_output=False)}
 
     def enqueue(self, spec: dict[str, Any], attempt: int) -> None:
         """Enqueue part ``attempt`` of a run (0: its submission) without an answer: a run

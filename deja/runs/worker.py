@@ -351,6 +351,9 @@ def reconcile(store: Store, worker: Any, now: float | None = None) -> list[str]:
       the row and answers an error; a crash or a database that failed in between can
       leave it) is removed, since its caller never heard that it was accepted; a part
       dispatched again here whose enqueue failed is enqueued.
+    - A ``queued`` row whose current part the engine cancelled after taking it off its
+      queue and before its step started (the step, which ends a cancelled run's row,
+      never runs) ends ``cancelled``.
     """
     now = time.time() if now is None else now
     done: list[str] = []
@@ -369,9 +372,15 @@ def reconcile(store: Store, worker: Any, now: float | None = None) -> list[str]:
              if row["status"] == "queued" and now - row["updated"] > SUBMIT_GRACE}
     known = worker.known(list(stale))
     for part, row in stale.items():
+        attempt = int(row.get("attempt") or 0)
+        if known.get(part) == "CANCELLED":  # before its step started: nobody else ends it
+            if store.move_run(row["run_id"], "queued", attempt,
+                              unchanged_since=row["updated"], status="cancelled"):
+                done.append(f"run {row['run_id']}: cancelled before it started; it ends "
+                            "cancelled")
+            continue
         if part in known:
             continue
-        attempt = int(row.get("attempt") or 0)
         if attempt == 0:
             if store.forget_submission(row["run_id"]):
                 done.append(f"run {row['run_id']}: its submission never reached the queue "

@@ -238,6 +238,12 @@ def status_of(runs: service.Runs, run_id: str, *statuses: str) -> dict[str, Any]
     return record if record["status"] in statuses else None
 
 
+def status_of_row(runs: service.Runs, run_id: str, status: str) -> dict[str, Any] | None:
+    """The run's row when it says ``status``, else None (for wait_for)."""
+    row = runs.store.get_run(run_id)
+    return row if row is not None and row["status"] == status else None
+
+
 def cassette_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 

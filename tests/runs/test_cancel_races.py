@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from lifecycle_helpers import (  # noqa: F401 (fixtures)
     ASKING_AGENT,
     PYTHON,
@@ -23,6 +24,7 @@ from lifecycle_helpers import (  # noqa: F401 (fixtures)
     home_fixture,
     runs_fixture,
     status_of,
+    status_of_row,
     wait_for,
     workers_fixture,
     write_agent,
@@ -217,3 +219,23 @@ def test_a_cancel_that_a_worker_beats_to_a_recovered_part_stops_it_at_its_next_b
         "run_id": run_id, "status": "cancelling", "was": "working"}
     row = runs.store.get_run(run_id)
     assert row is not None and (row["status"], row["worker"]) == ("working", "w1")
+
+
+def test_a_queued_run_whose_part_was_cancelled_before_it_started_ends_cancelled(
+        runs: service.Runs, workers: Workers, tmp_path: Path) -> None:
+    """A cancel that reached the engine's part after a worker took it off the queue and
+    before its step started: the step never runs to end the row, which said ``queued``
+    for good. A worker's reconciliation ends it."""
+    run_id = runs.submit({"command": [PYTHON, write_agent(tmp_path, "quick.py",
+                                                           QUICK_AGENT).name],
+                          "cwd": str(tmp_path)})["run_id"]
+    runs.client.cancel(run_id)  # the engine's part only, as that cancel leaves it
+    with runs.store.begin() as conn:  # older than a submission still on its way
+        conn.execute(sa.text("UPDATE deja_runs SET updated = updated - 60 "
+                             "WHERE run_id = :run"), {"run": run_id})
+    worker = workers.start("w1")
+    row = wait_for("the row to say cancelled",
+                   lambda: status_of_row(runs, run_id, "cancelled"), show=worker.output)
+    assert row["worker"] is None  # it never ran
+    assert f"run {run_id}: cancelled before it started; it ends cancelled" in worker.output()
+    assert not (config.cassette_dir() / f"{run_id}.jsonl").exists()

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import pytest
 from lifecycle_helpers import (  # noqa: F401 (fixtures)
@@ -26,6 +25,7 @@ from lifecycle_helpers import (  # noqa: F401 (fixtures)
     home_fixture,
     runs_fixture,
     status_of,
+    status_of_row,
     wait_for,
     workers_fixture,
     write_agent,
@@ -38,11 +38,6 @@ from deja.runs.locks import WorkerIdLock
 from deja.runs.store import Store
 from deja.runs.worker import AgentStep
 from recorder.errors import NoSuchRun
-
-
-def status_of_row(runs: service.Runs, run_id: str, status: str) -> dict[str, Any] | None:
-    row = runs.store.get_run(run_id)
-    return row if row is not None and row["status"] == status else None
 
 
 def submit(runs: service.Runs, directory: Path, agent: Path) -> str:
