@@ -39,6 +39,7 @@ import logging
 import os
 import re
 import subprocess
+import time
 import urllib.request
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -46,6 +47,7 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from deja.runs.errors import BadSchedule
+from deja.runs.locks import DEAD_AFTER
 from deja.runs.store import DISK_ERROR, ENDED, Store
 from recorder.cassette.schema import Kind, run_status
 from recorder.harness.progress import cassette_end
@@ -218,14 +220,26 @@ def _failed(run: dict[str, Any]) -> bool:
     return status in ENDED and status != "completed" and not waiting
 
 
+def end_error(end: dict[str, Any]) -> str | None:
+    """What an end line says went wrong (a failed run's message, an interruption's)."""
+    error = end.get("error")
+    message = error.get("message") if isinstance(error, dict) else None
+    if message or end.get("reason"):
+        return str(message or end.get("reason"))
+    return "the program failed" if run_status(end) == "failed" else None
+
+
 def _message(kind: str, schedule: dict[str, Any], occ: str, run: dict[str, Any] | None,
              due: datetime | None) -> str:
     name = schedule["name"]
     status = status_of(run) if run is not None else None
     if kind == "failure":
         assert run is not None
+        cassette = (run.get("spec") or {}).get("cassette")
+        end = cassette_end(cassette)[1] if cassette and not run.get("error") else None
+        error = run.get("error") or (end_error(end) if end is not None else None)
         return (f"scheduled run {run['run_id']} of {name} ({occ}) ended {status}"
-                + (f": {run['error']}" if run.get("error") else ""))
+                + (f": {error}" if error else ""))
     when = due.isoformat() if due is not None else "its deadline"
     if run is None:
         why = "the run never started"
@@ -297,17 +311,26 @@ def after_run(store: Store, run_id: str) -> None:
         _raise(store, schedule, run["occurrence"], "failure", run)
 
 
+def _live_workers(store: Store) -> set[str]:
+    now = time.time()
+    return {w["worker_id"] for w in store.workers() if now - w["beat"] < DEAD_AFTER}
+
+
 def check(store: Store, now: datetime | None = None) -> list[dict[str, Any]]:
     """Raise every alert due as of ``now`` (default: the current time) and return the new
     ones: failures of scheduled runs, and occurrences past their deadline with no
     verified artefact."""
     now = now or datetime.now(UTC)
     raised: list[dict[str, Any]] = []
+    # A run whose live worker has not written its end yet: the worker raises its failure
+    # alert as it does (after_run), with the error and the launcher's last lines.
+    writing = _live_workers(store)
     for schedule in store.schedules():
         runs = {r["occurrence"]: r for r in store.list_runs(schedule=schedule["name"],
                                                            limit=LOOKBACK)}
         for run in runs.values():
-            if _failed(run):
+            if _failed(run) and not (run["status"] in ("queued", "working")
+                                     and run.get("worker") in writing):
                 alert = _raise(store, schedule, run["occurrence"], "failure", run)
                 if alert:
                     raised.append(alert)

@@ -108,7 +108,7 @@ def record_of(row: dict[str, Any], engine: dict[str, Any] | None) -> dict[str, A
         out["cancel_requested"] = True
     error = row.get("error") or (engine or {}).get("error")
     if end is not None and status == run_status(end) and row["status"] != status:
-        error = _end_error(end)  # the end line says more than the row, not updated yet
+        error = schedules.end_error(end)  # the end line says more than the row, not updated yet
     if error and status != "completed":  # a completed run's error is an earlier part's
         out["error"] = error
         if progress.get("stderr_tail"):  # the last lines its launcher wrote (redacted)
@@ -124,15 +124,6 @@ def record_of(row: dict[str, Any], engine: dict[str, Any] | None) -> dict[str, A
         except OSError:
             out["ended"] = _iso(row["updated"])
     return out
-
-
-def _end_error(end: dict[str, Any]) -> str | None:
-    """What an end line says went wrong (a failed run's message, an interruption's)."""
-    error = end.get("error")
-    message = error.get("message") if isinstance(error, dict) else None
-    if message or end.get("reason"):
-        return str(message or end.get("reason"))
-    return "the program failed" if run_status(end) == "failed" else None
 
 
 def _iso(stamp: float | None) -> str | None:

@@ -279,6 +279,34 @@ def test_a_failed_scheduled_run_alerts_a_command_and_a_url(
     assert len(alert_sink.received) == 1
 
 
+def test_a_failure_is_alerted_by_the_live_worker_writing_its_end_or_once_it_is_dead(
+        runs: service.Runs, tmp_path: Path) -> None:
+    """A scheduled run's end line says failed and its row still says working under a live
+    worker: that worker raises the alert once it has written the error and the launcher's
+    last lines, and a check in between raises nothing. With its worker dead, a check
+    raises it, with the error its end line gives."""
+    agent = write_agent(tmp_path, "failing.py", FAILING_AGENT)
+    runs.add_schedule("pay", NEVER_IN_A_TEST, "UTC", None, None, payload(tmp_path, agent))
+    spec = schedules.occurrence(runs.store, "pay", "2026-12-01T05:00:00+00:00")
+    assert spec is not None
+    done = subprocess.run([PYTHON, "-m", "deja", "record", "-o", spec["cassette"], "--",
+                           PYTHON, agent.name], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0 and "the ledger is locked" in done.stderr, done.stderr
+    runs.store.update_run(spec["run_id"], status="working", worker="w1")
+    runs.store.beat("w1", "here", 1, first=True)
+    assert runs.get(spec["run_id"])["status"] == "failed"  # the end line says so
+    assert schedules.check(runs.store) == []  # its worker is about to say more
+
+    with runs.store.begin() as conn:  # w1 died before writing the run's end
+        conn.execute(sa.text("UPDATE deja_workers SET beat = beat - 60"))
+    [alert] = schedules.check(runs.store)
+    assert alert["message"] == (f"scheduled run {spec['run_id']} of pay "
+                                "(2026-12-01T05:00:00+00:00) ended failed: the ledger is "
+                                "locked")
+    assert schedules.check(runs.store) == []  # once
+
+
 def test_a_changed_artefact_is_no_verified_artefact(
         runs: service.Runs, workers: Workers, tmp_path: Path) -> None:
     agent = write_agent(tmp_path, "report.py", REPORT_AGENT)
