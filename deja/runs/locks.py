@@ -32,6 +32,12 @@ from deja.runs.store import Store
 DEAD_AFTER = 10.0  # a worker whose last beat is older than this is dead
 
 
+def live_workers(store: Store) -> set[str]:
+    """The ids of the workers whose last beat is younger than :data:`DEAD_AFTER`."""
+    now = time.time()
+    return {w["worker_id"] for w in store.workers() if now - w["beat"] < DEAD_AFTER}
+
+
 class WorkerStopping(BaseException):
     """The worker is stopping: the run's step must not finish (it is picked up again)."""
 

@@ -39,7 +39,6 @@ import logging
 import os
 import re
 import subprocess
-import time
 import urllib.request
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -47,7 +46,7 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from deja.runs.errors import BadSchedule
-from deja.runs.locks import DEAD_AFTER
+from deja.runs.locks import live_workers
 from deja.runs.store import DISK_ERROR, ENDED, Store
 from recorder.cassette.schema import Kind, run_status
 from recorder.harness.progress import cassette_end
@@ -204,12 +203,15 @@ def still_verified(run: dict[str, Any]) -> bool:
     return False
 
 
+def _end_of(run: dict[str, Any]) -> dict[str, Any] | None:
+    cassette = (run.get("spec") or {}).get("cassette")
+    return cassette_end(cassette)[1] if cassette else None
+
+
 def status_of(run: dict[str, Any]) -> str:
     """A run's status as everyone shows it (:func:`recorder.cassette.schema.run_status`):
     its cassette's end line first, then its row."""
-    cassette = (run.get("spec") or {}).get("cassette")
-    end = cassette_end(cassette)[1] if cassette else None
-    return run_status(end, run["status"])
+    return run_status(_end_of(run), run["status"])
 
 
 def _failed(run: dict[str, Any]) -> bool:
@@ -232,11 +234,10 @@ def end_error(end: dict[str, Any]) -> str | None:
 def _message(kind: str, schedule: dict[str, Any], occ: str, run: dict[str, Any] | None,
              due: datetime | None) -> str:
     name = schedule["name"]
-    status = status_of(run) if run is not None else None
+    end = _end_of(run) if run is not None else None  # read once
+    status = run_status(end, run["status"]) if run is not None else None
     if kind == "failure":
         assert run is not None
-        cassette = (run.get("spec") or {}).get("cassette")
-        end = cassette_end(cassette)[1] if cassette and not run.get("error") else None
         error = run.get("error") or (end_error(end) if end is not None else None)
         return (f"scheduled run {run['run_id']} of {name} ({occ}) ended {status}"
                 + (f": {error}" if error else ""))
@@ -255,8 +256,7 @@ def _message(kind: str, schedule: dict[str, Any], occ: str, run: dict[str, Any] 
 def _failure_detail(run: dict[str, Any]) -> dict[str, Any]:
     """A failed run's exit status (its end line's) and the last lines its launcher wrote
     to stderr (kept, redacted, in its record)."""
-    cassette = (run.get("spec") or {}).get("cassette")
-    end = cassette_end(cassette)[1] if cassette else None
+    end = _end_of(run)
     progress = run.get("progress")
     progress = progress if isinstance(progress, dict) else {}
     return {"exit_status": end.get("exit_code") if end else None,
@@ -311,11 +311,6 @@ def after_run(store: Store, run_id: str) -> None:
         _raise(store, schedule, run["occurrence"], "failure", run)
 
 
-def _live_workers(store: Store) -> set[str]:
-    now = time.time()
-    return {w["worker_id"] for w in store.workers() if now - w["beat"] < DEAD_AFTER}
-
-
 def check(store: Store, now: datetime | None = None) -> list[dict[str, Any]]:
     """Raise every alert due as of ``now`` (default: the current time) and return the new
     ones: failures of scheduled runs, and occurrences past their deadline with no
@@ -324,7 +319,7 @@ def check(store: Store, now: datetime | None = None) -> list[dict[str, Any]]:
     raised: list[dict[str, Any]] = []
     # A run whose live worker has not written its end yet: the worker raises its failure
     # alert as it does (after_run), with the error and the launcher's last lines.
-    writing = _live_workers(store)
+    writing = live_workers(store)
     for schedule in store.schedules():
         runs = {r["occurrence"]: r for r in store.list_runs(schedule=schedule["name"],
                                                            limit=LOOKBACK)}

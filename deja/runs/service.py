@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -181,11 +180,9 @@ class Runs:
         stopping = [row for row in rows if row["status"] == "working" and
                     (states.get(row["run_id"]) or {}).get("status") == "CANCELLED"]
         if stopping:
-            from deja.runs.locks import DEAD_AFTER
+            from deja.runs.locks import live_workers
 
-            now = time.time()
-            alive = {w["worker_id"] for w in self.store.workers()
-                     if now - w["beat"] < DEAD_AFTER}
+            alive = live_workers(self.store)
             for row in stopping:
                 if row.get("worker") in alive:
                     states[row["run_id"]] = {**states[row["run_id"]], "status": "PENDING",
