@@ -19,8 +19,9 @@ exactly.
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from recorder import _fastjson
 
 Pair = list[str]
 
@@ -109,4 +110,4 @@ def gives(base: list[Pair], script: list[Any], headers: list[Pair]) -> bool:
 
 def size(script: list[Any]) -> int:
     """What ``script`` costs on disk, in bytes."""
-    return len(json.dumps(script, separators=(",", ":"), ensure_ascii=False))
+    return len(_fastjson.dumps_compact_fast(script))

@@ -30,9 +30,12 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from recorder import providers  # a module reference: providers imports this package
+from recorder import (
+    _fastjson,
+    providers,  # a module reference: providers imports this package
+)
 from recorder.canonical import content_decoded, decode_body
-from recorder.cassette import _fastjson, _headers
+from recorder.cassette import _headers
 from recorder.cassette.schema import Kind
 
 NO_DOC = object()  # a response body stored as text, not as JSON
@@ -43,6 +46,9 @@ def _exact_json(text: str) -> Any:
     """The parsed body when compact re-serialisation reproduces ``text`` exactly."""
     if not text or text[0] not in "{[":
         return None
+    doc = _fastjson.compact_doc(text)
+    if doc is not _fastjson.UNDECIDED:
+        return doc
     try:  # NaN, Infinity or deep nesting have no canonical form: the text is kept instead
         doc = json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError):

@@ -25,9 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, cast, overload
 
-from recorder import providers  # a module reference: providers imports this package
+from recorder import (
+    _fastjson,
+    providers,  # a module reference: providers imports this package
+)
 from recorder.canonical import Parts
-from recorder.cassette import _delta, _fastjson, _shape, compact
+from recorder.cassette import _delta, _shape, compact
 from recorder.cassette.schema import EndLine, Kind, Observation
 from recorder.errors import CorruptCassette
 

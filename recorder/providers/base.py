@@ -26,6 +26,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypedDict
 from urllib.parse import urlsplit
 
+from recorder import _fastjson
 from recorder.canonical import Parts, Texts, model_fingerprint
 from recorder.providers.pricing import PriceTable
 
@@ -465,7 +466,7 @@ class Provider:
             if self.carriage.is_stream(headers):
                 return self.format.summarize_stream(self.carriage.text(body))
             text = body.decode("utf-8")
-            doc = json.loads(text) if text else None
+            doc = _fastjson.loads_utf8(body, text) if text else None
         except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep
             return {}
         return self.format.summarize_json(status, doc)

@@ -1,11 +1,14 @@
-"""A replay parses its lines and writes JSON bodies back with orjson where that gives
-exactly what the standard library gives (``recorder.cassette._fastjson``): these tests hold
-that claim against the orjson installed, over every character, integers and floats of
-every magnitude, and the inputs orjson refuses; then end to end, a body holding floats in
-the one form the two write apart is served byte for byte as the stub sent it."""
+"""A replay parses its lines and writes JSON bodies back, and a recording reads response
+bodies and writes model lines, with orjson where that gives exactly what the standard
+library gives (``recorder._fastjson``): these tests hold that claim against the orjson
+installed, over every character, integers and floats of every magnitude, and the inputs
+orjson refuses or writes its own way; then end to end, a body holding floats in the one
+form the two write apart is recorded and served byte for byte as the stub sent it."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import random
 import struct
@@ -19,7 +22,9 @@ from record_replay_helpers import sync_client
 
 import recorder
 import replayer
-from recorder.cassette import _fastjson, load
+from recorder import _fastjson
+from recorder.cassette import compact, load
+from recorder.cassette.signing import line_bytes, model_line_bytes
 
 
 def _floats(n: int, seed: int) -> list[float]:
@@ -71,19 +76,113 @@ def _same(a: Any, b: Any) -> bool:
     return repr(a) == repr(b)
 
 
+def _docs(n: int, seed: int, *, with_floats: bool = True) -> list[dict[str, Any]]:
+    """Documents as JSON parsing gives them: integers of 1 to 80 bits, strings from every
+    plane, nesting, ``null``; floats of every magnitude unless ``with_floats`` is off."""
+    rng = random.Random(seed)
+    floats = _floats(n * 10, seed=seed + 1) if with_floats else []
+    return [{"seq": i, "f": floats[i * 10:i * 10 + 10],
+             "int": rng.getrandbits(rng.randint(1, 80 if with_floats else 62))
+             * rng.choice((1, -1)),
+             "s": "".join(chr(rng.choice([rng.randint(0, 0x7F), rng.randint(0x80, 0xD7FF),
+                                          rng.randint(0xE000, 0x10FFFF)]))
+                          for _ in range(20)),
+             "nested": {"a": [{"b": None, "c": False}], "a2": -0.0 if with_floats else 0,
+                        "dup": 1}}
+            for i in range(n)]
+
+
 def test_a_line_is_parsed_as_the_standard_library_parses_it() -> None:
-    rng = random.Random(3)
-    floats = _floats(20_000, seed=11)
-    for i in range(2_000):
-        doc = {"seq": i, "f": floats[i * 10:i * 10 + 10],
-               "int": rng.getrandbits(rng.randint(1, 80)) * rng.choice((1, -1)),
-               "s": "".join(chr(rng.choice([rng.randint(0, 0x7F), rng.randint(0x80, 0xD7FF),
-                                            rng.randint(0xE000, 0x10FFFF)]))
-                            for _ in range(20)),
-               "nested": {"a": [{"b": None, "c": False}], "a2": -0.0, "dup": 1}}
+    for doc in _docs(2_000, seed=3):
         for text in (json.dumps(doc), json.dumps(doc, ensure_ascii=False),
                      _fastjson.dumps_compact(doc)):
             assert _same(_fastjson.loads(text.encode()), json.loads(text))
+            assert _same(_fastjson.loads_utf8(text.encode(), text), json.loads(text))
+
+
+def test_a_parsed_value_is_written_as_json_writes_it_or_left_to_json() -> None:
+    written = 0
+    for doc in _docs(2_000, seed=5):
+        out = _fastjson.dumps_parsed(doc)
+        if out is not None:
+            written += 1
+            assert out == _fastjson.dumps_compact(doc).encode()
+    assert written > 10
+    for f in _floats(100_000, seed=17):  # one float at a time: most are left to orjson
+        out = _fastjson.dumps_parsed({"f": f})
+        if out is not None:
+            written += 1
+            assert out == _fastjson.dumps_compact({"f": f}).encode()
+    assert written > 50_000
+    for doc in _docs(500, seed=9, with_floats=False):  # nothing to leave to json
+        assert _fastjson.dumps_parsed(doc) == _fastjson.dumps_compact(doc).encode()
+
+
+class _Text(str):
+    pass
+
+
+@dataclasses.dataclass
+class _Point:
+    x: int
+
+
+@pytest.mark.parametrize("value", [
+    {1: "a key that is not a string"}, {"n": 2**70}, {"f": 1e-05}, {"f": [2.5e-07]},
+    {"s": "\ud800"}, {"s": _Text("a subclass")}, {"d": datetime.date(2026, 1, 1)},
+    {"p": _Point(1)},
+], ids=repr)
+def test_what_json_refuses_or_writes_its_own_way_is_left_to_json(value: Any) -> None:
+    """Never orjson's bytes where json's differ or json refuses; a model line of such a
+    value is written, or refused, as :func:`line_bytes` writes or refuses it. (An ``Enum``
+    or a ``UUID``, which orjson writes and json refuses, JSON parsing never gives: a model
+    line holds what parsing gave.)"""
+    out = _fastjson.dumps_parsed(value)
+    assert out is None or out == _fastjson.dumps_compact(value).encode()
+    line = {"seq": 1, "kind": "model", "request": {"body": value}}
+    try:
+        expected: Any = line_bytes(line)
+    except (ValueError, TypeError, UnicodeEncodeError) as exc:
+        expected = type(exc)
+    try:
+        got: Any = model_line_bytes(line)
+    except (ValueError, TypeError, UnicodeEncodeError) as exc:
+        got = type(exc)
+    assert got == expected
+
+
+def test_a_model_line_with_a_float_json_refuses_is_refused_as_json_refuses_it() -> None:
+    for cost in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError):
+            model_line_bytes({"seq": 3, "kind": "model", "cost_usd": cost})
+
+
+def _exact_reference(text: str) -> Any:
+    """What the standard library alone says: the body, when its compact JSON is
+    ``text`` exactly (NaN and infinities have none)."""
+    def no_constant(name: str) -> Any:
+        raise ValueError(name)
+    try:
+        doc = json.loads(text, parse_constant=no_constant)
+    except (ValueError, RecursionError):
+        return None
+    return doc if _fastjson.dumps_compact(doc) == text else None
+
+
+def test_a_body_is_kept_as_json_exactly_when_the_standard_library_would_keep_it() -> None:
+    texts = []
+    for doc in _docs(1_000, seed=13):
+        texts += [_fastjson.dumps_compact(doc), json.dumps(doc),
+                  json.dumps(doc, separators=(",", ":"))]  # the last with \u escapes
+    texts += ['{"n":18446744073709551616}', '{"x":NaN}', '{"e":1e400}', '{"s":"\ud800"}',
+              '{"a":1,"a":2}', '{"f":1.0}', '{"f":1.00}', '{"f":1E+16}', '{"f":1e+16}',
+              '{"t":"\u00e9"}', '[1,2]', '[1, 2]', '{"a":1} ', "[" * 1100 + "]" * 1100]
+    kept = 0
+    for text in texts:
+        got, want = compact._exact_json(text), _exact_reference(text)
+        assert _same(got, want), text[:80]
+        kept += want is not None
+    assert kept > 1_000
 
 
 @pytest.mark.parametrize("text", [

@@ -1,0 +1,143 @@
+"""orjson on the hot paths of replay and recording, where it gives exactly what the
+standard library gives.
+
+A replay parses each line it serves again and writes a JSON response body back as the
+text received (:func:`recorder.cassette.compact.restore_body`); a recording parses each
+response body and writes each model line as compact JSON. These steps are much of what
+deja adds to a call, and orjson does each several times faster than :mod:`json`:
+
+- **Parsing** a line the loader has already checked: for every document both read, orjson
+  and :mod:`json` give equal values (keys in order, the last of a duplicated key, floats
+  rounded the same), but for an integer beyond 64 bits, which orjson reads as a float: a
+  line with 19 digits in a row anywhere is read by :mod:`json`. What orjson refuses
+  (``NaN``, an escaped lone surrogate, very deep nesting) is read by :mod:`json` too.
+- **Writing** a body back: orjson's compact output is :func:`compact.json_text`'s, byte for
+  byte, for every character and integer, and for every float but those between 1e-5 and
+  1e-10 (``1e-05`` in :mod:`json`, ``0.00001`` in orjson). However a line writes such a
+  float (deja writes ``1e-05``; a ``deja/1`` line, signed as parsed, may say ``1e-5`` or
+  ``0.00001``), its bytes hold a digit followed by ``e-`` or ``E-``, or ``0.0000``: such a
+  line, and one orjson did not read itself (an infinity or ``NaN`` from :mod:`json`), is
+  written by :mod:`json`.
+
+- **Writing** a value JSON parsing gave (objects with string keys, arrays, strings,
+  integers, floats, booleans, ``null``), as a model line is: the same holds of orjson's
+  output, checked on the output itself (:func:`dumps_parsed`). orjson writes ``NaN`` and
+  infinities as ``null`` where :mod:`json` refuses them, and it writes some types
+  :mod:`json` refuses (an ``Enum``, a ``UUID``): what is given to it must hold neither,
+  which parsing guarantees.
+
+``tests/replayer/test_fastjson.py`` checks these claims over every character and hundreds
+of thousands of floats, against the orjson installed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+
+_SMALL_DECIMAL = b"0.0000"
+_EXPONENTS = (b"e-", b"E-")
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+_MAY_NOT_FIT_64_BITS = b"0" * 19  # 19 digits in a row, once every digit reads 0
+
+
+# what orjson would write itself and json refuses goes to ``default``, which refuses it
+_PASSTHROUGH = (orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATETIME
+                | orjson.OPT_PASSTHROUGH_DATACLASS)
+UNDECIDED = object()  # :func:`compact_doc`: orjson cannot tell, json must
+
+
+def _fits_64_bits(data: bytes) -> bool:
+    """No 19 digits in a row: every integer ``data`` holds fits 64 bits."""
+    return _MAY_NOT_FIT_64_BITS not in data.translate(_DIGITS_AS_ZERO)
+
+
+def read(data: bytes) -> tuple[Any, bool]:
+    """``json.loads(data)``, faster; and whether orjson read it."""
+    if _fits_64_bits(data):
+        try:
+            return orjson.loads(data), True
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(data), False
+
+
+def loads_utf8(data: bytes, text: str) -> Any:
+    """``json.loads(text)`` of ``text``, the UTF-8 decoding of ``data``, faster."""
+    if isinstance(data, bytes) and _fits_64_bits(data):
+        try:
+            return orjson.loads(data)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(text)
+
+
+def loads(data: bytes) -> Any:
+    """``json.loads(data)``, faster."""
+    return read(data)[0]
+
+
+def exact_for(data: bytes, start: int = 0, end: int | None = None) -> bool:
+    """Whether no float below 1e-4 is written in ``data[start:end]`` (then orjson writes
+    what :func:`dumps_compact` writes for every document orjson read from it)."""
+    end = len(data) if end is None else end
+    if data.find(_SMALL_DECIMAL, start, end) >= 0:
+        return False
+    for marker in _EXPONENTS:  # a number's exponent follows a digit; a word's hyphen, not
+        at = data.find(marker, start, end)
+        while at >= 0:
+            if at > start and 0x30 <= data[at - 1] <= 0x39:
+                return False
+            at = data.find(marker, at + 2, end)
+    return True
+
+
+def compact_doc(text: str) -> Any:
+    """The document ``text`` holds when :func:`dumps_compact` of it gives ``text`` back
+    exactly, else None; :data:`UNDECIDED` when orjson cannot tell (not JSON it reads, a
+    small float, a large integer): :mod:`json` then decides."""
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate
+        return UNDECIDED
+    if not (exact_for(data) and _fits_64_bits(data)):
+        return UNDECIDED
+    try:
+        doc = orjson.loads(data)
+        again = orjson.dumps(doc)
+    except (orjson.JSONDecodeError, TypeError):
+        return UNDECIDED
+    return doc if again == data else None
+
+
+def dumps_parsed(value: Any) -> bytes | None:
+    """:func:`dumps_compact` of ``value`` as UTF-8, by orjson, for a value made only of
+    what JSON parsing gives and holding no ``NaN`` or infinity; None when orjson's bytes
+    may differ from :mod:`json`'s (a float below 1e-4, an integer beyond 64 bits, a
+    subclass, a date, a dataclass, a key that is not a string): the caller asks
+    :mod:`json`, which also says why it cannot, if it cannot."""
+    try:
+        out = orjson.dumps(value, default=_refuse, option=_PASSTHROUGH)
+    except TypeError:
+        return None
+    return out if exact_for(out) else None
+
+
+def _refuse(value: Any) -> Any:
+    raise TypeError(f"{type(value).__name__} is for json to write")
+
+
+def dumps_compact(doc: Any) -> str:
+    """JSON text without spaces, non-ASCII kept (:func:`compact.json_text`)."""
+    return json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
+
+
+def dumps_compact_fast(doc: Any) -> str:
+    """:func:`dumps_compact`, by orjson, for a document :func:`exact_for` vouched for
+    (an integer beyond 64 bits, which orjson refuses, goes to :mod:`json`)."""
+    try:
+        return orjson.dumps(doc).decode()
+    except TypeError:
+        return dumps_compact(doc)
