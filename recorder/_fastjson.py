@@ -2,15 +2,18 @@
 standard library gives.
 
 A replay parses each line it serves again and writes a JSON response body back as the
-text received (:func:`recorder.cassette.compact.restore_body`); a recording parses each
-response body and writes each model line as compact JSON. These steps are much of what
-deja adds to a call, and orjson does each several times faster than :mod:`json`:
+text received (:func:`recorder.cassette.compact.restore_body`); a recording reads each
+model response body for its usage, keeps it as JSON when its compact form is its text, and
+checks a streamed request's body before sending it. These steps are much of what deja adds
+to a call, and orjson does each several times faster than :mod:`json`:
 
 - **Parsing** a line the loader has already checked: for every document both read, orjson
   and :mod:`json` give equal values (keys in order, the last of a duplicated key, floats
   rounded the same), but for an integer beyond 64 bits, which orjson reads as a float: a
   line with 19 digits in a row anywhere is read by :mod:`json`. What orjson refuses
-  (``NaN``, an escaped lone surrogate, very deep nesting) is read by :mod:`json` too.
+  (``NaN``, an infinity, an escaped lone surrogate, very deep nesting) is read by
+  :mod:`json` too, and so is a body with more than a few hundred brackets, which
+  :mod:`json` may find too deep to read where orjson does not.
 - **Writing** a body back: orjson's compact output is :func:`compact.json_text`'s, byte for
   byte, for every character and integer, and for every float but those between 1e-5 and
   1e-10 (``1e-05`` in :mod:`json`, ``0.00001`` in orjson). However a line writes such a
@@ -18,13 +21,6 @@ deja adds to a call, and orjson does each several times faster than :mod:`json`:
   ``0.00001``), its bytes hold a digit followed by ``e-`` or ``E-``, or ``0.0000``: such a
   line, and one orjson did not read itself (an infinity or ``NaN`` from :mod:`json`), is
   written by :mod:`json`.
-
-- **Writing** a value JSON parsing gave (objects with string keys, arrays, strings,
-  integers, floats, booleans, ``null``), as a model line is: the same holds of orjson's
-  output, checked on the output itself (:func:`dumps_parsed`). orjson writes ``NaN`` and
-  infinities as ``null`` where :mod:`json` refuses them, and it writes some types
-  :mod:`json` refuses (an ``Enum``, a ``UUID``): what is given to it must hold neither,
-  which parsing guarantees.
 
 ``tests/replayer/test_fastjson.py`` checks these claims over every character and hundreds
 of thousands of floats, against the orjson installed.
@@ -41,11 +37,9 @@ _SMALL_DECIMAL = b"0.0000"
 _EXPONENTS = (b"e-", b"E-")
 _DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _MAY_NOT_FIT_64_BITS = b"0" * 19  # 19 digits in a row, once every digit reads 0
-
-
-# what orjson would write itself and json refuses goes to ``default``, which refuses it
-_PASSTHROUGH = (orjson.OPT_PASSTHROUGH_SUBCLASS | orjson.OPT_PASSTHROUGH_DATETIME
-                | orjson.OPT_PASSTHROUGH_DATACLASS)
+# A text with at most this many brackets is nested too shallow for the json module to run
+# out of stack reading it, wherever it is called from (orjson reads 1,024 levels).
+SHALLOW = 400
 UNDECIDED = object()  # :func:`compact_doc`: orjson cannot tell, json must
 
 
@@ -64,9 +58,26 @@ def read(data: bytes) -> tuple[Any, bool]:
     return json.loads(data), False
 
 
+def parses(data: bytes) -> bool:
+    """Does orjson read ``data``? Then :mod:`json` reads it too, to equal values, without
+    meeting what a cassette refuses: text that is not UTF-8, ``NaN`` or infinity, an
+    escaped lone surrogate (orjson refuses all three) or nesting beyond 1,024 levels."""
+    try:
+        orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    return True
+
+
+def shallow(data: bytes) -> bool:
+    """At most :data:`SHALLOW` brackets: nested less deep than :mod:`json` reads."""
+    return data.count(b"[") + data.count(b"{") <= SHALLOW
+
+
 def loads_utf8(data: bytes, text: str) -> Any:
-    """``json.loads(text)`` of ``text``, the UTF-8 decoding of ``data``, faster."""
-    if isinstance(data, bytes) and _fits_64_bits(data):
+    """``json.loads(text)`` of ``text``, the UTF-8 decoding of ``data``, faster (a body
+    :mod:`json` may find too deep, as :mod:`json` reads it)."""
+    if isinstance(data, bytes) and _fits_64_bits(data) and shallow(data):
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -106,27 +117,10 @@ def compact_doc(text: str) -> Any:
         return UNDECIDED
     try:
         doc = orjson.loads(data)
-        again = orjson.dumps(doc)
+        again = orjson.dumps(doc)  # which refuses to nest 255 levels: json decides then
     except (orjson.JSONDecodeError, TypeError):
         return UNDECIDED
     return doc if again == data else None
-
-
-def dumps_parsed(value: Any) -> bytes | None:
-    """:func:`dumps_compact` of ``value`` as UTF-8, by orjson, for a value made only of
-    what JSON parsing gives and holding no ``NaN`` or infinity; None when orjson's bytes
-    may differ from :mod:`json`'s (a float below 1e-4, an integer beyond 64 bits, a
-    subclass, a date, a dataclass, a key that is not a string): the caller asks
-    :mod:`json`, which also says why it cannot, if it cannot."""
-    try:
-        out = orjson.dumps(value, default=_refuse, option=_PASSTHROUGH)
-    except TypeError:
-        return None
-    return out if exact_for(out) else None
-
-
-def _refuse(value: Any) -> Any:
-    raise TypeError(f"{type(value).__name__} is for json to write")
 
 
 def dumps_compact(doc: Any) -> str:

@@ -17,11 +17,9 @@ import base64
 import hashlib
 import hmac
 import json
-import math
 from collections.abc import Mapping
 from typing import Any
 
-from recorder import _fastjson
 from recorder.canonical import canonical
 
 SIG_CHARS = 43  # base64url of 32 bytes, unpadded
@@ -45,17 +43,6 @@ def line_bytes(line: Mapping[str, Any]) -> bytes:
     for a value JSON cannot hold exactly."""
     return json.dumps(line, separators=(",", ":"), ensure_ascii=False,
                       allow_nan=False).encode("utf-8")
-
-
-def model_line_bytes(line: Mapping[str, Any]) -> bytes:
-    """:func:`line_bytes` of a model line, faster: its request and response are what JSON
-    parsing gave (the recorder refuses a body that holds ``NaN`` or infinity), and the
-    floats deja adds (times, cost) are checked here, so orjson may write it
-    (:func:`recorder._fastjson.dumps_parsed`)."""
-    if any(isinstance(v, float) and not math.isfinite(v) for v in line.values()):
-        return line_bytes(line)
-    fast = _fastjson.dumps_parsed(line)
-    return fast if fast is not None else line_bytes(line)
 
 
 def with_sig(body: bytes, sig: str) -> bytes:

@@ -41,7 +41,7 @@ from recorder.cassette.format import (
 )
 from recorder.cassette.keys import key_id
 from recorder.cassette.schema import Kind
-from recorder.cassette.signing import encode_sig, line_bytes, mac, model_line_bytes, with_sig
+from recorder.cassette.signing import encode_sig, line_bytes, mac, with_sig
 from recorder.cassette.whole import WHOLE
 from recorder.errors import (
     CassetteLocked,
@@ -370,8 +370,7 @@ class CassetteWriter:
             # tool result's or effect's dict keys as returned, so a replay gives back the
             # same order). The signature covers these exact bytes; a deja/1 cassette being
             # continued covers the canonical (sorted) form, as it did when it began.
-            text = (model_line_bytes(line) if line.get("kind") == Kind.MODEL.value
-                    else line_bytes(line))
+            text = line_bytes(line)
             body = canonical(line) if self._v1 else text
         except (ValueError, TypeError, RecursionError, UnicodeEncodeError) as exc:
             raise UnserializableValue(

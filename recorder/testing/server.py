@@ -190,6 +190,8 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             return None, f"There was an error parsing the body of your request: {exc}"
+        except RecursionError:  # answered as the API answers it, not a dropped connection
+            return None, "There was an error parsing the body of your request: nested too deeply"
         if not isinstance(body, dict):
             return None, "Request body must be a JSON object"
         return body, None

@@ -10,7 +10,6 @@ retried; a replay refuses it at the same point. Real SDK, real stub server, real
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -106,13 +105,26 @@ def test_a_refused_tool_result_is_recorded_and_replays_identical(case: str,
     assert run.result is not None and run.result.identical
 
 
-def test_a_model_request_with_nan_is_refused_as_itself_and_never_sent(stub,
-                                                                      tmp_path: Path) -> None:
+REFUSED_BODIES = {  # what a model request's body holds that a cassette cannot hold as JSON
+    "nan": (b'{"score":NaN}', "NaN or Infinity"),
+    "lone_surrogate": (b'{"note":"caf\\udce9"}', "lone surrogate"),
+    # deeper than the json module reads, not than orjson does (1,024 levels)
+    "deep": (b"[" * 1_000 + b"]" * 1_000, "nested too deeply"),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "streamed"])
+@pytest.mark.parametrize("case", sorted(REFUSED_BODIES))
+def test_a_model_request_cassettes_cannot_hold_is_refused_as_itself_and_never_sent(
+        stub, tmp_path: Path, case: str, stream: bool) -> None:
+    """Streamed or not: a streamed request a cassette certainly holds is read for its line
+    after its stream (its first event waits for less); any other, before it is sent."""
     server = stub({"turns": [{"text": "never"}]})
     url = server.url
-    body = json.dumps({"model": MODEL, "max_tokens": 8, "metadata": {"score": float("nan")},
-                       "messages": [{"role": "user", "content": "hi"}]}).encode()
-    assert b"NaN" in body
+    metadata, why = REFUSED_BODIES[case]
+    body = (b'{"model":"' + MODEL.encode() + b'","max_tokens":8,"metadata":' + metadata
+            + b',"messages":[{"role":"user","content":"hi"}]'
+            + (b',"stream":true}' if stream else b"}"))
 
     def agent() -> str:
         client = anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=2)
@@ -131,7 +143,7 @@ def test_a_model_request_with_nan_is_refused_as_itself_and_never_sent(stub,
         recorded = agent()
     assert time.monotonic() - started < 2  # no retry, no backoff
     assert recorded.startswith("refused: model request POST ")
-    assert "NaN or Infinity" in recorded
+    assert why in recorded
     assert server.requests == []  # refused before anything was sent
     assert load(path).observations == ()
     server.stop()
