@@ -16,6 +16,7 @@ import collections
 import functools
 import hashlib
 import json
+import math
 import re
 import threading
 from collections.abc import Callable
@@ -112,6 +113,15 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+def _finite(text: str) -> float:
+    """A JSON number with a fraction or an exponent, refused when no float holds it (1e999
+    would be read as an infinity, which JSON has no place for either)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text[:20]} is not JSON")
+    return value
+
+
 def json_body(data: bytes) -> tuple[Any, str | None]:
     """(parsed body, None), or (``_NOT_JSON``, what is wrong) when ``data`` is no JSON a
     cassette can hold as JSON: not UTF-8 JSON at all (None), or JSON with NaN or
@@ -120,7 +130,8 @@ def json_body(data: bytes) -> tuple[Any, str | None]:
     if not data:
         return _NOT_JSON, None
     try:
-        body = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+        body = json.loads(data.decode("utf-8"), parse_constant=_no_constant,
+                          parse_float=_finite)
     except RecursionError:
         return _NOT_JSON, "is nested too deeply to be written back"
     except ValueError as exc:  # UnicodeDecodeError included
@@ -137,7 +148,7 @@ def json_body(data: bytes) -> tuple[Any, str | None]:
 
 # The json module's own value scanner (in C): one value from a position, and where it ends.
 _SCAN: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder(
-    parse_constant=_no_constant).scan_once  # type: ignore[attr-defined]
+    parse_constant=_no_constant, parse_float=_finite).scan_once  # type: ignore[attr-defined]
 _WS = re.compile(r"[ \t\n\r]*")
 
 

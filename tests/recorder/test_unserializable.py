@@ -3,7 +3,8 @@
 A tool result with a cycle, a lone surrogate, nesting too deep or non-string keys is
 refused naming the tool and the step; the refusal is written as the tool's error, so an
 agent that catches it records a run whose replay raises the same error at the same step.
-A model request whose body has no JSON a cassette can hold (NaN) is refused before it is
+A model request whose body has no JSON a cassette can hold (NaN, a number too large for a
+float, a lone surrogate escape, nesting deeper than json reads) is refused before it is
 sent, from inside the SDK's HTTP path, without being wrapped in ``APIConnectionError`` or
 retried; a replay refuses it at the same point. Real SDK, real stub server, real files.
 """
@@ -107,6 +108,7 @@ def test_a_refused_tool_result_is_recorded_and_replays_identical(case: str,
 
 REFUSED_BODIES = {  # what a model request's body holds that a cassette cannot hold as JSON
     "nan": (b'{"score":NaN}', "NaN or Infinity"),
+    "overflow": (b'{"score":1e999}', "NaN or Infinity"),  # read as an infinity
     "lone_surrogate": (b'{"note":"caf\\udce9"}', "lone surrogate"),
     # deeper than the json module reads, not than orjson does (1,024 levels)
     "deep": (b"[" * 1_000 + b"]" * 1_000, "nested too deeply"),
