@@ -3,9 +3,9 @@ standard library gives.
 
 A replay parses each line it serves again and writes a JSON response body back as the
 text received (:func:`recorder.cassette.compact.restore_body`); a recording reads each
-model response body for its usage, keeps it as JSON when its compact form is its text, and
-checks a streamed request's body before sending it. These steps are much of what deja adds
-to a call, and orjson does each several times faster than :mod:`json`:
+model response body for its usage and keeps it as JSON when its compact form is its text.
+These steps are much of what deja adds to a call, and orjson does each several times
+faster than :mod:`json`:
 
 - **Parsing** a line the loader has already checked: for every document both read, orjson
   and :mod:`json` give equal values (keys in order, the last of a duplicated key, floats
@@ -38,7 +38,8 @@ _EXPONENTS = (b"e-", b"E-")
 _DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _MAY_NOT_FIT_64_BITS = b"0" * 19  # 19 digits in a row, once every digit reads 0
 # A text with at most this many brackets is nested too shallow for the json module to run
-# out of stack reading it, wherever it is called from (orjson reads 1,024 levels).
+# out of stack reading it from any call stack less than 500 frames deep (orjson reads
+# 1,024 levels; json, on Python 3.11, as many as the recursion limit leaves it).
 SHALLOW = 400
 UNDECIDED = object()  # :func:`compact_doc`: orjson cannot tell, json must
 
@@ -56,17 +57,6 @@ def read(data: bytes) -> tuple[Any, bool]:
         except orjson.JSONDecodeError:
             pass
     return json.loads(data), False
-
-
-def parses(data: bytes) -> bool:
-    """Does orjson read ``data``? Then :mod:`json` reads it too, to equal values, without
-    meeting what a cassette refuses: text that is not UTF-8, ``NaN`` or infinity, an
-    escaped lone surrogate (orjson refuses all three) or nesting beyond 1,024 levels."""
-    try:
-        orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return False
-    return True
 
 
 def shallow(data: bytes) -> bool:

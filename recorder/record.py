@@ -260,10 +260,8 @@ class RecordSession(session.Session, mcp.McpSeam):
             return None
         self.before_call(request)
         # Before anything is sent, as a replay matches it: a request the cassette cannot
-        # hold is refused here (UnserializableValue), on replay at the same point. A
-        # streamed one it certainly holds is read once its stream has ended (end_http).
-        if not self._lines.may_wait(request):
-            self._lines.classify(request)
+        # hold is refused here (UnserializableValue), on replay at the same point.
+        self._lines.classify(request)
         return None
 
     def before_call(self, request: HttpRequest) -> None:

@@ -29,7 +29,6 @@ from recorder.capture.exchange import (
     response_record,
     semantic_headers,
     sent_digest,
-    storable,
 )
 from recorder.cassette.schema import Kind
 from recorder.errors import UnserializableValue
@@ -79,17 +78,6 @@ class StepLines:
             if kind == Kind.MODEL and untouched:
                 request.sent = sent_digest(data)
         return request.classified
-
-    def may_wait(self, request: HttpRequest) -> bool:
-        """May reading ``request`` for its line (:meth:`classify`) wait until its response
-        has come? Yes for a streamed request whose body it certainly stores without refusing
-        it (:func:`~recorder.capture.exchange.storable`): its first event then waits only for
-        the guards. Any other is read before it is sent, where a replay reads it, so that a
-        request the cassette cannot hold is refused before it reaches the provider."""
-        if request.classified is not None:
-            return True
-        data = request.original_body if request.original_body is not None else request.body
-        return b'"stream"' in data and storable(data)
 
     def exchange(self, request: HttpRequest, response: HttpResponse | None,
                  timing: session.Timing, error: BaseException | None = None

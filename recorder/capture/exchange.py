@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import urlsplit
 
-from recorder import _fastjson, providers
+from recorder import providers
 from recorder.canonical import (
     Parts,
     Texts,
@@ -362,14 +362,6 @@ class RequestReader:
         with self._lock:
             self._recent.append(read)
         return read.obj, None, (read.fields, read.items.texts)
-
-
-def storable(data: bytes) -> bool:
-    """Does :func:`classify_texts` certainly store the model request body ``data`` without
-    refusing it (UTF-8 JSON with no ``NaN`` or infinity, no lone surrogate escape, nesting
-    the json module reads)? orjson tells in a fraction of the time the full read takes;
-    False says only that the full read must decide."""
-    return _fastjson.shallow(data) and _fastjson.parses(data)
 
 
 def classify(method: str, url: str, data: bytes,

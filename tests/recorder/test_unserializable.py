@@ -119,8 +119,7 @@ REFUSED_BODIES = {  # what a model request's body holds that a cassette cannot h
 @pytest.mark.parametrize("case", sorted(REFUSED_BODIES))
 def test_a_model_request_cassettes_cannot_hold_is_refused_as_itself_and_never_sent(
         stub, tmp_path: Path, case: str, stream: bool) -> None:
-    """Streamed or not: a streamed request a cassette certainly holds is read for its line
-    after its stream (its first event waits for less); any other, before it is sent."""
+    """Streamed or not, the request is read before it is sent, and refused there."""
     server = stub({"turns": [{"text": "never"}]})
     url = server.url
     metadata, why = REFUSED_BODIES[case]
@@ -192,3 +191,26 @@ def test_a_model_response_holding_nan_is_stored_as_text_and_replays_byte_identic
     with replayer.replay(path) as run:
         assert httpx2.post(url, json=request, timeout=5).content == payload
     assert run.result is not None and run.result.identical
+
+
+def test_a_model_call_nested_deeper_than_a_reader_takes_is_never_written(stub,
+                                                                          tmp_path: Path) -> None:
+    """json reads a request nested 250 levels, and it is sent; its line would nest deeper
+    than a reader of the cassette takes (200 levels), which would leave the whole cassette
+    unreadable: the line is refused instead, and the cassette keeps what came before."""
+    server = stub({"turns": [{"text": "first"}, {"text": "second"}]})
+    deep = b"[" * 250 + b"]" * 250
+    body = (b'{"model":"' + MODEL.encode() + b'","max_tokens":8,"metadata":' + deep
+            + b',"messages":[{"role":"user","content":"hi"}]}')
+    path = tmp_path / "deep.jsonl"
+    with recorder.record(path):
+        client = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0)
+        first = client.messages.create(model=MODEL, max_tokens=8,
+                                       messages=[{"role": "user", "content": "hi"}])
+        with pytest.raises(UnserializableValue, match="nests deeper than 200 levels"):
+            client.post("/v1/messages", cast_to=httpx2.Response, content=body,
+                        options={"headers": {"content-type": "application/json"}})
+    assert first.content[0].text == "first"
+    cassette = load(path)  # readable, and verified
+    assert cassette.verified
+    assert [o["kind"] for o in cassette.observations] == ["model"]
