@@ -45,7 +45,7 @@ _DECODER = json.JSONDecoder(parse_constant=_no_constants, object_pairs_hook=_no_
 _PLAIN = json.JSONDecoder().decode  # for bytes deja's writer made (see decode_trusted)
 
 
-def depth_ok(raw: bytes) -> bool:
+def _depth_ok(raw: bytes) -> bool:
     """Cheap upper bound of the nesting depth: brackets outside strings are not told apart
     from those inside, so a deep count is only a reason to look closer (json decides)."""
     return raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH or _depth(raw) <= MAX_DEPTH
@@ -82,7 +82,7 @@ def decode(raw: bytes) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadLine(f"is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    if not depth_ok(raw):
+    if not _depth_ok(raw):
         raise BadLine(f"nests deeper than {MAX_DEPTH} levels; deja never writes such a line")
     try:
         return _DECODER.decode(text)
@@ -94,7 +94,7 @@ def decode_trusted(raw: bytes, path: Path, where: str, seq: int | None) -> Any:
     """A line whose signature holds (bytes deja's writer made: UTF-8, strict JSON, no key
     twice): parsed without the strict decoder's per-object checks. Nesting is still
     bounded as for any line, so a verified line reads the same as it would unverified."""
-    if not depth_ok(raw):
+    if not _depth_ok(raw):
         return parse_line(raw, path, where, seq)
     try:
         return _PLAIN(raw.decode("utf-8"))

@@ -377,11 +377,6 @@ class CassetteWriter:
                 f"{self.path}: seq {self._seq} ({line.get('kind', 'header')}) holds a value "
                 f"a cassette cannot store faithfully ({type(exc).__name__}: {exc}); nothing "
                 "was written") from None
-        if not _validate.depth_ok(text):  # never a line the reader refuses
-            raise UnserializableValue(
-                f"{self.path}: seq {self._seq} ({line.get('kind', 'header')}) nests deeper "
-                f"than {_validate.MAX_DEPTH} levels, more than a reader of the cassette "
-                "takes; nothing was written")
         sig = encode_sig(mac(self._key, self._prev, body))
         data = memoryview(with_sig(text, sig) + b"\n")
         size = len(data)
