@@ -12,8 +12,9 @@ faster than :mod:`json`:
   rounded the same), but for an integer beyond 64 bits, which orjson reads as a float: a
   line with 19 digits in a row anywhere is read by :mod:`json`. What orjson refuses
   (``NaN``, an infinity, an escaped lone surrogate, very deep nesting) is read by
-  :mod:`json` too, and so is a body with more than a few hundred brackets, which
-  :mod:`json` may find too deep to read where orjson does not.
+  :mod:`json` too. A response body read for its usage (:func:`loads_utf8`) that has more
+  than a few hundred brackets is read by :mod:`json` as well: :mod:`json` may find it too
+  deep where orjson does not (a cassette's lines are checked for depth as they load).
 - **Writing** a body back: orjson's compact output is :func:`compact.json_text`'s, byte for
   byte, for every character and integer, and for every float but those between 1e-5 and
   1e-10 (``1e-05`` in :mod:`json`, ``0.00001`` in orjson). However a line writes such a
@@ -59,7 +60,7 @@ def read(data: bytes) -> tuple[Any, bool]:
     return json.loads(data), False
 
 
-def shallow(data: bytes) -> bool:
+def _shallow(data: bytes) -> bool:
     """At most :data:`SHALLOW` brackets: nested less deep than :mod:`json` reads."""
     return data.count(b"[") + data.count(b"{") <= SHALLOW
 
@@ -67,7 +68,7 @@ def shallow(data: bytes) -> bool:
 def loads_utf8(data: bytes, text: str) -> Any:
     """``json.loads(text)`` of ``text``, the UTF-8 decoding of ``data``, faster (a body
     :mod:`json` may find too deep, as :mod:`json` reads it)."""
-    if isinstance(data, bytes) and _fits_64_bits(data) and shallow(data):
+    if isinstance(data, bytes) and _fits_64_bits(data) and _shallow(data):
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError:
