@@ -50,7 +50,13 @@ def main() -> int:
     if not turns:
         return 0
     url = os.environ.get("ANTHROPIC_BASE_URL", "http://127.0.0.1:9")  # a replay needs none
-    client = anthropic.Anthropic(base_url=url, api_key="sk-test", max_retries=0)
+    # closed when the run ends: a client left open leaks its socket into whatever runs next
+    # in the process (the pytest plugin's tests run this agent in their own process)
+    with anthropic.Anthropic(base_url=url, api_key="sk-test", max_retries=0) as client:
+        return _converse(client, turns)
+
+
+def _converse(client: anthropic.Anthropic, turns: int) -> int:
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": os.environ.get("AGENT_PROMPT", PROMPT)}]
     die_at = int(os.environ.get("AGENT_DIE_AT", "-1"))
