@@ -23,6 +23,13 @@ faster than :mod:`json`:
   line, and one orjson did not read itself (an infinity or ``NaN`` from :mod:`json`), is
   written by :mod:`json`.
 
+- **Depth**: a cassette's reader refuses a line nested deeper than :data:`LINE_DEPTH`
+  levels (its readers recurse), so the recorder keeps every line within it. Counting
+  brackets bounds the depth of a text from above at C speed; when the count is higher,
+  :func:`nests_deeper` has orjson write the document inside enough lists to reach its own
+  limit, which it refuses to pass (a document orjson cannot write for another reason is
+  walked instead).
+
 ``tests/replayer/test_fastjson.py`` checks these claims over every character and hundreds
 of thousands of floats, against the orjson installed.
 """
@@ -126,3 +133,72 @@ def dumps_compact_fast(doc: Any) -> str:
         return orjson.dumps(doc).decode()
     except TypeError:
         return dumps_compact(doc)
+
+
+# -- depth
+
+LINE_DEPTH = 200  # the deepest line a cassette's reader takes: deja's own lines nest a dozen
+BODY_DEPTH = LINE_DEPTH - 10  # a request, response or value a line holds a few levels down
+
+
+def openers(text: bytes | str) -> int:
+    """How many ``[`` and ``{`` ``text`` holds, in strings or not: JSON text nests no deeper."""
+    if isinstance(text, str):
+        return text.count("[") + text.count("{")
+    return text.count(b"[") + text.count(b"{")
+
+
+def _chain(depth: int, inner: Any = None) -> Any:
+    """``inner`` within ``depth`` lists (an empty list when None: ``depth`` levels)."""
+    doc: Any = [] if inner is None else [inner]
+    for _ in range(depth - 1):
+        doc = [doc]
+    return doc
+
+
+def _dumps_limit() -> tuple[int, str]:
+    """The deepest document this orjson writes, and its message for a deeper one; (0, "")
+    when it writes any depth tried."""
+    lo, hi = 1, 4096  # orjson writes ``lo`` levels, and not ``hi``
+    try:
+        orjson.dumps(_chain(hi))
+        return 0, ""
+    except TypeError as exc:
+        message = str(exc)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            orjson.dumps(_chain(mid))
+            lo = mid
+        except TypeError:
+            hi = mid
+    return lo, message
+
+
+_DUMPS_DEPTH, _TOO_DEEP = _dumps_limit()
+
+
+def nests_deeper(doc: Any, limit: int) -> bool:
+    """Whether ``doc``, JSON as parsed (lists, dicts and plain values), nests more than
+    ``limit`` levels deep, its outermost list or dict the first. (orjson writes a tuple as
+    a list but does not count it as a level: a tuple is no JSON a parser gives.)"""
+    if 0 < limit < _DUMPS_DEPTH:
+        try:
+            orjson.dumps(_chain(_DUMPS_DEPTH - limit, doc))
+            return False
+        except TypeError as exc:  # orjson.JSONEncodeError
+            if str(exc) == _TOO_DEEP:
+                return True
+    return _walk_deeper(doc, limit)  # an integer beyond 64 bits, a key not a string, ...
+
+
+def _walk_deeper(doc: Any, limit: int) -> bool:
+    stack = [(doc, 1)] if isinstance(doc, (dict, list, tuple)) else []
+    while stack:
+        node, depth = stack.pop()
+        items = node.values() if isinstance(node, dict) else node
+        if depth > limit:
+            return True
+        stack.extend((item, depth + 1) for item in items
+                     if isinstance(item, (dict, list, tuple)))
+    return False

@@ -18,6 +18,7 @@ from typing import Any
 
 from recorder import effects, providers
 from recorder import values as _values
+from recorder._fastjson import BODY_DEPTH, LINE_DEPTH, nests_deeper
 from recorder.canonical import content_decoded, digest, fingerprint
 from recorder.capture import mcp, session
 from recorder.capture.exchange import (
@@ -220,17 +221,36 @@ class StepLines:
         if reply.error is not None:
             obs["error"] = mcp.error_record(reply.error, self.redaction.text(
                 str(reply.error.get("message", ""))))
-            return obs, None
+            return self._within_depth(obs, call.method, step, None)
         try:
             obs["result"] = _values.encode(reply.result, where=f"result of MCP {call.method} "
                                                                f"(step {step})")
         except UnserializableValue as exc:
             obs["error"] = self.error(exc)
-            return obs, exc
+            return self._within_depth(obs, call.method, step, exc)
         if call.tool is not None and isinstance(reply.result, dict) \
                 and reply.result.get("isError") is True:
             obs["is_error"] = True
-        return obs, None
+        return self._within_depth(obs, call.method, step, None)
+
+    def _within_depth(self, obs: dict[str, Any], method: str, step: int,
+                      refused: UnserializableValue | None
+                      ) -> tuple[dict[str, Any], UnserializableValue | None]:
+        """An MCP line whose params or notifications (as the server's JSON-RPC gave them)
+        nest deeper than a line may: refused as the result is, the too-deep parts left out
+        (its ``fp``, of the params as sent, still finds it on replay)."""
+        if not nests_deeper(obs, LINE_DEPTH):
+            return obs, refused
+        exc = UnserializableValue(f"MCP {method} (step {step}): its params, "
+                                  f"notifications or result nest more than {BODY_DEPTH} "
+                                  "levels deep; a cassette cannot hold them")
+        for key in ("result", "is_error"):
+            obs.pop(key, None)
+        obs["mcp"].pop("notifications", None)
+        if nests_deeper(obs.get("params"), BODY_DEPTH):
+            obs["params"] = {}
+        obs["error"] = self.error(exc)
+        return obs, exc
 
     def observed_tool(self, name: str, args: Any, result: Any, *, call_id: str,
                       is_error: bool, start: float | None, ms: float | None, observed: str,

@@ -4,8 +4,8 @@ JSON types are stored as they are; ``bytes`` and ``tuple`` are tagged so that re
 back the same type. Anything else is refused with :class:`UnserializableValue` at record
 time (never discovered at replay time): pass ``encode=``/``decode=`` to the tool for it.
 Refused too, naming where: a container that contains itself, nesting deeper than
-``MAX_DEPTH``, a string with a lone surrogate (UTF-8 has no bytes for it) and a dict key
-that is not a string.
+``MAX_DEPTH`` levels as stored (a tag is a level: a tuple takes two), a string with a lone
+surrogate (UTF-8 has no bytes for it) and a dict key that is not a string.
 """
 
 from __future__ import annotations
@@ -13,17 +13,20 @@ from __future__ import annotations
 import base64
 from typing import Any
 
+from recorder._fastjson import BODY_DEPTH
 from recorder.errors import UnserializableValue
 
 _TAGS = ("$bytes", "$tuple", "$dict")
 
 
-MAX_DEPTH = 200  # containers within containers; JSON readers and writers stop near 1,000
+# Levels of lists and dicts as stored, tags counted: a line holds a value a few levels down
+# and a cassette's reader takes lines up to LINE_DEPTH deep.
+MAX_DEPTH = BODY_DEPTH
 
 
 def encode(value: Any, *, where: str = "value") -> Any:
     try:
-        return _encode(value, set())
+        return _encode(value, set(), 1)
     except _Refused as refused:
         trail = "".join(refused.trail)
         if len(trail) > 80:
@@ -40,7 +43,8 @@ class _Refused(Exception):
         self.trail: list[str] = []
 
 
-def _encode(value: Any, path: set[int]) -> Any:
+def _encode(value: Any, path: set[int], level: int) -> Any:
+    """``value`` as stored, its outermost list or dict (or tag) ``level`` levels deep."""
     if value is None or isinstance(value, (bool, int)):
         return value
     if isinstance(value, str):
@@ -49,9 +53,11 @@ def _encode(value: Any, path: set[int]) -> Any:
         return value
     if isinstance(value, float):
         if value != value or value in (float("inf"), float("-inf")):
+            _within(level)
             return {"$float": repr(value)}
         return value
     if isinstance(value, (bytes, bytearray)):
+        _within(level)
         return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
     if not isinstance(value, (tuple, list, dict)):
         raise _Refused(f"a {type(value).__name__} cannot be recorded as it is; return "
@@ -60,16 +66,17 @@ def _encode(value: Any, path: set[int]) -> Any:
     if id(value) in path:
         raise _Refused(f"the {type(value).__name__} contains itself; a cassette can only "
                        "hold a tree of values")
-    if len(path) >= MAX_DEPTH:
-        raise _Refused(f"nested more than {MAX_DEPTH} levels deep; a cassette cannot hold it "
-                       "faithfully")
+    tagged = isinstance(value, tuple) or (
+        isinstance(value, dict) and len(value) == 1 and str(next(iter(value))).startswith("$"))
+    inner = level + 1 if tagged else level  # the list or dict that holds the items
+    _within(inner)
     path.add(id(value))
     key: Any = None
     try:
         if isinstance(value, (tuple, list)):
             items = []
             for key, v in enumerate(value):  # noqa: B007 - named in a refusal
-                items.append(_encode(v, path))
+                items.append(_encode(v, path, inner + 1))
             return {"$tuple": items} if isinstance(value, tuple) else items
         out = {}
         for key, v in value.items():
@@ -78,13 +85,19 @@ def _encode(value: Any, path: set[int]) -> Any:
                                f"{type(key).__name__} {key!r})")
             if not key.isascii():
                 _check_text(key)
-            out[key] = _encode(v, path)
+            out[key] = _encode(v, path, inner + 1)
     except _Refused as refused:
         refused.trail.insert(0, f"[{key!r}]")
         raise
     finally:
         path.discard(id(value))
-    return {"$dict": out} if len(value) == 1 and next(iter(value)).startswith("$") else out
+    return {"$dict": out} if tagged else out
+
+
+def _within(level: int) -> None:
+    if level > MAX_DEPTH:
+        raise _Refused(f"nested more than {MAX_DEPTH} levels deep as stored (a tuple takes "
+                       "two); a cassette cannot hold it faithfully")
 
 
 def _check_text(text: str) -> None:

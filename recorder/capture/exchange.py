@@ -25,6 +25,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from recorder import providers
+from recorder._fastjson import BODY_DEPTH, LINE_DEPTH, nests_deeper, openers
 from recorder.canonical import (
     Parts,
     Texts,
@@ -122,6 +123,10 @@ def _finite(text: str) -> float:
     return value
 
 
+_DEEP = (f"is nested too deeply for a cassette line (more than {BODY_DEPTH} levels; a "
+         f"cassette's reader takes lines {LINE_DEPTH} deep)")
+
+
 def json_body(data: bytes) -> tuple[Any, str | None]:
     """(parsed body, None), or (``_NOT_JSON``, what is wrong) when ``data`` is no JSON a
     cassette can hold as JSON: not UTF-8 JSON at all (None), or JSON with NaN or
@@ -138,6 +143,8 @@ def json_body(data: bytes) -> tuple[Any, str | None]:
         if str(exc).endswith("is not JSON"):
             return _NOT_JSON, "holds NaN or Infinity, which JSON has no place for"
         return _NOT_JSON, None
+    if openers(data) > BODY_DEPTH and nests_deeper(body, BODY_DEPTH):
+        return _NOT_JSON, _DEEP
     if _SURROGATE_ESCAPE.search(data) is not None:  # is each one half of a pair?
         try:
             canonical(body)
@@ -193,6 +200,7 @@ class _Read:
     # known yet: each list member is read item by item, with the members before it.
     lists: dict[str, tuple[_List, tuple[dict[str, Any], dict[str, str]]]] | None = None
     twice: set[str] = field(default_factory=set)  # members the body holds more than once
+    resumed: int = 0  # the history's first items, taken from a body read (and checked) before
 
     @functools.cached_property
     def prefix(self) -> str:
@@ -214,6 +222,7 @@ def _read_object(text: str, resume: _Read | None = None, upto: int = 0) -> _Read
         read = _Read(text, dict(head_obj), dict(head_fields), resume.history, resume.head,
                      items)
         read.obj[cast(str, resume.history)] = items.items
+        read.resumed = k
         i = _items(text, items, known.ends[k - 1], more=True)
     else:
         read = _Read(text, {}, {}, lists={})
@@ -303,6 +312,23 @@ def _settle(read: _Read, history: History) -> None:
         read.history = None
 
 
+def _too_deep(read: _Read, best: _Read | None) -> bool:
+    """Whether a body read member by member nests deeper than :data:`BODY_DEPTH` (a member's
+    value one level down, a history's item two); a member or item taken over from ``best``,
+    checked when it was read, is not looked at again."""
+    known = best.fields if best is not None else {}
+    for key, text in read.fields.items():
+        if known.get(key) != text and openers(text) >= BODY_DEPTH \
+                and nests_deeper(read.obj[key], BODY_DEPTH - 1):
+            return True
+    items = read.items
+    for i in range(read.resumed, len(items.texts)):
+        if openers(items.texts[i]) >= BODY_DEPTH - 1 \
+                and nests_deeper(items.items[i], BODY_DEPTH - 2):
+            return True
+    return False
+
+
 _SURROGATE_TEXT = re.compile(_SURROGATE_ESCAPE.pattern.decode("ascii"))
 
 
@@ -357,6 +383,8 @@ class RequestReader:
             body, problem = json_body(data)
             return body, problem, None
         _settle(read, history or providers.history_field)
+        if _too_deep(read, best):
+            return _NOT_JSON, _DEEP, None
         if read.history is None:
             return read.obj, None, None
         with self._lock:

@@ -16,12 +16,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from recorder._fastjson import LINE_DEPTH, nests_deeper, openers
 from recorder.cassette import _headers
 from recorder.cassette.format import FEATURES
 from recorder.cassette.schema import Kind
 from recorder.errors import CorruptCassette, UnsupportedFormat
 
-MAX_DEPTH = 200  # deja's own lines nest a dozen levels; JSON bodies rarely exceed 50
+MAX_DEPTH = LINE_DEPTH  # the recorder keeps bodies and values within it
 
 _OPTIONAL = type(None)
 _NUMBER = (int, float)
@@ -45,31 +46,13 @@ _DECODER = json.JSONDecoder(parse_constant=_no_constants, object_pairs_hook=_no_
 _PLAIN = json.JSONDecoder().decode  # for bytes deja's writer made (see decode_trusted)
 
 
-def _depth_ok(raw: bytes) -> bool:
-    """Cheap upper bound of the nesting depth: brackets outside strings are not told apart
-    from those inside, so a deep count is only a reason to look closer (json decides)."""
-    return raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH or _depth(raw) <= MAX_DEPTH
+def _within_depth(raw: bytes, doc: Any) -> bool:
+    """Whether the line ``raw``, parsed as ``doc``, nests at most :data:`MAX_DEPTH` levels:
+    a bracket count settles most lines, orjson the rest."""
+    return openers(raw) <= MAX_DEPTH or not nests_deeper(doc, MAX_DEPTH)
 
 
-def _depth(raw: bytes) -> int:
-    depth = deepest = 0
-    in_string = escaped = False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:  # quote
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            deepest = max(deepest, depth)
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-    return deepest
+_TOO_DEEP = f"nests deeper than {MAX_DEPTH} levels; deja never writes such a line"
 
 
 class BadLine(ValueError):
@@ -82,24 +65,28 @@ def decode(raw: bytes) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadLine(f"is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    if not _depth_ok(raw):
-        raise BadLine(f"nests deeper than {MAX_DEPTH} levels; deja never writes such a line")
     try:
-        return _DECODER.decode(text)
-    except (ValueError, RecursionError) as exc:
+        doc = _DECODER.decode(text)
+    except RecursionError:
+        raise BadLine(_TOO_DEEP) from None
+    except ValueError as exc:
         raise BadLine(f"is not valid JSON: {exc}") from None
+    if not _within_depth(raw, doc):
+        raise BadLine(_TOO_DEEP)
+    return doc
 
 
 def decode_trusted(raw: bytes, path: Path, where: str, seq: int | None) -> Any:
     """A line whose signature holds (bytes deja's writer made: UTF-8, strict JSON, no key
     twice): parsed without the strict decoder's per-object checks. Nesting is still
     bounded as for any line, so a verified line reads the same as it would unverified."""
-    if not _depth_ok(raw):
-        return parse_line(raw, path, where, seq)
     try:
-        return _PLAIN(raw.decode("utf-8"))
+        doc = _PLAIN(raw.decode("utf-8"))
     except (ValueError, RecursionError):
         return parse_line(raw, path, where, seq)
+    if not _within_depth(raw, doc):
+        return parse_line(raw, path, where, seq)
+    return doc
 
 
 def parse_line(raw: bytes, path: Path, where: str, seq: int | None) -> Any:

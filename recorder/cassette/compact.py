@@ -10,8 +10,8 @@ On disk (the reader expands each line back after checking its signature):
   in a cassette whose header does not name the ``header_edits`` feature, a list as long
   as the base's whose ``null`` entries are taken from it, position by position;
 - ``response.body_json`` holds a JSON body as JSON rather than as an escaped string, when
-  compact re-serialisation gives back the received bytes exactly; otherwise ``body`` keeps
-  the text (or base64);
+  compact re-serialisation gives back the received bytes exactly and it nests less deep
+  than a line may; otherwise ``body`` keeps the text (or base64);
 - ``url`` is the seq of an earlier model line when it is the same;
 - ``like`` stands for all three references above when they name the same line;
 - ``response.reason`` is left out when it is the standard phrase of the status;
@@ -47,14 +47,16 @@ def _exact_json(text: str) -> Any:
     if not text or text[0] not in "{[":
         return None
     doc = _fastjson.compact_doc(text)
-    if doc is not _fastjson.UNDECIDED:
-        return doc
-    try:  # NaN, Infinity or deep nesting have no canonical form: the text is kept instead
-        doc = json.loads(text, parse_constant=_no_constant)
-    except (ValueError, RecursionError):
-        return None
-    if json_text(doc) != text:
-        return None
+    if doc is _fastjson.UNDECIDED:
+        try:  # NaN, Infinity or deep nesting have no canonical form: the text is kept instead
+            doc = json.loads(text, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            return None
+        if json_text(doc) != text:
+            return None
+    if doc is not None and _fastjson.openers(text) > _fastjson.BODY_DEPTH \
+            and _fastjson.nests_deeper(doc, _fastjson.BODY_DEPTH):
+        return None  # deeper than a line may nest: kept as text
     return doc
 
 

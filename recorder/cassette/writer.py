@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from recorder._fastjson import LINE_DEPTH, nests_deeper, openers
 from recorder.background import CHORES
 from recorder.canonical import canonical
 from recorder.cassette import _delta, _validate
@@ -377,6 +378,13 @@ class CassetteWriter:
                 f"{self.path}: seq {self._seq} ({line.get('kind', 'header')}) holds a value "
                 f"a cassette cannot store faithfully ({type(exc).__name__}: {exc}); nothing "
                 "was written") from None
+        # A model line's request and response were kept within depth as they were read
+        # (recorder.capture.exchange, compact); any other line is checked here, a last bound.
+        if line.get("kind") != Kind.MODEL.value and openers(text) > LINE_DEPTH \
+                and nests_deeper(line, LINE_DEPTH):
+            raise UnserializableValue(
+                f"{self.path}: seq {self._seq} ({line.get('kind', 'header')}) nests deeper "
+                f"than the {LINE_DEPTH} levels a cassette's reader takes; nothing was written")
         sig = encode_sig(mac(self._key, self._prev, body))
         data = memoryview(with_sig(text, sig) + b"\n")
         size = len(data)

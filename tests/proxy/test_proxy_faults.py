@@ -476,6 +476,30 @@ def test_bad_requests_get_provider_errors_and_the_proxy_goes_on(
     stop(p)
 
 
+def test_a_request_nested_deeper_than_a_cassette_holds_is_refused_and_never_sent(
+        proxy: Proxy, stub: Stub, tmp_path: Path) -> None:
+    """190 levels is recorded (and the cassette loads); 191 is a 400, as NaN would be."""
+    server = stub({"model": MODEL, "default": {"text": "fine"}})
+    p = start(proxy, server.url, tmp_path)
+
+    def nested(levels: int) -> bytes:  # the body, its metadata, then ``levels - 2`` lists
+        lists = json.loads("[" * (levels - 2) + "]" * (levels - 2))
+        return json.dumps(body(metadata={"x": lists}), separators=(",", ":")).encode()
+
+    with httpx2.Client(base_url=p.url, timeout=30,
+                       headers={"x-api-key": API_KEY, "anthropic-version": "2023-06-01",
+                                "content-type": "application/json"}) as hc:
+        r = hc.post("/v1/messages", content=nested(191))
+        message = assert_provider_error(r, 400, "invalid_request_error")
+        assert "nested too deeply for a cassette line (more than 190 levels" in message
+        assert server.received() == []
+        r = hc.post("/v1/messages", content=nested(190))
+        assert r.status_code == 200 and r.json()["content"][0]["text"] == "fine"
+        assert len(server.received()) == 1
+    stop(p)
+    assert len(model_lines(verified(only_cassette(tmp_path)))) == 1  # and it loads
+
+
 def test_the_proxy_token(proxy: Proxy, stub: Stub, tmp_path: Path) -> None:
     server = stub({"model": MODEL, "default": {"text": "fine"}})
     p = start(proxy, server.url, tmp_path, "--token", "sekrit")

@@ -1,0 +1,376 @@
+"""The recorder never writes a line its reader refuses for nesting too deep.
+
+A cassette's reader takes lines nested at most ``LINE_DEPTH`` (200) levels deep: its
+readers recurse, and a cassette is untrusted input. Everything the recorder puts in a line
+is kept ``BODY_DEPTH`` (190) levels deep or less, a line putting it a few levels down:
+
+- a model request nested deeper is refused before it is sent, as NaN is, whether it is
+  read whole or from where it repeats the conversation's last request;
+- a response body nested deeper, or a plain HTTP request's, is kept as its exact text
+  rather than as JSON;
+- a tool result or effect value nested deeper as stored (each tag a level, so a tuple
+  takes two) is refused, and the refusal is written as the step's error;
+- an MCP line whose params or notifications nest deeper likewise.
+
+Each case at the bound and past it, recorded with the real SDK against the stub (or a
+real HTTP server), loaded back, and replayed.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx2
+import pytest
+from conftest import API_KEY, MODEL
+
+import recorder
+import replayer
+from recorder import _fastjson, effects
+from recorder._fastjson import BODY_DEPTH, LINE_DEPTH, nests_deeper, openers
+from recorder.capture.mcp import McpCall, McpReply
+from recorder.capture.session import Timing
+from recorder.cassette import _validate, load
+from recorder.errors import UnserializableValue
+
+
+def chain(levels: int, inner: Any = 1) -> Any:
+    """``inner`` within ``levels`` lists: ``levels`` deep (one more for a list ``inner``)."""
+    doc = inner
+    for _ in range(levels):
+        doc = [doc]
+    return doc
+
+
+def depth(doc: Any) -> int:
+    """The reference: the deepest list or dict, counted from 1 at the outermost."""
+    if isinstance(doc, dict):
+        return 1 + max((depth(v) for v in doc.values()), default=0)
+    if isinstance(doc, list):
+        return 1 + max((depth(v) for v in doc), default=0)
+    return 0
+
+
+def text_depth(data: bytes) -> int:
+    deepest = level = 0
+    in_string = escaped = False
+    for byte in data:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (byte == 0x5C, byte != 0x22)
+        elif byte == 0x22:
+            in_string = True
+        elif byte in b"[{":
+            level += 1
+            deepest = max(deepest, level)
+        elif byte in b"]}":
+            level -= 1
+    return deepest
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+def _random_doc(rng: random.Random, levels: int) -> Any:
+    if levels == 0 or rng.random() < 0.15:
+        return rng.choice([1, 2**70, -0.5, None, True, "[{", '"]}\\', "plain"])
+    # one item goes on down, the others stop within a few levels: wide and deep both
+    inner = [_random_doc(rng, levels - 1 if i == 0 else min(levels - 1, 3))
+             for i in range(rng.randint(0, 3))]
+    rng.shuffle(inner)
+    return inner if rng.random() < 0.5 else {f"k{i}[": v for i, v in enumerate(inner)}
+
+
+def test_nesting_is_measured_as_a_walk_of_the_document_measures_it() -> None:
+    rng = random.Random(7)
+    for _ in range(1500):
+        doc = _random_doc(rng, rng.choice([4, 40, 260]))
+        deepest = depth(doc)
+        for limit in {1, max(deepest - 1, 1), deepest, deepest + 1, LINE_DEPTH}:
+            assert nests_deeper(doc, limit) == (deepest > limit), (deepest, limit)
+        if str(2**70) not in repr(doc):
+            text = json.dumps(doc).encode()
+            assert text_depth(text) == deepest and openers(text) >= deepest
+    for levels in (1, 199, 200, 201, 253, 254, 255, 900):
+        doc = chain(levels - 1, [])
+        assert nests_deeper(doc, levels - 1) and not nests_deeper(doc, levels)
+        # an integer orjson does not write: the walk decides
+        doc = chain(levels - 1, [2**70])
+        assert nests_deeper(doc, levels - 1) and not nests_deeper(doc, levels)
+    assert not nests_deeper("[[[[", 0) and nests_deeper({}, 0) and not nests_deeper({}, 1)
+
+
+def test_the_reader_takes_lines_200_levels_deep_and_refuses_deeper_ones() -> None:
+    assert LINE_DEPTH == _validate.MAX_DEPTH == 200
+    at = json.dumps({"kind": "x", "v": chain(LINE_DEPTH - 2, [])}).encode()
+    assert text_depth(at) == LINE_DEPTH
+    assert _validate.decode(at) == json.loads(at)
+    for deeper in (LINE_DEPTH, 600, 5000):  # one level under the line itself
+        raw = b'{"kind":"x","v":' + b"[" * deeper + b"]" * deeper + b"}"
+        with pytest.raises(_validate.BadLine, match="nests deeper than 200 levels"):
+            _validate.decode(raw)
+    # brackets in strings do not count: a shallow line full of them is read
+    shallow = json.dumps({"kind": "x", "text": "[{" * 5000 + '\\"]' * 100}).encode()
+    assert _validate.decode(shallow)["text"].startswith("[{[{")
+    assert _validate.decode_trusted(shallow, Path("c.jsonl"), "line 2", 1) \
+        == json.loads(shallow)
+
+
+# ---------------------------------------------------------------------------- model requests
+
+
+def _body(metadata: Any = None, content: Any = "hi", more: tuple[Any, ...] = ()) -> bytes:
+    messages = [{"role": "user", "content": content}, *more]
+    doc: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "messages": messages}
+    if metadata is not None:
+        doc["metadata"] = metadata
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _member(levels: int) -> bytes:
+    """A request ``levels`` deep by a member that is not its history."""
+    body = _body(metadata={"x": chain(levels - 3, [])})
+    assert text_depth(body) == levels
+    return body
+
+
+def _item(levels: int) -> bytes:
+    """A request ``levels`` deep by an item of its history."""
+    block = {"type": "text", "text": "hi", "x": chain(levels - 6, [])}
+    body = _body(content=[block])
+    assert text_depth(body) == levels
+    return body
+
+
+def _post(url: str, bodies: list[bytes]) -> list[str]:
+    seen = []
+    with anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0) as client:
+        for body in bodies:
+            try:
+                reply = client.post("/v1/messages", cast_to=httpx2.Response, content=body,
+                                    options={"headers": {"content-type": "application/json"}})
+                seen.append(f"sent: {reply.json()['content'][0]['text']}")
+            except UnserializableValue as exc:
+                seen.append(f"refused: {exc}")
+    return seen
+
+
+def _record_and_replay(stub: Any, tmp_path: Path, bodies: list[bytes]) -> tuple[list[str], Any]:
+    server = stub({"model": MODEL, "default": {"text": "fine"}})
+    path = tmp_path / "run.jsonl"
+    with recorder.record(path):
+        recorded = _post(server.url, bodies)
+    sent = [r["body"] for r in server.received()]
+    cassette = load(path, require_signature=True)  # whatever was recorded loads
+    server.stop()
+    with replayer.replay(path) as run:
+        replayed = _post(server.url, bodies)
+    assert run.result is not None and run.result.identical
+    # the same answers and refusals, the port in a URL aside
+    assert [_hostname(r) for r in replayed] == [_hostname(r) for r in recorded]
+    return recorded, (sent, cassette)
+
+
+def _hostname(said: str) -> str:
+    return re.sub(r"127\.0\.0\.1:\d+", "127.0.0.1", said)
+
+
+@pytest.mark.parametrize("where", [_member, _item], ids=["member", "history item"])
+def test_a_request_at_the_bound_is_recorded_and_a_deeper_one_refused_before_it_is_sent(
+        stub: Any, tmp_path: Path, where: Any) -> None:
+    bodies = [where(BODY_DEPTH), where(BODY_DEPTH + 1), where(LINE_DEPTH + 60)]
+    recorded, (sent, cassette) = _record_and_replay(stub, tmp_path, bodies)
+    assert recorded[0] == "sent: fine"
+    for refusal in recorded[1:]:
+        assert refusal.startswith("refused: model request POST ")
+        assert "nested too deeply for a cassette line (more than 190 levels" in refusal
+    assert sent == [json.loads(bodies[0])]  # the deeper ones never left
+    (line,) = cassette.observations
+    assert line["kind"] == "model"
+
+
+def test_a_conversation_read_from_where_it_repeats_is_held_to_the_bound_too(
+        stub: Any, tmp_path: Path) -> None:
+    """The items a request repeats were checked with the request before; the new ones
+    and the members read again are checked as they come."""
+    first = {"role": "user", "content": [{"type": "text", "text": "a",
+                                          "x": chain(BODY_DEPTH - 6, [])}]}
+    deep = {"role": "user", "content": [{"type": "text", "text": "b",
+                                         "x": chain(BODY_DEPTH - 5, [])}]}
+    plain = [{"role": "assistant", "content": "fine"}, {"role": "user", "content": "more"}]
+    bodies = [_body(content=first["content"]),
+              _body(content=first["content"], more=(*plain, deep)),
+              _body(content=first["content"], more=tuple(plain)),
+              _body(content=first["content"], more=tuple(plain),
+                    metadata={"x": chain(BODY_DEPTH - 2, [])})]
+    recorded, (sent, cassette) = _record_and_replay(stub, tmp_path, bodies)
+    assert [r.split(":")[0] for r in recorded] == ["sent", "refused", "sent", "refused"]
+    assert len(sent) == 2 and len(cassette.observations) == 2
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+@pytest.fixture
+def serve() -> Iterator[Any]:
+    """An HTTP server answering every POST with the body given."""
+    servers: list[ThreadingHTTPServer] = []
+
+    def start(payload: bytes) -> str:
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        servers.append(httpd)
+        return f"http://127.0.0.1:{httpd.server_address[1]}/v1/messages"
+
+    yield start
+    for httpd in servers:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.mark.parametrize("levels", [BODY_DEPTH, BODY_DEPTH + 1, 300])
+def test_a_response_body_nested_deeper_than_the_bound_is_kept_as_its_text(
+        serve: Any, tmp_path: Path, levels: int) -> None:
+    payload = json.dumps({"id": "msg_1", "type": "message", "content": [],
+                          "x": chain(levels - 2, [])}, separators=(",", ":")).encode()
+    assert text_depth(payload) == levels
+    url = serve(payload)
+    request = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    path = tmp_path / "deep-response.jsonl"
+    with recorder.record(path):
+        assert httpx2.post(url, json=request, timeout=5).content == payload
+    (line,) = load(path, require_signature=True).observations
+    as_json = b"body_json" in path.read_bytes()
+    assert as_json == (levels <= BODY_DEPTH)
+    if not as_json:
+        assert line["response"]["body"] == payload.decode()
+    with replayer.replay(path) as run:
+        assert httpx2.post(url, json=request, timeout=5).content == payload
+    assert run.result is not None and run.result.identical
+
+
+@pytest.mark.parametrize("levels", [BODY_DEPTH, BODY_DEPTH + 1])
+def test_a_plain_http_body_nested_deeper_than_the_bound_is_kept_as_its_text(
+        serve: Any, tmp_path: Path, levels: int) -> None:
+    url = serve(b'{"ok":true}').replace("/v1/messages", "/api/orders")
+    sent = json.dumps({"order": chain(levels - 2, [])}, separators=(",", ":")).encode()
+    assert text_depth(sent) == levels
+    path = tmp_path / "http.jsonl"
+    headers = {"content-type": "application/json"}
+    with recorder.record(path):
+        assert httpx2.post(url, content=sent, headers=headers, timeout=5).json() == {"ok": True}
+    (line,) = load(path, require_signature=True).observations
+    assert line["kind"] == "http"
+    stored = line["request"]["body"]
+    assert stored == (json.loads(sent) if levels <= BODY_DEPTH
+                      else {"text": sent.decode(), "body_encoding": "text"})
+    with replayer.replay(path) as run:
+        assert httpx2.post(url, content=sent, headers=headers, timeout=5).json() == {"ok": True}
+    assert run.result is not None and run.result.identical
+
+
+# ---------------------------------------------------------------------------- values
+
+
+def tuples(levels: int) -> Any:
+    """Tuples within tuples, ``levels`` deep as stored: each tuple takes two."""
+    value: Any = "leaf"
+    for _ in range(levels // 2):
+        value = (value,)
+    return value
+
+
+def test_a_value_at_the_bound_as_stored_is_kept_and_a_deeper_one_refused_as_its_step(
+        tmp_path: Path) -> None:
+    @recorder.tool
+    def fetch(levels: int) -> Any:
+        return tuples(levels)
+
+    def agent() -> list[Any]:
+        seen: list[Any] = []
+        for levels in (BODY_DEPTH, BODY_DEPTH + 2):
+            try:
+                seen.append(fetch(levels))
+            except UnserializableValue as exc:
+                seen.append(f"refused: {exc}")
+            try:
+                seen.append(effects.value("blob", lambda n=levels: {"v": [tuples(n - 2)]}))
+            except UnserializableValue as exc:
+                seen.append(f"refused: {exc}")
+        return seen
+
+    path = tmp_path / "values.jsonl"
+    with recorder.record(path):
+        recorded = agent()
+    assert recorded[0] == tuples(BODY_DEPTH) and recorded[1] == {"v": [tuples(BODY_DEPTH - 2)]}
+    assert all(r.startswith("refused: ") and f"more than {BODY_DEPTH} levels" in r
+               for r in recorded[2:])
+    lines = load(path, require_signature=True).observations
+    assert [("error" in line) for line in lines] == [False, False, True, True]
+    with replayer.replay(path) as run:
+        assert agent() == recorded
+    assert run.result is not None and run.result.identical
+
+
+def test_an_mcp_line_too_deep_is_written_as_its_refusal(tmp_path: Path) -> None:
+    server = {"transport": "stdio", "command": "ledger"}
+    deep = chain(LINE_DEPTH, [])
+    cases = [
+        (McpCall(server, "resources/read", {"uri": "x"}),
+         McpReply(result={"contents": []}, notifications=[{"method": "n", "params": deep}])),
+        (McpCall(server, "resources/read", {"uri": deep}), McpReply(result={"contents": []})),
+        (McpCall(server, "tools/call", {"name": "lookup", "arguments": {}}),
+         McpReply(result={"content": deep})),
+        (McpCall(server, "tools/call", {"name": "lookup", "arguments": {}}),
+         McpReply(result={"content": chain(BODY_DEPTH - 3, [])})),
+    ]
+    path = tmp_path / "mcp.jsonl"
+    refused = []
+    with recorder.record(path) as session:
+        for call, reply in cases:
+            try:
+                session.mcp_log(call, reply, Timing(start=1.0, ms=1.0))
+                refused.append(None)
+            except UnserializableValue as exc:
+                refused.append(str(exc))
+    assert [r is not None for r in refused] == [True, True, True, False]
+    assert "resources/read (step 0)" in str(refused[0]) and "levels deep" in str(refused[0])
+    lines = load(path, require_signature=True).observations
+    assert [line.get("error", {}).get("type") for line in lines] == \
+        ["UnserializableValue"] * 3 + [None]
+    assert "notifications" not in lines[0]["mcp"] and lines[1]["params"] == {}
+    assert lines[3]["result"] == {"content": chain(BODY_DEPTH - 3, [])}
+
+
+def test_the_writer_refuses_any_other_line_a_reader_would_refuse(tmp_path: Path) -> None:
+    """The last bound: a line built around the checks above is refused, not written."""
+    path = tmp_path / "last.jsonl"
+    with recorder.record(path) as session:
+        assert session.writer is not None
+        with pytest.raises(UnserializableValue, match="nests deeper than the 200 levels"):
+            session.writer.append({"kind": "effect", "name": "x",
+                                   "value": chain(LINE_DEPTH, [])})
+        session.writer.append({"kind": "effect", "name": "y",
+                               "value": chain(LINE_DEPTH - 3, [])})
+    (line,) = load(path, require_signature=True).observations
+    assert line["name"] == "y"
+    assert _fastjson.LINE_DEPTH - BODY_DEPTH == 10
