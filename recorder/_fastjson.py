@@ -28,7 +28,7 @@ faster than :mod:`json`:
   brackets bounds the depth of a text from above at C speed; when the count is higher,
   :func:`nests_deeper` has orjson write the document inside enough lists to reach its own
   limit, which it refuses to pass (a document orjson cannot write for another reason is
-  walked instead).
+  walked instead), and :func:`text_nests_deeper` has orjson read the text first.
 
 ``tests/replayer/test_fastjson.py`` checks these claims over every character and hundreds
 of thousands of floats, against the orjson installed.
@@ -103,10 +103,11 @@ def exact_for(data: bytes, start: int = 0, end: int | None = None) -> bool:
     return True
 
 
-def compact_doc(text: str) -> Any:
+def compact_doc(text: str, depth: int | None = None) -> Any:
     """The document ``text`` holds when :func:`dumps_compact` of it gives ``text`` back
-    exactly, else None; :data:`UNDECIDED` when orjson cannot tell (not JSON it reads, a
-    small float, a large integer): :mod:`json` then decides."""
+    exactly (and, with ``depth``, it nests at most ``depth`` levels deep), else None;
+    :data:`UNDECIDED` when orjson cannot tell (not JSON it reads, a small float, a large
+    integer): :mod:`json` then decides."""
     try:
         data = text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate
@@ -115,9 +116,13 @@ def compact_doc(text: str) -> Any:
         return UNDECIDED
     try:
         doc = orjson.loads(data)
-        again = orjson.dumps(doc)  # which refuses to nest 255 levels: json decides then
-    except (orjson.JSONDecodeError, TypeError):
+    except orjson.JSONDecodeError:
         return UNDECIDED
+    pad = 0 if depth is None or openers(data) <= depth else _DUMPS_DEPTH - depth
+    try:  # the depth checked as it is written: within ``pad`` lists orjson stops past it
+        again = orjson.dumps(_chain(pad, doc))[pad:-pad] if pad > 0 else orjson.dumps(doc)
+    except TypeError as exc:  # orjson refuses to nest 255 levels: json decides then
+        return None if pad > 0 and str(exc) == _TOO_DEEP else UNDECIDED
     return doc if again == data else None
 
 
@@ -190,6 +195,47 @@ def nests_deeper(doc: Any, limit: int) -> bool:
             if str(exc) == _TOO_DEEP:
                 return True
     return _walk_deeper(doc, limit)  # an integer beyond 64 bits, a key not a string, ...
+
+
+def text_nests_deeper(text: bytes, limit: int) -> bool:
+    """Whether JSON text nests more than ``limit`` levels deep, checked before anything
+    that recurses reads it: the bracket count, else orjson's reader (which stops on its
+    own 1,024 levels down, where the json module's recursion is bounded only by the
+    interpreter's limit and the C stack), else, for text orjson refuses (``NaN``, a lone
+    surrogate escape), a walk of its bytes."""
+    if openers(text) <= limit:
+        return False
+    try:
+        return nests_deeper(orjson.loads(text), limit)
+    except orjson.JSONDecodeError as exc:
+        if exc.msg == _TOO_DEEP_TO_READ:
+            return True
+    return _text_depth(text) > limit
+
+
+_TOO_DEEP_TO_READ = "depth limit exceeded"  # orjson's message past its 1,024 levels
+
+
+def _text_depth(text: bytes) -> int:
+    """The nesting depth of JSON text, byte by byte (brackets in strings not counted)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for byte in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return deepest
 
 
 def _walk_deeper(doc: Any, limit: int) -> bool:

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from recorder._fastjson import LINE_DEPTH, nests_deeper, openers
+from recorder._fastjson import LINE_DEPTH, text_nests_deeper
 from recorder.cassette import _headers
 from recorder.cassette.format import FEATURES
 from recorder.cassette.schema import Kind
@@ -46,12 +46,6 @@ _DECODER = json.JSONDecoder(parse_constant=_no_constants, object_pairs_hook=_no_
 _PLAIN = json.JSONDecoder().decode  # for bytes deja's writer made (see decode_trusted)
 
 
-def _within_depth(raw: bytes, doc: Any) -> bool:
-    """Whether the line ``raw``, parsed as ``doc``, nests at most :data:`MAX_DEPTH` levels:
-    a bracket count settles most lines, orjson the rest."""
-    return openers(raw) <= MAX_DEPTH or not nests_deeper(doc, MAX_DEPTH)
-
-
 _TOO_DEEP = f"nests deeper than {MAX_DEPTH} levels; deja never writes such a line"
 
 
@@ -65,28 +59,26 @@ def decode(raw: bytes) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BadLine(f"is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if text_nests_deeper(raw, MAX_DEPTH):  # before json, which recurses on the C stack
+        raise BadLine(_TOO_DEEP)
     try:
-        doc = _DECODER.decode(text)
+        return _DECODER.decode(text)
     except RecursionError:
         raise BadLine(_TOO_DEEP) from None
     except ValueError as exc:
         raise BadLine(f"is not valid JSON: {exc}") from None
-    if not _within_depth(raw, doc):
-        raise BadLine(_TOO_DEEP)
-    return doc
 
 
 def decode_trusted(raw: bytes, path: Path, where: str, seq: int | None) -> Any:
     """A line whose signature holds (bytes deja's writer made: UTF-8, strict JSON, no key
     twice): parsed without the strict decoder's per-object checks. Nesting is still
     bounded as for any line, so a verified line reads the same as it would unverified."""
+    if text_nests_deeper(raw, MAX_DEPTH):
+        return parse_line(raw, path, where, seq)
     try:
-        doc = _PLAIN(raw.decode("utf-8"))
+        return _PLAIN(raw.decode("utf-8"))
     except (ValueError, RecursionError):
         return parse_line(raw, path, where, seq)
-    if not _within_depth(raw, doc):
-        return parse_line(raw, path, where, seq)
-    return doc
 
 
 def parse_line(raw: bytes, path: Path, where: str, seq: int | None) -> Any:

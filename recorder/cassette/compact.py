@@ -46,17 +46,16 @@ def _exact_json(text: str) -> Any:
     """The parsed body when compact re-serialisation reproduces ``text`` exactly."""
     if not text or text[0] not in "{[":
         return None
-    doc = _fastjson.compact_doc(text)
-    if doc is _fastjson.UNDECIDED:
-        try:  # NaN, Infinity or deep nesting have no canonical form: the text is kept instead
-            doc = json.loads(text, parse_constant=_no_constant)
-        except (ValueError, RecursionError):
-            return None
-        if json_text(doc) != text:
-            return None
-    if doc is not None and _fastjson.openers(text) > _fastjson.BODY_DEPTH \
-            and _fastjson.nests_deeper(doc, _fastjson.BODY_DEPTH):
-        return None  # deeper than a line may nest: kept as text
+    doc = _fastjson.compact_doc(text, _fastjson.BODY_DEPTH)  # deeper: kept as text
+    if doc is not _fastjson.UNDECIDED:
+        return doc
+    try:  # NaN, Infinity or deep nesting have no canonical form: the text is kept instead
+        doc = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return None
+    if json_text(doc) != text or (_fastjson.openers(text) > _fastjson.BODY_DEPTH
+                                  and _fastjson.nests_deeper(doc, _fastjson.BODY_DEPTH)):
+        return None
     return doc
 
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from recorder._fastjson import LINE_DEPTH, nests_deeper, openers
+from recorder._fastjson import LINE_DEPTH, text_nests_deeper
 from recorder.background import CHORES
 from recorder.canonical import canonical
 from recorder.cassette import _delta, _validate
@@ -127,7 +127,10 @@ class CassetteWriter:
             raise ConfigError(f"{self.path} is a directory; give a cassette file (.jsonl) "
                               "or a directory to create <run id>.jsonl in")
         try:  # keys that are not strings (json.dumps would turn {1: .., "1": ..} into a key
-            canonical(dict(header))  # twice): refused before anything is created
+            text = canonical(dict(header))  # twice): refused before anything is created
+            if text_nests_deeper(text, LINE_DEPTH):
+                raise UnserializableValue(f"it nests deeper than the {LINE_DEPTH} levels a "
+                                          "cassette's reader takes")
         except UnserializableValue as exc:
             raise UnserializableValue(f"{self.path}: the header holds a value a cassette "
                                       f"cannot store faithfully ({exc}); nothing was "
@@ -232,7 +235,7 @@ class CassetteWriter:
                 raise SessionError(f"copied line has seq {copy.get('seq')}, expected {self._seq}")
             if request_body is not None:
                 self._delta.prime(self._seq, request_body)
-            self._write(copy, sync=self.fsync is Fsync.SYNC)
+            self._write(copy, sync=self.fsync is Fsync.SYNC, copied=True)
             self._seq += 1
             return copy
 
@@ -359,7 +362,7 @@ class CassetteWriter:
         self._failed = error
         raise error
 
-    def _write(self, line: dict[str, Any], *, sync: bool) -> None:
+    def _write(self, line: dict[str, Any], *, sync: bool, copied: bool = False) -> None:
         if line.get("kind") in KINDS:  # an observation: the types readers rely on, checked once
             try:
                 _validate.check_line(line, self.path, self._seq)
@@ -378,10 +381,11 @@ class CassetteWriter:
                 f"{self.path}: seq {self._seq} ({line.get('kind', 'header')}) holds a value "
                 f"a cassette cannot store faithfully ({type(exc).__name__}: {exc}); nothing "
                 "was written") from None
-        # A model line's request and response were kept within depth as they were read
-        # (recorder.capture.exchange, compact); any other line is checked here, a last bound.
-        if line.get("kind") != Kind.MODEL.value and openers(text) > LINE_DEPTH \
-                and nests_deeper(line, LINE_DEPTH):
+        # A model line recorded live has its request and response kept within depth as
+        # they were read (recorder.capture.exchange, compact); any other line, and any
+        # line copied, is checked here, a last bound.
+        if (copied or line.get("kind") != Kind.MODEL.value) \
+                and text_nests_deeper(text, LINE_DEPTH):
             raise UnserializableValue(
                 f"{self.path}: seq {self._seq} ({line.get('kind', 'header')}) nests deeper "
                 f"than the {LINE_DEPTH} levels a cassette's reader takes; nothing was written")

@@ -464,19 +464,19 @@ class Provider:
         stream. Never raises: the body is stored exactly either way."""
         try:
             if self.carriage.is_stream(headers):
-                return self.format.summarize_stream(self.carriage.text(body))
+                return _flat(self.format.summarize_stream(self.carriage.text(body)))
             text = body.decode("utf-8")
             doc = _fastjson.loads_utf8(body, text) if text else None
         except (ValueError, RecursionError):  # not UTF-8, not JSON, nested too deep
             return {}
-        return self.format.summarize_json(status, doc)
+        return _flat(self.format.summarize_json(status, doc))
 
     def summarize_parsed(self, status: int, headers: Headers, body: bytes, doc: Any) -> Summary:
         """:meth:`summarize` of a JSON body ``body`` that a reader already parsed into
         ``doc``."""
         if self.carriage.is_stream(headers):
             return self.summarize(status, headers, body)
-        return self.format.summarize_json(status, doc)
+        return _flat(self.format.summarize_json(status, doc))
 
     def conversation(self, request: Any, message: Any = None) -> Conversation:
         """See :meth:`Format.conversation`."""
@@ -557,3 +557,26 @@ def token_counts(usage: Any, keys: Sequence[str] = USAGE_KEYS) -> dict[str, int]
     if not isinstance(usage, dict):
         return {}
     return {k: usage[k] for k in keys if type(usage.get(k)) is int and 0 <= usage[k] < 2**63}
+
+
+def _flat(summary: Summary) -> Summary:
+    """``summary`` as a line holds it: an id, model or stop reason, or an error's type or
+    message, that a response body gave as a list or an object (a body may put anything
+    where a string belongs, nested as deep as it likes) is kept as its JSON text."""
+    for key in ("message_id", "model", "stop_reason"):
+        value = summary.get(key)
+        if isinstance(value, (dict, list)):
+            summary[key] = _as_text(value)
+    error = summary.get("error")
+    if isinstance(error, dict) and any(isinstance(v, (dict, list)) for v in error.values()):
+        summary["error"] = {k: _as_text(v) if isinstance(v, (dict, list)) else v
+                            for k, v in error.items()}
+    return summary
+
+
+def _as_text(value: Any) -> str | None:
+    try:
+        return _fastjson.dumps_compact(value)
+    except (ValueError, RecursionError):
+        return None
+

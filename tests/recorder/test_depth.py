@@ -21,6 +21,9 @@ from __future__ import annotations
 import json
 import random
 import re
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -123,6 +126,42 @@ def test_the_reader_takes_lines_200_levels_deep_and_refuses_deeper_ones() -> Non
         == json.loads(shallow)
 
 
+@pytest.mark.parametrize("how", ["a raised recursion limit", "a small thread stack"])
+def test_a_line_thousands_of_levels_deep_is_refused_before_json_recurses_into_it(
+        how: str) -> None:
+    """json's reader recurses on the C stack, bounded by the interpreter's recursion limit
+    only: a hostile line read by it first could crash the process rather than be refused."""
+    script = textwrap.dedent(f"""
+        import sys, threading
+        from recorder.cassette import _validate
+        levels = {500_000 if how.startswith("a raised") else 5_000}
+        raw = b'{{"kind":"x","v":' + b"[" * levels + b"]" * levels + b"}}"
+        def read():
+            for decode in (_validate.decode,
+                           lambda r: _validate.decode_trusted(r, "c.jsonl", "line 2", 1)):
+                try:
+                    decode(raw)
+                    print("read")
+                except Exception as exc:
+                    print(type(exc).__name__, exc)
+        if levels > 100_000:
+            sys.setrecursionlimit(1_000_000)
+            read()
+        else:
+            threading.stack_size(128 * 1024)
+            thread = threading.Thread(target=read)
+            thread.start()
+            thread.join()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.splitlines() == [
+        "BadLine nests deeper than 200 levels; deja never writes such a line",
+        "CorruptCassette c.jsonl: line 2 nests deeper than 200 levels; deja never writes "
+        "such a line"], done.stdout
+
+
 # ---------------------------------------------------------------------------- model requests
 
 
@@ -223,14 +262,14 @@ def serve() -> Iterator[Any]:
     """An HTTP server answering every POST with the body given."""
     servers: list[ThreadingHTTPServer] = []
 
-    def start(payload: bytes) -> str:
+    def start(payload: bytes, status: int = 200) -> str:
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, format: str, *args: Any) -> None:
                 pass
 
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length") or 0))
-                self.send_response(200)
+                self.send_response(status)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(payload)))
                 self.end_headers()
@@ -286,6 +325,50 @@ def test_a_plain_http_body_nested_deeper_than_the_bound_is_kept_as_its_text(
     with replayer.replay(path) as run:
         assert httpx2.post(url, content=sent, headers=headers, timeout=5).json() == {"ok": True}
     assert run.result is not None and run.result.identical
+
+
+def test_a_fork_copies_a_line_whose_error_message_is_nested_deep_and_still_loads(
+        serve: Any, tmp_path: Path) -> None:
+    """A 400 whose error message is an array 205 deep: the body is kept as text, and the
+    error read from it, which a copied line carries, as the message's JSON text."""
+    message = chain(205, [])
+    payload = json.dumps({"type": "error", "error": {"type": "invalid_request_error",
+                                                     "message": message}}).encode()
+    url = serve(payload, status=400)
+    request = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+
+    def agent() -> int:
+        status = httpx2.post(url, json=request, timeout=5).status_code
+        return status + effects.value("n", lambda: 1)
+
+    path = tmp_path / "parent.jsonl"
+    with recorder.record(path):
+        assert agent() == 401
+    parent = load(path, require_signature=True).observations[0]
+    assert parent["api_error"]["message"] == json.dumps(message, separators=(",", ":"))
+    out = tmp_path / "fork.jsonl"
+    with replayer.fork(path, at=1, patch=[{"op": "replace", "path": "/value", "value": 2}],
+                       out=out):
+        assert agent() == 402
+    fork = load(out, require_signature=True)
+    assert fork.observations[0]["api_error"] == parent["api_error"]
+    assert fork.observations[1]["value"] == 2
+
+
+@pytest.mark.parametrize("nest", [list, tuple], ids=["lists", "tuples"])
+def test_a_header_nested_too_deep_is_refused_before_anything_is_created(
+        tmp_path: Path, nest: Any) -> None:
+    labels: Any = "x"
+    for _ in range(LINE_DEPTH):
+        labels = nest([labels])
+    path = tmp_path / "labels.jsonl"
+    with pytest.raises(UnserializableValue, match="nests deeper than the 200 levels"):
+        with recorder.record(path, labels={"deep": labels}):
+            pass
+    assert list(tmp_path.iterdir()) == []  # no file, no lock: the path is free
+    with recorder.record(path, labels={"deep": "no"}):
+        pass
+    assert load(path, require_signature=True).header["labels"] == {"deep": "no"}
 
 
 # ---------------------------------------------------------------------------- values
