@@ -10,10 +10,13 @@ is kept ``BODY_DEPTH`` (190) levels deep or less, a line putting it a few levels
   rather than as JSON;
 - a tool result or effect value nested deeper as stored (each tag a level, so a tuple
   takes two) is refused, and the refusal is written as the step's error;
-- an MCP line whose params or notifications nest deeper likewise.
+- an MCP line whose params or notifications nest deeper likewise;
+- a header (its labels) nested too deep is refused before its file is made, and a line
+  copied from a loaded cassette (a fork's prefix) is held to the bound as any other.
 
 Each case at the bound and past it, recorded with the real SDK against the stub (or a
-real HTTP server), loaded back, and replayed.
+real HTTP server), loaded back, and replayed. The reader itself bounds a line's depth
+before the json module, which recurses on the C stack, reads it.
 """
 
 from __future__ import annotations
