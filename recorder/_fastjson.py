@@ -118,11 +118,14 @@ def compact_doc(text: str, depth: int | None = None) -> Any:
         doc = orjson.loads(data)
     except orjson.JSONDecodeError:
         return UNDECIDED
-    pad = 0 if depth is None or openers(data) <= depth else _DUMPS_DEPTH - depth
+    check = depth is not None and openers(data) > depth
+    pad = _DUMPS_DEPTH - depth if check and depth is not None and depth < _DUMPS_DEPTH else 0
     try:  # the depth checked as it is written: within ``pad`` lists orjson stops past it
         again = orjson.dumps(_chain(pad, doc))[pad:-pad] if pad > 0 else orjson.dumps(doc)
     except TypeError as exc:  # orjson refuses to nest 255 levels: json decides then
         return None if pad > 0 and str(exc) == _TOO_DEEP else UNDECIDED
+    if check and not pad and nests_deeper(doc, depth or 0):
+        return None
     return doc if again == data else None
 
 
@@ -202,7 +205,8 @@ def text_nests_deeper(text: bytes, limit: int) -> bool:
     that recurses reads it: the bracket count, else orjson's reader (which stops on its
     own 1,024 levels down, where the json module's recursion is bounded only by the
     interpreter's limit and the C stack), else, for text orjson refuses (``NaN``, a lone
-    surrogate escape), a walk of its bytes."""
+    surrogate escape), a walk of its bytes. (orjson's 1,024 levels take about 100 KB of C
+    stack: a thread needs more than that, as it does for the json module's own limit.)"""
     if openers(text) <= limit:
         return False
     try:

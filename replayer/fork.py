@@ -28,6 +28,7 @@ from typing import Any, cast
 
 from recorder.capture.session import Scope
 from recorder.cassette import Cassette, CassetteWriter, load
+from recorder.cassette.format import LINE_DEPTH, nests_deeper
 from recorder.cassette.keys import Keyring, load_keyring
 from recorder.cassette.schema import Control, Kind, Observation, run_file, utc_stamp
 from recorder.errors import CannotLaunch, EditError, NoSuchStep, PathTaken
@@ -117,6 +118,11 @@ def plan_fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | No
     run_id = run_id or new_run_id()
     # a copy of ``original`` with its result side replaced: a line of the same kind
     edited = cast(Observation, _edit.rebuild(original, edited_doc))
+    # the fork_edit line holds the patch and the step's document two levels down
+    if nests_deeper({"patch": ops, "original": doc}, LINE_DEPTH - 1) \
+            or nests_deeper(edited, LINE_DEPTH):
+        raise EditError(f"step {at}: its document or the edit nests deeper than the "
+                        f"{LINE_DEPTH} levels a cassette line holds; a fork cannot record it")
     return ForkPlan(parent, at, original, edited, applied, _fork_path(parent, out, run_id),
                     run_id)
 
@@ -188,15 +194,20 @@ def start_fork(plan: ForkPlan, *, then_replay: Cassette | None = None,
     launch = portable_launch([], ran_in, plan.out)
     header.update(cwd=launch["cwd"], cassette=launch["cassette"])
     writer = CassetteWriter(plan.out, header, signing, fsync)
-    for obs in parent.observations[:at]:
-        writer.append_copy(obs, parent.requests.get(obs["seq"]))
-    writer.append_copy(plan.edited, parent.requests.get(at))
-    # the bookkeeping line keeps what was edited: the patch, and the step's document as
-    # the parent recorded it (the edited step above is what the agent saw)
-    writer.append({"kind": Kind.CONTROL.value, "event": Control.FORK_EDIT.value,
-                   "detail": {"parent": parent.run, "step": at, "patch": plan.patch,
-                              "original": _edit.view(plan.original)}},
-                  sync=True)
+    try:
+        for obs in parent.observations[:at]:
+            writer.append_copy(obs, parent.requests.get(obs["seq"]))
+        writer.append_copy(plan.edited, parent.requests.get(at))
+        # the bookkeeping line keeps what was edited: the patch, and the step's document
+        # as the parent recorded it (the edited step above is what the agent saw)
+        writer.append({"kind": Kind.CONTROL.value, "event": Control.FORK_EDIT.value,
+                       "detail": {"parent": parent.run, "step": at, "patch": plan.patch,
+                                  "original": _edit.view(plan.original)}},
+                      sync=True)
+    except BaseException:  # a prefix that cannot be written: no half a fork left behind
+        writer.abandon()
+        plan.out.unlink(missing_ok=True)
+        raise
     prefix = dataclasses.replace(parent, observations=(*parent.observations[:at], plan.edited),
                                  end=None)
     recorded = (parent, then_replay) if then_replay is not None else (parent,)

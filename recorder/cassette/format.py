@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import enum
 
+from recorder._fastjson import LINE_DEPTH as LINE_DEPTH
+from recorder._fastjson import nests_deeper as nests_deeper
 from recorder.cassette.schema import EndStatus, Kind
 from recorder.errors import (
     ConfigError,
@@ -23,6 +25,8 @@ READABLE_FORMATS = (FORMAT, V1)
 # - header_edits: response headers stored as edits of an earlier line's.
 FEATURES: tuple[str, ...] = ("reply_shapes", "header_edits")
 KINDS: tuple[str, ...] = tuple(kind.value for kind in Kind)
+# LINE_DEPTH: how deep a line may nest, its reader refusing a deeper one; nests_deeper(doc,
+# n): whether a document (JSON as parsed) is deeper than n levels.
 
 
 class Fsync(enum.StrEnum):

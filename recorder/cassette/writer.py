@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from recorder._fastjson import LINE_DEPTH, text_nests_deeper
+from recorder._fastjson import LINE_DEPTH, nests_deeper, openers, text_nests_deeper
 from recorder.background import CHORES
 from recorder.canonical import canonical
 from recorder.cassette import _delta, _validate
@@ -383,9 +383,10 @@ class CassetteWriter:
                 "was written") from None
         # A model line recorded live has its request and response kept within depth as
         # they were read (recorder.capture.exchange, compact); any other line, and any
-        # line copied, is checked here, a last bound.
+        # line copied, is checked here, a last bound. (Its values are JSON or encoded by
+        # recorder.values: no tuple, which orjson would not count, but deja's own, shallow.)
         if (copied or line.get("kind") != Kind.MODEL.value) \
-                and text_nests_deeper(text, LINE_DEPTH):
+                and openers(text) > LINE_DEPTH and nests_deeper(line, LINE_DEPTH):
             raise UnserializableValue(
                 f"{self.path}: seq {self._seq} ({line.get('kind', 'header')}) nests deeper "
                 f"than the {LINE_DEPTH} levels a cassette's reader takes; nothing was written")

@@ -45,7 +45,7 @@ from recorder._fastjson import BODY_DEPTH, LINE_DEPTH, nests_deeper, openers
 from recorder.capture.mcp import McpCall, McpReply
 from recorder.capture.session import Timing
 from recorder.cassette import _validate, load
-from recorder.errors import UnserializableValue
+from recorder.errors import EditError, UnserializableValue
 
 
 def chain(levels: int, inner: Any = 1) -> Any:
@@ -129,15 +129,17 @@ def test_the_reader_takes_lines_200_levels_deep_and_refuses_deeper_ones() -> Non
         == json.loads(shallow)
 
 
-@pytest.mark.parametrize("how", ["a raised recursion limit", "a small thread stack"])
-def test_a_line_thousands_of_levels_deep_is_refused_before_json_recurses_into_it(
-        how: str) -> None:
+@pytest.mark.parametrize(("levels", "stack_kib"), [(500_000, 0), (5_000, 128)],
+                         ids=["a raised recursion limit", "a 128 KiB thread stack"])
+def test_a_line_thousands_of_levels_deep_is_refused_before_a_reader_recurses_into_it(
+        levels: int, stack_kib: int) -> None:
     """json's reader recurses on the C stack, bounded by the interpreter's recursion limit
-    only: a hostile line read by it first could crash the process rather than be refused."""
+    only: a hostile line it read first could crash the process rather than be refused
+    (orjson's reader, which reads first, stops at 1,024 levels)."""
     script = textwrap.dedent(f"""
         import sys, threading
         from recorder.cassette import _validate
-        levels = {500_000 if how.startswith("a raised") else 5_000}
+        levels = {levels}
         raw = b'{{"kind":"x","v":' + b"[" * levels + b"]" * levels + b"}}"
         def read():
             for decode in (_validate.decode,
@@ -147,11 +149,11 @@ def test_a_line_thousands_of_levels_deep_is_refused_before_json_recurses_into_it
                     print("read")
                 except Exception as exc:
                     print(type(exc).__name__, exc)
-        if levels > 100_000:
+        if not {stack_kib}:
             sys.setrecursionlimit(1_000_000)
             read()
         else:
-            threading.stack_size(128 * 1024)
+            threading.stack_size({stack_kib} * 1024)
             thread = threading.Thread(target=read)
             thread.start()
             thread.join()
@@ -356,6 +358,28 @@ def test_a_fork_copies_a_line_whose_error_message_is_nested_deep_and_still_loads
     fork = load(out, require_signature=True)
     assert fork.observations[0]["api_error"] == parent["api_error"]
     assert fork.observations[1]["value"] == 2
+
+
+def test_a_fork_at_a_step_whose_document_is_nested_too_deep_is_refused_before_it_begins(
+        serve: Any, tmp_path: Path) -> None:
+    """A reply 230 levels deep is kept as text; a fork at it would have to write it as a
+    document in its ``fork_edit`` line, so it is refused, and nothing is created."""
+    reply = {"id": "msg_1", "type": "message", "role": "assistant", "model": MODEL,
+             "content": [{"type": "tool_use", "id": "tu_1", "name": "f",
+                          "input": {"x": chain(230, [])}}],
+             "stop_reason": "tool_use", "usage": {"input_tokens": 1, "output_tokens": 1}}
+    url = serve(json.dumps(reply, separators=(",", ":")).encode())
+    request = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+    path = tmp_path / "parent.jsonl"
+    with recorder.record(path):
+        httpx2.post(url, json=request, timeout=5)
+    load(path, require_signature=True)
+    out = tmp_path / "fork.jsonl"
+    with pytest.raises(EditError, match="nests deeper than the 200 levels"):
+        with replayer.fork(path, at=0, patch=[{"op": "replace", "path": "/id",
+                                               "value": "msg_2"}], out=out):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["parent.jsonl"]
 
 
 @pytest.mark.parametrize("nest", [list, tuple], ids=["lists", "tuples"])
