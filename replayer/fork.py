@@ -26,12 +26,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from recorder.canonical import canonical
 from recorder.capture.session import Scope
 from recorder.cassette import Cassette, CassetteWriter, load
-from recorder.cassette.format import LINE_DEPTH, nests_deeper
+from recorder.cassette.format import LINE_DEPTH, text_nests_deeper
 from recorder.cassette.keys import Keyring, load_keyring
 from recorder.cassette.schema import Control, Kind, Observation, run_file, utc_stamp
-from recorder.errors import CannotLaunch, EditError, NoSuchStep, PathTaken
+from recorder.errors import CannotLaunch, EditError, NoSuchStep, PathTaken, UnserializableValue
 from recorder.launch import launch_dir, new_run_id, portable_launch
 from replayer import continuation
 from replayer import edit as _edit
@@ -118,13 +119,24 @@ def plan_fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | No
     run_id = run_id or new_run_id()
     # a copy of ``original`` with its result side replaced: a line of the same kind
     edited = cast(Observation, _edit.rebuild(original, edited_doc))
-    # the fork_edit line holds the patch and the step's document two levels down
-    if nests_deeper({"patch": ops, "original": doc}, LINE_DEPTH - 1) \
-            or nests_deeper(edited, LINE_DEPTH):
-        raise EditError(f"step {at}: its document or the edit nests deeper than the "
-                        f"{LINE_DEPTH} levels a cassette line holds; a fork cannot record it")
+    _fits_a_line(at, {"patch": applied, "original": doc}, edited)
     return ForkPlan(parent, at, original, edited, applied, _fork_path(parent, out, run_id),
                     run_id)
+
+
+def _fits_a_line(at: int, detail: Mapping[str, Any], edited: Observation) -> None:
+    """Refuse, before anything is written, a fork whose lines a reader would refuse: the
+    edited step, and the ``fork_edit`` line, which holds the patch and the step's document
+    (tuples and all, as they are written) two levels down."""
+    try:
+        deep = text_nests_deeper(canonical(dict(detail)), LINE_DEPTH - 1) \
+            or text_nests_deeper(canonical(dict(edited)), LINE_DEPTH)
+    except UnserializableValue as exc:
+        raise EditError(f"step {at}: the edit holds a value a cassette cannot store "
+                        f"({exc})") from None
+    if deep:
+        raise EditError(f"step {at}: its document or the edit nests deeper than the "
+                        f"{LINE_DEPTH} levels a cassette line holds; a fork cannot record it")
 
 
 def _step(parent: Cassette, at: int) -> Observation:

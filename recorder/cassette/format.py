@@ -10,6 +10,7 @@ import enum
 
 from recorder._fastjson import LINE_DEPTH as LINE_DEPTH
 from recorder._fastjson import nests_deeper as nests_deeper
+from recorder._fastjson import text_nests_deeper as text_nests_deeper
 from recorder.cassette.schema import EndStatus, Kind
 from recorder.errors import (
     ConfigError,
@@ -26,7 +27,8 @@ READABLE_FORMATS = (FORMAT, V1)
 FEATURES: tuple[str, ...] = ("reply_shapes", "header_edits")
 KINDS: tuple[str, ...] = tuple(kind.value for kind in Kind)
 # LINE_DEPTH: how deep a line may nest, its reader refusing a deeper one; nests_deeper(doc,
-# n): whether a document (JSON as parsed) is deeper than n levels.
+# n): whether a document (JSON as parsed) is deeper than n levels; text_nests_deeper(text,
+# n): whether JSON text is.
 
 
 class Fsync(enum.StrEnum):

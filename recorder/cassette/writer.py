@@ -383,10 +383,16 @@ class CassetteWriter:
                 "was written") from None
         # A model line recorded live has its request and response kept within depth as
         # they were read (recorder.capture.exchange, compact); any other line, and any
-        # line copied, is checked here, a last bound. (Its values are JSON or encoded by
-        # recorder.values: no tuple, which orjson would not count, but deja's own, shallow.)
-        if (copied or line.get("kind") != Kind.MODEL.value) \
-                and openers(text) > LINE_DEPTH and nests_deeper(line, LINE_DEPTH):
+        # line copied, is checked here, a last bound. Values are JSON or encoded by
+        # recorder.values (no tuple, which orjson would not count as a level) but in a
+        # control line (a fork's edit, as given): that one is measured on its text.
+        kind = line.get("kind")
+        if kind == Kind.CONTROL.value:
+            deep = text_nests_deeper(text, LINE_DEPTH)
+        else:
+            deep = (copied or kind != Kind.MODEL.value) and openers(text) > LINE_DEPTH \
+                and nests_deeper(line, LINE_DEPTH)
+        if deep:
             raise UnserializableValue(
                 f"{self.path}: seq {self._seq} ({line.get('kind', 'header')}) nests deeper "
                 f"than the {LINE_DEPTH} levels a cassette's reader takes; nothing was written")

@@ -382,6 +382,26 @@ def test_a_fork_at_a_step_whose_document_is_nested_too_deep_is_refused_before_it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["parent.jsonl"]
 
 
+@pytest.mark.parametrize("edit", ["patch of tuples", "replacement"])
+def test_a_fork_whose_edit_nests_too_deep_is_refused_before_it_begins(
+        tmp_path: Path, edit: str) -> None:
+    """The edit is written twice: in the edited step and, as given (tuples are lists
+    there), in the fork_edit line."""
+    path = tmp_path / "parent.jsonl"
+    with recorder.record(path):
+        effects.value("n", lambda: 1)
+    deep: Any = "x"
+    for _ in range(LINE_DEPTH):
+        deep = (deep,) if edit == "patch of tuples" else [deep]
+    change: dict[str, Any] = (
+        {"patch": [{"op": "add", "path": "/note", "value": deep}]}
+        if edit == "patch of tuples" else {"replace": {"value": 2, "note": deep}})
+    with pytest.raises(EditError, match="nests deeper than the 200 levels"):
+        with replayer.fork(path, at=0, out=tmp_path / "fork.jsonl", **change):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["parent.jsonl"]
+
+
 @pytest.mark.parametrize("nest", [list, tuple], ids=["lists", "tuples"])
 def test_a_header_nested_too_deep_is_refused_before_anything_is_created(
         tmp_path: Path, nest: Any) -> None:
