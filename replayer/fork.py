@@ -217,8 +217,8 @@ def start_fork(plan: ForkPlan, *, then_replay: Cassette | None = None,
                                   "original": _edit.view(plan.original)}},
                       sync=True)
     except BaseException:  # a prefix that cannot be written: no half a fork left behind
+        plan.out.unlink(missing_ok=True)  # while its lock is held: nothing resumes it
         writer.abandon()
-        plan.out.unlink(missing_ok=True)
         raise
     prefix = dataclasses.replace(parent, observations=(*parent.observations[:at], plan.edited),
                                  end=None)
