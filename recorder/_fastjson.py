@@ -118,14 +118,16 @@ def compact_doc(text: str, depth: int | None = None) -> Any:
         doc = orjson.loads(data)
     except orjson.JSONDecodeError:
         return UNDECIDED
-    check = depth is not None and openers(data) > depth
-    pad = _DUMPS_DEPTH - depth if check and depth is not None and depth < _DUMPS_DEPTH else 0
-    try:  # the depth checked as it is written: within ``pad`` lists orjson stops past it
-        again = orjson.dumps(_chain(pad, doc))[pad:-pad] if pad > 0 else orjson.dumps(doc)
+    pad = 0
+    if depth is not None and openers(data) > depth:
+        if depth < _DUMPS_DEPTH:  # checked as it is written: within ``pad`` lists orjson
+            pad = _DUMPS_DEPTH - depth  # stops past ``depth``
+        elif nests_deeper(doc, depth):
+            return None
+    try:
+        again = orjson.dumps(_chain(pad, doc))[pad:-pad] if pad else orjson.dumps(doc)
     except TypeError as exc:  # orjson refuses to nest 255 levels: json decides then
-        return None if pad > 0 and str(exc) == _TOO_DEEP else UNDECIDED
-    if check and not pad and nests_deeper(doc, depth or 0):
-        return None
+        return None if pad and str(exc) == _TOO_DEEP else UNDECIDED
     return doc if again == data else None
 
 

@@ -8,8 +8,11 @@ import json
 import os
 import signal
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -66,6 +69,52 @@ def stub() -> Iterator[Callable[[dict], StubServer]]:
     for server in servers:
         server.stop()
     _collect_clients()
+
+
+@dataclass
+class Served:
+    """A server :func:`serve` started: the URL of its Messages endpoint, and its stop."""
+
+    url: str
+    stop: Callable[[], None]
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., Served]]:
+    """Start plain HTTP servers on 127.0.0.1 that answer every POST with the JSON body
+    given (and ``status``): for bodies the stub would not send. All stop when the test
+    ends."""
+    servers: list[ThreadingHTTPServer] = []
+
+    def start(payload: bytes, status: int = 200) -> Served:
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        servers.append(httpd)
+
+        def stop() -> None:
+            if httpd in servers:
+                servers.remove(httpd)
+                httpd.shutdown()
+                httpd.server_close()
+
+        return Served(f"http://127.0.0.1:{httpd.server_address[1]}/v1/messages", stop)
+
+    yield start
+    for httpd in servers:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -27,9 +27,6 @@ import re
 import subprocess
 import sys
 import textwrap
-import threading
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -262,42 +259,13 @@ def test_a_conversation_read_from_where_it_repeats_is_held_to_the_bound_too(
 # ---------------------------------------------------------------------------- responses
 
 
-@pytest.fixture
-def serve() -> Iterator[Any]:
-    """An HTTP server answering every POST with the body given."""
-    servers: list[ThreadingHTTPServer] = []
-
-    def start(payload: bytes, status: int = 200) -> str:
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length") or 0))
-                self.send_response(status)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
-        servers.append(httpd)
-        return f"http://127.0.0.1:{httpd.server_address[1]}/v1/messages"
-
-    yield start
-    for httpd in servers:
-        httpd.shutdown()
-        httpd.server_close()
-
-
 @pytest.mark.parametrize("levels", [BODY_DEPTH, BODY_DEPTH + 1, 300])
 def test_a_response_body_nested_deeper_than_the_bound_is_kept_as_its_text(
         serve: Any, tmp_path: Path, levels: int) -> None:
     payload = json.dumps({"id": "msg_1", "type": "message", "content": [],
                           "x": chain(levels - 2, [])}, separators=(",", ":")).encode()
     assert text_depth(payload) == levels
-    url = serve(payload)
+    url = serve(payload).url
     request = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
     path = tmp_path / "deep-response.jsonl"
     with recorder.record(path):
@@ -315,7 +283,7 @@ def test_a_response_body_nested_deeper_than_the_bound_is_kept_as_its_text(
 @pytest.mark.parametrize("levels", [BODY_DEPTH, BODY_DEPTH + 1])
 def test_a_plain_http_body_nested_deeper_than_the_bound_is_kept_as_its_text(
         serve: Any, tmp_path: Path, levels: int) -> None:
-    url = serve(b'{"ok":true}').replace("/v1/messages", "/api/orders")
+    url = serve(b'{"ok":true}').url.replace("/v1/messages", "/api/orders")
     sent = json.dumps({"order": chain(levels - 2, [])}, separators=(",", ":")).encode()
     assert text_depth(sent) == levels
     path = tmp_path / "http.jsonl"
@@ -339,7 +307,7 @@ def test_a_fork_copies_a_line_whose_error_message_is_nested_deep_and_still_loads
     message = chain(205, [])
     payload = json.dumps({"type": "error", "error": {"type": "invalid_request_error",
                                                      "message": message}}).encode()
-    url = serve(payload, status=400)
+    url = serve(payload, status=400).url
     request = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
 
     def agent() -> int:
@@ -368,7 +336,7 @@ def test_a_fork_at_a_step_whose_document_is_nested_too_deep_is_refused_before_it
              "content": [{"type": "tool_use", "id": "tu_1", "name": "f",
                           "input": {"x": chain(230, [])}}],
              "stop_reason": "tool_use", "usage": {"input_tokens": 1, "output_tokens": 1}}
-    url = serve(json.dumps(reply, separators=(",", ":")).encode())
+    url = serve(json.dumps(reply, separators=(",", ":")).encode()).url
     request = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
     path = tmp_path / "parent.jsonl"
     with recorder.record(path):

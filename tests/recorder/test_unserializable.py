@@ -154,36 +154,16 @@ def test_a_model_request_cassettes_cannot_hold_is_refused_as_itself_and_never_se
 
 
 def test_a_model_response_holding_nan_is_stored_as_text_and_replays_byte_identical(
-        tmp_path: Path) -> None:
+        serve: Any, tmp_path: Path) -> None:
     """A JSON body with NaN has no canonical form: the model line keeps its exact text."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
     payload = b'{"id":"msg_1","type":"message","content":[],"score":NaN}'
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-        def do_POST(self) -> None:
-            self.rfile.read(int(self.headers.get("content-length") or 0))
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{httpd.server_address[1]}/v1/messages"
+    served = serve(payload)
+    url = served.url
     request = {"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
     path = tmp_path / "nan-response.jsonl"
-    try:
-        with recorder.record(path):
-            live = httpx2.post(url, json=request, timeout=5).content
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with recorder.record(path):
+        live = httpx2.post(url, json=request, timeout=5).content
+    served.stop()
     assert live == payload
     (line,) = load(path).observations
     assert line["kind"] == "model" and line["response"]["body"] == payload.decode()
