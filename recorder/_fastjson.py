@@ -14,7 +14,8 @@ faster than :mod:`json`:
   (``NaN``, an infinity, an escaped lone surrogate, very deep nesting) is read by
   :mod:`json` too. A response body read for its usage (:func:`loads_utf8`) that has more
   than a few hundred brackets is read by :mod:`json` as well: :mod:`json` may find it too
-  deep where orjson does not (a cassette's lines are checked for depth as they load).
+  deep where orjson does not (a cassette's lines are checked for depth as they load). So
+  is a stream's event (:func:`loads_text`).
 - **Writing** a body back: orjson's compact output is :func:`compact.json_text`'s, byte for
   byte, for every character and integer, and for every float but those between 1e-5 and
   1e-10 (``1e-05`` in :mod:`json`, ``0.00001`` in orjson). However a line writes such a
@@ -86,6 +87,17 @@ def loads_utf8(data: bytes, text: str) -> Any:
 def loads(data: bytes) -> Any:
     """``json.loads(data)``, faster."""
     return read(data)[0]
+
+
+def loads_text(text: str) -> Any:
+    """``json.loads(text)``, faster (a stream's events are read one by one, most of them
+    small); a text :mod:`json` may find too deep is read by :mod:`json`, as in
+    :func:`loads_utf8`."""
+    try:
+        data = text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate, which json reads and orjson does not
+        return json.loads(text)
+    return loads_utf8(data, text)
 
 
 def exact_for(data: bytes, start: int = 0, end: int | None = None) -> bool:

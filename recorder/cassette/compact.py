@@ -191,11 +191,12 @@ def reply_message(line: dict[str, Any], provider: str | None = None,
 
 
 def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]] | Any, request: Any,
-           fp: str | None = None) -> None:
+           fp: str | None = None, fast: bool = False) -> None:
     """Reader side: restore a model line in place; ``earlier[seq]`` gives the restored URL,
     request headers and response headers of a line before it (:mod:`.lines` restores only
     those), ``request`` is its full request and ``fp`` its fingerprint (worked out from
-    the request when not given)."""
+    the request when not given); ``fast``: its JSON body may be written back by orjson
+    (:func:`restore_body`)."""
     like = line.pop("like", None)
     if like is not None:  # the URL, request headers and response headers of that line
         line["url"] = line["request_headers"] = like
@@ -210,7 +211,7 @@ def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]] | Any, req
         line["request_headers"] = earlier[headers]["request_headers"]
     response = line.get("response")
     if response is not None:
-        doc = restore_body(response)
+        doc = restore_body(response, fast=fast)
         base = response.pop("headers_base", None)
         if base is not None:
             response["headers"] = based(response["headers"],

@@ -145,13 +145,13 @@ class Store:
         found = self._lines.get(seq)
         if found is not None:
             return cast(Observation, found)
-        line = self.parsed(seq)
+        line, fast = self._parse(seq)
         if line.get("kind") == Kind.MODEL:
             try:
                 response = line.get("response")
                 doc = response.get("body_json", _NONE) if isinstance(response, dict) else _NONE
                 compact.expand(line, _Earlier(self), self.request(seq, line.get("request")),
-                               fp=self.heads[seq].fp)
+                               fp=self.heads[seq].fp, fast=fast)
             except _FAULTS as exc:
                 raise self.broken(seq, exc) from None
             # what the next line reads of this one, kept so it is not parsed again: its
@@ -161,6 +161,26 @@ class Store:
             if doc is not _NONE:
                 self._docs.keep(seq, doc)
         return cast(Observation, self._lines.keep(seq, line))
+
+    def counted(self, seq: int) -> Observation:
+        """Line ``seq`` as a run's totals count it (:func:`~recorder.cassette.schema.add_step`):
+        restored as :meth:`line` restores it, but for a model line's request and what is
+        read from it (its model, whether it streams), which nothing counted depends on. A
+        line restored whole already is that line."""
+        found = self._lines.get(seq)
+        if found is not None:
+            return cast(Observation, found)
+        line, fast = self._parse(seq)
+        if line.get("kind") != Kind.MODEL:
+            return cast(Observation, line)
+        try:
+            compact.expand(line, _Earlier(self), None, fp=self.heads[seq].fp, fast=fast)
+        except _FAULTS as exc:
+            raise self.broken(seq, exc) from None
+        response = line.get("response")  # the next line's base, as :meth:`line` keeps it
+        if isinstance(response, dict) and isinstance(response.get("headers"), list):
+            self._headers.keep(seq, response["headers"])
+        return cast(Observation, line)
 
     def served(self, seq: int) -> Observation:
         """Line ``seq`` as a replay serves it: a model line's response restored (its body
@@ -371,6 +391,12 @@ class Lines(Sequence[Observation]):
     def __iter__(self) -> Iterator[Observation]:
         for seq in range(len(self)):
             yield self._store.line(seq)
+
+    def counted(self) -> Iterator[Observation]:
+        """Every line as a run's totals count it (:meth:`Store.counted`), in order: a model
+        line without its request, which restoring would cost the most."""
+        for seq in range(len(self)):
+            yield self._store.counted(seq)
 
     def served(self, seq: int) -> Observation:
         """Line ``seq`` as a replay serves it (:meth:`Store.served`)."""

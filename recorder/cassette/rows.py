@@ -34,8 +34,11 @@ from recorder.cassette.schema import (
     Control,
     Kind,
     StepTotals,
+    add_step,
     error_of,
+    step_totals,
     totals_of,
+    zero_totals,
 )
 from recorder.cassette.schema import run_status as schema_run_status
 
@@ -151,18 +154,25 @@ def run_totals(cassette: Cassette) -> dict[str, Any]:
     """The run's totals: ``all`` (:func:`~recorder.cassette.schema.totals_of` every step)
     and, for a fork or a resumed run, ``replayed`` and ``live`` split at ``live_from``,
     with ``replayed_from`` saying where the replayed part came from. For any other run
-    those three are None."""
+    those three are None. The steps are read once, a model line without its request
+    (:meth:`~recorder.cassette.lines.Lines.counted`)."""
     start = live_from(cassette)
     steps = cassette.observations
-    out: dict[str, Any] = {"all": totals_of(steps), "live_from": start, "replayed_from": None,
+    tallies = [zero_totals() for _ in range(3)]  # all, replayed, live
+    counts = [0, 0, 0]
+    for obs in steps.counted() if isinstance(steps, Lines) else steps:
+        for i in ((0, 2 if obs["seq"] >= start else 1) if start else (0,)):
+            counts[i] += 1
+            add_step(tallies[i], obs)
+    whole, replayed, live = (step_totals(t, n) for t, n in zip(tallies, counts, strict=True))
+    out: dict[str, Any] = {"all": whole, "live_from": start, "replayed_from": None,
                            "replayed": None, "live": None}
     if start:
         parent = cassette.header.get("parent")
         out.update(
             replayed_from=(f"parent {parent.get('run')}" if isinstance(parent, dict)
                            and parent.get("run") else "earlier attempts"),
-            replayed=totals_of(o for o in steps if o["seq"] < start),
-            live=totals_of(o for o in steps if o["seq"] >= start))
+            replayed=replayed, live=live)
     return out
 
 

@@ -404,6 +404,11 @@ def totals_of(observations: Iterable[Mapping[str, Any]]) -> StepTotals:
     for obs in observations:
         steps += 1
         add_step(t, obs)
+    return step_totals(t, steps)
+
+
+def step_totals(t: Totals, steps: int) -> StepTotals:
+    """The totals ``t`` of ``steps`` steps as :func:`totals_of` gives them."""
     return {"steps": steps, "model_calls": t["model_calls"], "http_calls": t["http_calls"],
             "tool_calls": t["tool_calls"], "effects": t["effects"],
             "input_tokens": t["input_tokens"], "output_tokens": t["output_tokens"],
@@ -480,6 +485,7 @@ __all__ = [
     "replayed_totals",
     "run_file",
     "run_status",
+    "step_totals",
     "totals_of",
     "utc_stamp",
     "zero_totals",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from recorder import _fastjson
 from recorder.providers.base import sse_events
 
 
@@ -23,7 +24,7 @@ def assemble(text: str) -> dict[str, Any]:
     partial: dict[int, list[str]] = {}
     for event, data in sse_events(text):
         try:
-            doc = json.loads(data)
+            doc = _fastjson.loads_text(data)
         except (ValueError, RecursionError):
             continue
         kind = doc.get("type", event) if isinstance(doc, dict) else event

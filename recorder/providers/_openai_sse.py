@@ -26,6 +26,7 @@ import copy
 import json
 from typing import Any
 
+from recorder import _fastjson
 from recorder.providers.base import data_lines, sse_events, string_spans
 
 __all__ = ["assemble_chat", "assemble_responses", "is_responses", "stream_pieces",
@@ -59,7 +60,7 @@ def assemble_chat(text: str) -> dict[str, Any]:
         if data.startswith("[DONE]"):
             break
         try:
-            doc = json.loads(data)
+            doc = _fastjson.loads_text(data)
         except (ValueError, RecursionError):
             continue
         if not isinstance(doc, dict):
@@ -168,7 +169,7 @@ def assemble_responses(text: str) -> dict[str, Any]:
     error: Any = None
     for event, data in sse_events(text):
         try:
-            doc = json.loads(data)
+            doc = _fastjson.loads_text(data)
         except (ValueError, RecursionError):
             continue
         if not isinstance(doc, dict):

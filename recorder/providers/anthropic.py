@@ -13,11 +13,11 @@ from a message live in :mod:`recorder.providers._anthropic_sse`.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from recorder import _fastjson
 from recorder.providers._anthropic_sse import assemble, synthesize
 from recorder.providers.base import Carriage, Format, Provider, Summary, sse_events, token_counts
 from recorder.providers.pricing import CACHE_WRITE_1H
@@ -96,7 +96,7 @@ class MessagesFormat(Format):
             if event not in _SUMMARY_EVENTS and not any(t in data for t in _SUMMARY_TOKENS):
                 continue  # content: nothing the summary reads (and cheaper not to parse)
             try:
-                doc = json.loads(data)
+                doc = _fastjson.loads_text(data)
             except (ValueError, RecursionError):  # nested too deep: says nothing
                 continue
             if not isinstance(doc, dict):

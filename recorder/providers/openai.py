@@ -37,6 +37,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from recorder import _fastjson
 from recorder.providers._openai_sse import (
     assemble_chat,
     assemble_responses,
@@ -240,7 +241,7 @@ class OpenAIFormat(Format):
             if not (first or _may_summarize(data)):
                 continue  # content: nothing the summary reads (and cheaper not to parse)
             try:
-                doc = json.loads(data)
+                doc = _fastjson.loads_text(data)
             except (ValueError, RecursionError):  # nested too deep: says nothing
                 continue
             if not isinstance(doc, dict):
@@ -264,7 +265,7 @@ class OpenAIFormat(Format):
             if event != "message" and event not in _SUMMARY_EVENTS:
                 continue
             try:
-                doc = json.loads(data)
+                doc = _fastjson.loads_text(data)
             except (ValueError, RecursionError):  # nested too deep: says nothing
                 continue
             if not isinstance(doc, dict):

@@ -103,13 +103,13 @@ def test_reading_the_lines_in_order_parses_each_line_once(
     cassette = load(path, require_signature=True)
     store = cassette.observations._store
     parsed: list[int] = []
-    parse = store.parsed
+    parse = store._parse
 
-    def counting(seq: int) -> dict[str, Any]:
+    def counting(seq: int, check: bool = True) -> tuple[dict[str, Any], bool]:
         parsed.append(seq)
-        return parse(seq)
+        return parse(seq, check)
 
-    store.parsed = counting  # type: ignore[method-assign]
+    store._parse = counting  # type: ignore[method-assign]
     restored = [dict(line) for line in cassette.observations]
     assert parsed == list(range(TURNS))
     again = load(path, require_signature=True)

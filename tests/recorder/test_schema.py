@@ -62,13 +62,18 @@ def find(query: str) -> list[str]:
     return ["auth/session.py"]
 
 
-def agent(url: str, turns: int = 6) -> str:
+def agent(url: str, turns: int = 6, stream: bool = False) -> str:
     recorder.randint(0, 9)  # an effect outside any tool
     client = anthropic.Anthropic(base_url=url, api_key="sk-test", max_retries=1)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Where is refresh?"}]
     for _ in range(turns):
-        reply = client.messages.create(model=MODEL, max_tokens=64, tools=TOOLS,
-                                       messages=messages)
+        if stream:
+            with client.messages.stream(model=MODEL, max_tokens=64, tools=TOOLS,
+                                        messages=messages) as events:
+                reply = events.get_final_message()
+        else:
+            reply = client.messages.create(model=MODEL, max_tokens=64, tools=TOOLS,
+                                           messages=messages)
         messages.append({"role": "assistant", "content": [
             b.model_dump(exclude_none=True) for b in reply.content]})
         if reply.stop_reason != "tool_use":
@@ -188,6 +193,31 @@ def test_the_end_line_counts_what_the_readers_count(
     assert retried_totals["model_calls"] == 3 and retried_totals["errors"] == 1  # the 529
     assert retried_totals["tool_calls"] == 1 and retried_totals["effects"] == 2
     assert retried_totals["input_tokens"] == 320 and retried_totals["output_tokens"] == 29
+
+
+def test_totals_count_each_line_as_restored_whole(retried: Path, tmp_path: Path) -> None:
+    """run_totals reads a model line without its request: it counts what the lines
+    restored whole count, for a streamed run and for a fork's two parts."""
+    streamed = tmp_path / "streamed.jsonl"
+    with StubServer(RETRIED) as server:
+        with recorder.record(streamed):
+            agent(server.url, stream=True)
+        forked = tmp_path / "fork.jsonl"
+        tool = next(line["seq"] for line in read_lines(retried) if line.get("kind") == "tool")
+        with replayer.fork(retried, at=tool, out=forked, sets=['result=["auth/token.py"]']):
+            agent(server.url)
+    _collect_clients()
+    for path in (streamed, forked, retried):
+        whole = list(load(path).observations)
+        totals = run_totals(load(path))  # loaded again: no line restored before
+        start = totals["live_from"]
+        assert totals["all"] == totals_of(whole), path.stem
+        assert totals["replayed"] == (totals_of(o for o in whole if o["seq"] < start)
+                                      if start else None)
+        assert totals["live"] == (totals_of(o for o in whole if o["seq"] >= start)
+                                  if start else None)
+    assert totals_of(load(streamed).observations)["input_tokens"] == 320
+    assert live_from(load(forked)) > 0
 
 
 def test_an_error_is_an_exception_or_an_error_the_response_reports(retried: Path) -> None:

@@ -95,6 +95,7 @@ def test_a_line_is_parsed_as_the_standard_library_parses_it() -> None:
                      _fastjson.dumps_compact(doc)):
             assert _same(_fastjson.loads(text.encode()), json.loads(text))
             assert _same(_fastjson.loads_utf8(text.encode(), text), json.loads(text))
+            assert _same(_fastjson.loads_text(text), json.loads(text))  # a stream's event
 
 
 def test_a_body_json_may_find_too_deep_is_read_as_json_reads_it() -> None:
@@ -107,11 +108,13 @@ def test_a_body_json_may_find_too_deep_is_read_as_json_reads_it() -> None:
             want: Any = json.loads(text)
         except RecursionError:
             want = RecursionError
-        try:
-            got: Any = _fastjson.loads_utf8(data, text)
-        except RecursionError:
-            got = RecursionError
-        assert got == want
+        for read in (lambda: _fastjson.loads_utf8(data, text),
+                     lambda: _fastjson.loads_text(text)):
+            try:
+                got: Any = read()
+            except RecursionError:
+                got = RecursionError
+            assert got == want
     assert _fastjson.loads_utf8(b"[" * 1_000 + b"]" * 1_000, "[]") == []  # json's read
 
 
@@ -154,7 +157,15 @@ def test_a_body_is_kept_as_json_exactly_when_the_standard_library_would_keep_it(
 ])
 def test_what_orjson_refuses_or_reads_apart_is_read_as_json_reads_it(text: str) -> None:
     assert _same(_fastjson.loads(text.encode()), json.loads(text))
+    assert _same(_fastjson.loads_text(text), json.loads(text))
     assert _fastjson.read(text.encode())[1] is False  # and is never written back by orjson
+
+
+def test_an_event_with_a_lone_surrogate_is_read_as_json_reads_it() -> None:
+    text = '{"s": "' + chr(0xD800) + '"}'  # the character itself
+    assert _same(_fastjson.loads_text(text), json.loads(text))
+    with pytest.raises(ValueError):
+        _fastjson.loads_text('{"s": ')  # what json refuses, refused alike
 
 
 def test_a_duplicated_key_reads_its_last_value_as_json_reads_it() -> None:
