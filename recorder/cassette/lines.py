@@ -267,9 +267,27 @@ class Store:
                 doc = response["body_json"]
         if doc is not _NONE:
             items = providers.replied(doc)
-        else:  # a stream, or a body kept as text: read from the restored line
-            items = compact.reply_items(self.line(seq))
+        else:  # a stream, or a body kept as text: read from its response
+            items = self._text_reply(seq)
         return cast(list[Any] | None, self._replies.keep(seq, items))
+
+    def _text_reply(self, seq: int) -> list[Any] | None:
+        """:meth:`reply` of model line ``seq``, whose body is kept as text: read from the
+        line's response and its headers restored, without the rest of the line (its
+        request, its usage), which the reply does not depend on."""
+        found = self._lines.get(seq)
+        if found is not None:
+            return compact.reply_items(found)
+        line = self.parsed(seq)
+        response = line.get("response")
+        if not isinstance(response, dict):
+            return None
+        try:
+            headers = self.response_headers(seq, line)
+        except _FAULTS as exc:
+            raise self.broken(seq, exc) from None
+        return compact.reply_items({"kind": line.get("kind"), "provider": self.providers[seq],
+                                    "response": response}, headers)
 
     @property
     def replies(self) -> Replies:

@@ -19,7 +19,15 @@ from typing import Any
 
 from recorder import _fastjson
 from recorder.providers._anthropic_sse import assemble, synthesize
-from recorder.providers.base import Carriage, Format, Provider, Summary, sse_events, token_counts
+from recorder.providers.base import (
+    Carriage,
+    Format,
+    Provider,
+    Summary,
+    sse_blocks,
+    sse_event,
+    token_counts,
+)
 from recorder.providers.pricing import CACHE_WRITE_1H
 
 __all__ = ["MessagesFormat", "provider"]
@@ -92,7 +100,15 @@ class MessagesFormat(Format):
         """Read event by event, so that a stream cut short still says what it said."""
         usage: dict[str, int] = {}
         out: Summary = {"usage": usage}
-        for event, data in sse_events(text):
+        for block in sse_blocks(text):
+            # a block without these words can hold neither a summary event's name nor
+            # any of _SUMMARY_TOKENS: content, not read further
+            if "message_" not in block and "error" not in block and "\\u" not in block:
+                continue
+            found = sse_event(block)
+            if found is None:
+                continue
+            event, data = found
             if event not in _SUMMARY_EVENTS and not any(t in data for t in _SUMMARY_TOKENS):
                 continue  # content: nothing the summary reads (and cheaper not to parse)
             try:

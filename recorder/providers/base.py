@@ -506,15 +506,28 @@ class Provider:
 def sse_events(text: str) -> Iterator[tuple[str, str]]:
     """(event, data) pairs of a ``text/event-stream`` text: the framing every SSE API
     shares, whatever its events mean."""
-    for block in text.replace("\r\n", "\n").split("\n\n"):
-        event, data = "message", []
-        for line in block.split("\n"):
-            if line.startswith("event:"):
-                event = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].lstrip(" "))
-        if data:
-            yield event, "\n".join(data)
+    for block in sse_blocks(text):
+        found = sse_event(block)
+        if found is not None:
+            yield found
+
+
+def sse_blocks(text: str) -> list[str]:
+    """The blocks of a ``text/event-stream`` text, each an event (or none: a comment, a
+    retry), for :func:`sse_event`: a reader after a few events may look for their text
+    in a block before it reads the block."""
+    return text.replace("\r\n", "\n").split("\n\n")
+
+
+def sse_event(block: str) -> tuple[str, str] | None:
+    """The (event, data) pair of one of :func:`sse_blocks`, None when it has no data."""
+    event, data = "message", []
+    for line in block.split("\n"):
+        if line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip(" "))
+    return (event, "\n".join(data)) if data else None
 
 
 def data_lines(body: bytes) -> Iterator[tuple[int, bytes]]:

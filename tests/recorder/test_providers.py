@@ -345,3 +345,50 @@ def test_without_its_provider_the_endpoint_is_plain_http(tmp_path: Path) -> None
     assert providers.for_url("POST", "http://h/toy/v1/generate") is None
     assert providers.volatile_header("X-Stainless-Arch") and providers.volatile_header("Host")
     assert not providers.volatile_header("anthropic-version")
+
+
+def _random_stream(rng: Any) -> str:
+    """An Anthropic event stream with the events a summary reads and others that spell
+    their names: in text, escaped, without an ``event:`` line, under another name."""
+    words = ["ok", "error", "message_delta", '\\"error\\"', "\\u00e9", "message_", "é"]
+    pool = [
+        lambda: ("message_start", {"type": "message_start", "message": {
+            "id": f"msg_{rng.randrange(99)}", "model": MODEL,
+            "usage": {"input_tokens": rng.randrange(1000), "output_tokens": 1}}}),
+        lambda: ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {
+            "type": "text_delta", "text": " ".join(rng.choices(words, k=4))}}),
+        lambda: ("message_delta", {"type": "message_delta", "delta": {
+            "stop_reason": rng.choice(["end_turn", "tool_use", None])},
+            "usage": {"output_tokens": rng.randrange(500)}}),
+        lambda: ("error", {"type": "error", "error": {"type": "overloaded_error",
+                                                      "message": rng.choice(words)}}),
+        lambda: (None, {"type": "message_delta", "usage": {"output_tokens": 7}}),
+        lambda: ("ping", {"type": "ping", "note": rng.choice(words)}),
+        lambda: ("message_delta", {"type": "content_block_stop", "index": 0}),
+    ]
+    blocks = []
+    for _ in range(rng.randrange(1, 12)):
+        event, data = rng.choice(pool)()
+        text = json.dumps(data)
+        if rng.random() < 0.2:  # spelled with an escape
+            text = text.replace('"message_delta"', '"\\u006dessage_delta"')
+        head = f"event: {event}\n" if event else ""
+        blocks.append(head + f"data: {text}")
+    if rng.random() < 0.2:
+        blocks.append(": a comment")
+    out = "\n\n".join(blocks) + "\n\n"
+    return out.replace("\n", "\r\n") if rng.random() < 0.2 else out
+
+
+def test_a_stream_summary_reads_every_event_that_may_hold_its_fields() -> None:
+    """A summary skips a block without the words its events are named by: every block
+    made to hold one (an SSE comment line, which no reader reads) gives the same summary."""
+    import random
+
+    rng = random.Random(7)
+    fmt = MessagesFormat()
+    for _ in range(3_000):
+        text = _random_stream(rng)
+        sep = "\r\n" if "\r\n" in text else "\n"
+        every = (sep * 2).join(b + f"{sep}: message_" for b in text.split(sep * 2))
+        assert fmt.summarize_stream(text) == fmt.summarize_stream(every), text
