@@ -38,6 +38,7 @@ of thousands of floats, against the orjson installed.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -87,6 +88,28 @@ def loads_utf8(data: bytes, text: str) -> Any:
 def loads(data: bytes) -> Any:
     """``json.loads(data)``, faster."""
     return read(data)[0]
+
+
+def parts_reader(whole: str) -> Callable[[str], Any]:
+    """:func:`loads_text` for texts cut out of ``whole`` (a stream's events, joined
+    lines of it), with what it checks of each checked once of ``whole`` where it can be:
+    a part has no lone surrogate nor an integer beyond 64 bits that ``whole`` does not."""
+    try:
+        data = whole.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.loads
+    if not _fits_64_bits(data):
+        return json.loads
+
+    def read(part: str) -> Any:
+        if part.count("[") + part.count("{") <= SHALLOW:
+            try:
+                return orjson.loads(part)
+            except orjson.JSONDecodeError:
+                pass
+        return json.loads(part)
+
+    return read
 
 
 def loads_text(text: str) -> Any:

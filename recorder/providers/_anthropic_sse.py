@@ -22,9 +22,10 @@ def assemble(text: str) -> dict[str, Any]:
     message: dict[str, Any] = {}
     blocks: dict[int, dict[str, Any]] = {}
     partial: dict[int, list[str]] = {}
+    read = _fastjson.parts_reader(text)
     for event, data in sse_events(text):
         try:
-            doc = _fastjson.loads_text(data)
+            doc = read(data)
         except (ValueError, RecursionError):
             continue
         kind = doc.get("type", event) if isinstance(doc, dict) else event

@@ -521,8 +521,13 @@ def sse_blocks(text: str) -> list[str]:
 
 def sse_event(block: str) -> tuple[str, str] | None:
     """The (event, data) pair of one of :func:`sse_blocks`, None when it has no data."""
+    lines = block.split("\n")
+    if len(lines) == 2:  # the usual block, an event line and a data line: read at once
+        first, second = lines
+        if first.startswith("event:") and second.startswith("data:"):
+            return first[6:].strip(), second[5:].lstrip(" ")
     event, data = "message", []
-    for line in block.split("\n"):
+    for line in lines:
         if line.startswith("event:"):
             event = line[6:].strip()
         elif line.startswith("data:"):

@@ -392,3 +392,36 @@ def test_a_stream_summary_reads_every_event_that_may_hold_its_fields() -> None:
         sep = "\r\n" if "\r\n" in text else "\n"
         every = (sep * 2).join(b + f"{sep}: message_" for b in text.split(sep * 2))
         assert fmt.summarize_stream(text) == fmt.summarize_stream(every), text
+
+
+def _framed_reference(text: str) -> list[tuple[str, str]]:
+    """The SSE framing read line by line: a blank line ends an event, ``event:`` names
+    it, each ``data:`` line adds a line of its data."""
+    out, event, data = [], "message", []
+    for line in [*text.replace("\r\n", "\n").split("\n"), ""]:
+        if line == "":
+            if data:
+                out.append((event, "\n".join(data)))
+            event, data = "message", []
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip(" "))
+    return out
+
+
+def test_an_event_streams_framing_is_read_line_by_line() -> None:
+    import random
+
+    from recorder.providers.base import sse_events
+
+    rng = random.Random(11)
+    kinds = ["event: message_delta", "event:ping", "event:  x  ", "data: {\"a\": 1}", "data:{}",
+             "data:  two spaces", "data:", ": a comment", "id: 7", "retry: 10", "data: é"]
+    for _ in range(3_000):
+        blocks = ["\n".join(rng.choices(kinds, k=rng.randrange(0, 4)))
+                  for _ in range(rng.randrange(1, 6))]
+        text = "\n\n".join(blocks) + rng.choice(["", "\n\n"])
+        if rng.random() < 0.3:
+            text = text.replace("\n", "\r\n")
+        assert list(sse_events(text)) == _framed_reference(text), text

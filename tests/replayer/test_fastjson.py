@@ -161,6 +161,26 @@ def test_what_orjson_refuses_or_reads_apart_is_read_as_json_reads_it(text: str) 
     assert _fastjson.read(text.encode())[1] is False  # and is never written back by orjson
 
 
+def test_the_parts_of_a_stream_are_read_as_json_reads_them() -> None:
+    """parts_reader checks a stream once for what loads_text checks of each event."""
+    docs = [json.dumps(doc) for doc in _docs(300, seed=5)]
+    odd = ['{"n": 123456789012345678901234567890}', '{"x": NaN}', '{"s": "\\ud800"}',
+           '{"s": "' + chr(0xD800) + '"}', "[" * 500 + "]" * 500, '{"a": 1} {"b": 2}']
+    for extra in [None, *odd]:
+        parts = docs[:20] + ([extra] if extra else [])
+        read = _fastjson.parts_reader("\n\n".join(parts))
+        for part in parts:
+            try:
+                want: Any = json.loads(part)
+            except (ValueError, RecursionError) as exc:
+                want = type(exc)
+            try:
+                got: Any = read(part)
+            except (ValueError, RecursionError) as exc:
+                got = type(exc)
+            assert _same(got, want), part[:60]
+
+
 def test_an_event_with_a_lone_surrogate_is_read_as_json_reads_it() -> None:
     text = '{"s": "' + chr(0xD800) + '"}'  # the character itself
     assert _same(_fastjson.loads_text(text), json.loads(text))
