@@ -61,12 +61,22 @@ def _fits_64_bits(data: bytes) -> bool:
 
 def read(data: bytes) -> tuple[Any, bool]:
     """``json.loads(data)``, faster; and whether orjson read it."""
+    doc = orjson_read(data)
+    if doc is not UNDECIDED:
+        return doc, True
+    return json.loads(data), False
+
+
+def orjson_read(data: bytes) -> Any:
+    """``data`` read by orjson where that gives what :mod:`json` gives of its UTF-8 text
+    (see the module), else :data:`UNDECIDED`: :mod:`json` must read it (or refuse it:
+    orjson refuses what is not UTF-8, as decoding does)."""
     if _fits_64_bits(data):
         try:
-            return orjson.loads(data), True
+            return orjson.loads(data)
         except orjson.JSONDecodeError:
             pass
-    return json.loads(data), False
+    return UNDECIDED
 
 
 def _shallow(data: bytes) -> bool:

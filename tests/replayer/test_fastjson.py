@@ -181,6 +181,25 @@ def test_the_parts_of_a_stream_are_read_as_json_reads_them() -> None:
             assert _same(got, want), part[:60]
 
 
+def test_a_signed_line_is_read_as_json_reads_its_text() -> None:
+    """A line whose signature holds is read by orjson where it reads as json does; the
+    rest by json, and what is not UTF-8 or not JSON refused as corrupt."""
+    from recorder.cassette import _validate
+    from recorder.errors import CorruptCassette
+
+    lines = [_fastjson.dumps_compact(doc).encode() for doc in _docs(300, seed=17)]
+    lines += [b'{"n": 123456789012345678901234567890, "m": -9223372036854775809}',
+              b'{"x": NaN, "y": -Infinity}', b'{"s": "\\ud800"}', b'{"a": 1, "a": 2}',
+              b'{"e": 1e400, "f": 1e-05}', b' {"pad": true} ']
+    for raw in lines:
+        got = _validate.decode_trusted(raw, Path("c.jsonl"), "line 2", 1)
+        assert _same(got, json.loads(raw.decode("utf-8"))), raw[:80]
+    for bad in (b'{"a": "\xff"}', b"\x00{}",
+                b'\xef\xbb\xbf{"bom": 1}', b'{"a": 1} {"b": 2}'):
+        with pytest.raises(CorruptCassette):
+            _validate.decode_trusted(bad, Path("c.jsonl"), "line 2", 1)
+
+
 def test_an_event_with_a_lone_surrogate_is_read_as_json_reads_it() -> None:
     text = '{"s": "' + chr(0xD800) + '"}'  # the character itself
     assert _same(_fastjson.loads_text(text), json.loads(text))
