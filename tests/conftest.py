@@ -81,12 +81,13 @@ class Served:
 
 @pytest.fixture
 def serve() -> Iterator[Callable[..., Served]]:
-    """Start plain HTTP servers on 127.0.0.1 that answer every POST with the JSON body
-    given (and ``status``): for bodies the stub would not send. All stop when the test
-    ends."""
+    """Start plain HTTP servers on 127.0.0.1 that answer every POST with the body given
+    (JSON unless ``content_type`` says otherwise, and ``status``): for bodies the stub
+    would not send. All stop when the test ends."""
     servers: list[ThreadingHTTPServer] = []
 
-    def start(payload: bytes, status: int = 200) -> Served:
+    def start(payload: bytes, status: int = 200,
+              content_type: str = "application/json") -> Served:
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, format: str, *args: Any) -> None:
                 pass
@@ -94,7 +95,7 @@ def serve() -> Iterator[Callable[..., Served]]:
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers.get("content-length") or 0))
                 self.send_response(status)
-                self.send_header("content-type", "application/json")
+                self.send_header("content-type", content_type)
                 self.send_header("content-length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)
