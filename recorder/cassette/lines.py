@@ -87,8 +87,13 @@ class _Recent(dict[int, Any]):
             self._kept[seq] = value
             return value
         self[seq] = value
-        if len(self) > self._size:
-            del self[next(iter(self))]
+        while len(self) > self._size:
+            # calls replayed from several threads restore lines at once: the oldest may
+            # be dropped by another meanwhile, or the dict grow under the iterator
+            try:
+                del self[next(iter(self))]
+            except (KeyError, RuntimeError, StopIteration):
+                continue
         return value
 
 
@@ -260,30 +265,36 @@ class Store:
         if seq in self._replies:
             return cast(list[Any] | None, self._replies[seq])
         self.require_model(seq)
-        doc = self._docs.get(seq, _NONE)
+        doc, line = self._docs.get(seq, _NONE), None
         if doc is _NONE and seq not in self._lines:  # else restored: its answer is not JSON
-            response = self.parsed(seq).get("response")
+            line = self.parsed(seq)
+            response = line.get("response")
             if isinstance(response, dict) and "body_json" in response:
                 doc = response["body_json"]
         if doc is not _NONE:
             items = providers.replied(doc)
         else:  # a stream, or a body kept as text: read from its response
-            items = self._text_reply(seq)
+            items = self._text_reply(seq, line)
         return cast(list[Any] | None, self._replies.keep(seq, items))
 
-    def _text_reply(self, seq: int) -> list[Any] | None:
-        """:meth:`reply` of model line ``seq``, whose body is kept as text: read from the
-        line's response and its headers restored, without the rest of the line (its
-        request, its usage), which the reply does not depend on."""
+    def _text_reply(self, seq: int, line: dict[str, Any] | None) -> list[Any] | None:
+        """:meth:`reply` of model line ``seq`` (``line``: parsed already), whose body is
+        kept as text: read from the line's response and its headers restored, without the
+        rest of the line (its request, its usage), which the reply does not depend on."""
         found = self._lines.get(seq)
         if found is not None:
             return compact.reply_items(found)
-        line = self.parsed(seq)
+        line = self.parsed(seq) if line is None else line
         response = line.get("response")
         if not isinstance(response, dict):
             return None
         try:
-            headers = self.response_headers(seq, line)
+            if "headers" in response:
+                headers = self.response_headers(seq, line)
+            elif line.get("like") is None and response.get("headers_base") is None:
+                headers = None  # none stored, none to restore: as a whole line reads it
+            else:
+                raise KeyError("headers")
         except _FAULTS as exc:
             raise self.broken(seq, exc) from None
         return compact.reply_items({"kind": line.get("kind"), "provider": self.providers[seq],

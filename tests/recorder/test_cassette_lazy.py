@@ -115,3 +115,36 @@ def test_reading_the_lines_in_order_parses_each_line_once(
     again = load(path, require_signature=True)
     assert restored == [dict(again.observations[seq]) for seq in reversed(range(TURNS))][::-1]
     assert all(line["request"].get("base") == line["seq"] - 1 for line in restored[1:])
+
+
+def test_the_kept_lines_stay_bounded_when_threads_restore_at_once() -> None:
+    """Calls replayed from several threads restore lines at once: dropping the oldest
+    kept value never fails (the same one dropped twice, the dict grown meanwhile), and
+    what is kept stays within its bound."""
+    import sys
+    import threading
+
+    from recorder.cassette.lines import _Recent
+
+    kept = _Recent(size=2)
+    errors: list[BaseException] = []
+
+    def keep(k: int) -> None:
+        try:
+            for i in range(20_000):
+                kept.keep(k * 1_000_000 + i, i)
+        except (KeyError, RuntimeError) as exc:  # a replayed call: a corrupt cassette
+            errors.append(exc)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        threads = [threading.Thread(target=keep, args=(k,)) for k in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert len(kept) <= 2
