@@ -24,7 +24,8 @@ replay would fail to connect.
 
 Per-call time = (time of N calls) / N, with a fresh client made inside the replay (its
 construction timed apart). Load time (reading and verifying the cassette, installing
-patches: the ``__enter__`` of the replay context) is measured separately. deja,
+patches: the ``__enter__`` of the replay context) and finish time (its ``__exit__``: deja's
+result, with what went unused and the recorded run's totals) are measured separately. deja,
 agent-rewind and the floor: median of ``repeats`` replays per size, rounds rotated, after one
 untimed warm-up each. vcrpy: median of ``vcr_repeats`` at the small size; at the large size
 its matcher scans the interactions linearly for every call (O(N) per call), so by default it
@@ -61,9 +62,10 @@ def _timed(enter: Callable[[], Any], leave: Callable[[], None], make_client: Cal
         t2 = time.perf_counter()
     finally:
         leave()
+    t3 = time.perf_counter()
     del ctx
     return {"load_s": t1 - t0, "client_s": t1c - t1, "calls_s": t2 - t1c,
-            "per_call_s": (t2 - t1c) / done}
+            "per_call_s": (t2 - t1c) / done, "finish_s": t3 - t2}
 
 
 def _deja(path: Path, url: str, n: int, stream: bool) -> dict[str, float]:
@@ -111,6 +113,7 @@ def _summary(samples: list[dict[str, float]]) -> dict[str, Any]:
     return {
         "per_call_ms": w.ms(w.median([s["per_call_s"] for s in samples])),
         "load_ms": w.ms(w.median([s["load_s"] for s in samples])),
+        "finish_ms": w.ms(w.median([s["finish_s"] for s in samples])),
         "total_ms": w.ms(w.median([s["calls_s"] for s in samples])),
         "client_ms": w.ms(w.median([s["client_s"] for s in samples])),
         "samples_per_call_ms": [round(w.ms(s["per_call_s"]), 4) for s in samples],

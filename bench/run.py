@@ -74,6 +74,12 @@ def _fmt_ms(x: float) -> str:
     return f"{x:.3f} ms" if x < 10 else f"{x:.1f} ms"
 
 
+def _finish(summary: dict[str, Any]) -> str:
+    """``, finish X ms`` of a replay's summary (none in a result saved before it was
+    measured)."""
+    return f", finish {_fmt_ms(summary['finish_ms'])}" if "finish_ms" in summary else ""
+
+
 def _kb(n: int) -> str:
     return f"{n / 1024:,.1f} KiB" if n < 1024 * 1024 else f"{n / 1024 / 1024:,.2f} MiB"
 
@@ -98,7 +104,8 @@ def rows_replay(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
                 rw = m["rewind"]
                 detail.append(f"{ratio['rewind'][n]:.2f}x agent-rewind")
                 anchors.insert(0, f"agent-rewind {_fmt_ms(rw[n]['per_call_ms'])} "
-                                  f"(load {_fmt_ms(rw[n]['load_ms'])})")
+                                  f"(load {_fmt_ms(rw[n]['load_ms'])}"
+                                  f"{_finish(rw[n])})")
             else:
                 anchors.insert(0, "agent-rewind: not installed")
             sampled = (f", {m['vcr_large_calls_replayed']} calls sampled"
@@ -111,7 +118,8 @@ def rows_replay(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
                 target.append(">= 30x faster than vcrpy")
             ok = all(checks)
             rows.append((f"Replay per call, {label}, @{n} calls",
-                         f"{_fmt_ms(d[n]['per_call_ms'])} (load {_fmt_ms(d[n]['load_ms'])})",
+                         f"{_fmt_ms(d[n]['per_call_ms'])} (load {_fmt_ms(d[n]['load_ms'])}"
+                         f"{_finish(d[n])})",
                          "; ".join(anchors), ", ".join(target), _verdict(ok, ", ".join(detail))))
             if not ok:
                 fails.append(f"replay {label} @{n}: deja {_fmt_ms(d[n]['per_call_ms'])} per call"
@@ -145,7 +153,9 @@ def rows_replay(r: dict[str, Any]) -> tuple[list[Row], list[str], list[str]]:
         "messages.create(stream=True) with every event iterated and the reply assembled. "
         "Per call = (time of N calls)/N with a fresh client made inside the replay "
         f"(construction, {_fmt_ms(j['deja'][s]['client_ms'])}, timed apart); load (read, "
-        "verify, install patches) excluded and shown. deja, agent-rewind and floor: median of "
+        "verify, install patches) and finish (leaving the replay: deja's result, with what "
+        "went unused and the recorded run's totals) excluded and shown. deja, agent-rewind "
+        "and floor: median of "
         f"{j['deja'][s]['repeats']} replays per size, rounds rotated; {vcr_small}; {vcr_big}; "
         "JSON and SSE alike. Ratios use per-call medians.",
         "replay anchors: agent-rewind "
