@@ -62,8 +62,9 @@ def view(obs: Mapping[str, Any]) -> dict[str, Any]:
             response = obs["response"]
             return providers.for_line(obs).message(
                 response["headers"], decode_body(response["body"], response.get("encoding")))
-        except ValueError:
-            raise EditError(f"step {obs['seq']}: the model response is not JSON") from None
+        except ValueError as exc:
+            raise EditError(f"step {obs['seq']}: the model response cannot be read as a "
+                            f"message ({exc})") from None
     if kind == Kind.HTTP:
         text = _body_text(obs)
         try:

@@ -262,8 +262,9 @@ class Store:
     def reply(self, seq: int) -> list[Any] | None:
         """The items the response of model line ``seq`` gives its conversation (None:
         none it can be read for)."""
-        if seq in self._replies:
-            return cast(list[Any] | None, self._replies[seq])
+        found = self._replies.get(seq, _NONE)  # one read: another thread may drop it
+        if found is not _NONE:
+            return cast(list[Any] | None, found)
         self.require_model(seq)
         doc, line = self._docs.get(seq, _NONE), None
         if doc is _NONE and seq not in self._lines:  # else restored: its answer is not JSON

@@ -436,14 +436,15 @@ class Provider:
     def assemble(self, body: bytes | str) -> dict[str, Any]:
         """The message a recorded stream delivers (``body`` as received; text is taken
         as its UTF-8 bytes). Raises ``ValueError`` when its events are not what the
-        format sends (a block index that is a list, a delta that is a number ...): an
-        upstream or a cassette may hold anything."""
+        format sends (a block index that is a list, a delta that is a number, a tool
+        input nested deeper than Python reads ...): an upstream or a cassette may hold
+        anything."""
         raw = body.encode("utf-8") if isinstance(body, str) else body
         try:
             return self.format.assemble(self.carriage.text(raw))
-        except (TypeError, KeyError, AttributeError, IndexError) as exc:
+        except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as exc:
             raise ValueError(f"the stream's events are not the ones its format sends "
-                             f"({type(exc).__name__}: {exc})") from None
+                             f"({type(exc).__name__}: {exc})") from exc
 
     def synthesize(self, message: dict[str, Any]) -> bytes:
         """The body of a complete, valid stream that delivers ``message``."""

@@ -3,8 +3,10 @@
 An upstream (or a cassette) may send any events. The recorder reads a streamed reply's
 message to store the next request, which resends it, as a reference; a reply it cannot
 assemble (a block index that is a list, a delta that is a number, a block without an
-index) is no reference, and the next request is stored whole. Recording does not fail,
-no line is lost, and the cassette verifies, replays and reads like any other.
+index, a tool input nested deeper than Python reads) is no reference, and the next
+request is stored whole. Recording does not fail, no line is lost, and the cassette
+verifies and replays like any other; a reader of the message (the viewer, an edit) says
+it cannot read it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from conftest import MODEL
 
 import recorder
 import replayer
+from recorder import providers
 from recorder.cassette import load
 from recorder.cassette.rows import run_totals
+from replayer import edit
+from viewer import content
 
 START = ("message_start", {"type": "message_start", "message": {
     "id": "msg_1", "type": "message", "role": "assistant", "model": MODEL, "content": [],
@@ -45,6 +50,12 @@ BROKEN = {
                                  "delta": {"type": "text_delta", "text": 7}})],
     "a block without an index": [("content_block_start", {
         "type": "content_block_start", "content_block": {"type": "text", "text": ""}})],
+    "a tool input nested deeper than Python reads": [
+        ("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {
+            "type": "tool_use", "id": "toolu_1", "name": "find", "input": {}}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {
+            "type": "input_json_delta", "partial_json": "[" * 100_000 + "]" * 100_000}}),
+        ("content_block_stop", {"type": "content_block_stop", "index": 0})],
 }
 
 
@@ -82,3 +93,9 @@ def test_a_reply_its_format_cannot_assemble_is_recorded_and_replayed(
     with replayer.replay(path) as replay:
         assert _agent(upstream.url) == [body, body]
     assert replay.result is not None and replay.result.identical
+    # every reader of the message says it cannot read it, none fails
+    with pytest.raises(ValueError, match="not the ones its format sends"):
+        providers.for_line(lines[0]).message(lines[0]["response"]["headers"], body)
+    assert set(content.response_message(lines[0]) or {}) == {"error"}
+    with pytest.raises(edit.EditError, match="cannot be read as a message"):
+        edit.view(lines[0])
