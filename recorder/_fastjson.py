@@ -103,10 +103,11 @@ def loads(data: bytes) -> Any:
 def parts_reader(whole: str) -> Callable[[str], Any]:
     """:func:`loads_text` for texts cut out of ``whole`` (a stream's events, joined
     lines of it), with what it checks of each checked once of ``whole`` where it can be:
-    a part has no lone surrogate nor an integer beyond 64 bits that ``whole`` does not."""
+    a part has no lone surrogate nor an integer beyond 64 bits that ``whole`` does not.
+    A part :mod:`json` may find too deep is read by :mod:`json`, as in :func:`loads_utf8`."""
     try:
         data = whole.encode("utf-8")
-    except UnicodeEncodeError:
+    except UnicodeEncodeError:  # a lone surrogate, which json reads and orjson does not
         return json.loads
     if not _fits_64_bits(data):
         return json.loads
@@ -126,11 +127,7 @@ def loads_text(text: str) -> Any:
     """``json.loads(text)``, faster (a stream's events are read one by one, most of them
     small); a text :mod:`json` may find too deep is read by :mod:`json`, as in
     :func:`loads_utf8`."""
-    try:
-        data = text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate, which json reads and orjson does not
-        return json.loads(text)
-    return loads_utf8(data, text)
+    return parts_reader(text)(text)
 
 
 def exact_for(data: bytes, start: int = 0, end: int | None = None) -> bool:

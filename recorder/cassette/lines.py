@@ -147,16 +147,27 @@ class Store:
         """Line ``seq``, restored (the last few are kept: the same object again). A
         restored line is read-only: it shares its request's items with the requests
         rebuilt from it, and its response headers with the next line's."""
+        return self._restored(seq, whole=True)
+
+    def counted(self, seq: int) -> Observation:
+        """Line ``seq`` as a run's totals count it (:func:`~recorder.cassette.schema.add_step`):
+        restored as :meth:`line` restores it, but for a model line's request and what is
+        read from it (its model, whether it streams), which nothing counted depends on. A
+        line restored whole already is that line."""
+        return self._restored(seq, whole=False)
+
+    def _restored(self, seq: int, *, whole: bool) -> Observation:
+        """:meth:`line` (``whole``, and kept) or :meth:`counted`."""
         found = self._lines.get(seq)
         if found is not None:
             return cast(Observation, found)
         line, fast = self._parse(seq)
         if line.get("kind") == Kind.MODEL:
+            response = line.get("response")
+            doc = response.get("body_json", _NONE) if isinstance(response, dict) else _NONE
             try:
-                response = line.get("response")
-                doc = response.get("body_json", _NONE) if isinstance(response, dict) else _NONE
-                compact.expand(line, _Earlier(self), self.request(seq, line.get("request")),
-                               fp=self.heads[seq].fp, fast=fast)
+                request = self.request(seq, line.get("request")) if whole else None
+                compact.expand(line, _Earlier(self), request, fp=self.heads[seq].fp, fast=fast)
             except _FAULTS as exc:
                 raise self.broken(seq, exc) from None
             # what the next line reads of this one, kept so it is not parsed again: its
@@ -165,27 +176,7 @@ class Store:
                 self._headers.keep(seq, response["headers"])
             if doc is not _NONE:
                 self._docs.keep(seq, doc)
-        return cast(Observation, self._lines.keep(seq, line))
-
-    def counted(self, seq: int) -> Observation:
-        """Line ``seq`` as a run's totals count it (:func:`~recorder.cassette.schema.add_step`):
-        restored as :meth:`line` restores it, but for a model line's request and what is
-        read from it (its model, whether it streams), which nothing counted depends on. A
-        line restored whole already is that line."""
-        found = self._lines.get(seq)
-        if found is not None:
-            return cast(Observation, found)
-        line, fast = self._parse(seq)
-        if line.get("kind") != Kind.MODEL:
-            return cast(Observation, line)
-        try:
-            compact.expand(line, _Earlier(self), None, fp=self.heads[seq].fp, fast=fast)
-        except _FAULTS as exc:
-            raise self.broken(seq, exc) from None
-        response = line.get("response")  # the next line's base, as :meth:`line` keeps it
-        if isinstance(response, dict) and isinstance(response.get("headers"), list):
-            self._headers.keep(seq, response["headers"])
-        return cast(Observation, line)
+        return cast(Observation, self._lines.keep(seq, line) if whole else line)
 
     def served(self, seq: int) -> Observation:
         """Line ``seq`` as a replay serves it: a model line's response restored (its body

@@ -56,11 +56,12 @@ def assemble_chat(text: str) -> dict[str, Any]:
     completion: dict[str, Any] = {}
     choices: dict[int, dict[str, Any]] = {}
     calls: dict[int, dict[int, dict[str, Any]]] = {}
+    read = _fastjson.parts_reader(text)
     for _, data in sse_events(text):
         if data.startswith("[DONE]"):
             break
         try:
-            doc = _fastjson.loads_text(data)
+            doc = read(data)
         except (ValueError, RecursionError):
             continue
         if not isinstance(doc, dict):
@@ -167,9 +168,10 @@ def assemble_responses(text: str) -> dict[str, Any]:
     response: dict[str, Any] = {}
     items: dict[int, dict[str, Any]] = {}
     error: Any = None
+    read = _fastjson.parts_reader(text)
     for event, data in sse_events(text):
         try:
-            doc = _fastjson.loads_text(data)
+            doc = read(data)
         except (ValueError, RecursionError):
             continue
         if not isinstance(doc, dict):
