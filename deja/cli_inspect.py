@@ -109,7 +109,8 @@ def show(cassette: Path, as_json: bool, allow_unverified: bool) -> None:
 
     c = _load(cassette, allow_torn=True, allow_unverified=allow_unverified, as_json=as_json)
     _warn_unverified(c)
-    summary, rows = run_summary(c), step_rows(c)
+    rows = step_rows(c)
+    summary = run_summary(c, rows=rows)
     if summary["status"] in ("incomplete", "torn"):  # who writes it, or who gave up on it
         from viewer.queries import writer_state
 

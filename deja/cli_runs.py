@@ -41,10 +41,10 @@ def _status_from_cassette(c: Any) -> dict[str, Any]:
     """What a cassette says about its run when there is no status record (another
     machine's run, or another DEJA_HOME): its end line, or who is still writing it."""
     from recorder.cassette import lock
-    from recorder.cassette.rows import run_summary
+    from recorder.cassette.rows import run_totals
     from recorder.cassette.schema import run_status
 
-    summary = run_summary(c)
+    summary = run_totals(c)["all"]
     holder = lock.holder_of(c.path)
     status = run_status(c.end, None if c.end else ("running" if holder else "crashed"))
     record = {"run_id": c.run, "status": status, "source": "cassette",

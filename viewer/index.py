@@ -423,17 +423,12 @@ def read_rows(path: Path, keyring: Keyring, allow_unverified: bool) -> Rows:
     except (DejaError, OSError) as exc:
         return {"run": None, "path": str(path), "status": "error",
                 "error": f"{type(exc).__name__}: {exc}"}, []
-    summary = run_summary(cassette)
-    run_row = {c: summary.get(c) for c in _RUN_COLUMNS}
-    run_row.update(path=str(path), models=",".join(summary["models"]),
-                   labels=json.dumps(summary["labels"]), error=None)
-    if cassette.torn_offset is not None:
-        run_row["error"] = f"torn last line at byte {cassette.torn_offset}"
+    run = cassette.header.get("run")
     steps = []
-    for obs in cassette.observations:
+    for obs in cassette.observations:  # each line restored whole once, here
         row = step_row(obs)
         t, within = obs.get("t"), obs.get("within")
-        row.update(run=summary["run"], path=str(path),
+        row.update(run=run, path=str(path),
                    payload=json.dumps(obs, ensure_ascii=False), text=searchable_text(obs),
                    t=float(t) if isinstance(t, (int, float)) and not isinstance(t, bool)
                    else None,
@@ -441,6 +436,12 @@ def read_rows(path: Path, keyring: Keyring, allow_unverified: bool) -> Rows:
                    within=within if isinstance(within, str) or within is None
                    else json.dumps(within, ensure_ascii=False))
         steps.append(row)
+    summary = run_summary(cassette, rows=steps)
+    run_row = {c: summary.get(c) for c in _RUN_COLUMNS}
+    run_row.update(path=str(path), models=",".join(summary["models"]),
+                   labels=json.dumps(summary["labels"]), error=None)
+    if cassette.torn_offset is not None:
+        run_row["error"] = f"torn last line at byte {cassette.torn_offset}"
     return run_row, steps
 
 

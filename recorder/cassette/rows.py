@@ -22,7 +22,7 @@ dollars everywhere:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -208,15 +208,23 @@ def run_status(cassette: Cassette) -> str:
     return "torn" if cassette.torn_offset is not None else "incomplete"
 
 
-def run_summary(cassette: Cassette) -> dict[str, Any]:
+def run_summary(cassette: Cassette, rows: Iterable[Mapping[str, Any]] | None = None
+                ) -> dict[str, Any]:
     """Run-level facts. The counts are :func:`~recorder.cassette.schema.totals_of` the steps
     (the end line of a run gives only its status and duration); a fork or resumed run
-    adds ``replayed`` and ``live`` totals split at ``live_from``."""
+    adds ``replayed`` and ``live`` totals split at ``live_from``.
+
+    Its ``models`` are named by its model lines' requests, which only a line restored
+    whole gives: a caller that made the :func:`step_row` of every step already passes
+    those ``rows``, and no line is restored whole a second time.
+    """
     header, end = cassette.header, cassette.end
     totals = run_totals(cassette)
     recorded = end.get("totals") if end is not None else None  # only its duration is read
     parent: Mapping[str, Any] = header.get("parent") or {}
-    models = sorted({step_name(o) for o in cassette.observations if o["kind"] == Kind.MODEL})
+    named = ((row["name"] for row in rows if row["kind"] == Kind.MODEL) if rows is not None
+             else (step_name(o) for o in cassette.observations if o["kind"] == Kind.MODEL))
+    models = sorted(set(named))
     return {
         "run": header.get("run"), "path": str(cassette.path), "created": header.get("created"),
         "status": run_status(cassette),

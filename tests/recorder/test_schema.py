@@ -22,8 +22,15 @@ import recorder
 import replayer
 from recorder import errors
 from recorder.cassette import KINDS, RESUMABLE_ENDS, load
+from recorder.cassette.lines import Store
 from recorder.cassette.reader import PEEK_CHUNK, peek_end, peek_header
-from recorder.cassette.rows import live_from, run_summary, run_totals, step_error
+from recorder.cassette.rows import (
+    live_from,
+    run_summary,
+    run_totals,
+    step_error,
+    step_rows,
+)
 from recorder.cassette.schema import (
     BOOKKEEPING,
     STOPS,
@@ -218,6 +225,30 @@ def test_totals_count_each_line_as_restored_whole(retried: Path, tmp_path: Path)
                                   if start else None)
     assert totals_of(load(streamed).observations)["input_tokens"] == 320
     assert live_from(load(forked)) > 0
+
+
+def test_a_summary_given_the_step_rows_restores_no_line_whole_again(
+        retried: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`deja show` and the viewer's index make every step's row, each line restored whole;
+    the run's summary then takes its models from those rows. It is the summary made
+    without them, and it restores no line whole a second time."""
+    streamed = tmp_path / "streamed.jsonl"
+    with StubServer(RETRIED) as server:
+        with recorder.record(streamed):
+            agent(server.url, stream=True)
+    _collect_clients()
+    whole: list[int] = []
+    restore = Store.line
+    monkeypatch.setattr(Store, "line", lambda self, seq: whole.append(seq) or restore(self, seq))
+    for path in (streamed, retried):
+        cassette = load(path)
+        whole.clear()
+        rows = step_rows(cassette)
+        assert whole == list(range(len(cassette.observations)))
+        summary = run_summary(cassette, rows=rows)
+        assert whole == list(range(len(cassette.observations))), path.stem  # none again
+        assert summary == run_summary(load(path)), path.stem
+        assert summary["models"] == [MODEL]
 
 
 def test_an_error_is_an_exception_or_an_error_the_response_reports(retried: Path) -> None:
