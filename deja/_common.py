@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -118,12 +119,30 @@ def _print_table(rows: list[dict[str, Any]], columns: list[str], title: str | No
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title, show_lines=False, header_style="bold")
+    table = Table(title=shown(title) if title is not None else None, show_lines=False,
+                  header_style="bold")
     for col in columns:
         table.add_column(col, overflow="fold")
     for row in rows:
-        table.add_row(*("" if row.get(c) is None else _fmt(row.get(c)) for c in columns))
+        table.add_row(*(shown("" if row.get(c) is None else _fmt(row.get(c))) for c in columns))
     Console(width=table_width()).print(table)
+
+
+# What a terminal acts on instead of showing: the C0 and C1 controls but tab and newline
+# (ESC begins an escape sequence: colours, a title, a hyperlink), DEL, and the
+# bidirectional overrides and isolates, which reorder the text after them.
+_UNSHOWN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def shown(value: str) -> Any:
+    """``value`` as a table shows it (a :class:`rich.text.Text`): as it is, never read as
+    rich's markup or emoji codes (a cassette's names, labels and errors are data, and
+    ``[/]`` in one would stop the table with a traceback), each character a terminal would
+    act on written as its escape (``\\x1b``)."""
+    from rich.text import Text
+
+    return Text(_UNSHOWN.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"),
+                             value))
 
 
 def table_width() -> int:

@@ -21,6 +21,7 @@ from deja._common import (
     _load,
     _print_table,
     _warn_unverified,
+    shown,
     table_width,
 )
 
@@ -204,11 +205,11 @@ def ls_(directory: Path, as_json: bool, allow_unverified: bool) -> None:
     keep = {c: w for c, w in widest.items() if w <= 12 or c == "run"}
     if sum(keep.values()) + 8 * (len(columns) - len(keep)) + 3 * len(columns) > width:
         keep = {"run": widest["run"]}  # too narrow for all: only the run id keeps its width
-    table = Table(title=f"runs in {directory}", header_style="bold", box=box.SIMPLE_HEAD)
+    table = Table(title=shown(f"runs in {directory}"), header_style="bold", box=box.SIMPLE_HEAD)
     for col in columns:
         table.add_column(col, no_wrap=col == "run", overflow="fold", min_width=keep.get(col))
     for row in cells:
-        table.add_row(*(row[c] for c in columns))
+        table.add_row(*(shown(row[c]) for c in columns))
     Console(width=width).print(table)
 
 
