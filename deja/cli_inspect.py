@@ -110,8 +110,8 @@ def show(cassette: Path, as_json: bool, allow_unverified: bool) -> None:
 
     c = _load(cassette, allow_torn=True, allow_unverified=allow_unverified, as_json=as_json)
     _warn_unverified(c)
-    rows = step_rows(c)
-    summary = run_summary(c, rows=rows)
+    rows, totals = step_rows(c), run_totals(c)
+    summary = run_summary(c, rows=rows, totals=totals)
     if summary["status"] in ("incomplete", "torn"):  # who writes it, or who gave up on it
         from viewer.queries import writer_state
 
@@ -130,7 +130,7 @@ def show(cassette: Path, as_json: bool, allow_unverified: bool) -> None:
         click.echo(f"  fork {child['run']} at step {child['step']}: {child['path']}")
     click.echo(f"  {summary['steps']} steps: {describe_totals(summary)}; "
                f"{summary['verify_note']}")
-    for line in describe_split(run_totals(c)):
+    for line in describe_split(totals):
         click.echo(f"    {line}")
     for row in rows:
         row["tokens"] = (f"{row['input_tokens']}/{row['output_tokens']}"

@@ -44,13 +44,13 @@ def _status_from_cassette(c: Any) -> dict[str, Any]:
     from recorder.cassette.rows import run_totals
     from recorder.cassette.schema import run_status
 
-    summary = run_totals(c)["all"]
+    counted = run_totals(c)["all"]
     holder = lock.holder_of(c.path)
     status = run_status(c.end, None if c.end else ("running" if holder else "crashed"))
     record = {"run_id": c.run, "status": status, "source": "cassette",
-              "artefacts": [str(c.path)], "steps": summary.get("steps"),
-              "tokens": (summary.get("input_tokens") or 0) + (summary.get("output_tokens") or 0),
-              "spend_usd": summary.get("cost_usd"), "verified": c.verified}
+              "artefacts": [str(c.path)], "steps": counted.get("steps"),
+              "tokens": (counted.get("input_tokens") or 0) + (counted.get("output_tokens") or 0),
+              "spend_usd": counted.get("cost_usd"), "verified": c.verified}
     if not c.verified:
         record["verify_note"] = c.verify_note
     if c.end:

@@ -208,18 +208,19 @@ def run_status(cassette: Cassette) -> str:
     return "torn" if cassette.torn_offset is not None else "incomplete"
 
 
-def run_summary(cassette: Cassette, rows: Iterable[Mapping[str, Any]] | None = None
-                ) -> dict[str, Any]:
+def run_summary(cassette: Cassette, rows: Iterable[Mapping[str, Any]] | None = None,
+                totals: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run-level facts. The counts are :func:`~recorder.cassette.schema.totals_of` the steps
     (the end line of a run gives only its status and duration); a fork or resumed run
     adds ``replayed`` and ``live`` totals split at ``live_from``.
 
     Its ``models`` are named by its model lines' requests, which only a line restored
     whole gives: a caller that made the :func:`step_row` of every step already passes
-    those ``rows``, and no line is restored whole a second time.
+    those ``rows``, and no line is restored whole a second time; one that has the run's
+    :func:`run_totals` already passes them as ``totals``.
     """
     header, end = cassette.header, cassette.end
-    totals = run_totals(cassette)
+    totals = run_totals(cassette) if totals is None else totals
     recorded = end.get("totals") if end is not None else None  # only its duration is read
     parent: Mapping[str, Any] = header.get("parent") or {}
     named = ((row["name"] for row in rows if row["kind"] == Kind.MODEL) if rows is not None
