@@ -300,9 +300,15 @@ def _start_replay(spec: LaunchSpec) -> _ExitWatch:
     watch = _ExitWatch("replay")
 
     def finish() -> None:
-        from recorder.errors import Divergence
+        from recorder.errors import DejaError, Divergence
 
-        result = session.finish().to_dict()
+        try:
+            result = session.finish().to_dict()
+        except DejaError as exc:  # a line found malformed only now, when it is restored
+            if report:
+                Path(report).write_text(json.dumps({"failed": f"{type(exc).__name__}: {exc}"}))
+                return
+            raise
         error = watch.error
         if error is not None and not isinstance(error, Divergence):  # the program's own
             result["program_error"] = f"{type(error).__name__}: {error}"[:500]

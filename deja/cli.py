@@ -68,7 +68,17 @@ COMMANDS = {name: module for module, names in {
 
 class _Commands(click.Group):
     """deja's command group: the commands of :data:`COMMANDS` are found in their modules
-    by name when asked for."""
+    by name when asked for, and a deja error no command turned into its own message
+    (a line found malformed only when a command reads it, after the load) is said as
+    one, with exit status 2, never as a traceback."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        from recorder.errors import DejaError
+
+        try:
+            return super().invoke(ctx)
+        except DejaError as exc:
+            _fail(exc)
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*self.commands, *COMMANDS})

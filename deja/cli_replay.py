@@ -297,6 +297,8 @@ def _in_process(cassette: Path, verified: bool, argv: list[str], cwd: Path | Non
             raise BadInput(f"the program exited with status {ended.status} before the replay "
                            "could report (see the message above)")
         result = json.loads(report.read_text())
+    if "failed" in result:
+        raise BadInput(result["failed"])
     return Outcome(str(cassette), result=result, code=ended.status,
                    status=0 if result["identical"] else EXIT_DIVERGED)
 

@@ -251,8 +251,8 @@ class ReplaySession(session.Session, Source, mcp.McpSeam, mcp.McpSource):
         unused = tuple(self.index.unused())
         if self.divergence is None and unused:
             self.divergence = self.referee.missing(unused)
-            self.tally.diverged(Change.MISSING_CALL, sum(
-                1 for seq in unused if self.cassette.observations[seq].get("kind") in FAMILY))
+            self.tally.diverged(Change.MISSING_CALL, sum(  # by heads: no line restored
+                1 for seq in unused if heads(self.cassette.observations)[seq].kind in FAMILY))
         grades, kinds, equivalent = self.tally.summary()
         end: Mapping[str, Any] = self.cassette.end or {}
         serving = (self._last or self._first or 0.0) - (self._first or 0.0)

@@ -31,7 +31,7 @@ from typing import Any
 
 import duckdb
 
-from recorder.cassette import load
+from recorder.cassette import Cassette, load
 from recorder.cassette.keys import Keyring, deja_home, load_keyring
 from recorder.cassette.rows import run_summary, step_row
 from recorder.cassette.trust import allow_unverified_from_env
@@ -416,19 +416,33 @@ class _Batch:
 
 def read_rows(path: Path, keyring: Keyring, allow_unverified: bool) -> Rows:
     """The run row and step rows of the cassette at ``path``; a file that cannot be read
-    is a run row with ``status = 'error'`` and the reason, and no steps."""
+    (at its load, or at a line found malformed when it is restored) is a run row with
+    ``status = 'error'`` and the reason, and no steps."""
     try:
         cassette = load(path, keyring=keyring, allow_torn=True,
                         allow_unverified=allow_unverified)
+        steps = _index_rows(cassette, str(path))
+        summary = run_summary(cassette, rows=steps)
     except (DejaError, OSError) as exc:
         return {"run": None, "path": str(path), "status": "error",
                 "error": f"{type(exc).__name__}: {exc}"}, []
+    run_row = {c: summary.get(c) for c in _RUN_COLUMNS}
+    run_row.update(path=str(path), models=",".join(summary["models"]),
+                   labels=json.dumps(summary["labels"]), error=None)
+    if cassette.torn_offset is not None:
+        run_row["error"] = f"torn last line at byte {cassette.torn_offset}"
+    return run_row, steps
+
+
+def _index_rows(cassette: Cassette, path: str) -> list[dict[str, Any]]:
+    """The step rows of the index: :func:`step_row` with what the viewer searches and
+    shows of each line, which is restored whole once, here."""
     run = cassette.header.get("run")
     steps = []
-    for obs in cassette.observations:  # each line restored whole once, here
+    for obs in cassette.observations:
         row = step_row(obs)
         t, within = obs.get("t"), obs.get("within")
-        row.update(run=run, path=str(path),
+        row.update(run=run, path=path,
                    payload=json.dumps(obs, ensure_ascii=False), text=searchable_text(obs),
                    t=float(t) if isinstance(t, (int, float)) and not isinstance(t, bool)
                    else None,
@@ -436,13 +450,7 @@ def read_rows(path: Path, keyring: Keyring, allow_unverified: bool) -> Rows:
                    within=within if isinstance(within, str) or within is None
                    else json.dumps(within, ensure_ascii=False))
         steps.append(row)
-    summary = run_summary(cassette, rows=steps)
-    run_row = {c: summary.get(c) for c in _RUN_COLUMNS}
-    run_row.update(path=str(path), models=",".join(summary["models"]),
-                   labels=json.dumps(summary["labels"]), error=None)
-    if cassette.torn_offset is not None:
-        run_row["error"] = f"torn last line at byte {cassette.torn_offset}"
-    return run_row, steps
+    return steps
 
 
 def _read_in_workers(paths: list[Path], keyring: Keyring, allow_unverified: bool,

@@ -163,11 +163,14 @@ _INT64 = range(-2**63, 2**63)  # what the index's integer columns hold
 
 
 def _is(value: Any, types: tuple[type, ...]) -> bool:
-    if isinstance(value, bool):  # True is an int to Python, not to us
-        return bool in types
-    if isinstance(value, int) and value not in _INT64:
+    """``value`` is one of ``types`` (``True`` is no int here; a writer's ``str`` enum is
+    a string) and an integer fits the index's columns."""
+    kind = type(value)
+    if kind in types:  # what JSON parses to, at once
+        return kind is not int or -2**63 <= value < 2**63
+    if kind is bool:
         return False
-    return isinstance(value, types)
+    return isinstance(value, types) and (not isinstance(value, int) or value in _INT64)
 
 
 def _counts(values: Any) -> bool:
@@ -244,11 +247,30 @@ def _check_headers(response: dict[str, Any], line: dict[str, Any], what: str, pa
                               path=path, seq=seq)
 
 
+_DELTA: tuple[_Fields, _Fields] = ({"base": (int,), "keep": (int,)}, {
+    "reply": (int,), "set": (dict,), "unset": (list,), "shape": (list, int)})
+
+
+def _check_delta(request: dict[str, Any], what: str, path: Path, seq: int) -> None:
+    """A request stored as a delta (:mod:`recorder.cassette._delta`) names earlier lines
+    (its base, the reply it resends) and how much of its base it keeps."""
+    _check_fields(request, *_DELTA, f"{what} request", path, seq)
+    for name in ("base", "reply"):
+        if not 0 <= request.get(name, 0) < seq:
+            raise CorruptCassette(f"{path}: {what}: its request's '{name}' names seq "
+                                  f"{request[name]}, not a line before it", path=path, seq=seq)
+    if request["keep"] < 0:
+        raise CorruptCassette(f"{path}: {what}: its request keeps {request['keep']} items of "
+                              "its base", path=path, seq=seq)
+
+
 def check_line(line: dict[str, Any], path: Path, seq: int) -> None:
     """The fields of observation ``seq`` that readers use have the types deja writes."""
     kind: str = line["kind"]  # one of KINDS: the reader checked it
     what = f"seq {seq} ({kind})"
     _check_fields(line, _REQUIRED[kind], _OPTIONAL_OF[kind], what, path, seq)
+    if kind == Kind.MODEL and "body" not in line["request"]:
+        _check_delta(line["request"], what, path, seq)
     response = line.get("response")
     if isinstance(response, dict):
         required: _Fields = {"status": (int,)}

@@ -271,9 +271,9 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
     False and a ``verify_note`` that starts with ``NOT VERIFIED``. ``require_signature``
     refuses it even then. An edited or removed ``key_id`` is a :class:`SignatureError`;
     see :mod:`recorder.cassette.trust`. The structure (strict JSON, dense seq, kinds, one end
-    line at the end) is always checked, and so are the field types of every line that is
-    not verified (the writer checks them before it signs a line). A torn last line is
-    refused unless ``allow_torn``; a missing end line unless ``allow_incomplete``.
+    line at the end) is always checked, and so are the field types of every line, verified
+    or not (:func:`_checked`). A torn last line is refused unless ``allow_torn``; a
+    missing end line unless ``allow_incomplete``.
 
     The lines go through the steps below one at a time (each line is parsed, verified and
     checked before the next is read: :func:`_body`), so the first fault in the file is the
@@ -456,7 +456,7 @@ def _take(lines: _File, index: int, key: bytes | None, v1: bool, body: Reading,
         _verified(line, sig, key, body, index, path)
     else:
         line = _parsed_v2(raw, key, body, index, path)
-    _checked(line, body, number, seq, path, fields=key is None)
+    _checked(line, body, number, seq, path)
     body.note(line, lines.starts[index])
     body.count += 1
 
@@ -538,12 +538,13 @@ def _tampered(path: Path, number: int, seq: int) -> SignatureError:
         path=path, seq=seq)
 
 
-def _checked(line: Any, body: Reading, number: int, seq: int, path: Path, *,
-             fields: bool = True) -> None:
+def _checked(line: Any, body: Reading, number: int, seq: int, path: Path) -> None:
     """Step 3: the line in its place (dense seq, a known kind, nothing after the end
-    line) with the field types deja writes. The types are checked (``fields``) on a line
-    that is not verified: a verified one is a line deja's writer checked before it
-    signed it (:meth:`recorder.cassette.writer.CassetteWriter.append`)."""
+    line) with the field types deja writes. The types are checked on every line, its
+    signature holding or not: deja's writer checks them before it signs a line
+    (:meth:`recorder.cassette.writer.CassetteWriter.append`), but a signed line is
+    only as sound as whatever held the key, and what the readers make of a field of
+    another type is a traceback, not a named refusal."""
     if not isinstance(line, dict) or line.get("seq") != seq:
         got = line.get("seq") if isinstance(line, dict) else None
         raise CorruptCassette(f"{path}: line {number} has seq {got!r}, expected "
@@ -555,8 +556,7 @@ def _checked(line: Any, body: Reading, number: int, seq: int, path: Path, *,
     if body.end is not None:
         raise CorruptCassette(f"{path}: seq {seq} follows the end line (seq "
                               f"{body.end['seq']})", path=path, seq=seq)
-    if fields:
-        _validate.check_line(line, path, seq)
+    _validate.check_line(line, path, seq)
 
 
 def _report_unfinished(path: Path, body: Reading, count: int, torn: int | None, size: int, *,
