@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -128,21 +127,16 @@ def _print_table(rows: list[dict[str, Any]], columns: list[str], title: str | No
     Console(width=table_width()).print(table)
 
 
-# What a terminal acts on instead of showing: the C0 and C1 controls but tab and newline
-# (ESC begins an escape sequence: colours, a title, a hyperlink), DEL, and the
-# bidirectional overrides and isolates, which reorder the text after them.
-_UNSHOWN = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
-
-
 def shown(value: str) -> Any:
     """``value`` as a table shows it (a :class:`rich.text.Text`): as it is, never read as
     rich's markup or emoji codes (a cassette's names, labels and errors are data, and
     ``[/]`` in one would stop the table with a traceback), each character a terminal would
-    act on written as its escape (``\\x1b``)."""
+    act on written as its escape (:func:`recorder.terminal.visible`)."""
     from rich.text import Text
 
-    return Text(_UNSHOWN.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"),
-                             value))
+    from recorder.terminal import visible
+
+    return Text(visible(value))
 
 
 def table_width() -> int:

@@ -315,6 +315,7 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
     sets any tool's rule: live, recorded, refuse or static:JSON.
     """
     from recorder.errors import DejaError
+    from recorder.terminal import visible_json
     from replayer import edit
     from replayer.fork import plan_fork
 
@@ -327,8 +328,8 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
                            allow_torn=allow_torn)
             if not 0 <= at < len(parent.observations):
                 raise BadInput(f"step {at} is out of range 0-{len(parent.observations) - 1}")
-            click.echo(json.dumps(edit.view(parent.observations[at]), indent=2,
-                                  ensure_ascii=False))
+            click.echo(visible_json(json.dumps(edit.view(parent.observations[at]), indent=2,
+                                               ensure_ascii=False)))
             return
         plan = plan_fork(cassette, at, patch=patch, replace=replace, sets=sets, out=output,
                          allow_torn=allow_torn)

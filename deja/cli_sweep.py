@@ -34,6 +34,7 @@ from deja.cli_suite import (
     write_summary,
 )
 from recorder.cassette.schema import utc_stamp
+from recorder.terminal import visible, visible_json
 from replayer import suite_summary
 
 _SWEEP_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
@@ -186,19 +187,19 @@ def sweep(cassette: Path, command: tuple[str, ...], rules: tuple[str, ...], jobs
         raise BadInput("give at least one --perturb RULE, e.g. --perturb tool=search:error")
     parent, planned, resume = _plan(cassette, rules, output, command, cwd, policy, sweep_id)
     if dry_run:
-        click.echo(json.dumps([{**j.perturbation.to_dict(), **j.to_dict()} for j in planned],
-                              indent=2, ensure_ascii=False) if as_json else
-                   "\n".join(f"step {j.perturbation.step} {j.perturbation.target} "
-                             f"{j.perturbation.label}: {shlex.join(j.fork_argv)}"
-                             for j in planned))
+        click.echo(visible_json(json.dumps(
+            [{**j.perturbation.to_dict(), **j.to_dict()} for j in planned], indent=2,
+            ensure_ascii=False)) if as_json else visible("\n".join(
+                f"step {j.perturbation.step} {j.perturbation.target} {j.perturbation.label}: "
+                f"{shlex.join(j.fork_argv)}" for j in planned)))
         return
     warning = side_effect_warning(parent, min(j.perturbation.step for j in planned), policy)
     if warning is not None:
         click.secho(f"deja: WARNING: {warning}", err=True, fg="yellow")
     report, written = _run(cassette, parent.run, planned, command, jobs, cwd, policy,
                            on_workers, sweep_id or _sweep_id(cassette), resume)
-    click.echo(json.dumps(report.to_dict(), indent=2, ensure_ascii=False) if as_json
-               else report.render())
+    click.echo(visible_json(json.dumps(report.to_dict(), indent=2, ensure_ascii=False))
+               if as_json else report.render())
     if junit is not None:
         try:
             write_report(junit, junit_of(junit_cases(report), f"deja sweep {report.run}"))

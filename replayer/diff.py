@@ -48,6 +48,7 @@ from recorder.cassette.rows import step_count, step_name
 from recorder.cassette.schema import Kind, Line, is_bookkeeping
 from recorder.providers import conversation
 from recorder.providers.conversation import BlockKind
+from recorder.terminal import visible
 from recorder.values import decode
 
 
@@ -519,7 +520,7 @@ def render(diff: RunDiff, *, max_changes: int = 12) -> str:
     lines = [f"A {diff.run_a} ({diff.steps_a} steps)  B {diff.run_b} ({diff.steps_b} steps)"]
     if diff.same:
         lines.append("same: every step means the same in both runs")
-        return "\n".join(lines)
+        return visible("\n".join(lines))
     first = diff.first_divergence or 0
     extra = first - diff.same_prefix  # bookkeeping lines among them (fork_edit, resumed)
     counted = f"{diff.same_prefix} steps" + (
@@ -555,7 +556,7 @@ def render(diff: RunDiff, *, max_changes: int = 12) -> str:
                          + (", then its end line" if ends else ""))
         elif ends:
             lines.append(f"only in {side}: its end line")
-    return "\n".join(lines)
+    return visible("\n".join(lines))
 
 
 def unified(expected: Any, actual: Any, *, expected_name: str = "recorded",

@@ -27,6 +27,7 @@ from typing import Any
 from recorder.cassette import Cassette
 from recorder.cassette.rows import step_count, step_name, step_status
 from recorder.cassette.schema import Kind, Line
+from recorder.terminal import visible, visible_json
 from replayer.diff import (
     Pair,
     Prepared,
@@ -250,7 +251,7 @@ def render(diff: ManyDiff, *, max_changes: int = 8, width: int = 28) -> str:
              + ("the base" if r.tag == "A" else where(diff, r.tag)) for r in diff.runs]
     if diff.same:
         lines.append("same: every step means the same in every run")
-        return "\n".join(lines)
+        return visible("\n".join(lines))
     lines.append(LEGEND)
     cols = _columns(diff, width)
     lines += [_line("row", [_fit(f"{r.tag} {r.run}", cols) for r in diff.runs], cols),
@@ -263,7 +264,7 @@ def render(diff: ManyDiff, *, max_changes: int = 8, width: int = 28) -> str:
             continue
         for n in range(start, stop):
             lines += _row_lines(diff, n, cols, firsts, max_changes)
-    return "\n".join(lines)
+    return visible("\n".join(lines))
 
 
 def _columns(diff: ManyDiff, width: int) -> int:
@@ -314,4 +315,5 @@ def _row_lines(diff: ManyDiff, n: int, cols: int, firsts: Mapping[int, str],
 
 def dumps(diff: ManyDiff, **extra: Any) -> str:
     """The comparison as JSON (:meth:`ManyDiff.to_dict`, with ``extra`` keys)."""
-    return json.dumps({**diff.to_dict(), **extra}, indent=2, default=str, ensure_ascii=False)
+    return visible_json(json.dumps({**diff.to_dict(), **extra}, indent=2, default=str,
+                                   ensure_ascii=False))

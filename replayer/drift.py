@@ -41,6 +41,7 @@ from recorder.canonical import decode_body
 from recorder.cassette import Cassette, load
 from recorder.cassette.rows import step_count
 from recorder.cassette.schema import Kind, Line
+from recorder.terminal import visible, visible_json
 from replayer.diff import FieldChange, StepDiff, _pair, aligned, compare
 
 __all__ = ["DriftReport", "RunVersions", "StepDrift", "drift"]
@@ -268,7 +269,7 @@ class DriftReport:
         lines = [_headline(self), *_version_lines(self), _count_line(self)]
         for group in _stretches(self.steps):
             lines.extend(_step_lines(self, group, max_changes))
-        return "\n".join(lines)
+        return visible("\n".join(lines))
 
 
 def _load(source: str | Path | Cassette, allow_unverified: bool | None) -> Cassette:
@@ -341,7 +342,7 @@ def drift(recorded_path: str | Path | Cassette, live_path: str | Path | Cassette
 
 def dumps(report: DriftReport) -> str:
     """The report as JSON, as ``deja drift --json`` prints it."""
-    return json.dumps(report.to_dict(), indent=2, default=str, ensure_ascii=False)
+    return visible_json(json.dumps(report.to_dict(), indent=2, default=str, ensure_ascii=False))
 
 
 # ---------------------------------------------------------------------- the report

@@ -8,6 +8,7 @@ from typing import Any
 
 from recorder.cassette.rows import describe_split, describe_totals
 from recorder.errors import DivergenceInfo
+from recorder.terminal import visible
 
 __all__ = ["ReplayResult", "render"]
 
@@ -121,7 +122,7 @@ def render(result: Mapping[str, Any], code: int | None = None, *,
     elif d:
         lines.extend(_divergence(d, result["path"], advice))
     lines.extend(f"  note:       {note}" for note in result.get("notes") or ())
-    return "\n".join(lines)
+    return visible("\n".join(lines))  # a recorded prompt is data, never a terminal's command
 
 
 _HEADLINES = {"identical": "identical",

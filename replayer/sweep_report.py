@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from recorder.terminal import visible
+
 if TYPE_CHECKING:
     from replayer.sweep import Perturbation
 
@@ -100,7 +102,7 @@ class SweepReport:
         else:
             lines.append("no perturbation changed the outcome")
         lines += [f"could not run: {_what(row)}: {row.error}" for row in self.errors]
-        return "\n".join(lines)
+        return visible("\n".join(lines))
 
 
 def _quote(text: str | None, width: int = 70) -> str:
