@@ -83,17 +83,23 @@ def _cwd_option(func: Any) -> Any:
              "in, found from where the cassette lies; with -- CMD, this one).")(func)
 
 
-def _load(cassette: Path, *, as_json: bool = False, **options: Any) -> Any:
+def _load(cassette: Path, *, as_json: bool = False, restore: bool = False,
+          **options: Any) -> Any:
     """Load (and check) a cassette for a command; a bad one exits 2 with a named error
     (with ``as_json``, for a command asked for ``--json``, also as JSON on stdout:
-    ``{"ok": false, "error": NAME, "message": ..., "path": ...}``)."""
+    ``{"ok": false, "error": NAME, "message": ..., "path": ...}``). ``restore``: every
+    line is also restored whole once, so that one found malformed only then is refused
+    here too."""
     from recorder.cassette import load
     from recorder.errors import DejaError
 
     if options.get("allow_unverified") is False:
         options["allow_unverified"] = None  # no flag: the environment may still allow it
     try:
-        return load(cassette, **options)
+        loaded = load(cassette, **options)
+        for _ in loaded.observations if restore else ():
+            pass
+        return loaded
     except DejaError as exc:
         if as_json:
             click.echo(json.dumps({"ok": False, "error": type(exc).__name__,

@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from deja._common import BadInput, _fail, _pid_gone, _python_argv
+from recorder.terminal import visible
 
 
 def _writer_lock(path: Path, run: str | None, what: str) -> Any:
@@ -145,4 +146,4 @@ def _echo_split(path: Path) -> None:
     except DejaError:  # what went wrong was said above
         return
     for line in describe_split(run_totals(written)):
-        click.echo(f"deja:   {line}", err=True)
+        click.echo(visible(f"deja:   {line}"), err=True)

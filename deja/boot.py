@@ -230,10 +230,18 @@ class _ExitWatch:
         self._hook(type(error), error, None)
 
     def _hook(self, kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        from recorder.errors import CassetteWriteError, Divergence, Interrupted, RunStopped
+        from recorder.errors import (
+            CassetteWriteError,
+            CorruptCassette,
+            Divergence,
+            Interrupted,
+            RunStopped,
+        )
+        from recorder.terminal import visible
 
         self.error = value
         stop = _in_chain(value, (RunStopped, CassetteWriteError))
+        corrupt = _in_chain(value, (CorruptCassette,))  # a line found malformed when served
         if isinstance(value, Interrupted):  # a signal deja passed on: not the program's bug
             sys.stderr.write(f"deja: {value}" + ("\n" if self._mode == "replay" else
                              "; the run ends interrupted (deja resume continues it)\n"))
@@ -241,9 +249,10 @@ class _ExitWatch:
             sys.stderr.write(f"deja: {type(stop).__name__}: {stop}\n")
         elif self._mode == "record":
             self._previous(kind, value, tb)
-        elif isinstance(value, Divergence):
+        elif isinstance(value, Divergence) or corrupt is not None:
             if self._mode != "replay":  # deja replay prints it in its report
-                sys.stderr.write(f"deja: {type(value).__name__}: {value}\n")
+                shown = corrupt or value
+                sys.stderr.write(visible(f"deja: {type(shown).__name__}: {shown}") + "\n")
         else:
             self._previous(kind, value, tb)
 

@@ -44,6 +44,7 @@ from deja._common import (
     tool_policy_options,
 )
 from deja._launch import _echo_split, _launch, _where_to_run, _writer_lock
+from recorder.terminal import visible, visible_json
 
 if TYPE_CHECKING:
     from replayer.fork import ForkPlan
@@ -315,7 +316,6 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
     sets any tool's rule: live, recorded, refuse or static:JSON.
     """
     from recorder.errors import DejaError
-    from recorder.terminal import visible_json
     from replayer import edit
     from replayer.fork import plan_fork
 
@@ -377,8 +377,8 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
 def _forked(cassette: Path, plan: ForkPlan) -> None:
     """What a fork that ran says: where it is, what it cost, which tool calls its tool
     policy answered without running them, and how to compare it with its parent."""
-    click.echo(f"deja: forked run {plan.run_id} from {plan.parent.run} at step {plan.at} "
-               f"-> {plan.out}", err=True)
+    click.echo(visible(f"deja: forked run {plan.run_id} from {plan.parent.run} at step "
+                       f"{plan.at} -> {plan.out}"), err=True)
     _echo_split(plan.out)
     rows = policy_rows(plan.out)
     if rows:
@@ -426,9 +426,9 @@ def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
     from recorder.harness.progress import cassette_end
 
     _, end = cassette_end(cassette)
-    click.echo(f"deja: resumed run {loaded.run}: replayed {len(loaded.observations)} steps; "
-               f"end status {run_status(end) if end else 'none (still unfinished)'}",
-               err=True)
+    status = run_status(end) if end else "none (still unfinished)"
+    click.echo(visible(f"deja: resumed run {loaded.run}: replayed {len(loaded.observations)} "
+                       f"steps; end status {status}"), err=True)
     _echo_split(cassette)
     sys.exit(code)
 

@@ -24,6 +24,7 @@ from deja._common import (
     shown,
     table_width,
 )
+from recorder.terminal import visible
 
 
 @click.command()
@@ -35,7 +36,8 @@ from deja._common import (
               help='Print the verdict as JSON: {"ok": true, "run", "steps", "verified", '
                    '"verify_note", "status", ...}, or {"ok": false, "error", "message"}.')
 def verify(cassette: Path, allow_torn: bool, allow_incomplete: bool, as_json: bool) -> None:
-    """Check a cassette's format and signature chain; name the first bad line.
+    """Check a cassette's format, its signature chain and every line's contents; name
+    the first bad line.
 
     Needs the key it was signed with (DEJA_KEY, the key file, or DEJA_OLD_KEYS). A
     cassette without its end line is refused: lines cut off at a line boundary leave no
@@ -43,7 +45,7 @@ def verify(cassette: Path, allow_torn: bool, allow_incomplete: bool, as_json: bo
     Exit 0 ok, 2 refused.
     """
     c = _load(cassette, require_signature=True, allow_torn=allow_torn,
-              allow_incomplete=allow_incomplete, as_json=as_json)
+              allow_incomplete=allow_incomplete, as_json=as_json, restore=True)
     from recorder.cassette.rows import step_count
     from recorder.cassette.schema import run_status
     from recorder.harness.progress import read_status
@@ -58,8 +60,8 @@ def verify(cassette: Path, allow_torn: bool, allow_incomplete: bool, as_json: bo
                                "torn": c.torn_offset is not None}, indent=2))
         return
     end = status if c.end else f"{status} (no end line)"
-    click.echo(f"ok: {cassette}: run {c.run}, {step_count(c)} steps, {c.verify_note}, "
-               f"end: {end}")
+    click.echo(visible(f"ok: {cassette}: run {c.run}, {step_count(c)} steps, "
+                       f"{c.verify_note}, end: {end}"))
 
 
 @click.command()
@@ -123,15 +125,15 @@ def show(cassette: Path, as_json: bool, allow_unverified: bool) -> None:
         return
     if not c.verified:
         click.secho(f"{c.verify_note}", fg="yellow", bold=True)
-    click.echo(f"run {summary['run']}  status {summary['status']}  created {summary['created']}")
+    said = [f"run {summary['run']}  status {summary['status']}  created {summary['created']}"]
     if summary["parent_run"]:
-        click.echo(f"  forked from {summary['parent_run']} at step {summary['parent_step']}")
-    for child in children:
-        click.echo(f"  fork {child['run']} at step {child['step']}: {child['path']}")
-    click.echo(f"  {summary['steps']} steps: {describe_totals(summary)}; "
-               f"{summary['verify_note']}")
-    for line in describe_split(totals):
-        click.echo(f"    {line}")
+        said.append(f"  forked from {summary['parent_run']} at step {summary['parent_step']}")
+    said += [f"  fork {child['run']} at step {child['step']}: {child['path']}"
+             for child in children]
+    said.append(f"  {summary['steps']} steps: {describe_totals(summary)}; "
+                f"{summary['verify_note']}")
+    said += [f"    {line}" for line in describe_split(totals)]
+    click.echo(visible("\n".join(said)))  # a header's text is the cassette's
     for row in rows:
         row["tokens"] = (f"{row['input_tokens']}/{row['output_tokens']}"
                          if row["input_tokens"] is not None else None)

@@ -109,8 +109,8 @@ def _progress(total: int) -> Any:
         p = row.perturbation
         how = (f"could not run: {row.error}" if row.error is not None else
                f"{row.status}, final answer {'changed' if row.answer_changed else 'same'}")
-        click.echo(f"deja: [{done[0]}/{total}] step {p.step} {p.target} {p.label}: {how} "
-                   f"({row.seconds:.1f} s)", err=True)
+        click.echo(visible(f"deja: [{done[0]}/{total}] step {p.step} {p.target} {p.label}: "
+                           f"{how} ({row.seconds:.1f} s)"), err=True)
     return said
 
 
@@ -222,8 +222,9 @@ def _run(cassette: Path, run: str, planned: list[Any], command: tuple[str, ...],
     runner, where = runner_for(on_workers, [j.suite_job(Path.cwd()) for j in planned],
                                sweep_id, "deja sweep", "forks",
                                f"stop the sweep and run it again with --inline: {again}")
-    click.echo(f"deja: sweep {sweep_id}{' (resumed)' if resume else ''} of run {run}: "
-               f"{len(planned)} fork(s), {jobs} at a time, {where}, into {out_dir}", err=True)
+    click.echo(visible(f"deja: sweep {sweep_id}{' (resumed)' if resume else ''} of run {run}: "
+                       f"{len(planned)} fork(s), {jobs} at a time, {where}, into {out_dir}"),
+               err=True)
     when, started = utc_stamp("seconds"), time.monotonic()
     try:
         report = run_sweep(cassette, [j.perturbation for j in planned], out_dir=out_dir,

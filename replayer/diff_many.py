@@ -239,6 +239,7 @@ def _name(cell: Cell) -> str:
 
 
 def _fit(text: str, width: int) -> str:
+    text = visible(text)  # as wide as it is shown
     return text if len(text) <= width else text[:width - 1] + "…"
 
 

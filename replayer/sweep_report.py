@@ -91,7 +91,7 @@ class SweepReport:
         table: list[tuple[str, ...]] = [("step", "target", "perturbation", "end status",
                                          "exit", "final answer", "live calls", "cost",
                                          "cassette")]
-        table += [_cells(row) for row in self.rows]
+        table += [tuple(map(visible, _cells(row))) for row in self.rows]  # before widths
         widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
         lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                   for r in table]

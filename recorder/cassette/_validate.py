@@ -43,7 +43,6 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 _DECODER = json.JSONDecoder(parse_constant=_no_constants, object_pairs_hook=_no_duplicates)
-_PLAIN = json.JSONDecoder().decode  # for bytes deja's writer made (see decode_trusted)
 
 
 _TOO_DEEP = f"nests deeper than {MAX_DEPTH} levels; deja never writes such a line"
@@ -71,17 +70,17 @@ def decode(raw: bytes) -> Any:
 
 def decode_trusted(raw: bytes, path: Path, where: str, seq: int | None) -> Any:
     """A line whose signature holds (bytes deja's writer made: UTF-8, strict JSON, no key
-    twice): parsed without the strict decoder's per-object checks. Nesting is still
-    bounded as for any line, so a verified line reads the same as it would unverified."""
+    twice): parsed by orjson, which refuses what the strict decoder refuses but a key
+    twice (the last one is kept, as :mod:`json` keeps it). What orjson does not read (an
+    integer beyond 64 bits, which a tool's result may hold; or a line someone re-signed
+    with ``NaN`` or a lone surrogate in it) goes through the strict decoder, as a line
+    that does not verify does: a signature is only as sound as the key."""
     if text_nests_deeper(raw, MAX_DEPTH):
         return parse_line(raw, path, where, seq)
     doc = orjson_read(raw)  # json's reading of it, faster
     if doc is not UNDECIDED:
         return doc
-    try:
-        return _PLAIN(raw.decode("utf-8"))
-    except (ValueError, RecursionError):
-        return parse_line(raw, path, where, seq)
+    return parse_line(raw, path, where, seq)
 
 
 def parse_line(raw: bytes, path: Path, where: str, seq: int | None) -> Any:
@@ -152,14 +151,16 @@ def _check_fields(obj: dict[str, Any], required: _Fields, optional: _Fields, wha
     for name, value in obj.items():  # a line has fewer fields than the tables name
         types = required.get(name) or optional.get(name)
         if types is not None and not _is(value, types):
-            big = (isinstance(value, int) and not isinstance(value, bool)
-                   and value not in _INT64)
+            big = isinstance(value, int) and not isinstance(value, bool) and not _fits(value)
             got = f"{value}, beyond any number deja writes" if big else type(value).__name__
             raise CorruptCassette(f"{path}: {what}: '{name}' must be {_kind_name(types)}, "
                                   f"not {got}", path=path, seq=seq)
 
 
-_INT64 = range(-2**63, 2**63)  # what the index's integer columns hold
+def _fits(value: int) -> bool:
+    """What the index's integer columns hold (compared: ``in range(...)`` scans an int
+    subclass, a writer's IntEnum, one number at a time)."""
+    return -2**63 <= value < 2**63
 
 
 def _is(value: Any, types: tuple[type, ...]) -> bool:
@@ -167,16 +168,18 @@ def _is(value: Any, types: tuple[type, ...]) -> bool:
     a string) and an integer fits the index's columns."""
     kind = type(value)
     if kind in types:  # what JSON parses to, at once
-        return kind is not int or -2**63 <= value < 2**63
+        return kind is not int or _fits(value)
     if kind is bool:
         return False
-    return isinstance(value, types) and (not isinstance(value, int) or value in _INT64)
+    return isinstance(value, types) and (not isinstance(value, int) or _fits(value))
 
 
-def _counts(values: Any) -> bool:
-    """Token counts and totals: numbers (or null), or objects of them one level down."""
-    return all(_is(v, _MAYBE_NUMBER) or (isinstance(v, dict) and all(
-        _is(w, _MAYBE_NUMBER) for w in v.values())) for v in values)
+def _counts(counts: dict[str, Any], nested: tuple[str, ...] | None) -> bool:
+    """Token counts and totals: numbers (or null), or objects of them one level down (any
+    field of a usage, whose fields are the provider's; only ``nested`` of the totals)."""
+    return all(_is(v, _MAYBE_NUMBER) or (
+        isinstance(v, dict) and (nested is None or k in nested)
+        and all(_is(w, _MAYBE_NUMBER) for w in v.values())) for k, v in counts.items())
 
 
 def check_header(header: dict[str, Any], path: Path) -> None:
@@ -284,8 +287,9 @@ def check_line(line: dict[str, Any], path: Path, seq: int) -> None:
                                   "code": (int,)}, f"{what} error", path, seq)
     if isinstance(line.get("mcp"), dict):
         _check_mcp(line["mcp"], what, path, seq)
-    for name, label in (("usage", "usage counts"), ("totals", "the totals")):
+    for name, label, nested in (("usage", "usage counts", None),
+                                ("totals", "the totals", ("replayed",))):
         counts = line.get(name)
-        if isinstance(counts, dict) and not _counts(counts.values()):
+        if isinstance(counts, dict) and not _counts(counts, nested):
             raise CorruptCassette(f"{path}: {what}: {label} must be numbers", path=path,
                                   seq=seq)

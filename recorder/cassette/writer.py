@@ -363,7 +363,7 @@ class CassetteWriter:
         raise error
 
     def _write(self, line: dict[str, Any], *, sync: bool, copied: bool = False) -> None:
-        if line.get("kind") in KINDS:  # an observation: the types readers rely on, checked once
+        if line.get("kind") in KINDS:  # an observation: the types readers check
             try:
                 _validate.check_line(line, self.path, self._seq)
             except CorruptCassette as exc:

@@ -23,6 +23,8 @@ from typing import Any
 import pytest
 
 import recorder
+from tests.conftest import TEST_KEY
+from tests.tamper import join, resign
 
 HOSTILE = "[/] [prod] :skull: [link=http://evil.example]x[/link] \x1b[31mred\x1b[0m \u202eevil"
 # as the table writes it: the markup as it is, the controls as their escapes
@@ -95,8 +97,9 @@ ACTED_ON = ("\x1b", "\x07", "\x9b", "\u202e")
 def test_reports_write_a_recorded_prompts_controls_as_escapes(
         tmp_path: Path, stub: Callable[[dict], Any]) -> None:
     """A divergence's diff, ``deja diff`` and a fork's document print what the agent sent
-    and got; a prompt or a tool's result holding terminal controls is printed with each
-    written as its escape, and a fork's document is still JSON of the same value."""
+    and got, ``deja show`` and ``deja verify`` a header's run and time; terminal controls
+    in them are printed as escapes, and a fork's document is still JSON of the same
+    value."""
     evil = "\x1b[31mred\x1b[0m \x1b]0;title\x07 \u202eevil \x9b1m"
     program = tmp_path / "agent.py"
     program.write_text(AGENT.format(evil=evil))
@@ -108,14 +111,23 @@ def test_reports_write_a_recorded_prompts_controls_as_escapes(
                      env={"ANTHROPIC_BASE_URL": server.url, "ASK": ask})
         assert done.returncode == 0, done.stderr
 
+    docs = [json.loads(raw) for raw in runs["a"].read_bytes().splitlines()]
+    docs[0].update(run="r_" + evil, created="2026" + evil)  # signed with this machine's key
+    hostile = tmp_path / "header.jsonl"
+    hostile.write_bytes(join(resign(docs, TEST_KEY.encode())))
+
     outputs = {
         "replay": _deja("replay", runs["a"], env={"ASK": "b"}),  # the prompt changed
         "diff": _deja("diff", runs["a"], runs["b"]),
         "fork": _deja("fork", runs["a"], "--at", "1", "--show-document"),
+        "show": _deja("show", hostile),  # the header's run and time, above the table
+        "verify": _deja("verify", hostile),
     }
     assert outputs["replay"].returncode == 1 and "DIVERGED" in outputs["replay"].stdout
     assert outputs["diff"].returncode == 1
-    assert outputs["fork"].returncode == 0, outputs["fork"].stderr
+    for name in ("fork", "show", "verify"):
+        assert outputs[name].returncode == 0, (name, outputs[name].stderr)
+    assert "run r_\\x1b[31mred" in outputs["show"].stdout
     for name, done in outputs.items():
         both = done.stdout + done.stderr
         assert not [c for c in ACTED_ON if c in both], (name, both)

@@ -64,6 +64,7 @@ def _deja(*args: str | Path) -> subprocess.CompletedProcess[str]:
     (5, ("totals", "duration_s"), 2**64, "seq 4 (end): the totals must be numbers"),
     (4, ("request", "base"), True, "seq 3 (model) request: 'base' must be an integer"),
     (4, ("request", "reply"), 3, "seq 3 (model): its request's 'reply' names seq 3, not a"),
+    (3, ("ms",), float("inf"), "Infinity is not JSON deja writes"),  # orjson refuses it
 ])
 def test_a_signed_line_of_a_type_deja_never_writes_is_refused_at_load(
         tmp_path: Path, line: int, path: tuple[str, ...], value: Any, named: str) -> None:
@@ -84,7 +85,7 @@ def test_a_line_found_malformed_when_restored_is_said_by_every_command(tmp_path:
                                   GOLDEN.read_bytes().splitlines()], TEST_KEY.encode())))
     load(mutant, keyring=Keyring.of(TEST_KEY))  # it loads: the line is restored later
 
-    for args in (("show", mutant), ("diff", good, mutant)):  # each restores every line
+    for args in (("show", mutant), ("diff", good, mutant), ("verify", mutant)):
         done = _deja(*args)
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert "Traceback" not in done.stderr, done.stderr
@@ -115,7 +116,7 @@ def test_a_replay_that_meets_a_line_found_malformed_says_so_and_fails(tmp_path: 
     assert done.returncode == 2, (done.stdout, done.stderr)
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("Error: CorruptCassette:") and "seq 3" in last, done.stderr
-    assert "Exception ignored" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
 
     quiet = tmp_path / "nothing.py"  # a program that makes no call: the lines are unused
     quiet.write_text("print('no call')\n")
