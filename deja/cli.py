@@ -71,14 +71,20 @@ class _Commands(click.Group):
     """deja's command group: the commands of :data:`COMMANDS` are found in their modules
     by name when asked for, and a deja error no command turned into its own message
     (a line found malformed only when a command reads it, after the load) is said as
-    one, with exit status 2, never as a traceback."""
+    one, with exit status 2, never as a traceback (and, for a command asked for
+    ``--json``, also as JSON on stdout, as :func:`deja._common._load` says it)."""
 
     def invoke(self, ctx: click.Context) -> object:
         from recorder.errors import DejaError
 
+        given = list(ctx.args)  # the command's own, then what follows its "--"
         try:
             return super().invoke(ctx)
         except DejaError as exc:
+            own = given[:given.index("--")] if "--" in given else given
+            if "--json" in own:
+                click.echo(json.dumps({"ok": False, "error": type(exc).__name__,
+                                       "message": str(exc)}, indent=2))
             _fail(exc)
 
     def list_commands(self, ctx: click.Context) -> list[str]:

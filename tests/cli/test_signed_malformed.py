@@ -90,6 +90,13 @@ def test_a_line_found_malformed_when_restored_is_said_by_every_command(tmp_path:
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert "Traceback" not in done.stderr, done.stderr
         assert "CorruptCassette" in done.stderr and "seq 3" in done.stderr, done.stderr
+        assert not done.stdout.lstrip().startswith("{"), done.stdout  # JSON if asked only
+
+    shown = _deja("show", mutant, "--json")  # JSON on stdout, as for a load's error
+    assert shown.returncode == 2, shown.stderr
+    said = json.loads(shown.stdout)
+    assert (said["ok"], said["error"]) == (False, "CorruptCassette")
+    assert "seq 3" in said["message"]
 
     listed = _deja("ls", folder, "--json")  # the folder is listed, the bad run as an error
     assert listed.returncode == 0, listed.stderr
