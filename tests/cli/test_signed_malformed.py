@@ -62,6 +62,7 @@ def _deja(*args: str | Path) -> subprocess.CompletedProcess[str]:
     (3, ("ms",), True, "seq 2 (tool): 'ms' must be"),
     (5, ("totals",), True, "seq 4 (end): 'totals' must be an object or null, not bool"),
     (5, ("totals", "duration_s"), 2**64, "seq 4 (end): the totals must be numbers"),
+    (5, ("totals", "duration_s"), {}, "seq 4 (end): the totals must be numbers"),
     (4, ("request", "base"), True, "seq 3 (model) request: 'base' must be an integer"),
     (4, ("request", "reply"), 3, "seq 3 (model): its request's 'reply' names seq 3, not a"),
     (3, ("ms",), float("inf"), "Infinity is not JSON deja writes"),  # orjson refuses it
