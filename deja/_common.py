@@ -102,9 +102,17 @@ def _load(cassette: Path, *, as_json: bool = False, restore: bool = False,
         return loaded
     except DejaError as exc:
         if as_json:
-            click.echo(json.dumps({"ok": False, "error": type(exc).__name__,
-                                   "message": str(exc), "path": str(cassette)}, indent=2))
+            json_refusal(type(exc).__name__, str(exc), cassette)
         _fail(exc)
+
+
+def json_refusal(error: str, message: str, path: Path | str | None = None) -> None:
+    """What a command asked for ``--json`` prints on stdout when it refuses, before it
+    exits 2: ``{"ok": false, "error": NAME, "message": ..., "path": ...}``."""
+    said: dict[str, Any] = {"ok": False, "error": error, "message": message}
+    if path is not None:
+        said["path"] = str(path)
+    click.echo(json.dumps(said, indent=2))
 
 
 def _warn_unverified(cassette: Any) -> None:

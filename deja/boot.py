@@ -241,7 +241,7 @@ class _ExitWatch:
 
         self.error = value
         stop = _in_chain(value, (RunStopped, CassetteWriteError))
-        corrupt = _in_chain(value, (CorruptCassette,))  # a line found malformed when served
+        corrupt = _raised_from(value, CorruptCassette)  # a line found malformed when served
         if isinstance(value, Interrupted):  # a signal deja passed on: not the program's bug
             sys.stderr.write(f"deja: {value}" + ("\n" if self._mode == "replay" else
                              "; the run ends interrupted (deja resume continues it)\n"))
@@ -255,6 +255,20 @@ class _ExitWatch:
                 sys.stderr.write(visible(f"deja: {type(shown).__name__}: {shown}") + "\n")
         else:
             self._previous(kind, value, tb)
+
+
+def _raised_from(error: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """``error``, or what it was raised from (``raise ... from``: an SDK wrapping what its
+    transport raised), that is a ``kind``; not an error raised while one was handled (the
+    program's own bug in its handler stays the program's)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kind):
+            return current
+        seen.add(id(current))
+        current = current.__cause__
+    return None
 
 
 def _in_chain(error: BaseException,
@@ -315,7 +329,8 @@ def _start_replay(spec: LaunchSpec) -> _ExitWatch:
             result = session.finish().to_dict()
         except DejaError as exc:  # a line found malformed only now, when it is restored
             if report:
-                Path(report).write_text(json.dumps({"failed": f"{type(exc).__name__}: {exc}"}))
+                Path(report).write_text(json.dumps({"failed": {"error": type(exc).__name__,
+                                                               "message": str(exc)}}))
                 return
             raise
         error = watch.error

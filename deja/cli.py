@@ -36,6 +36,7 @@ from deja._common import (
     _read_json_file,
     budgets_of,
     guard_options,
+    json_refusal,
     policy_options,
     policy_rows,
     redaction_options,
@@ -77,15 +78,25 @@ class _Commands(click.Group):
     def invoke(self, ctx: click.Context) -> object:
         from recorder.errors import DejaError
 
-        given = list(ctx.args)  # the command's own, then what follows its "--"
+        given = list(ctx.args)  # the command's arguments
         try:
             return super().invoke(ctx)
         except DejaError as exc:
-            own = given[:given.index("--")] if "--" in given else given
-            if "--json" in own:
-                click.echo(json.dumps({"ok": False, "error": type(exc).__name__,
-                                       "message": str(exc)}, indent=2))
+            if self._asked_json(ctx, given):
+                json_refusal(type(exc).__name__, str(exc))
             _fail(exc)
+
+    def _asked_json(self, ctx: click.Context, given: list[str]) -> bool:
+        """Whether the command that raised was asked for ``--json``: its arguments parsed
+        again, as it parsed them (a program's ``--json`` after ``--`` is the program's)."""
+        name = ctx.invoked_subcommand
+        command = self.get_command(ctx, name) if name else None
+        option = next((p.name for p in command.params if "--json" in p.opts), None) \
+            if command is not None else None
+        if command is None or option is None:
+            return False
+        parsed = command.make_context(name, given, parent=ctx, resilient_parsing=True)
+        return bool(parsed.params.get(option))
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*self.commands, *COMMANDS})

@@ -34,6 +34,7 @@ from deja._common import (
     _print_table,
     _python_argv,
     _warn_unverified,
+    json_refusal,
     replay_policy,
 )
 from deja._launch import _where_to_run
@@ -297,8 +298,11 @@ def _in_process(cassette: Path, verified: bool, argv: list[str], cwd: Path | Non
             raise BadInput(f"the program exited with status {ended.status} before the replay "
                            "could report (see the message above)")
         result = json.loads(report.read_text())
-    if "failed" in result:
-        raise BadInput(result["failed"])
+    failed = result.get("failed")
+    if failed is not None:  # a line found malformed when the replay restored it
+        if opts.as_json and not opts.many:
+            json_refusal(failed["error"], failed["message"], cassette)
+        raise BadInput(f"{failed['error']}: {failed['message']}")
     return Outcome(str(cassette), result=result, code=ended.status,
                    status=0 if result["identical"] else EXIT_DIVERGED)
 

@@ -13,6 +13,7 @@ type before anything else looks at them: a file that breaks a rule is refused wi
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -61,20 +62,47 @@ def decode(raw: bytes) -> Any:
     if text_nests_deeper(raw, MAX_DEPTH):  # before json, which recurses on the C stack
         raise BadLine(_TOO_DEEP)
     try:
-        return _DECODER.decode(text)
+        doc = _DECODER.decode(text)
     except RecursionError:
         raise BadLine(_TOO_DEEP) from None
     except ValueError as exc:
         raise BadLine(f"is not valid JSON: {exc}") from None
+    if _SURROGATE_ESCAPE.search(text) and _lone_surrogate(doc):
+        raise BadLine("holds a lone surrogate in a string (\\udXXX with no pair), which is "
+                      "no text: deja never writes one")
+    return doc
+
+
+# \ud800-\udfff written as an escape: the only way a surrogate gets into valid UTF-8 JSON
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(doc: Any) -> bool:
+    """A string in ``doc`` (a key or a value) that is no UTF-8 text: a surrogate the
+    escape after it does not pair."""
+    stack = [doc]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(value, dict):
+            stack.extend(value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return False
 
 
 def decode_trusted(raw: bytes, path: Path, where: str, seq: int | None) -> Any:
     """A line whose signature holds (bytes deja's writer made: UTF-8, strict JSON, no key
-    twice): parsed by orjson, which refuses what the strict decoder refuses but a key
-    twice (the last one is kept, as :mod:`json` keeps it). What orjson does not read (an
-    integer beyond 64 bits, which a tool's result may hold; or a line someone re-signed
-    with ``NaN`` or a lone surrogate in it) goes through the strict decoder, as a line
-    that does not verify does: a signature is only as sound as the key."""
+    twice): parsed by orjson, which refuses ``NaN`` and a lone surrogate as the strict
+    decoder does (a key twice it reads as :mod:`json` does, the last one kept). A line
+    orjson is not given (one with a run of digits that may be an integer beyond 64 bits,
+    which a tool's result may hold) or does not read goes through the strict decoder, as
+    a line that does not verify does: a signature is only as sound as the key."""
     if text_nests_deeper(raw, MAX_DEPTH):
         return parse_line(raw, path, where, seq)
     doc = orjson_read(raw)  # json's reading of it, faster

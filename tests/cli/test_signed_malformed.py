@@ -14,6 +14,9 @@ user runs them, in their own process.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
 import json
 import os
 import shutil
@@ -25,10 +28,10 @@ from typing import Any
 import pytest
 
 from recorder.cassette import load
-from recorder.cassette.keys import Keyring
+from recorder.cassette.keys import Keyring, key_id
 from recorder.errors import CorruptCassette
 from tests.conftest import TEST_KEY
-from tests.tamper import join, resign
+from tests.tamper import dump, join, resign
 from viewer.index import read_rows
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "v2_tool_agent.jsonl"
@@ -74,6 +77,26 @@ def test_a_signed_line_of_a_type_deja_never_writes_is_refused_at_load(
         load(mutant, keyring=Keyring.of(TEST_KEY))
     assert named in str(raised.value)
     assert raised.value.seq == line - 1
+
+
+def test_a_signed_line_with_a_lone_surrogate_is_refused_at_load(tmp_path: Path) -> None:
+    """orjson refuses the escape of a surrogate with no pair; the line then goes through
+    the strict decoder, which refuses it too (it used to read it)."""
+    docs = [json.loads(raw) for raw in GOLDEN.read_bytes().splitlines()]
+    docs[3]["result"]["sky"] = "@@here@@"
+    docs[0]["key_id"] = key_id(TEST_KEY.encode())
+    lines, prev = [], ""
+    for doc in docs:  # signed as the writer signs: the bytes without the sig, chained
+        body = dump({k: v for k, v in doc.items() if k != "sig"}).replace(b"@@here@@",
+                                                                          b"cl\\ud800ear")
+        prev = base64.urlsafe_b64encode(hmac.digest(
+            TEST_KEY.encode(), prev.encode("ascii") + body, hashlib.sha256)).rstrip(b"=").decode()
+        lines.append(body[:-1] + f',"sig":"{prev}"}}'.encode())
+    mutant = tmp_path / "m.jsonl"
+    mutant.write_bytes(join(lines))
+    with pytest.raises(CorruptCassette) as raised:
+        load(mutant, keyring=Keyring.of(TEST_KEY))
+    assert "lone surrogate" in str(raised.value) and raised.value.seq == 2
 
 
 def test_a_line_found_malformed_when_restored_is_said_by_every_command(tmp_path: Path
@@ -125,6 +148,10 @@ def test_a_replay_that_meets_a_line_found_malformed_says_so_and_fails(tmp_path: 
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("Error: CorruptCassette:") and "seq 3" in last, done.stderr
     assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr
+    asked = _deja("replay", mutant, "--json", "--", sys.executable, program)
+    assert asked.returncode == 2, asked.stderr
+    said = json.loads(asked.stdout)  # JSON on stdout, as for a cassette refused at load
+    assert (said["ok"], said["error"], said["path"]) == (False, "CorruptCassette", str(mutant))
 
     quiet = tmp_path / "nothing.py"  # a program that makes no call: the lines are unused
     quiet.write_text("print('no call')\n")
@@ -142,3 +169,17 @@ def test_the_golden_run_signed_again_reads_as_it_is(tmp_path: Path) -> None:
         row, steps = read_rows(path, Keyring.of(key), False)
         assert row["status"] == "completed", row
         assert [s["kind"] for s in steps] == ["effect", "model", "tool", "model"]
+
+
+def test_a_programs_own_bug_in_a_handler_keeps_its_traceback(tmp_path: Path) -> None:
+    """Only a CorruptCassette the program's error was raised from is deja's to say in one
+    line; a bug the program hit while it handled one stays the program's, traceback and
+    all."""
+    golden = _mutant(tmp_path / "golden.jsonl", 1, ("name",), "uuid")  # as it was, re-signed
+    program = tmp_path / "own_bug.py"
+    program.write_text("from recorder.errors import CorruptCassette\n"
+                       "try:\n    raise CorruptCassette('its own')\n"
+                       "except CorruptCassette:\n    defualts\n")
+    done = _deja("replay", golden, "--", sys.executable, program)
+    assert done.returncode == 1, (done.stdout, done.stderr)  # diverged: no call was made
+    assert "Traceback" in done.stderr and "NameError: name 'defualts'" in done.stderr
