@@ -14,7 +14,6 @@ from typing import Any
 import click
 
 from deja._common import BadInput, _fail, _pid_gone, _python_argv
-from recorder.terminal import visible
 
 
 def _writer_lock(path: Path, run: str | None, what: str) -> Any:
@@ -140,6 +139,7 @@ def _echo_split(path: Path) -> None:
     from recorder.cassette import load
     from recorder.cassette.rows import describe_split, run_totals
     from recorder.errors import DejaError
+    from recorder.terminal import visible
 
     try:
         written = load(path, allow_torn=True, allow_incomplete=True)

@@ -45,7 +45,6 @@ from deja._common import (
     tool_policy_options,
 )
 from deja._launch import _echo_split, _launch, _where_to_run, _writer_lock
-from recorder.terminal import visible, visible_json
 
 if TYPE_CHECKING:
     from replayer.fork import ForkPlan
@@ -333,6 +332,7 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
     sets any tool's rule: live, recorded, refuse or static:JSON.
     """
     from recorder.errors import DejaError
+    from recorder.terminal import visible_json
     from replayer import edit
     from replayer.fork import plan_fork
 
@@ -394,6 +394,8 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
 def _forked(cassette: Path, plan: ForkPlan) -> None:
     """What a fork that ran says: where it is, what it cost, which tool calls its tool
     policy answered without running them, and how to compare it with its parent."""
+    from recorder.terminal import visible
+
     click.echo(visible(f"deja: forked run {plan.run_id} from {plan.parent.run} at step "
                        f"{plan.at} -> {plan.out}"), err=True)
     _echo_split(plan.out)
@@ -441,6 +443,7 @@ def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
         lock.release()
     from recorder.cassette.schema import run_status
     from recorder.harness.progress import cassette_end
+    from recorder.terminal import visible
 
     _, end = cassette_end(cassette)
     status = run_status(end) if end else "none (still unfinished)"

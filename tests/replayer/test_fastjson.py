@@ -183,19 +183,20 @@ def test_the_parts_of_a_stream_are_read_as_json_reads_them() -> None:
 
 def test_a_signed_line_is_read_as_json_reads_its_text() -> None:
     """A line whose signature holds is read by orjson where it reads as json does; the
-    rest by json, and what is not UTF-8 or not JSON refused as corrupt."""
+    rest by the strict decoder, and what is not UTF-8, not JSON or not JSON deja writes
+    (``NaN``, a lone surrogate: a signature is only as sound as the key) refused as
+    corrupt."""
     from recorder.cassette import _validate
     from recorder.errors import CorruptCassette
 
     lines = [_fastjson.dumps_compact(doc).encode() for doc in _docs(300, seed=17)]
     lines += [b'{"n": 123456789012345678901234567890, "m": -9223372036854775809}',
-              b'{"x": NaN, "y": -Infinity}', b'{"s": "\\ud800"}', b'{"a": 1, "a": 2}',
-              b'{"e": 1e400, "f": 1e-05}', b' {"pad": true} ']
+              b'{"a": 1, "a": 2}', b'{"e": 1e400, "f": 1e-05}', b' {"pad": true} ']
     for raw in lines:
         got = _validate.decode_trusted(raw, Path("c.jsonl"), "line 2", 1)
         assert _same(got, json.loads(raw.decode("utf-8"))), raw[:80]
-    for bad in (b'{"a": "\xff"}', b"\x00{}",
-                b'\xef\xbb\xbf{"bom": 1}', b'{"a": 1} {"b": 2}'):
+    for bad in (b'{"a": "\xff"}', b"\x00{}", b'\xef\xbb\xbf{"bom": 1}', b'{"a": 1} {"b": 2}',
+                b'{"x": NaN, "y": -Infinity}', b'{"s": "\\ud800"}', b'{"s": "\\udc00\\ud800"}'):
         with pytest.raises(CorruptCassette):
             _validate.decode_trusted(bad, Path("c.jsonl"), "line 2", 1)
 
