@@ -241,7 +241,7 @@ class _ExitWatch:
 
         self.error = value
         stop = _in_chain(value, (RunStopped, CassetteWriteError))
-        corrupt = _raised_from(value, CorruptCassette)  # a line found malformed when served
+        corrupt = _in_chain(value, (CorruptCassette,), during=False)  # found when served
         if isinstance(value, Interrupted):  # a signal deja passed on: not the program's bug
             sys.stderr.write(f"deja: {value}" + ("\n" if self._mode == "replay" else
                              "; the run ends interrupted (deja resume continues it)\n"))
@@ -257,31 +257,19 @@ class _ExitWatch:
             self._previous(kind, value, tb)
 
 
-def _raised_from(error: BaseException, kind: type[BaseException]) -> BaseException | None:
-    """``error``, or what it was raised from (``raise ... from``: an SDK wrapping what its
-    transport raised), that is a ``kind``; not an error raised while one was handled (the
-    program's own bug in its handler stays the program's)."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        if isinstance(current, kind):
-            return current
-        seen.add(id(current))
-        current = current.__cause__
-    return None
-
-
-def _in_chain(error: BaseException,
-              kinds: tuple[type[BaseException], ...]) -> BaseException | None:
-    """``error``, or the exception it was raised from or during (an SDK wraps what its
-    transport raised), that is one of ``kinds``."""
+def _in_chain(error: BaseException, kinds: tuple[type[BaseException], ...], *,
+              during: bool = True) -> BaseException | None:
+    """``error``, or the exception it was raised from (``raise ... from``: an SDK wraps
+    what its transport raised) or, with ``during``, raised while handling, that is one of
+    ``kinds``. Without ``during``, a program's own bug in its handler stays the
+    program's."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
         if isinstance(current, kinds):
             return current
         seen.add(id(current))
-        current = current.__cause__ or current.__context__
+        current = current.__cause__ or (current.__context__ if during else None)
     return None
 
 
