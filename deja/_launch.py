@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
-from deja._common import BadInput, _fail, _pid_gone, _python_argv
+from deja._common import BadInput, _fail, _header_run, _pid_gone, _python_argv
 
 
 def _writer_lock(path: Path, run: str | None, what: str) -> Any:
@@ -97,8 +98,10 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
         except OSError as exc:
             raise BadInput(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
         status = ended.status
-        if report.exists():
-            handed = json.loads(report.read_text())
+        handed = json.loads(report.read_text()) if report.exists() else None
+        if handed is not None and "not_started" in handed and mode in ("fork", "resume"):
+            _not_started(mode, target, values.get("run_id"), status)
+        if handed is not None:
             end = handed.get("end")
             handed_status = end.get("status") if end is not None else None
             killed_by = ended.received if ended.received is not None else \
@@ -134,6 +137,20 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
     return status
 
 
+def _not_started(mode: str, target: Path, run_id: str | None, status: int) -> NoReturn:
+    """A fork or resume whose session could not start (the bootstrap said why): the
+    program did not run. A fork's file, begun under this command's lock, is removed; a
+    resumed cassette gains nothing. Exits with the bootstrap's status."""
+    if mode == "fork" and run_id is not None and _header_run(target) == run_id:
+        target.unlink()
+        click.echo(f"deja: the fork did not start; nothing was written ({target} removed)",
+                   err=True)
+    elif mode == "resume":
+        click.echo(f"deja: the run was not resumed; nothing was appended to {target}",
+                   err=True)
+    sys.exit(status)
+
+
 def _echo_split(path: Path) -> None:
     """What a fork or a resumed run replayed and what it spent live, on stderr."""
     from recorder.cassette import load
@@ -142,8 +159,8 @@ def _echo_split(path: Path) -> None:
     from recorder.terminal import visible
 
     try:
-        written = load(path, allow_torn=True, allow_incomplete=True)
+        split = describe_split(run_totals(load(path, allow_torn=True, allow_incomplete=True)))
     except DejaError:  # what went wrong was said above
         return
-    for line in describe_split(run_totals(written)):
+    for line in split:
         click.echo(visible(f"deja:   {line}"), err=True)

@@ -24,6 +24,7 @@ signal held so is acted on as soon as the session has started: the run ends
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -110,6 +111,9 @@ def start_from_env() -> None:
     except Exception as exc:  # noqa: BLE001 - reported and fatal, never swallowed
         from recorder.errors import EXIT_CASSETTE_UNWRITABLE, CassetteWriteError
 
+        if spec.report:  # the launcher knows the run never started (not the program's 3)
+            with contextlib.suppress(OSError):
+                _write_report(spec.report, {"not_started": f"{type(exc).__name__}: {exc}"})
         _fail(f"could not start {spec.mode}: {type(exc).__name__}: {exc}",
               EXIT_CASSETTE_UNWRITABLE if isinstance(exc, CassetteWriteError) else BOOT_FAILED)
     _chain_sitecustomize()

@@ -47,6 +47,7 @@ from deja._common import (
 from deja._launch import _echo_split, _launch, _where_to_run, _writer_lock
 
 if TYPE_CHECKING:
+    from recorder.cassette import Cassette
     from replayer.fork import ForkPlan
 
 
@@ -82,7 +83,7 @@ class _Commands(click.Group):
             return super().invoke(ctx)
         except DejaError as exc:
             if self._asked_json(ctx, given):
-                json_refusal(type(exc).__name__, str(exc))
+                json_refusal(type(exc).__name__, str(exc), getattr(exc, "path", None))
             _fail(exc)
 
     def _asked_json(self, ctx: click.Context, given: list[str]) -> bool:
@@ -350,10 +351,11 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
             return
         plan = plan_fork(cassette, at, patch=patch, replace=replace, sets=sets, out=output,
                          allow_torn=allow_torn)
+        _restored(plan.parent)
     except DejaError as exc:
         _fail(exc)
     if then_replay is not None:  # its steps are re-signed into the fork: it must verify
-        _load(then_replay, require_signature=True, allow_incomplete=True)
+        _load(then_replay, require_signature=True, allow_incomplete=True, restore=True)
     argv = list(command) or list(plan.parent.header.get("argv") or [])
     if not argv:
         raise _no_command(cassette, plan.parent.header, "fork")
@@ -425,6 +427,7 @@ def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
     try:
         try:
             loaded = plan_resume(cassette)
+            _restored(loaded)
         except DejaError as exc:
             _fail(exc)
         if loaded.torn_offset is not None:
@@ -451,6 +454,13 @@ def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
                        f"steps; end status {status}"), err=True)
     _echo_split(cassette)
     sys.exit(code)
+
+
+def _restored(loaded: Cassette) -> None:
+    """Every line of a cassette a fork or resume serves, restored once before anything
+    runs or is written: one found malformed only when restored is refused here, exit 2."""
+    for _ in loaded.observations:
+        pass
 
 
 for command in (record, replay, fork, resume):

@@ -59,7 +59,15 @@ def scope(make: Callable[[], ContinuationSession], *, abandon_on_divergence: boo
         else:
             continued.close(error=exc)
 
-    return session.Scope(lambda: make().start(), close, name=name)
+    def open_() -> ContinuationSession:
+        made = make()
+        try:
+            return made.start()
+        except BaseException:  # it never started: nothing of it is written
+            made.unstarted()
+            raise
+
+    return session.Scope(open_, close, name=name)
 
 
 class ContinuationSession(RecordSession):
@@ -100,6 +108,15 @@ class ContinuationSession(RecordSession):
             self._count(obs)
 
     consults_log = True
+
+    def unstarted(self) -> None:
+        """A session whose :meth:`start` failed lets its cassette go: a resumed one as it
+        was found (:meth:`CassetteWriter.undo_reopen`), a fork's unfinished."""
+        if self.writer is not None:
+            if self.mode == "resume":
+                self.writer.undo_reopen()
+            else:
+                self.writer.abandon()
 
     def writing_live(self) -> bool:
         return not self.serving  # the prefix is served, not written

@@ -70,5 +70,10 @@ def start_resume(loaded: Cassette, *, keyring: Keyring | None = None,
 
     # a fork resumed keeps its tool policy (a side effect stays not live unless named);
     # any other run continues as it was recorded, every tool live
-    return ContinuationSession(loaded, writer, on_live=on_live, fsync=fsync, keyring=ring,
-                               mode="resume", tool_policy=ToolPolicy.from_header(loaded.header))
+    try:
+        return ContinuationSession(loaded, writer, on_live=on_live, fsync=fsync, keyring=ring,
+                                   mode="resume",
+                                   tool_policy=ToolPolicy.from_header(loaded.header))
+    except BaseException:  # bad settings ([tool.deja]): the cassette stays as it was found
+        writer.undo_reopen()
+        raise

@@ -115,6 +115,8 @@ class CassetteWriter:
     after the failure is written out of order and the committed prefix still verifies.
     """
 
+    _cut, _kept = b"", -1  # a reopened writer's: what it cut, and the size it kept
+
     def __init__(self, path: str | Path, header: Mapping[str, Any], key: bytes,
                  fsync: Fsync | str = Fsync.TURN, *, overwrite: bool = False) -> None:
         self.path = Path(path)
@@ -196,7 +198,11 @@ class CassetteWriter:
             keep = cassette.torn_offset if cassette.torn_offset is not None else cassette.size
             if cassette.end_offset is not None:  # set with the end line, when there is one
                 keep = cassette.end_offset
+            self._cut = b""  # what is cut, put back if the resume cannot start
             if keep != cassette.size:
+                with open(self.path, "rb") as found:
+                    found.seek(keep)
+                    self._cut = found.read()
                 os.truncate(self.path, keep)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | _O_CLOEXEC)
         except BaseException:
@@ -215,7 +221,7 @@ class CassetteWriter:
         self._prev = cassette.sigs[len(cassette.observations)]
         self._v1 = cassette.header.get("format") == V1  # its chain goes on as it began
         self._seq = len(cassette.observations)
-        self._size = keep
+        self._size = self._kept = keep
         self._group = None
         self._failed = None
         self.closed = False
@@ -317,6 +323,20 @@ class CassetteWriter:
                 with contextlib.suppress(OSError):  # a failed disk: what is there, stays
                     os.fsync(self._fd)
                 self._shut()
+
+    def undo_reopen(self) -> None:
+        """Close a writer :meth:`reopen` made and nothing was written with, putting back
+        what it cut (an interrupted run's end line, a torn last line): a resume that could
+        not start leaves the cassette as it found it."""
+        with self._lock, WHOLE:
+            if self.closed:
+                return
+            self._stop_group()
+            if self._cut and self._size == self._kept and self._failed is None:
+                with contextlib.suppress(OSError):  # what could not be put back, resume cuts
+                    os.write(self._fd, self._cut)
+                    os.fsync(self._fd)
+            self._shut()
 
     def _shut(self) -> None:
         self.closed = True

@@ -119,7 +119,7 @@ def test_a_line_found_malformed_when_restored_is_said_by_every_command(tmp_path:
     shown = _deja("show", mutant, "--json")  # JSON on stdout, as for a load's error
     assert shown.returncode == 2, shown.stderr
     said = json.loads(shown.stdout)
-    assert (said["ok"], said["error"]) == (False, "CorruptCassette")
+    assert (said["ok"], said["error"], said["path"]) == (False, "CorruptCassette", str(mutant))
     assert "seq 3" in said["message"]
 
     listed = _deja("ls", folder, "--json")  # the folder is listed, the bad run as an error
