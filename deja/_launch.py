@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple
 
 import click
 
-from deja._common import BadInput, _fail, _header_run, _pid_gone, _python_argv
+from deja._common import BadInput, _fail, _pid_gone, _python_argv
 
 
 def _writer_lock(path: Path, run: str | None, what: str) -> Any:
@@ -77,13 +76,23 @@ def _where_to_run(cassette: Path, header: Mapping[str, Any], argv: list[str], *,
     return cwd
 
 
+class Launched(NamedTuple):
+    """How a launched program ended: the status to exit with, and whether its session
+    started (False: deja's bootstrap could not start a fork or resume, and said why; the
+    program did not run)."""
+
+    status: int
+    started: bool = True
+
+
 def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
-            lock: Any = None, **values: Any) -> int:
+            lock: Any = None, **values: Any) -> Launched:
     """Run a program under the bootstrap, its session the launch spec ``mode`` and
     ``values`` make (:class:`recorder.launch.LaunchSpec`); write the end line it hands
     back, with its exit status. A program killed before handing over leaves its run open:
     resumable.
-    Returns the status to exit with (128 + N when a signal N stopped it)."""
+    Returns the status to exit with (128 + N when a signal N stopped it), and whether the
+    session started (:class:`Launched`)."""
     from deja import launcher
     from deja.boot import BOOT_FAILED, child_env
     from recorder.ask import EXIT_INPUT_REQUIRED, WORKER_ENV
@@ -99,8 +108,8 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
             raise BadInput(f"cannot run {command[0]!r}: {exc.strerror or exc}") from None
         status = ended.status
         handed = json.loads(report.read_text()) if report.exists() else None
-        if handed is not None and "not_started" in handed and mode in ("fork", "resume"):
-            _not_started(mode, target, values.get("run_id"), status)
+        if handed is not None and "not_started" in handed:  # the bootstrap said why
+            return Launched(status, started=False)
         if handed is not None:
             end = handed.get("end")
             handed_status = end.get("status") if end is not None else None
@@ -134,21 +143,7 @@ def _launch(mode: str, command: list[str], target: Path, cwd: Path | None, *,
         elif target.exists() and ended.code not in (BOOT_FAILED, EXIT_CASSETTE_UNWRITABLE):
             click.echo(f"deja: the program ended (status {ended.status}) before the run could "
                        f"be closed; it can be resumed: deja resume {target}", err=True)
-    return status
-
-
-def _not_started(mode: str, target: Path, run_id: str | None, status: int) -> NoReturn:
-    """A fork or resume whose session could not start (the bootstrap said why): the
-    program did not run. A fork's file, begun under this command's lock, is removed; a
-    resumed cassette gains nothing. Exits with the bootstrap's status."""
-    if mode == "fork" and run_id is not None and _header_run(target) == run_id:
-        target.unlink()
-        click.echo(f"deja: the fork did not start; nothing was written ({target} removed)",
-                   err=True)
-    elif mode == "resume":
-        click.echo(f"deja: the run was not resumed; nothing was appended to {target}",
-                   err=True)
-    sys.exit(status)
+    return Launched(status)
 
 
 def _echo_split(path: Path) -> None:

@@ -111,9 +111,8 @@ def start_from_env() -> None:
     except Exception as exc:  # noqa: BLE001 - reported and fatal, never swallowed
         from recorder.errors import EXIT_CASSETTE_UNWRITABLE, CassetteWriteError
 
-        if spec.report:  # the launcher knows the run never started (not the program's 3)
-            with contextlib.suppress(OSError):
-                _write_report(spec.report, {"not_started": f"{type(exc).__name__}: {exc}"})
+        if spec.report and spec.mode in ("fork", "resume") and not _orphaned(spec):
+            _report_not_started(spec.report, exc)  # the launcher: the run never started
         _fail(f"could not start {spec.mode}: {type(exc).__name__}: {exc}",
               EXIT_CASSETTE_UNWRITABLE if isinstance(exc, CassetteWriteError) else BOOT_FAILED)
     _chain_sitecustomize()
@@ -399,6 +398,18 @@ def _then_live(spec: LaunchSpec) -> Any:
                           allow_incomplete=spec.allow_incomplete)
     return start_then_live(plan, policy=ReplayPolicy.parse(spec.ignore, spec.normalise),
                            tools=ToolPolicy.parse(spec.tools), ran_in=Path.cwd())
+
+
+def _report_not_started(path: str, exc: BaseException) -> None:
+    """Tell the launcher, whose child this process is, that the session never started,
+    unless a report is there already. (A program that starts Python twice, a shell script,
+    boots twice: the second boot's failure says nothing of the first's run.)"""
+    tmp = Path(path + ".start")
+    with contextlib.suppress(OSError):
+        tmp.write_text(json.dumps({"not_started": f"{type(exc).__name__}: {exc}"}))
+        os.link(tmp, path)  # whole, and only where there was none
+    with contextlib.suppress(OSError):
+        tmp.unlink()
 
 
 def _write_report(path: str, data: dict[str, Any]) -> None:

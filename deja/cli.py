@@ -187,7 +187,7 @@ def record(output: Path, fsync: str | None, max_turns: int | None,
                        redact_headers=list(redact_headers), redact_body=list(redact_body),
                        redact_patterns=list(redact_patterns), redact_query=list(redact_query),
                        overwrite=force, budgets=budgets or None, loop_guard=not no_loop_guard,
-                       breaker=not no_breaker)
+                       breaker=not no_breaker).status
     finally:
         lock.release()
     started = _header_run(path) == run_id
@@ -381,23 +381,28 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
         sys.exit(code)
     lock = _writer_lock(plan.out, plan.run_id, "deja fork")
     try:
-        code = _launch("fork", argv, plan.out, cwd, lock=lock,
-                       cassette=str(cassette.resolve()), at=at, patch=plan.patch,
-                       out=str(plan.out.resolve()), run_id=plan.run_id, allow_torn=allow_torn,
-                       then_replay=str(then_replay.resolve()) if then_replay else None,
-                       tools=[f"{name}={spec}" for name, spec in policy.to_header().items()])
+        code, started = _launch(
+            "fork", argv, plan.out, cwd, lock=lock, cassette=str(cassette.resolve()), at=at,
+            patch=plan.patch, out=str(plan.out.resolve()), run_id=plan.run_id,
+            allow_torn=allow_torn,
+            then_replay=str(then_replay.resolve()) if then_replay else None,
+            tools=[f"{name}={spec}" for name, spec in policy.to_header().items()])
     finally:
         lock.release()
-    if _header_run(plan.out) == plan.run_id:
-        _forked(cassette, plan)
+    _forked(cassette, plan, started)
     sys.exit(code)
 
 
-def _forked(cassette: Path, plan: ForkPlan) -> None:
+def _forked(cassette: Path, plan: ForkPlan, started: bool) -> None:
     """What a fork that ran says: where it is, what it cost, which tool calls its tool
     policy answered without running them, and how to compare it with its parent."""
     from recorder.terminal import visible
 
+    if not started:  # the bootstrap said why; the fork's file, begun for it, is removed
+        click.echo("deja: the fork did not start; nothing was written", err=True)
+        return
+    if _header_run(plan.out) != plan.run_id:
+        return
     click.echo(visible(f"deja: forked run {plan.run_id} from {plan.parent.run} at step "
                        f"{plan.at} -> {plan.out}"), err=True)
     _echo_split(plan.out)
@@ -440,10 +445,13 @@ def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
         if not argv:
             raise _no_command(cassette, loaded.header, "resume")
         cwd = _where_to_run(cassette, loaded.header, argv, given=bool(command), cwd=cwd)
-        code = _launch("resume", argv, cassette, cwd, lock=lock,
-                       cassette=str(cassette.resolve()))
+        code, started = _launch("resume", argv, cassette, cwd, lock=lock,
+                                cassette=str(cassette.resolve()))
     finally:
         lock.release()
+    if not started:  # the bootstrap said why; what it cut of the cassette is put back
+        click.echo(f"deja: the run was not resumed; {cassette} is as it was", err=True)
+        sys.exit(code)
     from recorder.cassette.schema import run_status
     from recorder.harness.progress import cassette_end
     from recorder.terminal import visible

@@ -138,7 +138,7 @@ def _run_live(argv: list[str], cwd: Path | None, path: Path, run_id: str,
         with _program_output_on_stderr(as_json):
             code = _launch("record", argv, path, cwd, lock=lock,
                            cassette=str(path.resolve()), run_id=run_id, argv=argv,
-                           overwrite=True, **_recorded_settings(header))
+                           overwrite=True, **_recorded_settings(header)).status
     finally:
         lock.release()
     if _header_run(path) != run_id:

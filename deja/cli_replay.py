@@ -456,7 +456,7 @@ def _launch_then_live(cassette: Path, argv: list[str], cwd: Path | None, opts: R
                        run_id=plan.run_id, then_live=True, ignore=opts.ignore,
                        normalise=opts.normalise, allow_incomplete=opts.allow_incomplete,
                        tools=[f"{name}={spec}" for name, spec in policy.to_header().items()]
-                       ), plan.out
+                       ).status, plan.out
     finally:
         lock.release()
 

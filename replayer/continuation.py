@@ -110,13 +110,12 @@ class ContinuationSession(RecordSession):
     consults_log = True
 
     def unstarted(self) -> None:
-        """A session whose :meth:`start` failed lets its cassette go: a resumed one as it
-        was found (:meth:`CassetteWriter.undo_reopen`), a fork's unfinished."""
+        """A session whose :meth:`start` failed stops and lets its cassette go: a resumed
+        one as it was found (:meth:`CassetteWriter.undo_reopen`), a fork's removed (nothing
+        of the program ran)."""
+        self._stop()
         if self.writer is not None:
-            if self.mode == "resume":
-                self.writer.undo_reopen()
-            else:
-                self.writer.abandon()
+            self.writer.discard()
 
     def writing_live(self) -> bool:
         return not self.serving  # the prefix is served, not written

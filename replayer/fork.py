@@ -216,12 +216,11 @@ def start_fork(plan: ForkPlan, *, then_replay: Cassette | None = None,
                        "detail": {"parent": parent.run, "step": at, "patch": plan.patch,
                                   "original": _edit.view(plan.original)}},
                       sync=True)
-    except BaseException:  # a prefix that cannot be written: no half a fork left behind
-        plan.out.unlink(missing_ok=True)  # while its lock is held: nothing resumes it
-        writer.abandon()
+        prefix = dataclasses.replace(parent, end=None,
+                                     observations=(*parent.observations[:at], plan.edited))
+        recorded = (parent, then_replay) if then_replay is not None else (parent,)
+        return ContinuationSession(prefix, writer, then_replay=then_replay, fsync=fsync,
+                                   keyring=ring, tool_policy=tools, recorded_runs=recorded)
+    except BaseException:  # a prefix that cannot be written, settings refused ([tool.deja]):
+        writer.discard()  # no half a fork left behind
         raise
-    prefix = dataclasses.replace(parent, observations=(*parent.observations[:at], plan.edited),
-                                 end=None)
-    recorded = (parent, then_replay) if then_replay is not None else (parent,)
-    return ContinuationSession(prefix, writer, then_replay=then_replay, fsync=fsync,
-                               keyring=ring, tool_policy=tools, recorded_runs=recorded)

@@ -75,5 +75,5 @@ def start_resume(loaded: Cassette, *, keyring: Keyring | None = None,
                                    mode="resume",
                                    tool_policy=ToolPolicy.from_header(loaded.header))
     except BaseException:  # bad settings ([tool.deja]): the cassette stays as it was found
-        writer.undo_reopen()
+        writer.discard()  # what reopen cut, put back
         raise

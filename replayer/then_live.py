@@ -124,6 +124,11 @@ class _WrittenOnLeaving:
         assert self._writer is not None
         return self._writer.close(end)
 
+    def discard(self) -> None:
+        """The session never started: no file, or the one begun removed."""
+        if self._writer is not None:
+            self._writer.discard()
+
     def abandon(self) -> None:
         """Stop without an end line (the launcher writes it): the file exists first."""
         self.open(None, None)
@@ -164,9 +169,13 @@ def start_then_live(plan: ThenLive, *, policy: ReplayPolicy | None = None,
             "kind": info.kind, "category": info.category, "reason": info.reason,
             **({"nearest": info.step} if info.step is not None else {})})
 
-    return ContinuationSession(empty, cast(CassetteWriter, writer), sources=[log],
-                               mode="fork", on_leave=left, fsync=fsync, keyring=ring,
-                               tool_policy=tools, recorded_runs=(parent,))
+    try:
+        return ContinuationSession(empty, cast(CassetteWriter, writer), sources=[log],
+                                   mode="fork", on_leave=left, fsync=fsync, keyring=ring,
+                                   tool_policy=tools, recorded_runs=(parent,))
+    except BaseException:  # settings refused ([tool.deja]): no file left behind
+        writer.discard()
+        raise
 
 
 def then_live(cassette: str | Path, *, out: str | Path | None = None,

@@ -120,6 +120,17 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-1"
 
 
+def _disk_full(cassette: Path, code: int, state: str, end: dict[str, Any] | None
+               ) -> str | None:
+    """What an attempt that left its run open says of a disk that could not be written
+    (None: nothing). ``end``: the end line it wrote (None: none, or the one there before,
+    put back by a resume that could not start, which is not this attempt's)."""
+    return _write_error(end) or (
+        f"{cassette} could not be written as the run started (deja exited {code})"
+        if code == EXIT_CASSETTE_UNWRITABLE else None) or (
+        disk_trouble(cassette.parent) if state != "ended" else None)
+
+
 def _died(code: int) -> str | None:
     """How a ``deja record``/``resume`` exit status says its program was killed (a
     signal to the launcher, or one its program died of), else None."""
@@ -208,6 +219,7 @@ class AgentStep:
             state, end = cassette_state(cassette)
             if state == "ended" and end is not None and end.get("status") != "interrupted":
                 return self._ended(spec, end)  # dispatched again after it ended: report it
+            before = end
             code = self._child(spec, answer, workflow, state)  # an unused answer: again
             if isinstance(code, dict):
                 return code
@@ -221,10 +233,8 @@ class AgentStep:
             if state == "open" and code == EXIT_INPUT_REQUIRED and \
                     record.get("status") == "input_required":
                 return {"status": "input_required", "question": record.get("question")}
-            full = _write_error(end) or (
-                f"{cassette} could not be written as the run started (deja exited {code})"
-                if code == EXIT_CASSETTE_UNWRITABLE else None) or (
-                disk_trouble(cassette.parent) if state != "ended" or end is None else None)
+            unchanged = state == "ended" and end is not None and end == before
+            full = _disk_full(cassette, code, state, None if unchanged else end)
             if full is not None:
                 return {"status": "interrupted",
                         "error": f"{DISK_ERROR}: {full}; the run is dispatched again once "
@@ -233,8 +243,10 @@ class AgentStep:
             if state == "none" and killed is None:
                 return {"status": "failed", "error": f"the program did not start recording "
                                                      f"(deja exited {code})"}
-            deaths.append(killed or ("the run ended interrupted" if state == "ended" else
-                                     f"deja exited {code} without an end line"))
+            deaths.append(killed or (
+                f"deja exited {code} and the run was not resumed" if unchanged else
+                "the run ended interrupted" if state == "ended" else
+                f"deja exited {code} without an end line"))
             with contextlib.suppress(Exception):
                 if self.cancelled(workflow):
                     return {"status": "cancelled"}

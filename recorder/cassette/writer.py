@@ -198,13 +198,17 @@ class CassetteWriter:
             keep = cassette.torn_offset if cassette.torn_offset is not None else cassette.size
             if cassette.end_offset is not None:  # set with the end line, when there is one
                 keep = cassette.end_offset
-            self._cut = b""  # what is cut, put back if the resume cannot start
-            if keep != cassette.size:
-                with open(self.path, "rb") as found:
-                    found.seek(keep)
-                    self._cut = found.read()
-                os.truncate(self.path, keep)
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | _O_CLOEXEC)
+            self._cut = b""  # what is cut (last): put back if the resume cannot start
+            if keep != cassette.size:
+                try:
+                    with open(self.path, "rb") as found:
+                        found.seek(keep)
+                        self._cut = found.read()
+                    os.ftruncate(self._fd, keep)
+                except BaseException:
+                    os.close(self._fd)
+                    raise
         except BaseException:
             self._writer_lock.release()
             raise
@@ -334,9 +338,23 @@ class CassetteWriter:
             self._stop_group()
             if self._cut and self._size == self._kept and self._failed is None:
                 with contextlib.suppress(OSError):  # what could not be put back, resume cuts
-                    os.write(self._fd, self._cut)
+                    left = memoryview(self._cut)
+                    while left:
+                        left = left[os.write(self._fd, left):]
                     os.fsync(self._fd)
             self._shut()
+
+    def discard(self) -> None:
+        """Remove the new cassette this writer began (no program ran into it) and close it;
+        a reopened one is put back as it was found instead (:meth:`undo_reopen`)."""
+        if self._kept >= 0:
+            self.undo_reopen()
+            return
+        with self._lock, WHOLE:
+            if not self.closed:
+                self._stop_group()
+                self.path.unlink(missing_ok=True)  # while its lock is held: none resumes it
+                self._shut()
 
     def _shut(self) -> None:
         self.closed = True

@@ -22,6 +22,7 @@ import pytest
 
 from recorder.cassette import lock
 from recorder.errors import ConfigError
+from replayer.fork import fork
 from replayer.resume import resume
 from tests.cli.test_signed_malformed import GOLDEN, _mutant
 from tests.conftest import TEST_KEY
@@ -137,4 +138,44 @@ def test_resume_in_process_that_cannot_start_lets_the_cassette_go_as_it_was(
     with pytest.raises(ConfigError, match="budget_usd"), resume(run):
         pytest.fail("the block must not run")
     assert run.read_bytes() == found
-    lock.acquire(run, run="r_check", what="a test").release()  # nobody holds it
+    assert lock.holder_of(run) is None  # its writer lock let go
+
+
+def test_fork_in_process_that_cannot_start_leaves_no_file_and_no_lock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    parent = _golden(tmp_path / "parent.jsonl")
+    out = tmp_path / "forked.jsonl"
+    monkeypatch.chdir(_project(tmp_path / "project", BAD_SETTINGS))
+    with pytest.raises(ConfigError, match="budget_usd"), \
+            fork(parent, at=2, sets=['result.sky="hail"'], out=out):
+        pytest.fail("the block must not run")
+    assert not out.exists() and lock.holder_of(out) is None
+
+
+def test_a_fork_whose_command_boots_python_twice_keeps_the_fork_that_ran(
+        tmp_path: Path) -> None:
+    """A shell command that starts Python twice boots deja's bootstrap twice; the second
+    boot cannot start a second fork into the same file, which says nothing of the first."""
+    parent = _golden(tmp_path / "parent.jsonl")
+    project = _project(tmp_path / "project", None)
+    out = tmp_path / "forked.jsonl"
+    done = _deja("fork", parent, "--at", "2", "--set", 'result.sky="clear"', "--then-replay",
+                 parent, "-o", out, "--cwd", project, "--", "sh", "-c",
+                 f"{sys.executable} run_agent.py; {sys.executable} -c 'print(1)'",
+                 cwd=tmp_path)
+    assert "18 degrees" in done.stdout, done.stderr  # the fork ran
+    assert "nothing was written" not in done.stderr, done.stderr
+    assert out.exists() and json.loads(out.read_bytes().splitlines()[0])["parent"]["step"] == 2
+
+
+def test_a_replay_whose_start_fails_is_said_without_a_traceback(tmp_path: Path) -> None:
+    """The cassette changed between the command's check and the program's start: the
+    program's bootstrap refuses it, and deja replay says the program ended before the
+    replay could report."""
+    run = _golden(tmp_path / "run.jsonl")
+    project = _project(tmp_path / "project", None)
+    done = _deja("replay", run, "--cwd", project, "--", "sh", "-c",
+                 f"printf garbage >> {run}; exec {sys.executable} run_agent.py", cwd=tmp_path)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "could not start replay" in done.stderr and "Traceback" not in done.stderr
+    assert "before the replay could report" in done.stderr
