@@ -12,6 +12,7 @@ type before anything else looks at them: a file that breaks a rule is refused wi
 
 from __future__ import annotations
 
+import binascii
 import json
 import re
 from pathlib import Path
@@ -285,6 +286,16 @@ def _check_headers(response: dict[str, Any], line: dict[str, Any], what: str, pa
                               path=path, seq=seq)
 
 
+def _check_base64(body: str, what: str, path: Path, seq: int) -> None:
+    """A body stored as base64 (bytes that are not UTF-8) decodes: every reader decodes
+    it, the replay to serve it."""
+    try:
+        binascii.a2b_base64(body)
+    except (binascii.Error, ValueError):
+        raise CorruptCassette(f"{path}: {what} response: its body is not base64, as its "
+                              "encoding says", path=path, seq=seq) from None
+
+
 _DELTA: tuple[_Fields, _Fields] = ({"base": (int,), "keep": (int,)}, {
     "reply": (int,), "set": (dict,), "unset": (list,), "shape": (list, int)})
 
@@ -316,6 +327,8 @@ def check_line(line: dict[str, Any], path: Path, seq: int) -> None:
             required["body"] = (str,)
         _check_fields(response, required, _RESPONSE, f"{what} response", path, seq)
         _check_headers(response, line, what, path, seq)
+        if response.get("encoding") == "base64" and "body" in response:
+            _check_base64(response["body"], what, path, seq)
     error = line.get("error")
     if isinstance(error, dict):
         _check_fields(error, {}, {"type": (str,), "module": (str,), "message": (str,),

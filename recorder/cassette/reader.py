@@ -545,8 +545,8 @@ def _checked(line: Any, body: Reading, number: int, seq: int, path: Path) -> Non
     (:meth:`recorder.cassette.writer.CassetteWriter.append`), but a signed line is
     only as sound as whatever held the key, and what the readers make of a field of
     another type is a traceback, not a named refusal."""
-    if not isinstance(line, dict) or line.get("seq") != seq:
-        got = line.get("seq") if isinstance(line, dict) else None
+    if not isinstance(line, dict) or line.get("seq") != seq or type(line["seq"]) is not int:
+        got = line.get("seq") if isinstance(line, dict) else None  # (true is no seq 1)
         raise CorruptCassette(f"{path}: line {number} has seq {got!r}, expected "
                               f"{seq}: lines were deleted, inserted or reordered",
                               path=path, seq=seq)

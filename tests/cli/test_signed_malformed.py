@@ -69,6 +69,7 @@ def _deja(*args: str | Path) -> subprocess.CompletedProcess[str]:
     (4, ("request", "base"), True, "seq 3 (model) request: 'base' must be an integer"),
     (4, ("request", "reply"), 3, "seq 3 (model): its request's 'reply' names seq 3, not a"),
     (3, ("ms",), float("inf"), "Infinity is not JSON deja writes"),  # orjson refuses it
+    (2, ("seq",), True, "has seq True, expected 1"),  # true == 1 in Python: no seq here
 ])
 def test_a_signed_line_of_a_type_deja_never_writes_is_refused_at_load(
         tmp_path: Path, line: int, path: tuple[str, ...], value: Any, named: str) -> None:
@@ -76,6 +77,22 @@ def test_a_signed_line_of_a_type_deja_never_writes_is_refused_at_load(
     with pytest.raises(CorruptCassette) as raised:
         load(mutant, keyring=Keyring.of(TEST_KEY))
     assert named in str(raised.value)
+    assert raised.value.seq == line - 1
+
+
+@pytest.mark.parametrize("body", ["x", "caf\u00e9"])
+def test_a_signed_body_said_to_be_base64_that_is_not_is_refused_at_load(
+        tmp_path: Path, body: str) -> None:
+    """A Bedrock reply's event stream is stored as base64; one that does not decode is
+    refused by name, not a binascii.Error in the index, ``deja diff`` or the replay."""
+    golden = GOLDEN.with_name("v2_bedrock_agent.jsonl")
+    docs = [json.loads(raw) for raw in golden.read_bytes().splitlines()]
+    [line] = [n for n, d in enumerate(docs) if d.get("response", {}).get("encoding") == "base64"]
+    docs[line]["response"]["body"] = body
+    mutant = tmp_path / "m.jsonl"
+    mutant.write_bytes(join(resign(docs, TEST_KEY.encode())))
+    with pytest.raises(CorruptCassette, match="its body is not base64") as raised:
+        load(mutant, keyring=Keyring.of(TEST_KEY))
     assert raised.value.seq == line - 1
 
 
