@@ -83,6 +83,13 @@ def _cwd_option(func: Any) -> Any:
              "in, found from where the cassette lies; with -- CMD, this one).")(func)
 
 
+def restored(loaded: Any) -> None:
+    """Every line of a loaded cassette restored whole once: one found malformed only
+    then raises here (CorruptCassette), before a command uses or serves any of it."""
+    for _ in loaded.observations:
+        pass
+
+
 def _load(cassette: Path, *, as_json: bool = False, restore: bool = False,
           **options: Any) -> Any:
     """Load (and check) a cassette for a command; a bad one exits 2 with a named error
@@ -97,8 +104,8 @@ def _load(cassette: Path, *, as_json: bool = False, restore: bool = False,
         options["allow_unverified"] = None  # no flag: the environment may still allow it
     try:
         loaded = load(cassette, **options)
-        for _ in loaded.observations if restore else ():
-            pass
+        if restore:
+            restored(loaded)
         return loaded
     except DejaError as exc:
         if as_json:

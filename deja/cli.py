@@ -40,6 +40,7 @@ from deja._common import (
     policy_options,
     policy_rows,
     redaction_options,
+    restored,
     then_options,
     tool_policy,
     tool_policy_options,
@@ -47,7 +48,6 @@ from deja._common import (
 from deja._launch import _echo_split, _launch, _where_to_run, _writer_lock
 
 if TYPE_CHECKING:
-    from recorder.cassette import Cassette
     from replayer.fork import ForkPlan
 
 
@@ -351,7 +351,7 @@ def fork(cassette: Path, command: tuple[str, ...], at: int, sets: tuple[str, ...
             return
         plan = plan_fork(cassette, at, patch=patch, replace=replace, sets=sets, out=output,
                          allow_torn=allow_torn)
-        _restored(plan.parent)
+        restored(plan.parent)
     except DejaError as exc:
         _fail(exc)
     if then_replay is not None:  # its steps are re-signed into the fork: it must verify
@@ -432,7 +432,7 @@ def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
     try:
         try:
             loaded = plan_resume(cassette)
-            _restored(loaded)
+            restored(loaded)
         except DejaError as exc:
             _fail(exc)
         if loaded.torn_offset is not None:
@@ -462,13 +462,6 @@ def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
                        f"steps; end status {status}"), err=True)
     _echo_split(cassette)
     sys.exit(code)
-
-
-def _restored(loaded: Cassette) -> None:
-    """Every line of a cassette a fork or resume serves, restored once before anything
-    runs or is written: one found malformed only when restored is refused here, exit 2."""
-    for _ in loaded.observations:
-        pass
 
 
 for command in (record, replay, fork, resume):
