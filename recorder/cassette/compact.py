@@ -195,8 +195,8 @@ def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]] | Any, req
     """Reader side: restore a model line in place; ``earlier[seq]`` gives the restored URL,
     request headers and response headers of a line before it (:mod:`.lines` restores only
     those), ``request`` is its full request and ``fp`` its fingerprint (worked out from
-    the request when not given); ``fast``: its JSON body may be written back by orjson
-    (:func:`restore_body`)."""
+    the request when not given; without either, the line has none); ``fast``: its JSON
+    body may be written back by orjson (:func:`restore_body`)."""
     like = line.pop("like", None)
     if like is not None:  # the URL, request headers and response headers of that line
         line["url"] = line["request_headers"] = like
@@ -236,7 +236,7 @@ def expand(line: dict[str, Any], earlier: Sequence[Mapping[str, Any]] | Any, req
     if isinstance(request, dict):
         line.setdefault("model", provider.request_model(request, url))
         line.setdefault("stream", provider.request_streams(request, url))
-    if "fp" not in line:
+    if "fp" not in line and (fp is not None or request is not None):
         line["fp"] = fp if fp is not None else provider.fingerprint("POST", url, request)
     line.setdefault("message_id", None)
 

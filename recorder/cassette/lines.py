@@ -19,9 +19,10 @@ one read follows at most that many references back.
 from __future__ import annotations
 
 import sys
+import threading
 from array import array
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, cast, overload
 
@@ -29,8 +30,7 @@ from recorder import (
     _fastjson,
     providers,  # a module reference: providers imports this package
 )
-from recorder.canonical import Parts
-from recorder.cassette import _delta, _shape, compact
+from recorder.cassette import _delta, _fingerprints, _shape, compact
 from recorder.cassette.schema import EndLine, Kind, Observation
 from recorder.errors import CorruptCassette
 
@@ -47,7 +47,7 @@ class Head(NamedTuple):
 
     seq: int
     kind: str
-    fp: str | None = None  # a model line's is worked out at load
+    fp: str | None = None  # a model line's is worked out when first asked for
     name: str | None = None
     within: str | None = None  # the tool call it was made inside
     observed: bool = False  # seen at a boundary
@@ -116,6 +116,11 @@ class Store:
         self._docs = _Recent(size=_LINES_CACHED)  # seq -> a restored line's answer, parsed
         self._pinned: set[int] = set()  # model lines whose headers are kept for good
         self._headers = _Recent(self._pinned)
+        # the model fingerprints, worked out in file order (:mod:`._fingerprints`): lines
+        # before `matched` have theirs in their heads
+        self.matched = 0
+        self._pass: _fingerprints.Pass | None = None
+        self._passing = threading.RLock()
 
     def add(self, head: Head, url: str | None = None, request_headers: Any = None,
             provider: str | None = None) -> None:
@@ -129,6 +134,33 @@ class Store:
         self.urls.append(url)
         self.request_headers.append(request_headers)
         self.providers.append(provider)
+
+    def through(self, seq: int, stored: Any = None) -> None:
+        """Every model line up to line ``seq`` has its fingerprint in its head, and its
+        request can be rebuilt: the lines not passed yet up to it are passed, in file
+        order (:class:`._fingerprints.Pass`; ``stored``: line ``seq``'s request as
+        stored, the line parsed already). A line that cannot be rebuilt is a
+        :class:`CorruptCassette`, for this call and every later one that needs it."""
+        if not isinstance(seq, int) or seq < self.matched:
+            return  # (a reference of another type is refused where it is followed)
+        with self._passing:
+            if self._pass is None:
+                self._pass = _fingerprints.Pass(self)
+            last = min(seq, len(self.heads) - 1)
+            try:
+                with _fingerprints.no_cycle_collection():
+                    self._pass.through(last, stored if last == seq else None)
+            except _FAULTS as exc:
+                raise self.broken(self._pass.at, exc) from None
+            finally:
+                self.matched = self._pass.at
+            if self.matched == len(self.heads):
+                self._pass = None  # all passed: what it kept is let go
+
+    def rebuilt(self, seq: int, request: Any) -> None:
+        """Model line ``seq``'s request, rebuilt in file order: kept as :meth:`request`
+        keeps what it rebuilds."""
+        self._requests.keep(seq, request)
 
     def parsed(self, seq: int) -> dict[str, Any]:
         """Line ``seq`` parsed again, without its ``sig``: load checked its bytes, which
@@ -152,8 +184,9 @@ class Store:
     def counted(self, seq: int) -> Observation:
         """Line ``seq`` as a run's totals count it (:func:`~recorder.cassette.schema.add_step`):
         restored as :meth:`line` restores it, but for a model line's request and what is
-        read from it (its model, whether it streams), which nothing counted depends on. A
-        line restored whole already is that line."""
+        read from it (its model, whether it streams, its fingerprint unless worked out
+        already), which nothing counted depends on. A line restored whole already is that
+        line."""
         return self._restored(seq, whole=False)
 
     def _restored(self, seq: int, *, whole: bool) -> Observation:
@@ -167,7 +200,8 @@ class Store:
             doc = response.get("body_json", _NONE) if isinstance(response, dict) else _NONE
             try:
                 request = self.request(seq, line.get("request")) if whole else None
-                compact.expand(line, _Earlier(self), request, fp=self.heads[seq].fp, fast=fast)
+                fp = self.heads[seq].fp if seq < self.matched else None
+                compact.expand(line, _Earlier(self), request, fp=fp, fast=fast)
             except _FAULTS as exc:
                 raise self.broken(seq, exc) from None
             # what the next line reads of this one, kept so it is not parsed again: its
@@ -222,6 +256,7 @@ class Store:
         """The full request of model line ``seq`` (``stored``: its request as the line
         stores it, when the line is parsed already): the requests it extends, back to one
         that is known or stored whole, rebuilt forwards (no recursion)."""
+        self.through(seq, stored if isinstance(stored, dict) else None)  # (shapes before it)
         known = self._requests.find(seq)
         if known is not None:
             return known
@@ -389,7 +424,14 @@ class Lines(Sequence[Observation]):
 
     @property
     def heads(self) -> Sequence[Head]:
+        """Every line's head, model lines' fingerprints worked out (on the first call)."""
+        self._store.through(len(self._store.heads) - 1)
         return self._store.heads
+
+    def kinds(self) -> Iterator[tuple[int, str, str | None]]:
+        """Every line's seq, kind and event (a control line's), without restoring any
+        line or working out a fingerprint."""
+        return ((h.seq, h.kind, h.event) for h in self._store.heads)
 
     def __len__(self) -> int:
         return len(self._store.heads)
@@ -493,33 +535,10 @@ class Sigs(Sequence[str]):
         return found if found is not None else self._store.sig(i)
 
 
-_WINDOW = 2 * _delta.WINDOW  # recent requests and replies kept while reading
-_PARTS_SPAN = 128  # model lines read with one Parts (what it remembers is let go after)
-
-
-class _Window(dict[int, Any]):
-    """The last :data:`_WINDOW` values put in (requests or replies, by seq), and the
-    rest from ``fallback`` (the store, which restores them): what a line refers to is
-    nearly always one of the last few."""
-
-    def __init__(self, fallback: Callable[[int], Any]) -> None:
-        super().__init__()
-        self._fallback = fallback
-
-    def __missing__(self, seq: int) -> Any:
-        return self._fallback(seq)
-
-    def put(self, seq: int, value: Any) -> None:
-        self[seq] = value
-        if len(self) > _WINDOW:
-            del self[next(iter(self))]
-
-
 @dataclass
 class Reading:
     """What :func:`load` makes of the observation lines as it reads them: the store of
-    their heads, the end line, the sig the next line chains from, and what is kept only
-    while reading (recent requests and replies, the digests of request parts)."""
+    their heads, the end line, and the sig the next line chains from."""
 
     store: Store
     prev: str
@@ -527,13 +546,6 @@ class Reading:
     count: int = 1  # lines taken, the header's included
     end: EndLine | None = None
     end_offset: int | None = None
-    parts: Parts = field(default_factory=Parts)
-    requests: _Window = field(init=False)
-    replies: _Window = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.requests = _Window(self.store.request)
-        self.replies = _Window(self.store.replies.__getitem__)
 
     @classmethod
     def start(cls, store: Store, header_sig: object) -> Reading:
@@ -547,9 +559,10 @@ class Reading:
             self.odd[index] = self.prev
 
     def note(self, line: dict[str, Any], offset: int) -> None:
-        """What a replay matches a step on (its :class:`Head`; a model line's
-        fingerprint, from its request rebuilt), or the end line, kept with the byte it
-        starts at. The line itself is let go: it is restored from the bytes when read."""
+        """What a replay matches a step on (its :class:`Head`, a model line's without its
+        fingerprint, which is worked out when first asked for), or the end line, kept with
+        the byte it starts at. The line itself is let go: it is restored from the bytes
+        when read."""
         if line["kind"] == Kind.END:
             self.end, self.end_offset = cast(EndLine, line), offset
             return
@@ -562,9 +575,9 @@ class Reading:
             raise self.store.broken(line["seq"], exc) from None
 
     def _model(self, line: dict[str, Any]) -> None:
-        """A model line's head, URL and request headers (which later lines refer to) and
-        fingerprint; its request and reply kept while the next lines may refer to them."""
-        seq, store = line["seq"], self.store
+        """A model line's head, URL and request headers (which later lines refer to): its
+        fingerprint is worked out when first asked for (:mod:`._fingerprints`)."""
+        store = self.store
         like = line.get("like")
         url, headers = (like, like) if like is not None else \
             (line.get("url"), line.get("request_headers"))
@@ -575,16 +588,8 @@ class Reading:
             store.require_model(headers)
             headers = store.request_headers[headers]
         url = url or ""
-        provider = compact.provider_of(line, url)
-        if store.models % _PARTS_SPAN == 0:
-            self.parts = Parts()
-        request = _delta.decode(line["request"], self.requests, self.replies, self.parts,
-                                store.shapes, seq)
-        fp = provider.fingerprint("POST", url, request, self.parts)
-        self.requests.put(seq, request)
-        response = line.get("response")
-        if isinstance(response, dict) and "body_json" in response:
-            reply = providers.replied(response["body_json"])
-            if reply is not None:
-                self.replies.put(seq, reply)
-        store.add(head_of(line, fp), url, headers, provider.name)
+        request = line.get("request")
+        for named in ("base", "reply"):  # the lines a rebuild takes from, known now
+            if isinstance(request, dict) and named in request:
+                store.require_model(request[named])
+        store.add(head_of(line), url, headers, compact.provider_of(line, url).name)

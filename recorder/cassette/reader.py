@@ -5,10 +5,11 @@
 (:func:`_body`): its signature checked over its bytes and parsed (:func:`_parsed_v2`; in
 ``deja/1`` :func:`_parsed`, then :func:`_verified`), checked in its place
 (:func:`_checked`), and noted (:meth:`~recorder.cassette.lines.Reading.note`: what a
-replay matches it on, a model line's fingerprint from its request rebuilt); last, an
-unfinished file is refused unless allowed (:func:`_report_unfinished`). The lines
-themselves are restored from the file's bytes when they are read
-(:mod:`recorder.cassette.lines`).
+replay matches it on); last, an unfinished file is refused unless allowed
+(:func:`_report_unfinished`). The lines themselves are restored from the file's bytes
+when they are read (:mod:`recorder.cassette.lines`), and the model lines' requests
+rebuilt, in file order, for their fingerprints, when a replay or a reader first needs
+them (:mod:`recorder.cassette._fingerprints`).
 
 What a power loss leaves after the last whole line (zeros, a fragment of a line, bytes
 that are no line at all) is refused like any fault, with the remedy named: ``deja repair``
@@ -18,8 +19,6 @@ the start that verify.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import os
 from array import array
@@ -29,6 +28,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from recorder.cassette import _validate, trust
+from recorder.cassette._fingerprints import no_cycle_collection
 from recorder.cassette.format import KINDS, READABLE_FORMATS, V1
 from recorder.cassette.keys import Keyring, load_keyring
 from recorder.cassette.lines import Lines, Reading, Replies, Requests, Sigs, Store
@@ -277,7 +277,10 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
 
     The lines go through the steps below one at a time (each line is parsed, verified and
     checked before the next is read: :func:`_body`), so the first fault in the file is the
-    one reported.
+    one reported. The model lines' requests are rebuilt later, in file order, when a
+    replay's index, a request or a whole line first needs them
+    (:mod:`recorder.cassette._fingerprints`); a signed line deja never wrote that cannot
+    be rebuilt is a :class:`CorruptCassette` then (``deja verify`` restores every line).
     """
     path = Path(path)
     if keyring is None:
@@ -293,7 +296,7 @@ def load(path: str | Path, *, keyring: Keyring | None = None, require_signature:
                            require_signature=require_signature)
     key = verdict.key
     _verify_header(key, header, header_sig, lines.raw(0), v1, path)
-    with _no_cycle_collection():
+    with no_cycle_collection():
         body = _body(lines, key, header_sig, v1, path)
         _report_unfinished(path, body, len(lines), lines.torn, len(lines.data),
                            verified=key is not None, allow_torn=allow_torn,
@@ -345,10 +348,11 @@ def verified_prefix(path: str | Path, *, keyring: Keyring | None = None) -> Pref
     _verify_header(key, header, header_sig, lines.raw(0), v1, path)
     body = _reading(path, lines, header_sig)
     kept, fault = 1, None
-    with _no_cycle_collection():
+    with no_cycle_collection():
         for index in range(1, len(lines)):
             try:
                 _take(lines, index, key, v1, body, path)
+                body.store.through(index - 1)  # its request rebuilds, as a replay needs
             except (CorruptCassette, SignatureError) as exc:
                 fault = exc
                 break
@@ -358,22 +362,6 @@ def verified_prefix(path: str | Path, *, keyring: Keyring | None = None) -> Pref
         lines.torn if lines.torn is not None else size
     return Prefix(path=path, size=size, keep=keep, lines=kept, end=body.end, fault=fault,
                   junk=junk(lines.raws(kept)))
-
-
-@contextlib.contextmanager
-def _no_cycle_collection() -> Iterator[None]:
-    """The cyclic garbage collector paused while the lines are read. They are JSON trees,
-    which hold no reference cycles, and reading them allocates containers by the
-    hundred thousand: each collection the allocations set off would go through all of
-    them again (a fifth of a long cassette's load time). Reference counting still frees
-    everything as usual; the collector is enabled again after, as it was."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 def _read(path: Path) -> _File:

@@ -138,7 +138,7 @@ def live_from(cassette: Cassette) -> int:
         start = parent["step"] + (0 if parent.get("mode") == "then_live" else 1)
     steps = cassette.observations
     # a loaded cassette's heads say each line's kind and event, without restoring it
-    found = ((h.seq, h.kind, h.event) for h in steps.heads) if isinstance(steps, Lines) \
+    found = steps.kinds() if isinstance(steps, Lines) \
         else ((o["seq"], o.get("kind"), o.get("event")) for o in steps)
     for seq, kind, event in found:
         if kind != Kind.CONTROL:

@@ -177,6 +177,37 @@ def test_a_replay_that_meets_a_line_found_malformed_says_so_and_fails(tmp_path: 
     assert "Traceback" not in done.stderr and "CorruptCassette" in done.stderr, done.stderr
 
 
+def test_a_request_that_does_not_rebuild_is_refused_before_anything_is_served(
+        tmp_path: Path) -> None:
+    """A model line's request is rebuilt when something first needs it (a replay's
+    index, its fingerprint, the whole line), not at load. A signed line whose request
+    resends a reply in a shape no earlier line holds still loads, and its run's counts are
+    read; every command that needs the request refuses it by name, a replay before the
+    program starts, and ``deja repair`` writes nothing."""
+    mutant = _mutant(tmp_path / "bad.jsonl", 4, ("request", "shape"), 7)
+    before = mutant.read_bytes()
+    cassette = load(mutant, keyring=Keyring.of(TEST_KEY))
+    for _ in range(2):  # and again: a pass that failed is not taken as done
+        with pytest.raises(CorruptCassette, match="KeyError") as raised:
+            cassette.observations.heads  # noqa: B018
+        assert raised.value.seq == 3
+    assert _deja("status", mutant).returncode == 0
+
+    for args in (("verify", mutant), ("show", mutant), ("repair", mutant)):
+        done = _deja(*args)
+        assert done.returncode == 2, (args, done.stdout, done.stderr)
+        assert "Traceback" not in done.stderr and "seq 3" in done.stderr, done.stderr
+    assert mutant.read_bytes() == before
+
+    program = tmp_path / "agent.py"
+    program.write_text("print('the program ran')\n")
+    done = _deja("replay", mutant, "--", sys.executable, program)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "the program ran" not in done.stdout
+    assert "CorruptCassette" in done.stderr and "seq 3" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_the_golden_run_signed_again_reads_as_it_is(tmp_path: Path) -> None:
     """The mutants above differ from a run that reads by their one field alone."""
     copy = tmp_path / "good.jsonl"

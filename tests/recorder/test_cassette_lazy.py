@@ -1,7 +1,8 @@
 """A loaded cassette keeps the file's bytes and each line's head, not the lines restored.
 
-``load`` checks every signature and works out what a replay matches on (each model line's
-fingerprint); a line is restored from its bytes when it is read. These tests record a real
+``load`` checks every signature and keeps what a replay matches on; a model line's
+fingerprint, which needs its request rebuilt, is worked out in file order when first asked
+for, and a line is restored from its bytes when it is read. These tests record a real
 SDK against the stub server and look at what a loaded cassette and a replay index hold
 (object structure, never timing), and that lines read in any order, or again, are the
 lines the file holds.
@@ -18,8 +19,10 @@ from typing import Any
 import pytest
 
 import recorder
-from recorder.cassette import load
+from recorder import providers
+from recorder.cassette import _delta, load
 from recorder.cassette.lines import Lines
+from recorder.cassette.rows import run_totals
 from recorder.cassette.schema import Kind
 from replayer.index import Index
 from tests.recorder.test_cassette_size import messages_agent, script
@@ -148,3 +151,36 @@ def test_the_kept_lines_stay_bounded_when_threads_restore_at_once() -> None:
         sys.setswitchinterval(interval)
     assert errors == []
     assert len(kept) <= 2
+
+
+def test_load_rebuilds_no_request_and_the_fingerprints_are_each_requests_own(
+        recorded: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that matches no call (a run's totals, its kinds) never rebuilds a request;
+    the first that needs a fingerprint has every request up to it rebuilt, once each, in
+    file order, and each fingerprint is the one its request gets on its own."""
+    rebuilt: list[int | None] = []
+    decode = _delta.decode
+
+    def counting(stored: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        rebuilt.append(kwargs.get("seq", args[4] if len(args) > 4 else None))
+        return decode(stored, *args, **kwargs)
+
+    monkeypatch.setattr(_delta, "decode", counting)
+    cassette = load(recorded, require_signature=True)
+    steps = cassette.observations
+    assert isinstance(steps, Lines)
+    assert run_totals(cassette)["all"]["steps"] == TURNS
+    assert [kind for _, kind, _ in steps.kinds()] == [Kind.MODEL] * TURNS
+    assert rebuilt == []
+
+    last = steps[TURNS - 1]  # read far first: the lines before it are passed in order
+    assert rebuilt == list(range(TURNS))
+    heads = steps.heads
+    assert rebuilt == list(range(TURNS))  # passed once: asking again rebuilds nothing
+    assert last["fp"] == heads[TURNS - 1].fp
+    for head in heads:
+        line = steps[head.seq]
+        alone = providers.for_line(line).fingerprint("POST", line["url"],
+                                                     cassette.requests[head.seq])
+        assert head.fp == line["fp"] == alone
+    assert len({h.fp for h in heads}) == TURNS
