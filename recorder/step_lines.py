@@ -26,10 +26,10 @@ from recorder.capture.exchange import (
     HttpResponse,
     Redaction,
     RequestReader,
+    SentDigests,
     classify_texts,
     response_record,
     semantic_headers,
-    sent_digest,
 )
 from recorder.cassette.schema import Kind
 from recorder.errors import UnserializableValue
@@ -52,6 +52,7 @@ class StepLines:
         self.redaction = redaction
         self.prices = prices
         self._requests = RequestReader()  # a conversation's resent history is parsed once
+        self._sent = SentDigests()  # and hashed once
         self._urls: dict[str, str] = {}
         self._volatile: dict[str | None, dict[str, bool]] = {}  # by provider, header name
         self._headers: dict[tuple[str | None, tuple[tuple[str, str], ...]], list[list[str]]] = {}
@@ -77,7 +78,7 @@ class StepLines:
                 request.method, request.url, data, self.redaction, self._requests)
             request.classified = kind, provider, body
             if kind == Kind.MODEL and untouched:
-                request.sent = sent_digest(data)
+                request.sent = self._sent(data)
         return request.classified
 
     def exchange(self, request: HttpRequest, response: HttpResponse | None,

@@ -37,7 +37,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 from recorder import providers
-from recorder.capture.exchange import sent_digest
+from recorder.capture.exchange import SentDigests
 from recorder.cassette.lines import Head
 from recorder.cassette.schema import Kind
 
@@ -120,6 +120,7 @@ class ExactBytes:
         self._request_of, self._redacted_url = request_of, redacted_url
         self._next = 0  # the model lines before it are all used, or never served
         self._texts = _Texts()
+        self._digest = SentDigests()  # a request's, hashed from where it repeats a recent one
         self._bytes: dict[int, bytes | None] = {}  # seq -> its request as sent (None: never)
         self._targets: dict[str, tuple[str, str | None] | None] = {}  # url -> (provider, path)
         self.hits = 0  # requests answered by their exact bytes
@@ -138,7 +139,7 @@ class ExactBytes:
         for head in self._ahead():
             if head.sent is not None:
                 if digest is None:
-                    digest = sent_digest(body)
+                    digest = self._digest(body)
                 if head.sent != digest:
                     continue
                 provider, recorded = self._where(head.seq)

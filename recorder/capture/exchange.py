@@ -40,9 +40,9 @@ from recorder.errors import UnserializableValue
 from recorder.providers import volatile_header
 
 __all__ = ["RETRYABLE_STATUSES", "History", "HttpRequest", "HttpResponse", "RequestReader",
-           "classify", "classify_texts", "json_body", "pretty", "request_fingerprint",
-           "response_from_record", "response_record", "semantic_headers", "sent_digest",
-           "upstream"]
+           "SentDigests", "classify", "classify_texts", "json_body", "pretty",
+           "request_fingerprint", "response_from_record", "response_record",
+           "semantic_headers", "sent_digest", "upstream"]
 
 # Statuses after which the SDKs retry; on replay their wait is cut to nothing.
 RETRYABLE_STATUSES = frozenset({408, 409, 429}) | frozenset(range(500, 600))
@@ -439,8 +439,56 @@ def sent_digest(data: bytes) -> str:
     """The digest a model line keeps of its request's bytes as the agent sent them: a
     replay knows a request sent again byte for byte by it (the first 128 bits of SHA-256,
     which processors compute in hardware, in unpadded base64url)."""
-    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()[:16]
-                                    ).rstrip(b"=").decode("ascii")
+    return _encoded(hashlib.sha256(data))
+
+
+def _encoded(hashed: Any) -> str:
+    return base64.urlsafe_b64encode(hashed.digest()[:16]).rstrip(b"=").decode("ascii")
+
+
+class SentDigests:
+    """:func:`sent_digest` of the requests of one session, each hashed from where it stops
+    repeating a recent one.
+
+    A conversation resends its whole history every turn, so its requests grow, and hashing
+    each whole would cost every call more than the one before. SHA-256 reads its input in
+    order, so the state it has after the first bytes of a request is the state it has
+    after the same bytes of any other: the state after each :attr:`BLOCK` bytes of the
+    last few requests is kept, and a request is hashed on from the last block it shares
+    with one of them (found by comparing blocks, which is many times cheaper than hashing
+    them). The digest is exactly :func:`sent_digest`'s. Thread-safe."""
+
+    BLOCK = 4096
+    MEMORY = 4  # recent requests compared with a new one (conversations may interleave)
+
+    def __init__(self) -> None:
+        self._recent: collections.deque[tuple[bytes, list[Any]]] = collections.deque(
+            maxlen=self.MEMORY)
+        self._lock = threading.Lock()
+
+    def __call__(self, data: bytes) -> str:
+        size = self.BLOCK
+        blocks = len(data) // size
+        if blocks < 2:
+            return sent_digest(data)
+        with self._lock:
+            recent = list(self._recent)
+        shared, states = 0, []
+        for body, kept in recent:
+            n, most = 0, min(len(kept), blocks)
+            while n < most and data[n * size:(n + 1) * size] == body[n * size:(n + 1) * size]:
+                n += 1
+            if n > shared:
+                shared, states = n, kept
+        states = states[:shared]  # the state after each block, the first `shared` as kept
+        hashed = states[-1].copy() if states else hashlib.sha256()
+        for n in range(shared, blocks):
+            hashed.update(data[n * size:(n + 1) * size])
+            states.append(hashed.copy())
+        hashed.update(data[blocks * size:])
+        with self._lock:
+            self._recent.append((data, states))
+        return _encoded(hashed)
 
 
 def response_record(resp: HttpResponse, redaction: Redaction) -> dict[str, Any]:
