@@ -247,3 +247,45 @@ def test_an_agent_that_keeps_dying_fails_with_the_reason_once_retries_are_spent(
     left = load(cassette, keyring=Keyring.of(KEY), require_signature=True,
                 allow_incomplete=True)
     assert left.end is None and len(left.observations) == 1, where  # the turn, once
+
+
+# An agent whose run cannot be resumed: one turn, then it leaves its project's settings
+# refused (a budget that is no table) and stops itself with SIGTERM, so the run ends
+# interrupted; every resume is then refused at its start.
+UNRESUMABLE = """\
+import os
+import signal
+from pathlib import Path
+
+import recorder
+
+recorder.now()
+Path("pyproject.toml").write_text('[tool.deja]\\nbudgets = "none"\\n')
+os.kill(os.getpid(), signal.SIGTERM)
+"""
+
+
+def test_a_run_whose_resume_cannot_start_fails_with_the_reason_and_its_cassette_as_it_was(
+        rig: Rig) -> None:
+    """Each resume is refused before it runs (exit status 3) and leaves the cassette as it
+    found it, its end line put back: each counts as an attempt that failed, not as the end
+    line's disk error, and once the retries are spent the run fails saying why."""
+    (rig.folder / "unresumable.py").write_text(UNRESUMABLE)
+    rig.start()
+    run_id = submit(rig.runs, rig.cassettes, {"command": [sys.executable, "unresumable.py"],
+                                              "cwd": str(rig.folder)})
+    cassette = rig.cassettes / f"{run_id}.jsonl"
+    final = rig.ended(run_id)
+    where = f"run {run_id}\n{story(cassette)}\n{rig.log()}"
+    assert final["status"] == "failed", f"{final}\n{where}"
+    not_resumed = "deja exited 3 and the run was not resumed"
+    assert final["error"].startswith("the agent died 4 times without closing its run ("), where
+    assert final["error"].endswith(
+        "; ".join([not_resumed] * 3) + f"); 3 retries are spent. It can be resumed by hand: "
+        f"deja resume {cassette}"), where
+    assert rig.log().count("budgets must be a table of limits") == 3, where
+    assert rig.log().count(f"the run was not resumed; {cassette} is as it was") == 3, where
+    assert not TRACEBACK.search(rig.log()), where
+    left = load(cassette, keyring=Keyring.of(KEY), require_signature=True)
+    assert left.end is not None and left.end["status"] == "interrupted", where
+    assert len(left.observations) == 1, where  # the turn, once: nothing was cut or added
