@@ -18,6 +18,8 @@ once it has passed the last line.
 from __future__ import annotations
 
 import gc
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -34,20 +36,32 @@ WINDOW = 2 * _delta.WINDOW  # recent requests and answers kept while passing
 PARTS_SPAN = 128  # model lines passed with one Parts (what it remembers is let go after)
 
 
+_paused = 0  # readers inside no_cycle_collection, in every thread
+_was_enabled = False  # whether the collector was on when the first of them came in
+_pausing = threading.Lock()
+
+
 @contextmanager
 def no_cycle_collection() -> Iterator[None]:
     """The cyclic garbage collector paused while lines are read. They are JSON trees,
     which hold no reference cycles, and reading them allocates containers by the hundred
     thousand: each collection the allocations set off would go through all of them again
     (a fifth of a long cassette's load time). Reference counting still frees everything
-    as usual; the collector is enabled again after, as it was."""
-    was = gc.isenabled()
-    gc.disable()
+    as usual; the collector is enabled again after, as it was, once the last reader of
+    any thread is out (two readers that each looked for themselves could leave it off)."""
+    global _paused, _was_enabled
+    with _pausing:
+        if _paused == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _paused += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _pausing:
+            _paused -= 1
+            if _paused == 0 and _was_enabled:
+                gc.enable()
 
 
 class Window(dict[int, Any]):
@@ -69,34 +83,37 @@ class Window(dict[int, Any]):
 
 
 class Pass:
-    """The fingerprints of ``store``'s model lines, one line after the other (the caller
-    holds the store's lock and turns a fault into a named one)."""
+    """The fingerprints of ``store``'s model lines, one line after the other from line
+    ``start`` (the lines before it are passed already); the caller holds the store's lock
+    and turns a fault into a named one. The store is held weakly: the store holds its
+    pass, which must not keep it alive."""
 
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self.at = 0  # the first line not passed yet
+    def __init__(self, store: Store, start: int = 0) -> None:
+        ref = weakref.ref(store)
+        self._ref = ref
+        self.at = start  # the first line not passed yet
         self._models = 0  # model lines passed
         self._parts = Parts()
-        self._requests = Window(store.request)
-        self._replies = Window(store.replies.__getitem__)
+        self._requests = Window(lambda seq: _alive(ref).request(seq))
+        self._replies = Window(lambda seq: _alive(ref).replies[seq])
 
     def through(self, seq: int, stored: Any = None) -> None:
         """Pass every line up to ``seq`` (``stored``: line ``seq``'s request as the line
-        stores it, when the caller has parsed the line already); ``at`` is moved past
-        each line as it is done."""
-        heads = self._store.heads
+        stores it, when the caller has parsed the line already); ``at``, and the store's
+        ``matched``, are moved past each line as it is done."""
+        store = _alive(self._ref)
+        heads = store.heads
         while self.at <= seq:
             at = self.at
             if heads[at].kind == Kind.MODEL:
-                heads[at] = heads[at]._replace(fp=self._model(at, stored if at == seq
+                heads[at] = heads[at]._replace(fp=self._model(store, at, stored if at == seq
                                                               else None))
-            self.at = at + 1
+            self.at = store.matched = at + 1
 
-    def _model(self, seq: int, stored: Any) -> str:
+    def _model(self, store: Store, seq: int, stored: Any) -> str:
         """Model line ``seq``'s fingerprint, from its request rebuilt; the request (for the
         store too) and the answer it gives kept while the next lines may refer to them
         (given ``stored``, the line is not parsed again: the store finds its answer)."""
-        store = self._store
         if self._models % PARTS_SPAN == 0:
             self._parts = Parts()
         self._models += 1
@@ -113,3 +130,10 @@ class Pass:
             if reply is not None:
                 self._replies.put(seq, reply)
         return fp
+
+
+def _alive(ref: weakref.ref[Store]) -> Store:
+    store = ref()
+    if store is None:  # the store calls its pass: it is alive while the pass runs
+        raise ReferenceError("the cassette's store is gone")
+    return store

@@ -141,19 +141,19 @@ class Store:
         order (:class:`._fingerprints.Pass`; ``stored``: line ``seq``'s request as
         stored, the line parsed already). A line that cannot be rebuilt is a
         :class:`CorruptCassette`, for this call and every later one that needs it."""
-        if not isinstance(seq, int) or seq < self.matched:
+        if not isinstance(seq, int):
             return  # (a reference of another type is refused where it is followed)
+        last = min(seq, len(self.heads) - 1)
+        if last < self.matched:
+            return
         with self._passing:
-            if self._pass is None:
-                self._pass = _fingerprints.Pass(self)
-            last = min(seq, len(self.heads) - 1)
+            if self._pass is None:  # from where the last one stopped (lines were added)
+                self._pass = _fingerprints.Pass(self, self.matched)
             try:
                 with _fingerprints.no_cycle_collection():
                     self._pass.through(last, stored if last == seq else None)
             except _FAULTS as exc:
                 raise self.broken(self._pass.at, exc) from None
-            finally:
-                self.matched = self._pass.at
             if self.matched == len(self.heads):
                 self._pass = None  # all passed: what it kept is let go
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import json
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import recorder
 from recorder import providers
 from recorder.cassette import _delta, load
 from recorder.cassette.lines import Lines
+from recorder.cassette.reader import verified_prefix
 from recorder.cassette.rows import run_totals
 from recorder.cassette.schema import Kind
 from replayer.index import Index
@@ -184,3 +186,34 @@ def test_load_rebuilds_no_request_and_the_fingerprints_are_each_requests_own(
                                                      cassette.requests[head.seq])
         assert head.fp == line["fp"] == alone
     assert len({h.fp for h in heads}) == TURNS
+
+
+def test_each_request_is_rebuilt_once_by_repair_and_a_cassette_read_in_part_is_freed(
+        recorded: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``deja repair``'s reading (:func:`verified_prefix`) passes each line as it checks it:
+    every request is rebuilt once, not again from the first line for each line added. A
+    cassette one request of which was read is freed as soon as it is let go (its store
+    keeps the pass, which must not keep the store alive)."""
+    rebuilt: list[Any] = []
+    decode = _delta.decode
+
+    def counting(stored: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        rebuilt.append(stored)
+        return decode(stored, *args, **kwargs)
+
+    monkeypatch.setattr(_delta, "decode", counting)
+    prefix = verified_prefix(recorded)
+    assert prefix.fault is None and prefix.lines == TURNS + 2
+    assert len(rebuilt) == TURNS
+
+    cassette = load(recorded, require_signature=True)
+    assert cassette.requests[TURNS // 2]["messages"]
+    gone = weakref.ref(cassette.observations._store)  # type: ignore[attr-defined]
+    was = gc.isenabled()
+    gc.disable()  # reference counting alone
+    try:
+        del cassette
+        assert gone() is None
+    finally:
+        if was:
+            gc.enable()
