@@ -455,8 +455,8 @@ class SentDigests:
     order, so the state it has after the first bytes of a request is the state it has
     after the same bytes of any other: the state after each :attr:`BLOCK` bytes of the
     last few requests is kept, and a request is hashed on from the last block it shares
-    with one of them (found by comparing blocks, which is many times cheaper than hashing
-    them). The digest is exactly :func:`sent_digest`'s. Thread-safe."""
+    with one of them (found by comparing the bytes in place, many times cheaper than
+    hashing them). The digest is exactly :func:`sent_digest`'s. Thread-safe."""
 
     BLOCK = 4096
     MEMORY = 4  # recent requests compared with a new one (conversations may interleave)
@@ -474,21 +474,40 @@ class SentDigests:
         with self._lock:
             recent = list(self._recent)
         shared, states = 0, []
-        for body, kept in recent:
-            n, most = 0, min(len(kept), blocks)
-            while n < most and data[n * size:(n + 1) * size] == body[n * size:(n + 1) * size]:
-                n += 1
-            if n > shared:
-                shared, states = n, kept
+        for body, kept in reversed(recent):  # the latest first: it shares the most, mostly
+            most = min(len(kept), blocks)
+            if most > shared:
+                n = _shared_blocks(data, memoryview(body), most, size)
+                if n > shared:
+                    shared, states = n, kept
         states = states[:shared]  # the state after each block, the first `shared` as kept
         hashed = states[-1].copy() if states else hashlib.sha256()
+        view = memoryview(data)
         for n in range(shared, blocks):
-            hashed.update(data[n * size:(n + 1) * size])
+            hashed.update(view[n * size:(n + 1) * size])
             states.append(hashed.copy())
-        hashed.update(data[blocks * size:])
+        hashed.update(view[blocks * size:])
         with self._lock:
             self._recent.append((data, states))
         return _encoded(hashed)
+
+
+def _shared_blocks(data: bytes, body: memoryview, most: int, size: int) -> int:
+    """How many first blocks of ``size`` bytes ``data`` and ``body`` have in common, at
+    most ``most``: compared in place (``startswith`` a view copies nothing). A request
+    repeats the one before it up to the end of that one's history, which ends in its last
+    whole block or the one before: those are tried first, then the count is halved."""
+    for n in (most, most - 1):
+        if n <= 0 or data.startswith(body[:n * size]):
+            return max(n, 0)
+    lo, hi = 0, most - 2  # data and body share lo blocks; not more than hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if data.startswith(body[:mid * size]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def response_record(resp: HttpResponse, redaction: Redaction) -> dict[str, Any]:
