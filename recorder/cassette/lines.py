@@ -135,12 +135,14 @@ class Store:
         self.request_headers.append(request_headers)
         self.providers.append(provider)
 
-    def through(self, seq: int, stored: Any = None) -> None:
+    def through(self, seq: int, stored: Any = None, *, more: bool = False) -> None:
         """Every model line up to line ``seq`` has its fingerprint in its head, and its
         request can be rebuilt: the lines not passed yet up to it are passed, in file
         order (:class:`._fingerprints.Pass`; ``stored``: line ``seq``'s request as
-        stored, the line parsed already). A line that cannot be rebuilt is a
-        :class:`CorruptCassette`, for this call and every later one that needs it."""
+        stored, the line parsed already; ``more``: lines are being added, and the pass is
+        kept for them, with what it remembers, past the last line). A line that cannot be
+        rebuilt is a :class:`CorruptCassette`, for this call and every later one that
+        needs it."""
         if not isinstance(seq, int):
             return  # (a reference of another type is refused where it is followed)
         last = min(seq, len(self.heads) - 1)
@@ -154,7 +156,7 @@ class Store:
                     self._pass.through(last, stored if last == seq else None)
             except _FAULTS as exc:
                 raise self.broken(self._pass.at, exc) from None
-            if self.matched == len(self.heads):
+            if self.matched == len(self.heads) and not more:
                 self._pass = None  # all passed: what it kept is let go
 
     def rebuilt(self, seq: int, request: Any) -> None:

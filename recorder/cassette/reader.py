@@ -352,7 +352,7 @@ def verified_prefix(path: str | Path, *, keyring: Keyring | None = None) -> Pref
         for index in range(1, len(lines)):
             try:
                 _take(lines, index, key, v1, body, path)
-                body.store.through(index - 1)  # its request rebuilds, as a replay needs
+                body.store.through(index - 1, more=True)  # its request rebuilds
             except (CorruptCassette, SignatureError) as exc:
                 fault = exc
                 break

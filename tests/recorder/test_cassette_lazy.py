@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 import recorder
-from recorder import providers
+from recorder import canonical, providers
 from recorder.cassette import _delta, load
 from recorder.cassette.lines import Lines
 from recorder.cassette.reader import verified_prefix
@@ -201,10 +201,23 @@ def test_each_request_is_rebuilt_once_by_repair_and_a_cassette_read_in_part_is_f
         rebuilt.append(stored)
         return decode(stored, *args, **kwargs)
 
+    hashed: list[Any] = []
+    digest = canonical.digest
+
+    def hashing(value: Any) -> str:
+        hashed.append(value)
+        return digest(value)
+
     monkeypatch.setattr(_delta, "decode", counting)
+    monkeypatch.setattr(canonical, "digest", hashing)
+    load(recorded, require_signature=True).observations.heads  # noqa: B018
+    once = len(hashed)  # one pass: each item of a history hashed once
+    assert len(rebuilt) == TURNS
+    rebuilt.clear()
+    hashed.clear()
     prefix = verified_prefix(recorded)
     assert prefix.fault is None and prefix.lines == TURNS + 2
-    assert len(rebuilt) == TURNS
+    assert len(rebuilt) == TURNS and len(hashed) == once  # not again from line 0, each line
 
     cassette = load(recorded, require_signature=True)
     assert cassette.requests[TURNS // 2]["messages"]
