@@ -97,6 +97,17 @@ class Rig:
     def log(self) -> str:
         return self.worker.log() if self.worker else ""
 
+    def run_script(self, name: str, source: str) -> tuple[str, Path, dict[str, Any], str]:
+        """Start the worker, run ``source`` as the agent ``name`` until its run ends: the
+        run's id, its cassette, its final record, and what to show when an assert fails."""
+        (self.folder / name).write_text(source)
+        self.start()
+        run_id = submit(self.runs, self.cassettes, {"command": [sys.executable, name],
+                                                    "cwd": str(self.folder)})
+        cassette = self.cassettes / f"{run_id}.jsonl"
+        final = self.ended(run_id)
+        return run_id, cassette, final, f"run {run_id}\n{story(cassette)}\n{self.log()}"
+
     def wait(self, what: str, probe: Any, every: float = 0.05) -> Any:
         deadline = time.monotonic() + TIMEOUT
         while True:
@@ -228,13 +239,7 @@ def test_an_agent_that_keeps_dying_fails_with_the_reason_once_retries_are_spent(
         rig: Rig) -> None:
     """Four deaths, one more than the retries: the run fails and says why, in one line of
     the worker's output; its cassette is left open, for a resume by hand."""
-    (rig.folder / "doomed.py").write_text(DOOMED)
-    rig.start()
-    run_id = submit(rig.runs, rig.cassettes, {"command": [sys.executable, "doomed.py"],
-                                              "cwd": str(rig.folder)})
-    cassette = rig.cassettes / f"{run_id}.jsonl"
-    final = rig.ended(run_id)
-    where = f"run {run_id}\n{story(cassette)}\n{rig.log()}"
+    run_id, cassette, final, where = rig.run_script("doomed.py", DOOMED)
     assert final["status"] == "failed", f"{final}\n{where}"
     assert final["error"] == (
         "the agent died 4 times without closing its run ("
@@ -270,13 +275,7 @@ def test_a_run_whose_resume_cannot_start_fails_with_the_reason_and_its_cassette_
     """Each resume is refused before it runs (exit status 3) and leaves the cassette as it
     found it, its end line put back: each counts as an attempt that failed, not as the end
     line's disk error, and once the retries are spent the run fails saying why."""
-    (rig.folder / "unresumable.py").write_text(UNRESUMABLE)
-    rig.start()
-    run_id = submit(rig.runs, rig.cassettes, {"command": [sys.executable, "unresumable.py"],
-                                              "cwd": str(rig.folder)})
-    cassette = rig.cassettes / f"{run_id}.jsonl"
-    final = rig.ended(run_id)
-    where = f"run {run_id}\n{story(cassette)}\n{rig.log()}"
+    _, cassette, final, where = rig.run_script("unresumable.py", UNRESUMABLE)
     assert final["status"] == "failed", f"{final}\n{where}"
     not_resumed = "deja exited 3 and the run was not resumed"
     assert final["error"].startswith("the agent died 4 times without closing its run ("), where
