@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from recorder import effects, providers
@@ -115,7 +116,7 @@ class StepLines:
             redacted = self._urls[url] = self.redaction.url(url)
         return redacted
 
-    def _request_headers(self, headers: list[tuple[str, str]],
+    def _request_headers(self, headers: Sequence[tuple[str, str]],
                          provider: str | None) -> list[list[str]]:
         """:func:`semantic_headers` of a request, worked out once for each set of headers
         it keeps (a header's value that changes every call, such as ``content-length``, is

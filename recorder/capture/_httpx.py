@@ -10,7 +10,7 @@ On replay it serves the recorded bytes without touching the network.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -21,9 +21,34 @@ from recorder.errors import DejaError, sdk_passthrough
 _CLASSES: dict[tuple[str, str], type] = {}
 
 
+class _Headers(Sequence[tuple[str, str]]):
+    """An httpx request's headers as ``(name, value)`` pairs, decoded when first read: a
+    replay that knows a request by its bytes never reads them."""
+
+    __slots__ = ("_pairs", "_real")
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        self._pairs: list[tuple[str, str]] | None = None
+
+    def _list(self) -> list[tuple[str, str]]:
+        if self._pairs is None:
+            self._pairs = self._real.multi_items()  # a new list each call
+        return self._pairs
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._list()[index]
+
+    def __len__(self) -> int:
+        return len(self._list())
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(self._list())
+
+
 def _request(real: Any, body: bytes) -> HttpRequest:
-    return HttpRequest(method=real.method, url=str(real.url),
-                       headers=real.headers.multi_items(), body=body)  # a new list each call
+    return HttpRequest(method=real.method, url=str(real.url), headers=_Headers(real.headers),
+                       body=body)
 
 
 def _response_meta(real: Any) -> HttpResponse:

@@ -19,7 +19,7 @@ import json
 import math
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -52,7 +52,7 @@ RETRYABLE_STATUSES = frozenset({408, 409, 429}) | frozenset(range(500, 600))
 class HttpRequest:
     method: str
     url: str
-    headers: list[tuple[str, str]]
+    headers: Sequence[tuple[str, str]]
     body: bytes
     original_body: bytes | None = None  # set when a guard rewrote the body (clamping)
     # (kind, provider, body) once classified, so that recording does it once per exchange
