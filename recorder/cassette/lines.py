@@ -235,9 +235,7 @@ class Store:
             headers = self.response_headers(seq, line)
             response.pop("headers_base", None)
             response["headers"] = headers
-            doc = compact.restore_body(response, fast=fast)
-            if doc is not compact.NO_DOC:
-                self._docs.keep(seq, doc)
+            compact.restore_body(response, fast=fast)
             _servable(response, out.get("error"))
         except _FAULTS as exc:
             raise self.broken(seq, exc) from None
@@ -373,15 +371,14 @@ class Store:
 def _servable(response: dict[str, Any], error: Any) -> None:
     """A ``TypeError`` unless ``response`` has the types a replay serves (what restoring a
     whole line checks by reading them): a signed line deja never wrote is refused as
-    corrupt, never served half-read."""
+    corrupt, never served half-read. Each header is a pair of strings already: load
+    checked every line's pairs and edits, and restoring only puts those together."""
     status, headers = response.get("status"), response.get("headers")
     if not (isinstance(status, int) and not isinstance(status, bool)
             and isinstance(response.get("body"), str)
             and isinstance(response.get("reason"), str)
             and isinstance(response.get("encoding"), str | None)
-            and isinstance(error, dict | None) and isinstance(headers, list)
-            and all(isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], str)
-                    and isinstance(pair[1], str) for pair in headers)):
+            and isinstance(error, dict | None) and isinstance(headers, list)):
         raise TypeError("a response field of a type deja never writes")
 
 
