@@ -34,6 +34,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
+from recorder.capture.exchange import header_bytes
 from recorder.serving import is_loopback
 
 __all__ = ["HOP_BY_HOP", "Callers", "ProxyError", "error_body", "forwardable", "hop_by_hop",
@@ -95,8 +96,7 @@ def served_headers(headers: Sequence[tuple[str, str]], body_length: int | None
     ``body_length`` when the whole body is known (else the server frames the body itself,
     chunked)."""
     drop = hop_by_hop(headers)
-    out = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers
-           if k.lower() not in drop]
+    out = header_bytes([(k.lower(), v) for k, v in headers if k.lower() not in drop])
     if body_length is not None:
         out.append((b"content-length", str(body_length).encode("ascii")))
     return out

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
-from recorder.capture.exchange import HttpRequest, HttpResponse
+from recorder.capture.exchange import HttpRequest, HttpResponse, header_bytes
 from recorder.capture.session import Session, Timing, stopping
 from recorder.errors import DejaError, sdk_passthrough
 
@@ -60,11 +60,15 @@ def _served(httpx: ModuleType, request: Any, served: HttpResponse) -> Any:
     error = served.extra.get("error")
     if error and not served.extra.get("has_response"):
         raise _transport_error(httpx, error, request)
-    stream_cls = _replay_stream_class(httpx)
-    return httpx.Response(
-        served.status, headers=served.headers, stream=stream_cls(served.body, error, request),
-        extensions={"reason_phrase": served.reason.encode("ascii", "replace"),
-                    "http_version": b"HTTP/1.1"})
+    stream = _replay_stream_class(httpx)(served.body, error, request)
+    extensions = {"reason_phrase": served.reason.encode("ascii", "replace"),
+                  "http_version": b"HTTP/1.1"}
+    try:
+        return httpx.Response(served.status, headers=served.headers, stream=stream,
+                              extensions=extensions)
+    except UnicodeEncodeError:  # httpx takes a header given as text to be ASCII
+        return httpx.Response(served.status, headers=header_bytes(served.headers),
+                              stream=stream, extensions=extensions)
 
 
 def _transport_error(httpx: ModuleType, error: dict[str, Any], request: Any) -> Exception:
@@ -203,6 +207,10 @@ def _begin(session: Session, httpx: ModuleType, request: Any, req: HttpRequest) 
         served = session.begin_http(req)
     except DejaError as exc:
         raise sdk_passthrough(exc) from None
+    if served is None:
+        # the headers as sent, read before anything changes them (below, or an auth flow
+        # answering this request's 401); a request served from the cassette never reads them
+        req.headers = list(req.headers)
     if served is None and req.original_body is not None:  # a guard rewrote the body
         request.headers["content-length"] = str(len(req.body))
         request.stream = httpx.ByteStream(req.body)

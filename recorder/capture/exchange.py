@@ -81,6 +81,20 @@ class HttpResponse:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def header_bytes(headers: Sequence[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    """Response headers (as a recording keeps them: text) as the bytes to serve. A recording
+    keeps what it read: the proxy reads every header as Latin-1, httpx as UTF-8 when all
+    of them are UTF-8, else as Latin-1. Latin-1 bytes when every character is one (the
+    bytes received, for a header read as Latin-1; read back by httpx as the same text
+    either way), else UTF-8 (what httpx read them as; a lone surrogate, which no recording
+    reads, as its three bytes, so that it is served, never an error)."""
+    try:
+        return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+    except UnicodeEncodeError:
+        return [(k.encode("utf-8", "surrogatepass"), v.encode("utf-8", "surrogatepass"))
+                for k, v in headers]
+
+
 def upstream(url: str) -> str:
     """The host (and port) ``url`` goes to, without userinfo: what the breaker counts by."""
     return urlsplit(url).netloc.rpartition("@")[2]

@@ -14,10 +14,15 @@ patches for as long as the session is active.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import importlib
+import io
 import threading
 import time
 from typing import Any
+from unittest import mock
+
+import vcr.stubs as vcr_stubs
 
 from recorder.capture import _httpx as _httpx_stub
 from recorder.capture.exchange import HttpRequest, HttpResponse
@@ -31,9 +36,42 @@ def _vcr_headers(headers: Any) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for key, value in dict(headers or {}).items():
         values = value if isinstance(value, (list, tuple)) else [value]
-        out.extend((str(key), v.decode("latin-1") if isinstance(v, bytes) else str(v))
-                   for v in values)
+        out.extend((_text(key), _text(v)) for v in values)
     return out
+
+
+def _text(value: Any) -> str:
+    """A header as a cassette holds it: bytes read as Latin-1, as http.client reads them;
+    a text aiohttp read with the bytes that are not UTF-8 escaped (lone surrogates, which
+    no cassette line can hold) read as Latin-1 too."""
+    if isinstance(value, bytes):
+        return value.decode("latin-1")
+    text = str(value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            raw = text.encode("utf-8", "surrogateescape")  # the bytes aiohttp read
+        except UnicodeEncodeError:
+            raw = text.encode("utf-8", "surrogatepass")
+        return raw.decode("latin-1")
+    return text
+
+
+def _parse_headers(header_list: dict[str, list[str]]) -> Any:
+    """vcrpy's stub response headers, as http.client reads a response's: vcrpy writes them
+    out as UTF-8 for http.client to read back as Latin-1, which turns every character
+    that is not ASCII into two or three. Written as Latin-1 they read back as they were
+    (a character Latin-1 has not, which http.client never reads, as UTF-8)."""
+    lines = []
+    for key, values in header_list.items():
+        for value in values:
+            line = f"{key}:{value}\r\n"
+            try:
+                lines.append(line.encode("latin-1"))
+            except UnicodeEncodeError:
+                lines.append(line.encode("utf-8", "surrogatepass"))
+    return http.client.parse_headers(io.BytesIO(b"".join(lines)))
 
 
 def _vcr_body(body: Any) -> bytes:
@@ -148,5 +186,7 @@ def install(session: Session):
     with contextlib.ExitStack() as stack:
         for patcher in CassettePatcherBuilder(bridge).build():
             stack.enter_context(patcher)
+        if callable(getattr(vcr_stubs, "parse_headers", None)):
+            stack.enter_context(mock.patch.object(vcr_stubs, "parse_headers", _parse_headers))
         yield bridge
 
