@@ -381,6 +381,8 @@ class ReplaySession(session.Session, Source, mcp.McpSeam, mcp.McpSource):
     def response_of(self, obs: Mapping[str, Any]) -> HttpResponse:
         try:  # a signed line deja never wrote is a CorruptCassette, never an SDK traceback
             error = obs.get("error")
+            if not error and "response" not in obs:
+                raise KeyError("an exchange with neither a response nor an error")
             served = response_from_record(obs["response"]) if "response" in obs else \
                 HttpResponse(status=0, headers=[], body=b"")
             if error:

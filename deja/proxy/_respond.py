@@ -155,9 +155,10 @@ class Responder:
                                              f"{error.get('message')}")
         headers = served_headers(served.headers, None if stream else len(body))
         headers.append((RUN_ID_HEADER, run.run_id.encode()))
-        ex.status, ex.started, ex.note = served.status, True, "replayed"
+        ex.status, ex.note = served.status, "replayed"
         await send({"type": "http.response.start", "status": served.status,
                     "headers": headers})
+        ex.started = True  # once sent: a start the server refused is not a response under way
         await send({"type": "http.response.body", "body": body, "more_body": False})
         run.last_failed = served.status >= 400 or refused
         run.answered = time.time()

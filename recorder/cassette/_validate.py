@@ -165,6 +165,8 @@ _MCP_SERVER: tuple[_Fields, _Fields] = (
     {"transport": (str,)}, {"command": (list,), "url": (str,), "name": (str,), "version": (str,)})
 _RESPONSE = {"status": (int,), "headers": (list,), "body": (str,), "reason": (str,),
              "encoding": (str, _OPTIONAL), "headers_base": (int, _OPTIONAL)}
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # a header name (RFC 9110, 5.6.2)
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a header value: no line, no NUL
 
 
 def _kind_name(value: tuple[type, ...]) -> str:
@@ -277,13 +279,50 @@ def _check_headers(response: dict[str, Any], line: dict[str, Any], what: str, pa
     edits = shared and _headers.is_edits(headers)
     for item in headers:
         if isinstance(item, list) and len(item) == 2 and all(isinstance(p, str) for p in item):
+            _check_header(item[0], item[1], what, path, seq)
             continue
-        if (item is None and shared and not edits) or (edits and isinstance(item, int | str)
+        if edits and isinstance(item, str):
+            _check_header(None, item, what, path, seq)
+            continue
+        if (item is None and shared and not edits) or (edits and isinstance(item, int)
                                                        and not isinstance(item, bool)):
             continue
         raise CorruptCassette(f"{path}: {what}: a response header is not a [name, value] "
                               "pair of strings (null or an edit only with a headers_base)",
                               path=path, seq=seq)
+
+
+def _check_header(name: str | None, value: str, what: str, path: Path, seq: int) -> None:
+    """A header an HTTP client could have received: its name a token, its value without
+    a line break or another control character (served, such a value would end the header
+    block or write a header of its own)."""
+    if name is not None and not _TOKEN.fullmatch(name):
+        raise CorruptCassette(f"{path}: {what}: response header name {name[:40]!r} is no "
+                              "HTTP header name", path=path, seq=seq)
+    if _CONTROL.search(value):
+        raise CorruptCassette(f"{path}: {what}: response header {name or '(an edit)'!r} holds "
+                              "a line break or a control character", path=path, seq=seq)
+
+
+def _check_response(response: dict[str, Any], what: str, path: Path, seq: int) -> None:
+    """A response an HTTP client could have received: a status of 100-599 (RFC 9110: any
+    other is invalid), no body on a status that has none, a reason phrase on one line, a
+    body encoding deja writes."""
+    status = response["status"]
+    if not 100 <= status <= 599:
+        raise CorruptCassette(f"{path}: {what}: response status {status} is no HTTP status "
+                              "(100-599)", path=path, seq=seq)
+    if (status < 200 or status in (204, 304)) and (response.get("body") or "body_json" in response):
+        raise CorruptCassette(f"{path}: {what}: a {status} response has no body, and this "
+                              "one holds one", path=path, seq=seq)
+    if response.get("encoding") not in (None, "base64"):
+        raise CorruptCassette(f"{path}: {what}: response body encoding "
+                              f"{str(response['encoding'])[:40]!r} is not one deja writes",
+                              path=path, seq=seq)
+    reason = response.get("reason")
+    if isinstance(reason, str) and _CONTROL.search(reason):
+        raise CorruptCassette(f"{path}: {what}: its reason phrase holds a line break or a "
+                              "control character", path=path, seq=seq)
 
 
 def _check_base64(body: str, what: str, path: Path, seq: int) -> None:
@@ -326,6 +365,7 @@ def check_line(line: dict[str, Any], path: Path, seq: int) -> None:
         if kind == Kind.HTTP or "body_json" not in response:
             required["body"] = (str,)
         _check_fields(response, required, _RESPONSE, f"{what} response", path, seq)
+        _check_response(response, what, path, seq)
         _check_headers(response, line, what, path, seq)
         if response.get("encoding") == "base64" and "body" in response:
             _check_base64(response["body"], what, path, seq)
