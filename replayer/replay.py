@@ -380,11 +380,9 @@ class ReplaySession(session.Session, Source, mcp.McpSeam, mcp.McpSource):
 
     def response_of(self, obs: Mapping[str, Any]) -> HttpResponse:
         try:  # a signed line deja never wrote is a CorruptCassette, never an SDK traceback
-            error = obs.get("error")
-            if not error and "response" not in obs:
-                raise KeyError("an exchange with neither a response nor an error")
-            served = response_from_record(obs["response"]) if "response" in obs else \
-                HttpResponse(status=0, headers=[], body=b"")
+            error = obs.get("error")  # (neither a response nor an error: a KeyError)
+            served = response_from_record(obs["response"]) if "response" in obs or not error \
+                else HttpResponse(status=0, headers=[], body=b"")
             if error:
                 served.extra.update(error=error, has_response=bool(error.get("has_response")))
         except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
