@@ -305,20 +305,24 @@ class Redaction:
                       ) -> tuple[bytes, list[tuple[str, str]]]:
         """A response body and its headers as stored: secrets out of the body (an SSE
         stream's assembled deltas included; a gzip or deflate body is redacted decoded
-        and encoded again), ``content-length`` matching what is stored."""
+        and encoded again), ``content-length`` matching what is stored.
+
+        A client that decodes a body itself (requests, urllib3, aiohttp) hands over the
+        decoded bytes under the ``content-encoding`` header they came with: a body that
+        does not decompress as its header says, or one said to be br or zstd (which are
+        not read here) that is UTF-8 text, is redacted as it is."""
         if not body or not (self.rules or self._patterns_re):
             return body, headers
         lowered = {k.lower(): v for k, v in headers}
         coding = lowered.get("content-encoding", "").strip().lower()
-        if coding in ("", "identity"):
-            plain = body
-        elif coding in ("gzip", "x-gzip", "deflate"):
+        plain = body
+        if coding in ("gzip", "x-gzip", "deflate"):
             try:
                 plain = _decompress(body, coding)
             except zlib.error:
-                return body, headers
-        else:  # br, zstd: not readable here; stored as received
-            return body, headers
+                pass
+        elif coding not in ("", "identity") and not _is_text(body):
+            return body, headers  # br, zstd compressed: stored as received
         from recorder import providers
 
         # A stream is read as its text (its events, whatever the framing), redacted there
@@ -418,6 +422,15 @@ def _pattern_spans(pattern: re.Pattern[str], data: bytes) -> list[tuple[int, int
         end = start + len(m.group(0).encode(codec, "surrogateescape"))
         out.append((start, end, repl.encode(codec, "surrogateescape")))
     return out
+
+
+def _is_text(body: bytes) -> bool:
+    """Is ``body`` UTF-8 text (compressed bytes, past a few, hardly ever are)?"""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _decompress(body: bytes, coding: str) -> bytes:
