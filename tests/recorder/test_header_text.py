@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import urllib.request
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import aiohttp
 import httpx2
 import pytest
 import requests
+from conftest import http_server
 
 import recorder
 import replayer
@@ -72,15 +72,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server() -> Iterator[str]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                              daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join(timeout=5)
+    with http_server(_Handler) as base:
+        yield base
 
 
 @pytest.mark.parametrize("extra", [UTF8, LATIN1], ids=["utf-8", "latin-1"])

@@ -20,16 +20,16 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import pytest
 import secret_agent
 from click.testing import CliRunner
+from conftest import http_server
 from secret_agent import OtlpReceiver, leaks, placements
 
 import recorder
@@ -182,16 +182,8 @@ def _script(s: dict[str, str]) -> dict[str, Any]:
 
 @pytest.fixture
 def service() -> Iterator[str]:
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Service)
-    httpd.daemon_threads = True
-    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05},
-                              daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with http_server(_Service) as base:
+        yield base
 
 
 def export_all(cassettes: list[Path], out: Path) -> list[Path]:
