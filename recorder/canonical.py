@@ -65,24 +65,62 @@ def decode_body(text: str, encoding: str | None) -> bytes:
     return text.encode("utf-8")
 
 
+CODINGS = ("gzip", "x-gzip", "deflate")  # the content codings deja reads and writes
+
+
+def content_coding(headers: Iterable[Sequence[str]]) -> str:
+    """A response's ``content-encoding``, lower case ("" when it has none)."""
+    coding = next((v for k, v in headers if k.lower() == "content-encoding"), "")
+    return coding.strip().lower()
+
+
+def decompress(body: bytes, coding: str) -> bytes:
+    """``body`` decompressed as ``coding`` (one of :data:`CODINGS`; deflate also raw, as
+    some servers send it); :class:`zlib.error` when it does not decompress."""
+    if coding == "deflate":
+        try:
+            return zlib.decompress(body)
+        except zlib.error:
+            return zlib.decompress(body, -zlib.MAX_WBITS)
+    return zlib.decompress(body, 16 + zlib.MAX_WBITS)
+
+
+def compress(body: bytes, coding: str) -> bytes:
+    """``body`` compressed as ``coding`` (one of :data:`CODINGS`), the same every time."""
+    if coding == "deflate":
+        return zlib.compress(body)
+    import gzip
+
+    return gzip.compress(body, mtime=0)
+
+
 def content_decoded(body: bytes, headers: Iterable[Sequence[str]]) -> bytes:
     """A response body as its ``content-encoding`` header says to read it: gzip or deflate
     decompressed (what the SDK reads, and what usage and stop reason are read from; the
     body is stored as received); any other body, or one that does not decompress, as it
     is."""
-    coding = next((v for k, v in headers if k.lower() == "content-encoding"), "")
-    coding = coding.strip().lower()
-    if not body or coding not in ("gzip", "x-gzip", "deflate"):
+    coding = content_coding(headers)
+    if not body or coding not in CODINGS:
         return body
     try:
-        if coding != "deflate":
-            return zlib.decompress(body, 16 + zlib.MAX_WBITS)
-        try:
-            return zlib.decompress(body)
-        except zlib.error:  # raw deflate, as some servers send it
-            return zlib.decompress(body, -zlib.MAX_WBITS)
+        return decompress(body, coding)
     except zlib.error:
         return body
+
+
+def content_encoded(body: bytes, headers: Iterable[Sequence[str]]) -> bytes:
+    """A body a client handed over decoded, as the wire had it: compressed again as its
+    ``content-encoding`` header says (gzip or deflate) when it does not decompress as
+    that header says; any other body as it is. The bytes are not the server's, but they
+    decompress to what it sent."""
+    coding = content_coding(headers)
+    if not body or coding not in CODINGS:
+        return body
+    try:
+        decompress(body, coding)
+    except zlib.error:
+        return compress(body, coding)
+    return body
 
 
 def http_target(url: str) -> str:

@@ -44,6 +44,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from recorder.canonical import content_encoded
 from recorder.capture.exchange import HttpRequest, HttpResponse, Redaction
 from recorder.capture.session import Timing
 from recorder.cassette import Fsync
@@ -156,10 +157,12 @@ def _response(raw: Any) -> HttpResponse:
     if isinstance(code, bool) or not isinstance(code, int) or not 100 <= code <= 599:
         raise ValueError(f"its response status code is {code!r}, not an HTTP status")
     body = raw.get("body")
+    headers = _header_pairs(raw.get("headers"))
+    data = _bytes(body.get("string") if isinstance(body, Mapping) else body, "the response body")
+    # vcrpy keeps what the client handed it, which requests and aiohttp decode: stored as
+    # the wire had it (recorder.capture.vcr), so that any client replays it
     return HttpResponse(status=code, reason=_text(status.get("message") or ""),
-                        headers=_header_pairs(raw.get("headers")),
-                        body=_bytes(body.get("string") if isinstance(body, Mapping) else body,
-                                    "the response body"))
+                        headers=headers, body=content_encoded(data, headers))
 
 
 def _date(headers: list[tuple[str, str]]) -> float | None:

@@ -49,6 +49,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from recorder.canonical import CODINGS, compress, content_coding, decompress
 from recorder.capture._secrets import (
     _MARK,
     REDACTED,
@@ -307,18 +308,18 @@ class Redaction:
         stream's assembled deltas included; a gzip or deflate body is redacted decoded
         and encoded again), ``content-length`` matching what is stored.
 
-        A client that decodes a body itself (requests, urllib3, aiohttp) hands over the
-        decoded bytes under the ``content-encoding`` header they came with: a body that
-        does not decompress as its header says, or one said to be br or zstd (which are
-        not read here) that is UTF-8 text, is redacted as it is."""
+        A body that does not decompress as its header says, or one said to be br or zstd
+        (which are not read here) that is UTF-8 text, is redacted as it is: a client that
+        decodes a body itself (requests, urllib3, aiohttp) hands over the decoded bytes
+        under the ``content-encoding`` header they came with, and only gzip and deflate
+        are compressed again before they get here (:mod:`recorder.capture.vcr`)."""
         if not body or not (self.rules or self._patterns_re):
             return body, headers
-        lowered = {k.lower(): v for k, v in headers}
-        coding = lowered.get("content-encoding", "").strip().lower()
+        coding = content_coding(headers)
         plain = body
-        if coding in ("gzip", "x-gzip", "deflate"):
+        if coding in CODINGS:
             try:
-                plain = _decompress(body, coding)
+                plain = decompress(body, coding)
             except zlib.error:
                 pass
         elif coding not in ("", "identity") and not _is_text(body):
@@ -335,7 +336,7 @@ class Redaction:
             return body, headers
         if carriage is not None:
             clean = carriage.restream(plain, clean)
-        stored = clean if plain is body else _compress(clean, coding)
+        stored = clean if plain is body else compress(clean, coding)
         fixed = [(k, str(len(stored)) if k.lower() == "content-length" else v)
                  for k, v in headers]
         return stored, fixed
@@ -432,22 +433,6 @@ def _is_text(body: bytes) -> bool:
         return False
     return True
 
-
-def _decompress(body: bytes, coding: str) -> bytes:
-    if coding == "deflate":
-        try:
-            return zlib.decompress(body)
-        except zlib.error:
-            return zlib.decompress(body, -zlib.MAX_WBITS)
-    return zlib.decompress(body, 16 + zlib.MAX_WBITS)
-
-
-def _compress(body: bytes, coding: str) -> bytes:
-    if coding == "deflate":
-        return zlib.compress(body)
-    import gzip
-
-    return gzip.compress(body, mtime=0)
 
 def _redact_pointer(doc: Any, pointer: str) -> None:
     parts = [p.replace("~1", "/").replace("~0", "~") for p in pointer.strip("/").split("/")]

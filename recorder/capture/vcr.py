@@ -14,22 +14,32 @@ patches for as long as the session is active.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import http.client
 import importlib
 import io
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
 import vcr.stubs as vcr_stubs
 
+from recorder.canonical import content_decoded, content_encoded
 from recorder.capture import _httpx as _httpx_stub
 from recorder.capture.exchange import HttpRequest, HttpResponse
 from recorder.capture.session import Session, Timing
 from recorder.errors import DejaError
 
 _HTTPX_MODULES = ("httpx", "httpx2")
+
+# Set while a stub of a client that decodes a response body itself (urllib3, so requests
+# and botocore; aiohttp) records or serves an exchange: the body vcrpy takes from it is
+# decoded, and the one it hands it must be.
+_DECODES: contextvars.ContextVar[bool] = contextvars.ContextVar("deja_vcr_decodes",
+                                                                default=False)
 
 
 def _vcr_headers(headers: Any) -> list[tuple[str, str]]:
@@ -143,17 +153,19 @@ class _VcrBridge:
         headers: dict[str, list[str]] = {}
         for key, value in served.headers:
             headers.setdefault(key, []).append(value)
+        body = content_decoded(served.body, served.headers) if _DECODES.get() else served.body
         return {"status": {"code": served.status, "message": served.reason},
-                "headers": headers, "body": {"string": served.body}}
+                "headers": headers, "body": {"string": body}}
 
     def append(self, vcr_request: Any, vcr_response: dict[str, Any]) -> None:
         with self._lock:
             start, t0 = self._starts.pop(id(vcr_request), (time.time(), time.perf_counter()))
         status = vcr_response.get("status", {})
+        headers = _vcr_headers(vcr_response.get("headers"))
+        body = _vcr_body((vcr_response.get("body") or {}).get("string"))
         response = HttpResponse(status=int(status.get("code", 0)),
-                                reason=str(status.get("message") or ""),
-                                headers=_vcr_headers(vcr_response.get("headers")),
-                                body=_vcr_body((vcr_response.get("body") or {}).get("string")))
+                                reason=str(status.get("message") or ""), headers=headers,
+                                body=content_encoded(body, headers) if _DECODES.get() else body)
         timing = Timing(start, (time.perf_counter() - t0) * 1000)
         self._session.end_http(_from_vcr_request(vcr_request), response, timing)
 
@@ -177,6 +189,52 @@ def _httpx_patches(session: Session) -> list[tuple[Any, str, Any]]:
     return patches
 
 
+def _of_urllib3(stub: type) -> bool:
+    """A vcrpy connection stub standing in for a connection of urllib3's (requests',
+    botocore's), which vcrpy records through urllib3's decoding ``data``."""
+    return any(c.__module__.partition(".")[0] == "urllib3" for c in stub.__mro__)
+
+
+def _decoding_patches() -> Iterator[Any]:
+    """Patches that tell the bridge when the client whose exchange a stub handles decodes
+    bodies itself (:data:`_DECODES`): a connection of urllib3's, and aiohttp. A body is
+    stored as the wire had it, compressed as its ``content-encoding`` says, whichever
+    client recorded it, so that any client replays it (httpx and the proxy hand the
+    bytes on; urllib3 and aiohttp, under vcrpy, hand their program what they are given)."""
+    getresponse = vcr_stubs.VCRConnection.getresponse
+
+    def decoding_getresponse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        token = _DECODES.set(_of_urllib3(type(self)))
+        try:
+            return getresponse(self, *args, **kwargs)
+        finally:
+            _DECODES.reset(token)
+
+    yield mock.patch.object(vcr_stubs.VCRConnection, "getresponse", decoding_getresponse)
+    if "aiohttp" not in sys.modules:
+        return  # vcrpy patches aiohttp only once it is imported
+    from vcr.stubs import aiohttp_stubs
+
+    play, record = aiohttp_stubs.play_responses, aiohttp_stubs.record_response
+
+    def decoding_play(*args: Any, **kwargs: Any) -> Any:
+        token = _DECODES.set(True)
+        try:
+            return play(*args, **kwargs)
+        finally:
+            _DECODES.reset(token)
+
+    async def decoding_record(*args: Any, **kwargs: Any) -> Any:
+        token = _DECODES.set(True)
+        try:
+            return await record(*args, **kwargs)
+        finally:
+            _DECODES.reset(token)
+
+    yield mock.patch.object(aiohttp_stubs, "play_responses", decoding_play)
+    yield mock.patch.object(aiohttp_stubs, "record_response", decoding_record)
+
+
 @contextlib.contextmanager
 def install(session: Session):
     """Patch every supported HTTP client to go through ``session`` while the block runs."""
@@ -188,5 +246,7 @@ def install(session: Session):
             stack.enter_context(patcher)
         if callable(getattr(vcr_stubs, "parse_headers", None)):
             stack.enter_context(mock.patch.object(vcr_stubs, "parse_headers", _parse_headers))
+        for patcher in _decoding_patches():
+            stack.enter_context(patcher)
         yield bridge
 

@@ -1,16 +1,20 @@
 """A compressed response recorded through a client that decodes it itself.
 
 requests, urllib3 and aiohttp hand deja the decoded body under the ``content-encoding``
-header it came with. Its secrets are taken out all the same (before, the body did not
-decompress as its header said and was stored as it was, secrets and all), and a replay
-through the same client gives the program what it got, redacted.
+header it came with. It is stored as the wire had it, compressed again, so that a replay
+through any client gives the program what it got (before, httpx and the proxy failed to
+decompress such a body, and requests and aiohttp were handed the compressed bytes of a
+body httpx or urllib recorded); its secrets are taken out all the same.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import gzip
 import json
+import urllib.request
+import zlib
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler
 from typing import Any
@@ -23,9 +27,14 @@ from conftest import http_server
 
 import recorder
 import replayer
+from recorder.canonical import content_encoded
 from recorder.capture.redact import DEFAULT
 
 SECRET = "sk-ant-api03-" + "Q7x" * 14
+
+
+CODERS: dict[str, Callable[[bytes], bytes]] = {"gzip": gzip.compress,
+                                               "deflate": zlib.compress}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -34,11 +43,12 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
-    def do_GET(self) -> None:
-        body = gzip.compress(json.dumps({"token": SECRET, "note": "hello"}).encode())
+    def do_GET(self) -> None:  # /data (gzip) or /deflate
+        coding = "deflate" if self.path.endswith("/deflate") else "gzip"
+        body = CODERS[coding](json.dumps({"token": SECRET, "note": "hello"}).encode())
         self.send_response(200)
         self.send_header("content-type", "application/json")
-        self.send_header("content-encoding", "gzip")
+        self.send_header("content-encoding", coding)
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -64,6 +74,17 @@ def _aiohttp(url: str) -> dict[str, Any]:
 def _httpx2(url: str) -> dict[str, Any]:
     with httpx2.Client() as client:
         return client.get(url).json()
+
+
+def _urllib(url: str) -> dict[str, Any]:  # http.client: the program decodes the body
+    with urllib.request.urlopen(url, timeout=30) as response:
+        coding = response.headers["content-encoding"]
+        data = response.read()
+    plain = gzip.decompress(data) if coding == "gzip" else zlib.decompress(data)
+    return json.loads(plain)
+
+
+CLIENTS = {"requests": _requests, "aiohttp": _aiohttp, "httpx2": _httpx2, "urllib": _urllib}
 
 
 @pytest.mark.parametrize("client", [_requests, _aiohttp, _httpx2],
@@ -94,3 +115,38 @@ def test_a_body_said_compressed_that_is_text_is_redacted_as_it_is() -> None:
     assert SECRET.encode() not in gzip.decompress(stored)
     binary = bytes(range(256)) * 4  # br or zstd bytes, which are not read: as received
     assert DEFAULT.response_body(binary, [("content-encoding", "br")])[0] == binary
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+@pytest.mark.parametrize("recorded_by", sorted(CLIENTS))
+def test_a_compressed_response_is_stored_as_the_wire_had_it_and_replays_in_any_client(
+        url: str, tmp_path, recorded_by: str, coding: str) -> None:
+    where = url.replace("/data", "/deflate") if coding == "deflate" else url
+    path = tmp_path / "run.jsonl"
+    with recorder.record(path):
+        assert CLIENTS[recorded_by](where)["note"] == "hello"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    response = next(line["response"] for line in lines if line.get("kind") == "http")
+    assert response["encoding"] == "base64"  # compressed bytes, not the decoded text
+    stored = base64.b64decode(response["body"])
+    plain = gzip.decompress(stored) if coding == "gzip" else zlib.decompress(stored)
+    assert json.loads(plain)["note"] == "hello"
+    assert SECRET.encode() not in plain  # redacted inside the compressed bytes
+    for name, client in CLIENTS.items():
+        with replayer.replay(path):
+            again = client(where)
+        assert again["note"] == "hello", name
+        assert again["token"] != SECRET, name
+
+
+def test_content_encoded_compresses_only_a_body_its_header_says_is_compressed() -> None:
+    plain = b'{"a": 1}'
+    for coding, decode in (("gzip", gzip.decompress), ("x-gzip", gzip.decompress),
+                           ("deflate", zlib.decompress)):
+        wire = content_encoded(plain, [("Content-Encoding", coding)])
+        assert wire != plain and decode(wire) == plain, coding
+        assert content_encoded(wire, [("content-encoding", coding)]) == wire, coding
+    assert content_encoded(plain, []) == plain
+    assert content_encoded(plain, [("content-encoding", "identity")]) == plain
+    assert content_encoded(plain, [("content-encoding", "br")]) == plain  # not read here
+    assert content_encoded(b"", [("content-encoding", "gzip")]) == b""

@@ -14,16 +14,19 @@ import base64
 import email.utils
 import gzip
 import json
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx2
 import openai
 import pytest
+import requests
 import vcr
 import yaml
 from click.testing import CliRunner
-from conftest import API_KEY, MODEL
+from conftest import API_KEY, MODEL, http_server
 
 import recorder
 import replayer
@@ -220,6 +223,41 @@ def test_an_openai_chat_completion_imports_as_an_openai_model_line(tmp_path: Pat
     assert raw.http_response.content == body
     assert raw.parse().choices[0].message.content == "Hi there!"
     assert ctx.result is not None and ctx.result.identical, ctx.result.report()
+
+
+class _Gzipped(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        body = gzip.compress(b'{"note": "hello"}')
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-encoding", "gzip")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_a_body_vcrpy_kept_decoded_imports_as_the_wire_had_it(tmp_path: Path) -> None:
+    """vcrpy keeps the body requests decoded, under its gzip header: imported, it is
+    compressed again, and httpx (which decodes it itself) replays it as requests does."""
+    source, out = tmp_path / "requests.yaml", tmp_path / "requests.jsonl"
+    with http_server(_Gzipped) as base:
+        with vcr.use_cassette(str(source), record_mode="all"):
+            assert requests.get(base + "/data", timeout=30).json() == {"note": "hello"}
+        assert "hello" in source.read_text()  # vcrpy's copy: the decoded text
+        result = deja("import", str(source), "-o", str(out))
+        assert result.exit_code == 0, result.output
+        (line,) = recorder.load(out, require_signature=True).observations
+        stored = base64.b64decode(line["response"]["body"])
+        assert gzip.decompress(stored) == b'{"note": "hello"}'
+        for get in (lambda u: httpx2.get(u, timeout=30).json(),
+                    lambda u: requests.get(u, timeout=30).json()):
+            with replayer.replay(out, require_signature=True):
+                assert get(base + "/data") == {"note": "hello"}
 
 
 # ------------------------------------------------------------------------------ bad input
