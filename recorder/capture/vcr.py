@@ -29,17 +29,40 @@ import vcr.stubs as vcr_stubs
 
 from recorder.canonical import content_decoded, content_encoded
 from recorder.capture import _httpx as _httpx_stub
+from recorder.capture import _vcr_errors as _errors
 from recorder.capture.exchange import HttpRequest, HttpResponse
 from recorder.capture.session import Session, Timing
 from recorder.errors import DejaError
 
 _HTTPX_MODULES = ("httpx", "httpx2")
 
-# Set while a stub of a client that decodes a response body itself (urllib3, so requests
-# and botocore; aiohttp) records or serves an exchange: the body vcrpy takes from it is
-# decoded, and the one it hands it must be.
-_DECODES: contextvars.ContextVar[bool] = contextvars.ContextVar("deja_vcr_decodes",
-                                                                default=False)
+
+
+class _Call:
+    """One exchange a vcrpy stub handles, while it handles it: which client's it is
+    (``"urllib3"``, so requests' and botocore's; ``"aiohttp"``; ``"http.client"``), and
+    the request whose start the bridge noted."""
+
+    __slots__ = ("client", "request")
+
+    def __init__(self, client: str) -> None:
+        self.client = client
+        self.request: Any = None
+
+    @property
+    def decodes(self) -> bool:
+        """The client decodes a response body itself: vcrpy takes the decoded body from
+        it, and hands it what it hands on to the program."""
+        return self.client != "http.client"
+
+
+_CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("deja_vcr_call",
+                                                                    default=None)
+
+
+def _decodes() -> bool:
+    call = _CALL.get()
+    return call is not None and call.decodes
 
 
 def _vcr_headers(headers: Any) -> list[tuple[str, str]]:
@@ -128,6 +151,9 @@ class _VcrBridge:
             if first:
                 self._starts[id(vcr_request)] = (time.time(), time.perf_counter())
         if first:
+            call = _CALL.get()
+            if call is not None:
+                call.request = vcr_request  # a failure of it is logged (failed, below)
             try:
                 served = self._session.begin_http(_from_vcr_request(vcr_request))
             except DejaError:
@@ -149,11 +175,13 @@ class _VcrBridge:
         if served is None:  # pragma: no cover - replay sessions always serve or raise
             raise DejaError("the session declined to serve a replayed request")
         if served.extra.get("error") and not served.extra.get("has_response"):
-            raise ConnectionError(served.extra["error"].get("message") or "recorded error")
+            call = _CALL.get()
+            raise _errors.replayed(served.extra["error"],
+                                   call.client if call is not None else "http.client")
         headers: dict[str, list[str]] = {}
         for key, value in served.headers:
             headers.setdefault(key, []).append(value)
-        body = content_decoded(served.body, served.headers) if _DECODES.get() else served.body
+        body = content_decoded(served.body, served.headers) if _decodes() else served.body
         return {"status": {"code": served.status, "message": served.reason},
                 "headers": headers, "body": {"string": body}}
 
@@ -165,9 +193,24 @@ class _VcrBridge:
         body = _vcr_body((vcr_response.get("body") or {}).get("string"))
         response = HttpResponse(status=int(status.get("code", 0)),
                                 reason=str(status.get("message") or ""), headers=headers,
-                                body=content_encoded(body, headers) if _DECODES.get() else body)
+                                body=content_encoded(body, headers) if _decodes() else body)
         timing = Timing(start, (time.perf_counter() - t0) * 1000)
         self._session.end_http(_from_vcr_request(vcr_request), response, timing)
+
+    def failed(self, vcr_request: Any, error: Exception) -> None:
+        """The exchange of ``vcr_request`` failed before a response (the connection was
+        refused, it timed out, the client refused what came back): logged as failed, as
+        the httpx stub logs one, so that a replay raises it where the program met it."""
+        if vcr_request is None:
+            return
+        with self._lock:
+            started = self._starts.pop(id(vcr_request), None)
+            served = self._served.pop(id(vcr_request), None)
+        if started is None or served is not None or isinstance(error, DejaError):
+            return  # logged already, answered by the session, or deja's own refusal
+        start, t0 = started
+        self._session.end_http(_from_vcr_request(vcr_request), None,
+                               Timing(start, (time.perf_counter() - t0) * 1000), error)
 
     def find_requests_with_most_matches(self, request: Any) -> list[Any]:
         return []
@@ -195,44 +238,43 @@ def _of_urllib3(stub: type) -> bool:
     return any(c.__module__.partition(".")[0] == "urllib3" for c in stub.__mro__)
 
 
-def _decoding_patches() -> Iterator[Any]:
-    """Patches that tell the bridge when the client whose exchange a stub handles decodes
-    bodies itself (:data:`_DECODES`): a connection of urllib3's, and aiohttp. A body is
-    stored as the wire had it, compressed as its ``content-encoding`` says, whichever
-    client recorded it, so that any client replays it (httpx and the proxy hand the
-    bytes on; urllib3 and aiohttp, under vcrpy, hand their program what they are given)."""
+def _call_patches(bridge: _VcrBridge) -> Iterator[Any]:
+    """Patches around each exchange a vcrpy stub handles (:class:`_Call`): the bridge
+    learns which client it is for (a body is stored as the wire had it, compressed as its
+    ``content-encoding`` says, whichever client recorded it, so that any client replays
+    it: httpx and the proxy hand the bytes on; urllib3 and aiohttp, under vcrpy, hand
+    their program what they are given), and an exchange that fails is logged."""
     getresponse = vcr_stubs.VCRConnection.getresponse
 
-    def decoding_getresponse(self: Any, *args: Any, **kwargs: Any) -> Any:
-        token = _DECODES.set(_of_urllib3(type(self)))
+    def getresponse_noted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = _Call("urllib3" if _of_urllib3(type(self)) else "http.client")
+        token = _CALL.set(call)
         try:
             return getresponse(self, *args, **kwargs)
+        except Exception as exc:
+            bridge.failed(call.request, exc)
+            raise
         finally:
-            _DECODES.reset(token)
+            _CALL.reset(token)
 
-    yield mock.patch.object(vcr_stubs.VCRConnection, "getresponse", decoding_getresponse)
-    if "aiohttp" not in sys.modules:
+    yield mock.patch.object(vcr_stubs.VCRConnection, "getresponse", getresponse_noted)
+    client = sys.modules.get("aiohttp.client")
+    if client is None:
         return  # vcrpy patches aiohttp only once it is imported
-    from vcr.stubs import aiohttp_stubs
+    request = client.ClientSession._request  # vcrpy's, its patchers are in place
 
-    play, record = aiohttp_stubs.play_responses, aiohttp_stubs.record_response
-
-    def decoding_play(*args: Any, **kwargs: Any) -> Any:
-        token = _DECODES.set(True)
+    async def request_noted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        call = _Call("aiohttp")
+        token = _CALL.set(call)
         try:
-            return play(*args, **kwargs)
+            return await request(self, *args, **kwargs)
+        except Exception as exc:
+            bridge.failed(call.request, exc)
+            raise
         finally:
-            _DECODES.reset(token)
+            _CALL.reset(token)
 
-    async def decoding_record(*args: Any, **kwargs: Any) -> Any:
-        token = _DECODES.set(True)
-        try:
-            return await record(*args, **kwargs)
-        finally:
-            _DECODES.reset(token)
-
-    yield mock.patch.object(aiohttp_stubs, "play_responses", decoding_play)
-    yield mock.patch.object(aiohttp_stubs, "record_response", decoding_record)
+    yield mock.patch.object(client.ClientSession, "_request", request_noted)
 
 
 @contextlib.contextmanager
@@ -246,7 +288,7 @@ def install(session: Session):
             stack.enter_context(patcher)
         if callable(getattr(vcr_stubs, "parse_headers", None)):
             stack.enter_context(mock.patch.object(vcr_stubs, "parse_headers", _parse_headers))
-        for patcher in _decoding_patches():
+        for patcher in _call_patches(bridge):
             stack.enter_context(patcher)
         yield bridge
 
