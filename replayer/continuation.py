@@ -8,9 +8,10 @@ are appended to the writer, with the harness guards of a normal recording, unles
 source that copies answers them first (a fork's ``then_replay`` cassette, served and
 logged as if live).
 
-An intent without an outcome at the end of the prefix (a crash inside a side-effecting
-tool) is settled when the agent reaches it, before anything goes live: see
-:mod:`recorder.intents`.
+An intent without an outcome in a resume's prefix (a crash inside a side-effecting tool)
+is settled when the agent reaches it, and the rest of the prefix is still served (a side
+effect that finished beside it is answered from its outcome): see
+:mod:`recorder.intents`. A fork never settles one; it stops for a person.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class ContinuationSession(RecordSession):
         self.tool_policy = tool_policy
         self._recorded = RecordedTools(recorded_runs or (prefix,)) if tool_policy else None
         self.policy_calls: list[dict[str, Any]] = []  # the calls it answered, for a report
+        self._nested_taken: set[int] = set()  # intents made inside a tool body, answered
         for obs in prefix.observations:
             self._count(obs)
 
@@ -147,8 +149,15 @@ class ContinuationSession(RecordSession):
         self.prefix.stop_progress()
         log.info("run %s: recorded prefix served (%d steps); going live", self.run_id,
                  len(self.prefix.index.used))
-        if self._on_live is not None:
-            self._on_live(self)
+        self._first_live_line()
+
+    def _first_live_line(self) -> None:
+        """What comes before the run's first line made live (a resume's ``resumed``
+        control line), once: when it goes live, or when it settles a side effect while
+        its prefix is still served."""
+        on_live, self._on_live = self._on_live, None
+        if on_live is not None:
+            on_live(self)
 
     def end_line(self, status: str | None = None,
                  error: BaseException | None = None) -> dict[str, Any]:
@@ -242,10 +251,36 @@ class ContinuationSession(RecordSession):
                     self.before_tool(tool, args)
                 return Decision.answer(self._copied_tool(source, tool, obs))
             if obs["kind"] == Kind.INTENT and source.outcome_of(obs) is None:
-                self.go_live()
-                return self._settle(tool, args, obs)
+                return self._unfinished(tool, args, obs)
             return Decision.answer(source.tool_value(tool, obs))
+        if self.mode == "resume" and tool.side_effect:
+            nested = self._nested(tool, args)
+            if nested is not None:
+                return nested
         return self._by_policy(tool, args)
+
+    def _nested(self, tool: session.ToolSpec, args: dict[str, Any]) -> Decision | None:
+        """A side effect a resume meets inside a tool whose body it runs again (the run
+        stopped inside that tool, after the side effect began): its intent, made inside
+        that body, is in the log, and the call is answered from its outcome or settled,
+        never run again. Intents are taken in order, by name and arguments, each once."""
+        key = self._lines.args_key(args)
+        found = next((obs for obs in self.prefix.cassette.observations
+                      if obs["kind"] == Kind.INTENT and "within" in obs
+                      and obs.get("name") == tool.name and obs.get("args") == key
+                      and obs["seq"] not in self._nested_taken), None)
+        if found is None:
+            return None
+        self._nested_taken.add(found["seq"])
+        outcome = next((obs for obs in self.prefix.cassette.observations
+                        if obs["kind"] == Kind.OUTCOME and obs.get("intent") == found["seq"]),
+                       None)
+        if outcome is None:
+            self._first_live_line()
+            return self._settle(tool, args, found)
+        log.info("run %s: side effect %s (intent seq %s, inside %s) answered from its "
+                 "outcome", self.run_id, tool.name, found["seq"], found["within"])
+        return Decision.answer(self.prefix.tool_value(tool, outcome))
 
     def _by_policy(self, tool: session.ToolSpec, args: dict[str, Any]) -> Decision:
         """A live call under the tool policy: run, or answered (recorded, static) or
@@ -332,6 +367,24 @@ class ContinuationSession(RecordSession):
         if answered is None:
             return super().mcp_answer(call)
         return mcp.reply_of({**answered[1], "kind": Kind.TOOL.value})
+
+    def _unfinished(self, tool: session.ToolSpec, args: dict[str, Any],
+                    obs: Mapping[str, Any]) -> Decision:
+        """A side effect whose intent the prefix holds, and not its outcome. A resume
+        settles it (the run stopped inside it) and goes on serving the rest of its
+        prefix: a call that ran beside it and finished is answered from its outcome,
+        never run again. Any other continuation (a fork, a replay-then-live) stops for a
+        person: its prefix ends where the other run went on, the side effect finished
+        there or was given up, and this run can tell neither."""
+        if self.mode == "resume":
+            self._first_live_line()
+            return self._settle(tool, args, obs)
+        raise NeedsAttention(
+            f"run {self.run_id}: side-effecting tool {tool.name!r} was under way at step "
+            f"{obs['seq']} where this run's recorded steps end, with no outcome among them; "
+            "it is not run again and its effect is not guessed. Fork at a step before its "
+            "intent or after its outcome", reason="unsettled_intent",
+            detail={"seq": obs["seq"], "tool": tool.name})
 
     def _settle(self, tool: session.ToolSpec, args: dict[str, Any],
                 obs: Mapping[str, Any]) -> Decision:

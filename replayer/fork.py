@@ -113,6 +113,7 @@ def plan_fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | No
     if "within" in original:
         raise EditError(f"step {at} happened inside tool call {original['within']}; fork at "
                         "the tool's own step instead")
+    _outside_side_effects(parent, at)
     doc = _edit.view(original)
     ops = _edit.set_patch(sets, doc) if sets else patch
     edited_doc, applied = _edit.apply(doc, patch=ops, replace=replace, step=at)
@@ -122,6 +123,29 @@ def plan_fork(cassette: str | Path, at: int, *, patch: list[dict[str, Any]] | No
     _fits_a_line(at, {"patch": applied, "original": doc}, edited)
     return ForkPlan(parent, at, original, edited, applied, _fork_path(parent, out, run_id),
                     run_id)
+
+
+def _outside_side_effects(parent: Cassette, at: int) -> None:
+    """Refuse a fork at a step recorded while a side effect was under way (a tool that ran
+    beside it, or one the program gave up on): the fork's prefix would hold its intent
+    and not its outcome, and a fork neither runs such a call again nor guesses whether it
+    took effect."""
+    outcomes = {o.get("intent"): o["seq"] for o in parent.observations
+                if o["kind"] == Kind.OUTCOME}
+    for obs in parent.observations:
+        if obs["seq"] >= at:
+            break
+        if obs["kind"] != Kind.INTENT:
+            continue
+        done = outcomes.get(obs["seq"])
+        if done is None or done > at:
+            where = (f"its outcome at step {done}" if done is not None
+                     else "no outcome: the run ended inside it or the program gave it up")
+            raise EditError(
+                f"step {at} was recorded while side-effecting tool {obs.get('name')!r} was "
+                f"under way (its intent at step {obs['seq']}, {where}); a fork there would "
+                f"hold its intent and not its outcome. Fork at a step before {obs['seq']}"
+                + (f" or after {done}" if done is not None else ""))
 
 
 def _fits_a_line(at: int, detail: Mapping[str, Any], edited: Observation) -> None:
