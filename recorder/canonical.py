@@ -13,6 +13,7 @@ import base64
 import collections
 import hashlib
 import json
+import re
 import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -108,14 +109,19 @@ def content_decoded(body: bytes, headers: Iterable[Sequence[str]]) -> bytes:
         return body
 
 
-def content_encoded(body: bytes, headers: Iterable[Sequence[str]]) -> bytes:
-    """A body a client handed over decoded, as the wire had it: compressed again as its
-    ``content-encoding`` header says (gzip or deflate) when it does not decompress as
-    that header says; any other body as it is. The bytes are not the server's, but they
-    decompress to what it sent."""
+def content_encoded(body: bytes, headers: Iterable[Sequence[str]], *,
+                    decoded: bool = False) -> bytes:
+    """A body a client may have handed over decoded, as the wire had it: compressed again
+    as its ``content-encoding`` header says (gzip or deflate) when it is known to be
+    ``decoded`` (a client that decodes handed it over: a decoded body may itself be
+    gzip, a ``.gz`` file sent compressed) or does not decompress as that header says;
+    any other body as it is. The bytes are not the server's, but they decompress to what
+    it sent."""
     coding = content_coding(headers)
     if not body or coding not in CODINGS:
         return body
+    if decoded:
+        return compress(body, coding)
     try:
         decompress(body, coding)
     except zlib.error:
@@ -140,7 +146,31 @@ def fingerprint(kind: str, method: str, url: str, body: Any) -> str:
     """
     if kind == "model":
         return model_fingerprint(method, url, body)
-    return digest(["http", method.upper(), http_target(url), body])
+    return digest(["http", method.upper(), http_target(url), _boundary_fixed(body)])
+
+
+# A multipart body's first line: its boundary (RFC 2046: up to 70 of these characters)
+_BOUNDARY = re.compile(rb"--([0-9A-Za-z'()+_,./:=?-]{1,70})\r\n")
+_FIXED_BOUNDARY = b"deja-boundary"
+
+
+def _boundary_fixed(body: Any) -> Any:
+    """An HTTP body as it is matched: a multipart one with its boundary, which a client
+    draws at random for every request (requests, httpx, aiohttp all do), put to one fixed
+    string, so that an upload replays; any other as it is."""
+    if not isinstance(body, dict) or not isinstance(body.get("text"), str) \
+            or not body["text"].startswith("--" if body.get("body_encoding") != "base64"
+                                           else "LS"):  # "--", in base64
+        return body
+    try:
+        raw = decode_body(body["text"], body.get("body_encoding"))
+    except ValueError:
+        return body
+    found = _BOUNDARY.match(raw)
+    if found is None or not raw.rstrip(b"\r\n").endswith(b"--" + found.group(1) + b"--"):
+        return body
+    fixed = raw.replace(b"--" + found.group(1), b"--" + _FIXED_BOUNDARY)
+    return {"multipart": hashlib.sha256(fixed).hexdigest()}
 
 
 class Parts:

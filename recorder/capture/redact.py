@@ -206,7 +206,8 @@ class Redaction:
 
     def header_pairs(self, headers: Iterable[tuple[str, str]]) -> list[list[str]]:
         """Headers as stored: secret ones by name, secrets in any other by shape."""
-        pairs = [[k, REDACTED if k.lower() in self.headers else v] for k, v in headers]
+        pairs = [[k, (_set_cookie(v) if k.lower() == "set-cookie" else REDACTED)
+                  if k.lower() in self.headers else v] for k, v in headers]
         if self.rules or self._patterns_re:
             joined = "\n".join(v for _, v in pairs)
             if self.text(joined) != joined:
@@ -423,6 +424,18 @@ def _pattern_spans(pattern: re.Pattern[str], data: bytes) -> list[tuple[int, int
         end = start + len(m.group(0).encode(codec, "surrogateescape"))
         out.append((start, end, repl.encode(codec, "surrogateescape")))
     return out
+
+
+def _set_cookie(value: str) -> str:
+    """A ``Set-Cookie`` header with its cookie's value redacted and its name and attributes
+    kept: a client reads it as the cookie it set, valued ``[redacted]`` (the whole header
+    redacted made a cookie named ``[redacted]``, which httpx's cookie mapping could not
+    read back)."""
+    pair, sep, attributes = value.partition(";")
+    name, equals, _ = pair.partition("=")
+    if not equals or not name.strip():
+        return REDACTED
+    return f"{name}={REDACTED}{sep}{attributes}"
 
 
 def _is_text(body: bytes) -> bool:

@@ -13,17 +13,20 @@ patches for as long as the session is active.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import contextvars
 import http.client
 import importlib
 import io
+import json
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
+from urllib.parse import urlencode
 
 import vcr.stubs as vcr_stubs
 
@@ -43,17 +46,14 @@ class _Call:
     (``"urllib3"``, so requests' and botocore's; ``"aiohttp"``; ``"http.client"``), and
     the request whose start the bridge noted."""
 
-    __slots__ = ("client", "request")
+    __slots__ = ("client", "decodes", "request")
 
-    def __init__(self, client: str) -> None:
+    def __init__(self, client: str, decodes: bool) -> None:
         self.client = client
+        # the client decodes a response body itself: vcrpy takes the decoded body from
+        # it, and hands it what it hands on to the program
+        self.decodes = decodes
         self.request: Any = None
-
-    @property
-    def decodes(self) -> bool:
-        """The client decodes a response body itself: vcrpy takes the decoded body from
-        it, and hands it what it hands on to the program."""
-        return self.client != "http.client"
 
 
 _CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("deja_vcr_call",
@@ -108,13 +108,64 @@ def _parse_headers(header_list: dict[str, list[str]]) -> Any:
 
 
 def _vcr_body(body: Any) -> bytes:
+    """A request body as vcrpy's stub holds it, as bytes: what the client sends, or for an
+    aiohttp form, which aiohttp encodes only as it sends it, the same bytes every time
+    for the same fields (its urlencoded text; one with files as JSON of its fields)."""
     if body is None:
         return b""
     if isinstance(body, str):
         return body.encode("utf-8")
-    if isinstance(body, (bytes, bytearray)):
+    if isinstance(body, (bytes, bytearray, memoryview)):
         return bytes(body)
-    return bytes(body.read()) if hasattr(body, "read") else b"".join(body)
+    if hasattr(body, "read"):
+        return _vcr_body(body.read())
+    fields = _form_fields(body)
+    if fields is not None:
+        if all(isinstance(v, str) and not opts for _, v, opts in fields):
+            return urlencode([(name, v) for name, v, _ in fields]).encode()
+        return json.dumps([{"name": name, **opts, **_field_value(v)}
+                           for name, v, opts in fields], sort_keys=True).encode()
+    payload = getattr(body, "_value", None)  # an aiohttp payload (BytesPayload ...)
+    if payload is not None and payload is not body:
+        return _vcr_body(payload)
+    try:
+        return b"".join(_vcr_body(chunk) for chunk in body)
+    except TypeError:  # no bytes to be had: its type, which a replay gives again
+        return f"<{type(body).__module__}.{type(body).__qualname__}>".encode()
+
+
+def _form_fields(body: Any) -> list[tuple[str, Any, dict[str, str]]] | None:
+    """The fields of a form (a mapping, a list of pairs, an aiohttp ``FormData``): name,
+    value and options (filename, content type); None for any other body."""
+    if isinstance(body, dict):
+        return [(str(k), v, {}) for k, v in body.items()]
+    if isinstance(body, (list, tuple)) and body and all(
+            isinstance(f, tuple) and len(f) == 2 for f in body):
+        return [(str(k), v, {}) for k, v in body]
+    raw = getattr(body, "_fields", None)  # aiohttp.FormData: (options, headers, value)
+    if type(body).__name__ == "FormData" and isinstance(raw, list):
+        out = []
+        for options, headers, value in raw:
+            opts = {k: str(v) for k, v in dict(options).items() if k != "name"}
+            kind = dict(headers).get("Content-Type") or dict(headers).get("content-type")
+            if kind:
+                opts["content_type"] = str(kind)
+            out.append((str(dict(options).get("name")), value, opts))
+        return out
+    return None
+
+
+def _field_value(value: Any) -> dict[str, str]:
+    """A form field's value in a form's JSON: text, or base64 of its bytes (a file's,
+    read and put back where it was)."""
+    if hasattr(value, "read") and hasattr(value, "seek") and hasattr(value, "tell"):
+        at = value.tell()
+        data = value.read()
+        value.seek(at)
+        value = data
+    if isinstance(value, (bytes, bytearray)):
+        return {"base64": base64.b64encode(bytes(value)).decode("ascii")}
+    return {"value": str(value)}
 
 
 def _from_vcr_request(vcr_request: Any) -> HttpRequest:
@@ -131,7 +182,9 @@ class _VcrBridge:
     def __init__(self, session: Session) -> None:
         self._session = session
         self._path = str(session.path)
-        self._starts: dict[int, tuple[float, float]] = {}
+        # each exchange under way: when it started, and its request as first seen (an
+        # aiohttp form's fields are gone once it is sent)
+        self._starts: dict[int, tuple[float, float, HttpRequest | None]] = {}
         self._served: dict[int, HttpResponse] = {}  # answered by the session (fork, resume)
         self._lock = threading.Lock()
         self.custom_patches = tuple(_httpx_patches(session))
@@ -149,13 +202,17 @@ class _VcrBridge:
         with self._lock:
             first = id(vcr_request) not in self._starts
             if first:
-                self._starts[id(vcr_request)] = (time.time(), time.perf_counter())
+                self._starts[id(vcr_request)] = (time.time(), time.perf_counter(), None)
         if first:
             call = _CALL.get()
             if call is not None:
                 call.request = vcr_request  # a failure of it is logged (failed, below)
+            request = _from_vcr_request(vcr_request)
+            with self._lock:
+                start, t0, _ = self._starts[id(vcr_request)]
+                self._starts[id(vcr_request)] = (start, t0, request)
             try:
-                served = self._session.begin_http(_from_vcr_request(vcr_request))
+                served = self._session.begin_http(request)
             except DejaError:
                 with self._lock:
                     self._starts.pop(id(vcr_request), None)
@@ -187,15 +244,17 @@ class _VcrBridge:
 
     def append(self, vcr_request: Any, vcr_response: dict[str, Any]) -> None:
         with self._lock:
-            start, t0 = self._starts.pop(id(vcr_request), (time.time(), time.perf_counter()))
+            start, t0, request = self._starts.pop(id(vcr_request),
+                                                  (time.time(), time.perf_counter(), None))
         status = vcr_response.get("status", {})
         headers = _vcr_headers(vcr_response.get("headers"))
         body = _vcr_body((vcr_response.get("body") or {}).get("string"))
         response = HttpResponse(status=int(status.get("code", 0)),
                                 reason=str(status.get("message") or ""), headers=headers,
-                                body=content_encoded(body, headers) if _decodes() else body)
+                                body=content_encoded(body, headers, decoded=True)
+                                if _decodes() else body)
         timing = Timing(start, (time.perf_counter() - t0) * 1000)
-        self._session.end_http(_from_vcr_request(vcr_request), response, timing)
+        self._session.end_http(request or _from_vcr_request(vcr_request), response, timing)
 
     def failed(self, vcr_request: Any, error: Exception) -> None:
         """The exchange of ``vcr_request`` failed before a response (the connection was
@@ -208,8 +267,8 @@ class _VcrBridge:
             served = self._served.pop(id(vcr_request), None)
         if started is None or served is not None or isinstance(error, DejaError):
             return  # logged already, answered by the session, or deja's own refusal
-        start, t0 = started
-        self._session.end_http(_from_vcr_request(vcr_request), None,
+        start, t0, request = started
+        self._session.end_http(request or _from_vcr_request(vcr_request), None,
                                Timing(start, (time.perf_counter() - t0) * 1000), error)
 
     def find_requests_with_most_matches(self, request: Any) -> list[Any]:
@@ -247,7 +306,14 @@ def _call_patches(bridge: _VcrBridge) -> Iterator[Any]:
     getresponse = vcr_stubs.VCRConnection.getresponse
 
     def getresponse_noted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        call = _Call("urllib3" if _of_urllib3(type(self)) else "http.client")
+        headers = getattr(getattr(self, "_vcr_request", None), "headers", None)
+        if headers is not None and "chunked" in str(headers.get("Transfer-Encoding", "")):
+            # vcrpy sends the body it joined in one piece, not in chunks: without the
+            # header, http.client gives it its length (with it, the server read it as
+            # chunks and waited, or refused it)
+            del headers["Transfer-Encoding"]
+        urllib3 = _of_urllib3(type(self))  # vcrpy records urllib3's decoded ``data``
+        call = _Call("urllib3" if urllib3 else "http.client", decodes=urllib3)
         token = _CALL.set(call)
         try:
             return getresponse(self, *args, **kwargs)
@@ -264,7 +330,9 @@ def _call_patches(bridge: _VcrBridge) -> Iterator[Any]:
     request = client.ClientSession._request  # vcrpy's, its patchers are in place
 
     async def request_noted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        call = _Call("aiohttp")
+        decodes = kwargs.get("auto_decompress")  # the request's, else its session's
+        call = _Call("aiohttp", decodes=bool(getattr(self, "_auto_decompress", True)
+                                             if decodes is None else decodes))
         token = _CALL.set(call)
         try:
             return await request(self, *args, **kwargs)
@@ -275,6 +343,20 @@ def _call_patches(bridge: _VcrBridge) -> Iterator[Any]:
             _CALL.reset(token)
 
     yield mock.patch.object(client.ClientSession, "_request", request_noted)
+    stubs = sys.modules.get("vcr.stubs.aiohttp_stubs")
+    if stubs is not None:  # vcrpy's response reads text as UTF-8, json whatever its type
+        yield mock.patch.object(stubs.MockClientResponse, "text", client.ClientResponse.text)
+        yield mock.patch.object(stubs.MockClientResponse, "json", client.ClientResponse.json)
+
+
+def _stream(self: Any, amt: int = 65536, decode_content: Any = None) -> Iterator[bytes]:
+    """vcrpy's stub response's ``stream``, without the empty chunk it yields last (which
+    requests hands a program's ``iter_content`` as one chunk more than it had live)."""
+    while True:
+        chunk = self.read(amt)
+        if not chunk:
+            return
+        yield chunk
 
 
 @contextlib.contextmanager
@@ -290,5 +372,6 @@ def install(session: Session):
             stack.enter_context(mock.patch.object(vcr_stubs, "parse_headers", _parse_headers))
         for patcher in _call_patches(bridge):
             stack.enter_context(patcher)
+        stack.enter_context(mock.patch.object(vcr_stubs.VCRHTTPResponse, "stream", _stream))
         yield bridge
 

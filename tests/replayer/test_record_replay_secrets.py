@@ -97,5 +97,5 @@ def test_no_secret_reaches_the_cassette(stub, tmp_path: Path) -> None:
     assert headers["cookie"] == "[redacted]"
     set_cookie = [v for k, v in cassette.observations[1]["response"]["headers"]
                   if k.lower() == "set-cookie"]
-    assert set_cookie == ["[redacted]"]
+    assert set_cookie == ["sid=[redacted]; Path=/"]  # the cookie kept, its value out
     assert cassette.header["redact"]["headers"] == ["x-custom-token"]
