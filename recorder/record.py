@@ -56,6 +56,12 @@ log = logging.getLogger("deja.recorder")
 _within: contextvars.ContextVar[str | None] = contextvars.ContextVar("deja_within", default=None)
 
 
+def current_body() -> str | None:
+    """The tool call whose body is running here (``name#n``), if any: what the lines made
+    inside it are marked ``within``."""
+    return _within.get()
+
+
 def status_for(error: BaseException | None) -> str:
     """The end status of a run that stopped with ``error`` (None: it completed)."""
     if error is None:

@@ -32,7 +32,7 @@ from recorder.effects import call_site
 from recorder.errors import Divergence, DivergenceInfo, KeyMissing, NeedsAttention, ToolRefused
 from recorder.harness.guards import Budgets
 from recorder.intents import Effect, Intent, Settled
-from recorder.record import RecordSession
+from recorder.record import RecordSession, current_body
 from replayer.replay import ReplaySession, rebuild_error
 from replayer.tool_policy import RecordedTools, Rule, ToolPolicy, ToolRule
 
@@ -105,7 +105,9 @@ class ContinuationSession(RecordSession):
         self.tool_policy = tool_policy
         self._recorded = RecordedTools(recorded_runs or (prefix,)) if tool_policy else None
         self.policy_calls: list[dict[str, Any]] = []  # the calls it answered, for a report
-        self._nested_taken: set[int] = set()  # intents made inside a tool body, answered
+        # the tool bodies run live while the prefix is still served (a side effect a
+        # resume settled as not done): what they call goes live, not to the prefix
+        self._live_bodies: set[str] = set()
         for obs in prefix.observations:
             self._count(obs)
 
@@ -167,10 +169,11 @@ class ContinuationSession(RecordSession):
         return end
 
     def _asked(self) -> tuple[Source, ...]:
-        """The sources a call is offered to now: the prefix alone while it lasts, then
-        those that copy and are still open."""
+        """The sources a call is offered to now: the prefix alone while it lasts (none to
+        a call made inside a body run live meanwhile), then those that copy and are
+        still open."""
         if self.serving:
-            return (self.prefix,)
+            return () if current_body() in self._live_bodies else (self.prefix,)
         return tuple(s for s in self.sources if s.copies and s.open)
 
     # -- calls
@@ -253,34 +256,7 @@ class ContinuationSession(RecordSession):
             if obs["kind"] == Kind.INTENT and source.outcome_of(obs) is None:
                 return self._unfinished(tool, args, obs)
             return Decision.answer(source.tool_value(tool, obs))
-        if self.mode == "resume" and tool.side_effect:
-            nested = self._nested(tool, args)
-            if nested is not None:
-                return nested
         return self._by_policy(tool, args)
-
-    def _nested(self, tool: session.ToolSpec, args: dict[str, Any]) -> Decision | None:
-        """A side effect a resume meets inside a tool whose body it runs again (the run
-        stopped inside that tool, after the side effect began): its intent, made inside
-        that body, is in the log, and the call is answered from its outcome or settled,
-        never run again. Intents are taken in order, by name and arguments, each once."""
-        key = self._lines.args_key(args)
-        found = next((obs for obs in self.prefix.cassette.observations
-                      if obs["kind"] == Kind.INTENT and "within" in obs
-                      and obs.get("name") == tool.name and obs.get("args") == key
-                      and obs["seq"] not in self._nested_taken), None)
-        if found is None:
-            return None
-        self._nested_taken.add(found["seq"])
-        outcome = next((obs for obs in self.prefix.cassette.observations
-                        if obs["kind"] == Kind.OUTCOME and obs.get("intent") == found["seq"]),
-                       None)
-        if outcome is None:
-            self._first_live_line()
-            return self._settle(tool, args, found)
-        log.info("run %s: side effect %s (intent seq %s, inside %s) answered from its "
-                 "outcome", self.run_id, tool.name, found["seq"], found["within"])
-        return Decision.answer(self.prefix.tool_value(tool, outcome))
 
     def _by_policy(self, tool: session.ToolSpec, args: dict[str, Any]) -> Decision:
         """A live call under the tool policy: run, or answered (recorded, static) or
@@ -418,6 +394,12 @@ class ContinuationSession(RecordSession):
             f"run {self.run_id}: cannot tell whether {tool.name!r} (intent seq {obs['seq']}, "
             f"key {key}) took effect: {verdict.reason}", reason="unsettled_intent",
             detail={"seq": obs["seq"], "key": key, "tool": tool.name, "why": verdict.reason})
+
+    def _enter_tool(self, tool: session.ToolSpec) -> Any:
+        token = super()._enter_tool(tool)
+        if self.serving:  # a body run live before the prefix is used up
+            self._live_bodies.add(str(current_body()))
+        return token
 
     def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],
                   run: Callable[[str | None], Any]) -> Any:

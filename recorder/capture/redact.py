@@ -426,6 +426,9 @@ def _pattern_spans(pattern: re.Pattern[str], data: bytes) -> list[tuple[int, int
     return out
 
 
+_FOLDED = re.compile(r",\s*[^\s;,=]+=")  # a second cookie after a comma (not Expires')
+
+
 def _set_cookie(value: str) -> str:
     """A ``Set-Cookie`` header with its cookie's value redacted and its name and attributes
     kept: a client reads it as the cookie it set, valued ``[redacted]`` (the whole header
@@ -433,8 +436,8 @@ def _set_cookie(value: str) -> str:
     read back)."""
     pair, sep, attributes = value.partition(";")
     name, equals, _ = pair.partition("=")
-    if not equals or not name.strip():
-        return REDACTED
+    if not equals or not name.strip() or _FOLDED.search(value):
+        return REDACTED  # no name, or cookies folded into one header: all of it
     return f"{name}={REDACTED}{sep}{attributes}"
 
 

@@ -23,14 +23,14 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 from urllib.parse import urlencode
 
 import vcr.stubs as vcr_stubs
 
-from recorder.canonical import content_decoded, content_encoded
+from recorder.canonical import content_coding, content_decoded, content_encoded
 from recorder.capture import _httpx as _httpx_stub
 from recorder.capture import _vcr_errors as _errors
 from recorder.capture.exchange import HttpRequest, HttpResponse
@@ -46,23 +46,28 @@ class _Call:
     (``"urllib3"``, so requests' and botocore's; ``"aiohttp"``; ``"http.client"``), and
     the request whose start the bridge noted."""
 
-    __slots__ = ("client", "decodes", "request")
+    __slots__ = ("appended", "client", "decodes", "json", "request")
 
-    def __init__(self, client: str, decodes: bool) -> None:
+    def __init__(self, client: str, decodes: frozenset[str] = frozenset()) -> None:
         self.client = client
-        # the client decodes a response body itself: vcrpy takes the decoded body from
-        # it, and hands it what it hands on to the program
+        # the content codings the client decodes itself: vcrpy takes a body so encoded
+        # from it decoded, and hands it what it hands on to the program
         self.decodes = decodes
+        self.json: Callable[[Any], str] | None = None  # an aiohttp json= body's encoder
         self.request: Any = None
+        self.appended = False  # a response of it (or of a redirect it followed) logged
 
 
 _CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("deja_vcr_call",
                                                                     default=None)
+URLLIB3_DECODES = frozenset({"gzip", "x-gzip", "deflate"})
+AIOHTTP_DECODES = frozenset({"gzip", "deflate"})  # not x-gzip, which it hands on as is
 
 
-def _decodes() -> bool:
+def _decodes(headers: list[tuple[str, str]]) -> bool:
+    """The client of the exchange under way decodes a body with these headers itself."""
     call = _CALL.get()
-    return call is not None and call.decodes
+    return call is not None and content_coding(headers) in call.decodes
 
 
 def _vcr_headers(headers: Any) -> list[tuple[str, str]]:
@@ -118,7 +123,7 @@ def _vcr_body(body: Any) -> bytes:
     if isinstance(body, (bytes, bytearray, memoryview)):
         return bytes(body)
     if hasattr(body, "read"):
-        return _vcr_body(body.read())
+        return _vcr_body(_read_back(body))
     fields = _form_fields(body)
     if fields is not None:
         if all(isinstance(v, str) and not opts for _, v, opts in fields):
@@ -126,12 +131,24 @@ def _vcr_body(body: Any) -> bytes:
         return json.dumps([{"name": name, **opts, **_field_value(v)}
                            for name, v, opts in fields], sort_keys=True).encode()
     payload = getattr(body, "_value", None)  # an aiohttp payload (BytesPayload ...)
-    if payload is not None and payload is not body:
+    if isinstance(payload, (str, bytes, bytearray)) or hasattr(payload, "read"):
         return _vcr_body(payload)
-    try:
+    if isinstance(body, (list, tuple)):  # chunks (vcrpy keeps an async generator's so)
         return b"".join(_vcr_body(chunk) for chunk in body)
-    except TypeError:  # no bytes to be had: its type, which a replay gives again
-        return f"<{type(body).__module__}.{type(body).__qualname__}>".encode()
+    # no bytes to be had without using the body up: its type, which a replay gives again
+    return f"<{type(body).__module__}.{type(body).__qualname__}>".encode()
+
+
+def _read_back(stream: Any) -> Any:
+    """What a file-like body holds, read and put back where it was (the client sends it
+    after); one that cannot be put back is not read: its type stands for it."""
+    try:
+        at = stream.tell()
+        data = stream.read()
+        stream.seek(at)
+    except (AttributeError, OSError, ValueError):
+        return f"<{type(stream).__module__}.{type(stream).__qualname__}>"
+    return data
 
 
 def _form_fields(body: Any) -> list[tuple[str, Any, dict[str, str]]] | None:
@@ -158,20 +175,21 @@ def _form_fields(body: Any) -> list[tuple[str, Any, dict[str, str]]] | None:
 def _field_value(value: Any) -> dict[str, str]:
     """A form field's value in a form's JSON: text, or base64 of its bytes (a file's,
     read and put back where it was)."""
-    if hasattr(value, "read") and hasattr(value, "seek") and hasattr(value, "tell"):
-        at = value.tell()
-        data = value.read()
-        value.seek(at)
-        value = data
+    if hasattr(value, "read"):
+        value = _read_back(value)
     if isinstance(value, (bytes, bytearray)):
         return {"base64": base64.b64encode(bytes(value)).decode("ascii")}
     return {"value": str(value)}
 
 
 def _from_vcr_request(vcr_request: Any) -> HttpRequest:
+    body = vcr_request.body
+    call = _CALL.get()
+    if call is not None and call.json is not None \
+            and not isinstance(body, (str, bytes, bytearray)):
+        body = call.json(body)  # aiohttp's json=: the text its encoder makes
     return HttpRequest(method=vcr_request.method, url=vcr_request.uri,
-                       headers=_vcr_headers(vcr_request.headers),
-                       body=_vcr_body(vcr_request.body))
+                       headers=_vcr_headers(vcr_request.headers), body=_vcr_body(body))
 
 
 class _VcrBridge:
@@ -238,7 +256,8 @@ class _VcrBridge:
         headers: dict[str, list[str]] = {}
         for key, value in served.headers:
             headers.setdefault(key, []).append(value)
-        body = content_decoded(served.body, served.headers) if _decodes() else served.body
+        body = content_decoded(served.body, served.headers) if _decodes(served.headers) \
+            else served.body
         return {"status": {"code": served.status, "message": served.reason},
                 "headers": headers, "body": {"string": body}}
 
@@ -252,21 +271,27 @@ class _VcrBridge:
         response = HttpResponse(status=int(status.get("code", 0)),
                                 reason=str(status.get("message") or ""), headers=headers,
                                 body=content_encoded(body, headers, decoded=True)
-                                if _decodes() else body)
+                                if _decodes(headers) else body)
+        call = _CALL.get()
+        if call is not None:
+            call.appended = True
         timing = Timing(start, (time.perf_counter() - t0) * 1000)
         self._session.end_http(request or _from_vcr_request(vcr_request), response, timing)
 
-    def failed(self, vcr_request: Any, error: Exception) -> None:
-        """The exchange of ``vcr_request`` failed before a response (the connection was
-        refused, it timed out, the client refused what came back): logged as failed, as
-        the httpx stub logs one, so that a replay raises it where the program met it."""
+    def failed(self, call: _Call, error: Exception) -> None:
+        """The exchange of ``call`` failed before a response (the connection was refused,
+        it timed out, the client refused what came back): logged as failed, as the httpx
+        stub logs one, so that a replay raises it where the program met it."""
+        vcr_request = call.request
         if vcr_request is None:
             return
         with self._lock:
             started = self._starts.pop(id(vcr_request), None)
             served = self._served.pop(id(vcr_request), None)
-        if started is None or served is not None or isinstance(error, DejaError):
-            return  # logged already, answered by the session, or deja's own refusal
+        if started is None or served is not None or call.appended \
+                or isinstance(error, DejaError):
+            return  # logged already (or a response it was redirected to), answered by the
+            # session, or deja's own refusal
         start, t0, request = started
         self._session.end_http(request or _from_vcr_request(vcr_request), None,
                                Timing(start, (time.perf_counter() - t0) * 1000), error)
@@ -291,6 +316,12 @@ def _httpx_patches(session: Session) -> list[tuple[Any, str, Any]]:
     return patches
 
 
+def _framed(body: Any) -> bool:
+    """A body already in chunked framing (the last chunk, empty, ends it)."""
+    return isinstance(body, (bytes, bytearray)) and bytes(body).endswith(b"0\r\n\r\n") \
+        and bytes(body[:1]).isalnum()
+
+
 def _of_urllib3(stub: type) -> bool:
     """A vcrpy connection stub standing in for a connection of urllib3's (requests',
     botocore's), which vcrpy records through urllib3's decoding ``data``."""
@@ -306,19 +337,24 @@ def _call_patches(bridge: _VcrBridge) -> Iterator[Any]:
     getresponse = vcr_stubs.VCRConnection.getresponse
 
     def getresponse_noted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        headers = getattr(getattr(self, "_vcr_request", None), "headers", None)
-        if headers is not None and "chunked" in str(headers.get("Transfer-Encoding", "")):
+        vcr_request = getattr(self, "_vcr_request", None)
+        headers = getattr(vcr_request, "headers", None)
+        if headers is not None and "chunked" in str(headers.get("Transfer-Encoding", "")) \
+                and not _framed(getattr(vcr_request, "body", None)):
             # vcrpy sends the body it joined in one piece, not in chunks: without the
             # header, http.client gives it its length (with it, the server read it as
-            # chunks and waited, or refused it)
+            # chunks and waited, or refused it). A body the program framed in chunks
+            # itself keeps it.
             del headers["Transfer-Encoding"]
-        urllib3 = _of_urllib3(type(self))  # vcrpy records urllib3's decoded ``data``
-        call = _Call("urllib3" if urllib3 else "http.client", decodes=urllib3)
+        if _of_urllib3(type(self)):  # vcrpy records urllib3's decoded ``data``
+            call = _Call("urllib3", URLLIB3_DECODES)
+        else:
+            call = _Call("http.client")
         token = _CALL.set(call)
         try:
             return getresponse(self, *args, **kwargs)
         except Exception as exc:
-            bridge.failed(call.request, exc)
+            bridge.failed(call, exc)
             raise
         finally:
             _CALL.reset(token)
@@ -331,13 +367,16 @@ def _call_patches(bridge: _VcrBridge) -> Iterator[Any]:
 
     async def request_noted(self: Any, *args: Any, **kwargs: Any) -> Any:
         decodes = kwargs.get("auto_decompress")  # the request's, else its session's
-        call = _Call("aiohttp", decodes=bool(getattr(self, "_auto_decompress", True)
-                                             if decodes is None else decodes))
+        if decodes is None:
+            decodes = getattr(self, "_auto_decompress", True)
+        call = _Call("aiohttp", AIOHTTP_DECODES if decodes else frozenset())
+        if kwargs.get("json") is not None and kwargs.get("data") is None:
+            call.json = getattr(self, "_json_serialize", json.dumps)  # what aiohttp sends
         token = _CALL.set(call)
         try:
             return await request(self, *args, **kwargs)
         except Exception as exc:
-            bridge.failed(call.request, exc)
+            bridge.failed(call, exc)
             raise
         finally:
             _CALL.reset(token)

@@ -43,6 +43,7 @@ import replayer
 
 INNER = gzip.compress(b"the file inside", mtime=0)
 FILE = bytes(range(256)) * 3  # not UTF-8: the body is stored as base64
+SECRET = b"sk-ant-api03-" + b"Q7x" * 14
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -78,6 +79,21 @@ class _Handler(BaseHTTPRequestHandler):
                    ("content-type", "application/json"))
 
     def do_GET(self) -> None:
+        if self.path == "/xgz":  # aiohttp does not decode x-gzip: it hands it on
+            self._send(gzip.compress(b'{"token": "' + SECRET + b'"}'),
+                       ("content-encoding", "x-gzip"))
+            return
+        if self.path == "/go":
+            self.send_response(302)
+            self.send_header("location", "/broken")
+            self.send_header("content-length", "0")
+            self.end_headers()
+            return
+        if self.path == "/broken":
+            self.send_response(500)
+            self.send_header("content-length", "0")
+            self.end_headers()
+            return
         if self.path == "/gz":
             self._send(gzip.compress(b'{"a": 1}'), ("content-encoding", "gzip"))
         elif self.path == "/file.gz":  # a gzip file, gzip-encoded on the way
@@ -260,3 +276,58 @@ def test_urllib_sends_a_generator_body_the_server_can_read_while_recording(
         with urllib.request.urlopen(request, timeout=30) as response:
             return response.read()
     assert _three(tmp_path / "run.jsonl", call) == (b"part1-part2",) * 3
+
+
+def test_aiohttp_hands_on_an_x_gzip_body_and_its_secret_is_redacted(tmp_path: Path,
+                                                                   base: str) -> None:
+    live, recorded, replayed = _three(tmp_path / "run.jsonl",
+                                      lambda: _aiohttp(lambda s: _read(s, base + "/xgz")))
+    assert live == recorded and gzip.decompress(live).startswith(b'{"token": "sk-ant')
+    assert SECRET not in (tmp_path / "run.jsonl").read_bytes()
+    assert gzip.decompress(replayed) != gzip.decompress(live)  # redacted, one layer only
+    assert b"redacted" in gzip.decompress(replayed).lower()
+
+
+def test_aiohttp_json_and_file_bodies_are_recorded_as_sent(tmp_path: Path, base: str) -> None:
+    path = tmp_path / "file.bin"
+    path.write_bytes(FILE)
+
+    async def post(s: aiohttp.ClientSession, **body: Any) -> Any:
+        async with s.post(base + "/upload", **body) as response:
+            return await response.json()
+
+    def as_json() -> Any:
+        return _aiohttp(lambda s: post(s, json={"n": 1, "items": ["a", "b"]}))
+
+    def a_file() -> Any:
+        with path.open("rb") as f:
+            return _aiohttp(lambda s: post(s, data=f))
+
+    for name, call, size in (("json", as_json, len(b'{"n": 1, "items": ["a", "b"]}')),
+                             ("file", a_file, len(FILE))):
+        live, recorded, replayed = _three(tmp_path / f"{name}.jsonl", call)
+        assert live == recorded == replayed and live["size"] == size, (name, live, recorded)
+    line = next(json.loads(x) for x in (tmp_path / "json.jsonl").read_text().splitlines()
+                if json.loads(x).get("kind") == "http")
+    assert line["request"]["body"] == {"n": 1, "items": ["a", "b"]}  # stored as JSON
+
+    def as_text_json() -> Any:  # "1" is not 1: another request
+        return _aiohttp(lambda s: post(s, json={"n": "1", "items": ["a", "b"]}))
+    with pytest.raises(Exception, match="diverged"), replayer.replay(tmp_path / "json.jsonl"):
+        as_text_json()
+
+
+def test_an_aiohttp_redirect_to_an_error_it_raises_for_is_logged_once(tmp_path: Path,
+                                                                      base: str) -> None:
+    async def go(s: aiohttp.ClientSession) -> str:
+        try:
+            async with s.get(base + "/go", raise_for_status=True):
+                return "ok"
+        except aiohttp.ClientResponseError as exc:
+            return f"{exc.status}"
+    path = tmp_path / "run.jsonl"
+    live, recorded, replayed = _three(path, lambda: _aiohttp(go))
+    assert live == recorded == replayed == "500"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    statuses = [line["response"]["status"] for line in lines if line.get("kind") == "http"]
+    assert statuses == [302, 500], lines  # no third, failed line for the first request

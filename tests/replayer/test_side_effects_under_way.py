@@ -11,10 +11,8 @@ outcome. Real processes, a real ledger file, the real CLI:
   run it: the payment was made twice);
 - a run killed inside ``pay`` after ``notify`` finished beside it resumes with ``pay``
   settled and ``notify`` served from its outcome (the resume used to go live when it
-  settled ``pay``, and sent the email again);
-- a run killed inside a plain tool whose body had made a side effect resumes with that
-  side effect answered from its outcome (the tool's body runs again; the side effect
-  made inside it used to run again too), or settled when it was killed inside it;
+  settled ``pay``, and sent the email again); ``pay``'s body, run again, makes its own
+  call live while the rest of the log is still served;
 - a fork whose prefix would hold an intent with no outcome at all (the program moved on
   from a cancelled call) is refused the same way, and a replay-then-live that meets one
   stops there.
@@ -54,8 +52,14 @@ def write(what, key):
         f.write(json.dumps({"what": what, "key": key, "mode": recorder.mode()}) + "\\n")
 
 
+@recorder.tool
+async def rate(invoice):
+    return {"invoice": invoice, "rate": 1.0}
+
+
 @recorder.tool(side_effect=True, settle=by_key)
 async def pay(invoice, idempotency_key=None):
+    await rate(invoice)  # a call of its own: made live when a resume runs the body again
     await asyncio.sleep(float(os.environ.get("PAY_WAIT", "0.3")))
     if os.environ.get("CRASH") == "1":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -74,26 +78,7 @@ async def search(q):
     return {"q": q, "hits": 1}
 
 
-@recorder.tool(side_effect=True, settle=by_key)
-def charge(invoice, idempotency_key=None):
-    if os.environ.get("CRASH") == "charge":
-        os.kill(os.getpid(), signal.SIGKILL)
-    write(f"charge {invoice}", idempotency_key)
-    return {"ok": True, "key": idempotency_key}
-
-
-@recorder.tool
-def checkout(invoice):  # a plain tool whose body makes a side effect
-    made = charge(invoice)
-    if os.environ.get("CRASH") == "checkout":
-        os.kill(os.getpid(), signal.SIGKILL)
-    return {"checkout": invoice, "charge": made}
-
-
 async def main():
-    if os.environ.get("NESTED") == "1":
-        print(checkout("INV-9"), flush=True)
-        return
     if os.environ.get("CANCEL") == "1":  # the program gives up on pay, which goes on
         try:
             await asyncio.wait_for(pay("INV-7"), 0.05)
@@ -213,28 +198,3 @@ def test_a_replay_then_live_that_meets_a_side_effect_with_no_outcome_stops_for_a
     assert "ended inside side-effecting tool 'pay'" in said, said
     assert _ledger(ledger) == paid  # nothing paid
 
-
-@pytest.mark.parametrize("killed_in", ["checkout", "charge"])
-def test_a_side_effect_made_inside_a_tool_the_run_was_killed_in_is_not_made_again(
-        project: tuple[Path, dict[str, str], Path], killed_in: str) -> None:
-    root, env, ledger = project
-    env = {**env, "NESTED": "1"}
-    crashed = deja("record", "-o", "run.jsonl", "--", sys.executable, "agent.py", cwd=root,
-                   env={**env, "CRASH": killed_in})
-    assert crashed.returncode != 0
-    recorded = load(root / "run.jsonl").observations
-    intent = next(o for o in recorded if o["kind"] == "intent")
-    assert intent["within"].startswith("checkout#"), intent
-    before = _ledger(ledger)
-    assert len(before) == (1 if killed_in == "checkout" else 0)
-
-    resumed = deja("resume", "run.jsonl", "--", sys.executable, "agent.py", cwd=root, env=env)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    after = _ledger(ledger)
-    assert len(after) == 1, after  # charged once, in all
-    key = f"{load(root / 'run.jsonl').run}:{intent['seq']}"
-    assert after[0]["key"] == key  # the intent's own key, never a new one
-    assert after[0]["mode"] == ("record" if killed_in == "checkout" else "resume")
-    assert f"'key': '{key}'" in resumed.stdout  # the program got the charge's answer
-    end = load(root / "run.jsonl").end
-    assert end is not None and end["status"] == "completed", end
