@@ -17,6 +17,7 @@ imported or run because a line names it.
 from __future__ import annotations
 
 import http.client
+import re
 import sys
 from typing import Any
 
@@ -38,10 +39,26 @@ def replayed(error: dict[str, Any], client: str) -> Exception:
         for cls in found.__mro__:
             if not issubclass(cls, bases):
                 break
-            built = _built(cls, message)
+            built = _with_errno(cls, message) or _built(cls, message)
             if built is not None:
                 return built
     return fallback(message)
+
+
+_ERRNO = re.compile(r"\[Errno (-?\d+)\] (.*)", re.DOTALL)
+
+
+def _with_errno(cls: type, message: str) -> Exception | None:
+    """An ``OSError`` whose recorded text is ``[Errno N] why``, made with its number (what
+    a program that reads ``errno`` reads), when that gives back the same text."""
+    found = _ERRNO.fullmatch(message)
+    if found is None or not issubclass(cls, OSError):
+        return None
+    try:
+        exc = cls(int(found.group(1)), found.group(2))
+    except Exception:  # noqa: BLE001 - a constructor that wants other arguments
+        return None
+    return exc if str(exc) == message else None
 
 
 def _client_errors(client: str) -> tuple[tuple[type, ...], type[Exception]]:

@@ -139,6 +139,8 @@ def test_a_call_that_fails_is_logged_and_fails_the_same_way_on_replay(
         assert type(replayed_exc) is not Exception
         if type(replayed_exc) is type(recorded):
             assert str(replayed_exc) == str(recorded)
+        if isinstance(recorded, OSError) and type(replayed_exc) is type(recorded):
+            assert replayed_exc.errno == recorded.errno, (recorded, replayed_exc)
 
 
 def test_a_failure_of_another_client_or_a_class_no_client_raises_is_a_connection_error(
@@ -160,3 +162,10 @@ def test_a_failure_of_another_client_or_a_class_no_client_raises_is_a_connection
     made = replayed(refused, "urllib3")
     assert type(made).__name__ == "NewConnectionError" and str(made) == refused["message"]
     assert type(replayed(refused, "http.client")) is ConnectionError  # not urllib's to raise
+    # an OSError keeps its number: a program that reads errno reads what it read live
+    errno_111 = {"type": "ConnectionRefusedError", "module": "builtins",
+                 "message": "[Errno 111] Connection refused"}
+    made = replayed(errno_111, "http.client")
+    assert type(made) is ConnectionRefusedError and isinstance(made, OSError)
+    assert (made.errno, made.strerror, str(made)) == (111, "Connection refused",
+                                                      errno_111["message"])
