@@ -328,6 +328,20 @@ def _of_urllib3(stub: type) -> bool:
     return any(c.__module__.partition(".")[0] == "urllib3" for c in stub.__mro__)
 
 
+@contextlib.contextmanager
+def _noted(bridge: _VcrBridge, call: _Call) -> Iterator[None]:
+    """``call`` is the exchange under way while the block runs; if it fails, it is
+    logged as failed."""
+    token = _CALL.set(call)
+    try:
+        yield
+    except Exception as exc:
+        bridge.failed(call, exc)
+        raise
+    finally:
+        _CALL.reset(token)
+
+
 def _call_patches(bridge: _VcrBridge) -> Iterator[Any]:
     """Patches around each exchange a vcrpy stub handles (:class:`_Call`): the bridge
     learns which client it is for (a body is stored as the wire had it, compressed as its
@@ -350,14 +364,8 @@ def _call_patches(bridge: _VcrBridge) -> Iterator[Any]:
             call = _Call("urllib3", URLLIB3_DECODES)
         else:
             call = _Call("http.client")
-        token = _CALL.set(call)
-        try:
+        with _noted(bridge, call):
             return getresponse(self, *args, **kwargs)
-        except Exception as exc:
-            bridge.failed(call, exc)
-            raise
-        finally:
-            _CALL.reset(token)
 
     yield mock.patch.object(vcr_stubs.VCRConnection, "getresponse", getresponse_noted)
     client = sys.modules.get("aiohttp.client")
@@ -372,14 +380,8 @@ def _call_patches(bridge: _VcrBridge) -> Iterator[Any]:
         call = _Call("aiohttp", AIOHTTP_DECODES if decodes else frozenset())
         if kwargs.get("json") is not None and kwargs.get("data") is None:
             call.json = getattr(self, "_json_serialize", json.dumps)  # what aiohttp sends
-        token = _CALL.set(call)
-        try:
+        with _noted(bridge, call):
             return await request(self, *args, **kwargs)
-        except Exception as exc:
-            bridge.failed(call, exc)
-            raise
-        finally:
-            _CALL.reset(token)
 
     yield mock.patch.object(client.ClientSession, "_request", request_noted)
     stubs = sys.modules.get("vcr.stubs.aiohttp_stubs")
