@@ -128,6 +128,7 @@ class RecordSession(session.Session, mcp.McpSeam):
         self.end: dict[str, Any] | None = None
         self._patches: contextlib.ExitStack | None = None
         self._tool_calls = itertools.count()
+        self._opened: set[str] = set()  # the tool calls lines were made inside (``within``)
         self._compactor = compact.Compactor()
         self._lines = StepLines(self.redaction, self.prices)
 
@@ -328,12 +329,21 @@ class RecordSession(session.Session, mcp.McpSeam):
         within = _within.get()
         if within is not None:
             obs["within"] = within
+            self._opened.add(within)
         if obs.get("kind") in self._REDACTED_WHOLE:
             obs = self.redaction.value(obs)
         return self.writer.append(obs, **kwargs)
 
-    def _enter_tool(self, tool: session.ToolSpec) -> contextvars.Token:
-        return _within.set(f"{tool.name}#{next(self._tool_calls)}")
+    def _enter_tool(self, tool: session.ToolSpec, call: str,
+                    intent: tuple[int, str] | None) -> contextvars.Token:
+        """Mark what runs from here on as made inside tool call ``call`` (``name#n``),
+        whose intent, for a side effect, is ``intent`` (seq, key)."""
+        return _within.set(call)
+
+    def _names_calls(self) -> bool:
+        """Whether this cassette's tool lines name their calls (the ``tool_calls`` feature:
+        a call its lines never name was under way where the log ends)."""
+        return self.writer is not None and "tool_calls" in self.writer.features
 
     def before_tool(self, tool: session.ToolSpec, args: dict[str, Any],
                     key: Any = None) -> None:
@@ -345,12 +355,13 @@ class RecordSession(session.Session, mcp.McpSeam):
             for interceptor in self.interceptors:
                 interceptor.before_tool(tool.name, key)
 
-    def _open_intent(self, tool: session.ToolSpec, args: dict[str, Any],
-                     key: Any = None) -> tuple[int, str]:
-        key = self._lines.args_key(args) if key is None else key
-        line = self.append_line({"kind": Kind.INTENT.value, "name": tool.name, "args": key,
-                             "fp": digest(["tool", tool.name, key]),
-                             "t": round(time.time(), 3)}, sync=True)
+    def _open_intent(self, tool: session.ToolSpec, args: dict[str, Any], key: Any,
+                     call: str) -> tuple[int, str]:
+        obs = {"kind": Kind.INTENT.value, "name": tool.name, "args": key,
+               "fp": digest(["tool", tool.name, key]), "t": round(time.time(), 3)}
+        if self._names_calls():
+            obs["call"] = call
+        line = self.append_line(obs, sync=True)
         return line["seq"], f"{self.run_id}:{line['seq']}"
 
     @contextlib.contextmanager
@@ -360,19 +371,20 @@ class RecordSession(session.Session, mcp.McpSeam):
         # the guards' and the intent's key: both before the body runs
         key = self._lines.args_key(args)
         self.before_tool(tool, args, key)
+        name = f"{tool.name}#{next(self._tool_calls)}"
         if tool.side_effect and intent is None:
-            intent = self._open_intent(tool, args, key)
+            intent = self._open_intent(tool, args, key, name)
         call = _ToolCall(intent[1] if intent else None)
         start, t0 = time.time(), time.perf_counter()
-        token = self._enter_tool(tool)
+        token = self._enter_tool(tool, name, intent)
         try:
             yield call
         except Exception as exc:
             _within.reset(token)
-            self.log_tool(tool, args, start, t0, error=exc, intent=intent)
+            self.log_tool(tool, args, start, t0, error=exc, intent=intent, call=name)
             raise
         _within.reset(token)
-        self.log_tool(tool, args, start, t0, result=call.result, intent=intent)
+        self.log_tool(tool, args, start, t0, result=call.result, intent=intent, call=name)
 
     def run_tool(self, tool: session.ToolSpec, args: dict[str, Any],
                  run: Callable[[str | None], Any],
@@ -399,8 +411,9 @@ class RecordSession(session.Session, mcp.McpSeam):
 
     def log_tool(self, tool: session.ToolSpec, args: dict[str, Any], start: float, t0: float,
                  *, result: Any = None, error: BaseException | None = None,
-                 intent: tuple[int, str] | None = None) -> None:
-        """Write a tool's line: ``tool``, or ``outcome`` of ``intent`` (seq, key).
+                 intent: tuple[int, str] | None = None, call: str | None = None) -> None:
+        """Write a tool's line: ``tool``, or ``outcome`` of ``intent`` (seq, key); one
+        whose body ran as ``call`` and made lines names it.
 
         A result the cassette cannot hold is refused with ``UnserializableValue``, and the
         refusal is written first as the tool's ``error``, so that a replay raises it at the
@@ -410,6 +423,10 @@ class RecordSession(session.Session, mcp.McpSeam):
         obs, refused = self._lines.tool(
             tool, args, round(start, 3), round((time.perf_counter() - t0) * 1000, 2),
             result=result, error=error, intent=intent, step=self.writer.next_seq)
+        if call in self._opened:
+            self._opened.discard(call)
+            if self._names_calls():
+                obs["call"] = call
         self.append_line(obs, sync=tool.side_effect)
         with self._lock:
             add_step(self.totals, obs)

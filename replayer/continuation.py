@@ -16,12 +16,14 @@ effect that finished beside it is answered from its outcome): see
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from recorder import values as _values
+from recorder.canonical import digest
 from recorder.capture import mcp, session
 from recorder.capture.exchange import HttpRequest, HttpResponse, Redaction
 from recorder.capture.sources import Action, Decision, Source
@@ -35,8 +37,10 @@ from recorder.intents import Effect, Intent, Settled
 from recorder.record import RecordSession, current_body
 from replayer.replay import ReplaySession, rebuild_error
 from replayer.tool_policy import RecordedTools, Rule, ToolPolicy, ToolRule
+from replayer.under_way import UnderWay
 
 log = logging.getLogger("deja.replayer")
+_NOT_COPIED = frozenset({"seq", "sig", "call"})  # of a tool line copied from another run
 
 
 def signing_key(cassette: Cassette, keyring: Keyring) -> bytes:
@@ -110,6 +114,9 @@ class ContinuationSession(RecordSession):
         self._live_bodies: set[str] = set()
         for obs in prefix.observations:
             self._count(obs)
+        # tool calls under way where the prefix ends, with side effects made inside them
+        self._under_way = UnderWay(prefix.observations, prefix.header.get("features") or ())
+        self._tool_calls = itertools.count(self._under_way.next_number)
 
     consults_log = True
 
@@ -240,7 +247,13 @@ class ContinuationSession(RecordSession):
 
     def decide(self, tool: session.ToolSpec, args: dict[str, Any]) -> Decision:
         """Answer a tool call from the prefix while it lasts (settling the intent it ends
-        inside, if any), then from the sources that copy, else run it live."""
+        inside, if any), then from the sources that copy, else run it live. A side effect
+        a body run again had made before the run stopped is answered from that first."""
+        if self._under_way:
+            made = self._under_way.take(current_body(), tool.name, digest(
+                ["tool", tool.name, self._lines.args_key(args)]), tool.side_effect)
+            if made is not None:
+                return self._made_before(tool, args, *made)
         for source in self._asked():
             early = source.copies and not source.passes  # the guards first, as for HTTP
             if early:
@@ -395,10 +408,35 @@ class ContinuationSession(RecordSession):
             f"key {key}) took effect: {verdict.reason}", reason="unsettled_intent",
             detail={"seq": obs["seq"], "key": key, "tool": tool.name, "why": verdict.reason})
 
-    def _enter_tool(self, tool: session.ToolSpec) -> Any:
-        token = super()._enter_tool(tool)
+    def _made_before(self, tool: session.ToolSpec, args: dict[str, Any],
+                     made: Mapping[str, Any], outcome: Mapping[str, Any] | None
+                     ) -> Decision:
+        """A call made inside a tool call under way when the run stopped, met again as
+        that call's body runs again (:mod:`replayer.under_way`): a side effect answered
+        from its outcome, or settled as the intent a run stopped inside; a tool call with
+        side effects inside it answered from its line."""
+        log.info("run %s: %s (step %s) was made inside a tool call under way when the run "
+                 "stopped: not made again", self.run_id, tool.name, made["seq"])
+        if made["kind"] == Kind.INTENT and outcome is None:
+            self._first_live_line()
+            return self._settle(tool, args, made)
+        return Decision.answer(self.prefix.tool_value(tool, outcome or made))
+
+    def _enter_tool(self, tool: session.ToolSpec, call: str,
+                    intent: tuple[int, str] | None) -> Any:
+        if self._under_way:
+            bound = self._under_way.bind(tool.name, call, intent[0] if intent else None,
+                                         tool.side_effect)
+            if bound is not None and self.mode != "resume":
+                raise NeedsAttention(
+                    f"run {self.run_id}: tool call {bound.id} was under way where this "
+                    f"run's recorded steps end, and had made side effects inside it (step "
+                    f"{bound.made[0][0]['seq']}); its body is not run again. "
+                    "Resume the run, or fork at a step before the call",
+                    reason="unsettled_intent", detail={"tool": tool.name, "call": bound.id})
+        token = super()._enter_tool(tool, call, intent)
         if self.serving:  # a body run live before the prefix is used up
-            self._live_bodies.add(str(current_body()))
+            self._live_bodies.add(call)
         return token
 
     def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],
@@ -427,10 +465,11 @@ class ContinuationSession(RecordSession):
             # The other run stopped inside this side effect: nothing to copy, nothing known.
             raise source.unsettled(tool, obs)
         side_effect = outcome is not None
-        line = self.append_line({k: v for k, v in obs.items() if k not in ("seq", "sig")},
+        # a ``call`` names the other run's body, whose lines are not copied: it is left out
+        line = self.append_line({k: v for k, v in obs.items() if k not in _NOT_COPIED},
                                 sync=side_effect)
         if outcome is not None:
-            copy = {k: v for k, v in outcome.items() if k not in ("seq", "sig")}
+            copy = {k: v for k, v in outcome.items() if k not in _NOT_COPIED}
             copy["intent"] = line["seq"]
             # The key stays the other run's (``<its run>:<its intent seq>``), not this run's
             # ``<run>:<seq>``: the body ran once, in the other run, and presented that key to

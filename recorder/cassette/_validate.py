@@ -132,6 +132,7 @@ _HEADER = {
 
 # Per kind: fields every line of that kind has, and fields that have a type when present.
 _COMMON = {"fp": (str,), "t": _MAYBE_NUMBER, "ms": _MAYBE_NUMBER, "within": (str,),
+           "call": (str,),
            "error": (dict, _OPTIONAL), "cost_usd": _MAYBE_NUMBER,
            "usage": (dict, _OPTIONAL), "edited": (bool,)}
 _Fields = dict[str, tuple[type, ...]]

@@ -23,8 +23,11 @@ READABLE_FORMATS = (FORMAT, V1)
 # refuses a cassette that names one it does not know. A cassette without the field uses
 # none (a run resumed goes on without them).
 # - reply_shapes: a request resends a response's items in another key order ("shape");
-# - header_edits: response headers stored as edits of an earlier line's.
-FEATURES: tuple[str, ...] = ("reply_shapes", "header_edits")
+# - header_edits: response headers stored as edits of an earlier line's;
+# - tool_calls: a tool's line (or outcome) whose body made lines names its call (``call``,
+#   the ``within`` of those lines), and an intent names the call it opens: a call no tool
+#   line or outcome names was under way where the log ends.
+FEATURES: tuple[str, ...] = ("reply_shapes", "header_edits", "tool_calls")
 KINDS: tuple[str, ...] = tuple(kind.value for kind in Kind)
 # LINE_DEPTH: how deep a line may nest, its reader refusing a deeper one; nests_deeper(doc,
 # n): whether a document (JSON as parsed) is deeper than n levels; text_nests_deeper(text,

@@ -193,6 +193,7 @@ class _Step(TypedDict, total=False):
     ms: float | None  # how long it took
     fp: str  # what a replay matches it by
     within: str  # made inside this tool call's body
+    call: str  # a tool line's, outcome's or intent's: the call its body's lines are within
     edited: bool  # a fork's edited step
     error: ErrorRecord | None
     usage: Usage | None

@@ -149,7 +149,7 @@ def test_an_answer_resent_as_the_sdk_returned_it_is_a_reference_and_replays_bit_
     server.stop()
 
     header = json.loads(path.read_bytes().splitlines()[0])
-    assert header["features"] == ["reply_shapes", "header_edits"]
+    assert header["features"] == ["reply_shapes", "header_edits", "tool_calls"]
     lines = model_lines(path)
     assert isinstance(lines[1]["request"]["shape"], list)  # learned once...
     assert all(line["request"]["shape"] == lines[1]["seq"] for line in lines[2:])  # ...used

@@ -1,0 +1,187 @@
+"""Tool calls under way where a log ends, and the side effects their bodies had made.
+
+A tool body's lines are marked ``within`` its call (``name#n``). In a cassette with the
+``tool_calls`` feature the tool's own line, or its outcome, names the call (``call``)
+once the body is done, and a side effect's intent names the call it opens: a call that
+lines are within and that no tool line or outcome names was still running when the run
+stopped.
+
+A resume runs such a body again when the program calls the tool again: a plain tool has
+no intent to settle, and a side effect settled as not done runs its body again. A side
+effect the body had already made must not be made twice. While the body runs again, a
+call it makes is matched to what the call under way had made: a side effect's intent
+(answered from its outcome, or settled as any intent a run stopped inside when it has
+none) or a tool call that had finished with side effects somewhere inside its own body
+(answered from its line, its body not run). Each is matched once, by name and arguments;
+a call of the same tool with other arguments stops the run for a person (it may be the
+same effect, changed), and any other call runs.
+
+Which new body is which call under way: a side effect's by its intent (exact); a plain
+tool's line is written only when its body ends, so a plain tool's body run again is bound
+by the first call it makes that a call under way of the same tool had made (two calls of
+``checkout`` under way, each paying its own cart, tell apart so). A replay-then-live or a
+fork never runs such a body again: its prefix ends where the other run went on, and it
+stops for a person when the body would start.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from recorder.cassette.schema import Kind
+from recorder.errors import NeedsAttention
+
+
+@dataclass
+class _Call:
+    """One call under way that had made side effects: its id, its tool, and what it had
+    made (intents with their outcomes, None when the run stopped inside that side effect
+    too; tool lines) that the body run again has not met yet."""
+
+    id: str
+    name: str
+    made: list[tuple[Mapping[str, Any], Mapping[str, Any] | None]] = field(
+        default_factory=list)
+
+
+def number(call: Any) -> int:
+    """The ``n`` of a call id ``name#n`` (-1 when it is none)."""
+    if not isinstance(call, str):
+        return -1
+    digits = call.rpartition("#")[2]
+    return int(digits) if digits.isdigit() else -1
+
+
+def closing(obs: Mapping[str, Any]) -> str | None:
+    """The call a line closes: a tool line's or an outcome's ``call``."""
+    return obs.get("call") if obs.get("kind") in (Kind.TOOL, Kind.OUTCOME) else None
+
+
+def with_side_effects(observations: Iterable[Mapping[str, Any]]
+                      ) -> tuple[dict[str, int], dict[str, str | None], set[str]]:
+    """Of a log with the ``tool_calls`` feature: where each call closed (its line's seq),
+    the call each call was made inside (None: at the top), and the calls inside which a
+    side effect was made, at any depth."""
+    closed: dict[str, int] = {}
+    parent: dict[str, str | None] = {}
+    inside: list[str] = []
+    for obs in observations:
+        call, within = obs.get("call"), obs.get("within")
+        if isinstance(call, str):
+            parent.setdefault(call, within)
+            if closing(obs) is not None:
+                closed[call] = obs["seq"]
+        if obs.get("kind") == Kind.INTENT and isinstance(within, str):
+            inside.append(within)
+    marked: set[str] = set()
+    for call in inside:
+        while isinstance(call, str) and call not in marked:
+            marked.add(call)
+            call = parent.get(call)
+    return closed, parent, marked
+
+
+class UnderWay:
+    """The calls under way in ``observations`` (none unless ``features`` name
+    ``tool_calls``) that had made side effects, and the bodies run again bound to them."""
+
+    def __init__(self, observations: Sequence[Mapping[str, Any]],
+                 features: Iterable[str]) -> None:
+        self.next_number = 0  # past every call id of the log: a new body's never repeats
+        for obs in observations:
+            self.next_number = max(self.next_number, number(obs.get("within")) + 1,
+                                   number(obs.get("call")) + 1)
+        self._calls: dict[str, _Call] = {}
+        self._opened: dict[int, str] = {}  # intent seq -> the call under way it opened
+        self._bound: dict[str, _Call] = {}  # a body run again -> the call it stands for
+        self._pending: dict[str, str] = {}  # a plain tool's body run again, not bound yet
+        self._lock = threading.Lock()
+        if "tool_calls" in set(features):
+            self._find(observations)
+
+    def _find(self, observations: Sequence[Mapping[str, Any]]) -> None:
+        closed, _, marked = with_side_effects(observations)
+        outcomes = {o["intent"]: o for o in observations if o.get("kind") == Kind.OUTCOME}
+        for obs in observations:
+            within, kind = obs.get("within"), obs.get("kind")
+            if not isinstance(within, str) or within in closed or within not in marked:
+                continue
+            if kind == Kind.INTENT:
+                made = (obs, outcomes.get(obs["seq"]))
+            elif kind == Kind.TOOL and obs.get("call") in marked:
+                made = (obs, None)
+            else:
+                continue
+            self._calls.setdefault(within, _Call(within, within.rpartition("#")[0])) \
+                .made.append(made)
+        for obs in observations:
+            call = obs.get("call")
+            if obs.get("kind") == Kind.INTENT and call in self._calls:
+                self._opened[obs["seq"]] = call
+
+    def __bool__(self) -> bool:
+        return bool(self._calls or self._bound or self._pending)
+
+    def bind(self, name: str, body: str, intent: int | None, side_effect: bool) -> _Call | None:
+        """The call under way the body ``body`` of tool ``name`` may run again, if any: a
+        side effect's, by its ``intent`` seq, is bound to it now; a plain tool's is bound
+        by the first call the body makes that the call under way had made (two calls of
+        the same tool under way tell apart so) and here is the first still unbound."""
+        with self._lock:
+            if intent is not None:
+                id_ = self._opened.pop(intent, None)
+                found = self._calls.pop(id_, None) if id_ is not None else None
+                if found is not None:
+                    self._bound[body] = found
+                return found
+            if side_effect:  # a side effect made afresh: a new call, bound to none
+                return None
+            found = next((c for c in self._calls.values() if c.name == name), None)
+            if found is not None:
+                self._pending[body] = name
+            return found
+
+    def take(self, body: str | None, name: str, fp: str, side_effect: bool
+             ) -> tuple[Mapping[str, Any], Mapping[str, Any] | None] | None:
+        """What a call of tool ``name`` whose fingerprint (name and arguments) is ``fp``,
+        made in the body ``body`` run again, stands for: an intent and its outcome, or a
+        tool line (None: nothing the call under way had made, or no such body).
+
+        While what the call under way had made is not all met, a call that is none of it
+        is refused (NeedsAttention) when it might be one of them changed: a call of the
+        same tool with other arguments, or any side effect (the body may make it another
+        way now). Other calls run."""
+        if body is None:
+            return None
+        with self._lock:
+            found = self._bound.get(body)
+            candidates = [found] if found is not None else [
+                c for c in self._calls.values() if c.name == self._pending.get(body)]
+            for call in candidates:
+                match = next((i for i, (line, _) in enumerate(call.made)
+                              if line.get("name") == name and line.get("fp") == fp), None)
+                if match is not None:
+                    if found is None:  # a plain tool's body, bound by its first match
+                        del self._pending[body]
+                        self._bound[body] = self._calls.pop(call.id)
+                    return call.made.pop(match)
+            for call in candidates:
+                if call.made and (side_effect or any(line.get("name") == name
+                                                     for line, _ in call.made)):
+                    raise self._not_made_before(call, name)
+            return None
+
+    @staticmethod
+    def _not_made_before(call: _Call, name: str) -> NeedsAttention:
+        made = ", ".join(f"{line.get('name')} (step {line['seq']})" for line, _ in call.made)
+        return NeedsAttention(
+            f"tool call {call.id} was under way when the run stopped, and had made these "
+            f"calls with side effects inside it: {made}. Run again, its body calls {name!r}, "
+            "which is not one of them with the same arguments, and that call is not run: "
+            "it may be one of them made another way. Check whether those effects were made, "
+            "then resume a program that makes the same calls, or record the run afresh",
+            reason="unsettled_intent",
+            detail={"seq": call.made[0][0]["seq"], "tool": name, "call": call.id})

@@ -1,0 +1,250 @@
+"""A side effect made inside a tool's body is never made again by a resume of a run that
+was killed while that tool was still running.
+
+A plain tool (``checkout``) calls a side-effecting one (``pay``), directly or through
+another plain tool (``process``); a side-effecting tool (``pay_and_tell``) calls another
+(``notify``). The agent is killed (SIGKILL) after the inner side effect was made and
+before the outer call's line was written, then resumed with the real CLI. The resume runs
+the outer body again (a plain tool has no intent to settle), and the inner side effect is
+answered from its outcome: the ledger holds each payment and each email once. Before,
+the body ran again and paid again.
+
+When the body run again makes a side effect other than the one it had made (other
+arguments, or made another way), the resume stops for a person and pays nothing. A fork
+at a step recorded while such a call was under way is refused before anything runs.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recorder.cassette import load
+
+AGENT = """\
+import asyncio, json, os, signal
+
+import recorder
+from recorder import Settled
+
+LEDGER = os.environ["LEDGER"]
+CRASH = os.environ.get("CRASH", "")
+SHAPE = os.environ.get("SHAPE", "plain")
+
+
+def by_key(intent):
+    with open(LEDGER) as f:
+        keys = [json.loads(line)["key"] for line in f if line.strip()]
+    if intent.key in keys:
+        return Settled.done({"ok": True, "key": intent.key})
+    return Settled.not_done()
+
+
+def write(what, key):
+    with open(LEDGER, "a") as f:
+        f.write(json.dumps({"what": what, "key": key, "mode": recorder.mode()}) + "\\n")
+
+
+def crash(where):
+    if CRASH == where:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@recorder.tool(side_effect=True, settle=by_key)
+async def pay(invoice, idempotency_key=None):
+    crash("in pay")
+    write(f"pay {invoice}", idempotency_key)
+    return {"ok": True, "key": idempotency_key}
+
+
+@recorder.tool(side_effect=True, settle=by_key)
+async def notify(email, idempotency_key=None):
+    write(f"email {email}", idempotency_key)
+    return {"ok": True, "key": idempotency_key}
+
+
+@recorder.tool
+async def process(cart):
+    return await pay(cart)
+
+
+@recorder.tool
+async def search(q):
+    await asyncio.sleep(0.1)
+    return {"q": q}
+
+
+@recorder.tool
+async def checkout(cart):
+    suffix = os.environ.get("SUFFIX", "")
+    if SHAPE == "nested":
+        paid = await process(cart + suffix)
+    else:
+        paid = await pay(cart + suffix)
+    crash(f"after pay {cart}")
+    await asyncio.sleep(float(os.environ.get("CHECKOUT_WAIT", "0")))
+    return {"cart": cart, "paid": paid}
+
+
+@recorder.tool(side_effect=True, settle=by_key)
+async def pay_and_tell(invoice, idempotency_key=None):
+    await notify(f"{invoice}@example.com")
+    crash("after notify")
+    write(f"pay {invoice}", idempotency_key)
+    return {"ok": True, "key": idempotency_key}
+
+
+async def main():
+    if SHAPE == "outer":
+        print(await pay_and_tell("c1"), flush=True)
+    elif SHAPE == "two":
+        print(await asyncio.gather(checkout("c1"), checkout("c2")), flush=True)
+    elif SHAPE == "beside":
+        print(await asyncio.gather(checkout("c1"), search("q")), flush=True)
+    else:
+        print(await checkout("c1"), flush=True)
+    print(await checkout("c9"), flush=True)
+
+
+asyncio.run(main())
+"""
+
+
+def deja(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "deja", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> tuple[Path, dict[str, str], Path]:
+    (tmp_path / "agent.py").write_text(AGENT)
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.touch()
+    return tmp_path, {**os.environ, "LEDGER": str(ledger)}, ledger
+
+
+def _ledger(ledger: Path) -> list[tuple[str, str]]:
+    return [(e["what"], e["mode"]) for e in map(json.loads, ledger.read_text().splitlines())]
+
+
+def _killed(root: Path, env: dict[str, str], shape: str, where: str) -> None:
+    crashed = deja("record", "--no-loop-guard", "-o", "run.jsonl", "--", sys.executable,
+                   "agent.py", cwd=root, env={**env, "SHAPE": shape, "CRASH": where})
+    assert crashed.returncode != 0 and "it can be resumed" in crashed.stderr, crashed.stderr
+
+
+def _resume(root: Path, env: dict[str, str], shape: str,
+            **more: str) -> subprocess.CompletedProcess[str]:
+    return deja("resume", "run.jsonl", "--", sys.executable, "agent.py", cwd=root,
+                env={**env, "SHAPE": shape, **more})
+
+
+@pytest.mark.parametrize("shape", ["plain", "nested"])
+def test_a_side_effect_made_inside_a_tool_under_way_is_not_made_again(
+        project: tuple[Path, dict[str, str], Path], shape: str) -> None:
+    root, env, ledger = project
+    _killed(root, env, shape, "after pay c1")
+    assert _ledger(ledger) == [("pay c1", "record")]
+    resumed = _resume(root, env, shape)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert _ledger(ledger) == [("pay c1", "record"), ("pay c9", "resume")]
+    run = load(root / "run.jsonl")
+    # the agent got the recorded payment back, with its key
+    assert ast.literal_eval(resumed.stdout.splitlines()[0])["paid"]["key"] == f"{run.run}:0"
+    assert run.end is not None and run.end["status"] == "completed"
+    # the resumed run replays, and its calls never reuse an id of the killed attempt
+    replayed = deja("replay", "run.jsonl", "--", sys.executable, "agent.py", cwd=root,
+                    env={**env, "SHAPE": shape})
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    opened = [o["call"] for o in run.observations if o["kind"] == "intent"]
+    assert len(opened) == len(set(opened)) == 2, opened
+
+
+@pytest.mark.parametrize("shape", ["plain", "nested"])
+def test_a_side_effect_killed_inside_a_tool_under_way_is_settled_and_made_once(
+        project: tuple[Path, dict[str, str], Path], shape: str) -> None:
+    root, env, ledger = project
+    _killed(root, env, shape, "in pay")
+    assert _ledger(ledger) == []
+    resumed = _resume(root, env, shape)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert _ledger(ledger) == [("pay c1", "resume"), ("pay c9", "resume")]
+    run = load(root / "run.jsonl")
+    paid = [o for o in run.observations if o["kind"] == "outcome" and o["name"] == "pay"]
+    assert paid[0]["intent"] == 0 and paid[0]["key"] == f"{run.run}:0"  # the intent's key
+
+
+def test_a_side_effect_made_inside_a_side_effect_under_way_is_not_made_again(
+        project: tuple[Path, dict[str, str], Path]) -> None:
+    root, env, ledger = project
+    _killed(root, env, "outer", "after notify")
+    assert _ledger(ledger) == [("email c1@example.com", "record")]
+    resumed = _resume(root, env, "outer")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    # pay_and_tell settled as not done runs again; its email is answered from its outcome
+    assert _ledger(ledger) == [("email c1@example.com", "record"), ("pay c1", "resume"),
+                               ("pay c9", "resume")]
+
+
+def test_two_calls_of_one_tool_under_way_are_told_apart_by_what_they_made(
+        project: tuple[Path, dict[str, str], Path]) -> None:
+    root, env, ledger = project
+    _killed(root, env, "two", "after pay c2")  # both checkouts paid, neither ended
+    assert _ledger(ledger) == [("pay c1", "record"), ("pay c2", "record")]
+    resumed = _resume(root, env, "two")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert _ledger(ledger) == [("pay c1", "record"), ("pay c2", "record"),
+                               ("pay c9", "resume")]
+    run = load(root / "run.jsonl")
+    served = ast.literal_eval(resumed.stdout.splitlines()[0])
+    assert [s["paid"]["key"] for s in served] == [f"{run.run}:0", f"{run.run}:2"]
+
+
+@pytest.mark.parametrize(("recorded", "resumed_as", "more"), [
+    ("plain", "plain", {"SUFFIX": "-changed"}),  # the same tool, other arguments
+    ("nested", "plain", {}),  # the payment made another way: directly, not via process
+])
+def test_a_side_effect_that_might_be_the_one_made_before_stops_the_resume(
+        project: tuple[Path, dict[str, str], Path], recorded: str, resumed_as: str,
+        more: dict[str, str]) -> None:
+    root, env, ledger = project
+    _killed(root, env, recorded, "after pay c1")
+    resumed = _resume(root, env, resumed_as, **more)
+    assert resumed.returncode != 0, resumed.stdout
+    assert "NeedsAttention: tool call checkout#0 was under way when the run stopped" \
+        in resumed.stderr, resumed.stderr
+    assert _ledger(ledger) == [("pay c1", "record")]  # nothing paid
+    end = load(root / "run.jsonl", allow_incomplete=True).end
+    assert end is not None and end["status"] == "needs_attention", end
+
+
+def test_a_fork_inside_a_tool_call_that_made_a_side_effect_is_refused(
+        project: tuple[Path, dict[str, str], Path]) -> None:
+    root, env, ledger = project
+    # checkout pays, then waits; search's line lands before checkout's own
+    done = deja("record", "--no-loop-guard", "-o", "run.jsonl", "--", sys.executable,
+                "agent.py", cwd=root, env={**env, "SHAPE": "beside", "CHECKOUT_WAIT": "1"})
+    assert done.returncode == 0, done.stderr
+    lines = [(o["kind"], o.get("name")) for o in load(root / "run.jsonl").observations]
+    assert lines[:4] == [("intent", "pay"), ("outcome", "pay"), ("tool", "search"),
+                         ("tool", "checkout")], lines
+    paid = _ledger(ledger)
+    forked = deja("fork", "run.jsonl", "--at", "2", "--set", 'result={"q": "z"}', "-o",
+                  "fork.jsonl", "--live-tool", "pay", "--", sys.executable, "agent.py",
+                  cwd=root, env={**env, "SHAPE": "beside"})
+    assert forked.returncode == 2, forked.stdout + forked.stderr
+    assert "step 2 was recorded while tool call checkout#0 was under way (its line at step " \
+        "3), and side-effecting tool 'pay' had been called inside it" in forked.stderr
+    assert not (root / "fork.jsonl").exists()
+    assert _ledger(ledger) == paid
+    # after the call's own line, the fork runs
+    after = deja("fork", "run.jsonl", "--at", "3", "--set", 'result={"cart": "c1"}', "-o",
+                 "fork.jsonl", "--", sys.executable, "agent.py", cwd=root,
+                 env={**env, "SHAPE": "beside"})
+    assert after.returncode == 0, after.stdout + after.stderr
