@@ -242,8 +242,9 @@ class _ExitWatch:
         )
         from recorder.terminal import visible
 
-        self.error = value
         stop = _in_chain(value, (RunStopped, CassetteWriteError))
+        # the run ends as the harness stopped it, also when the SDK wrapped the stop
+        self.error = stop if isinstance(stop, RunStopped) else value
         corrupt = _in_chain(value, (CorruptCassette,), during=False)  # found when served
         if isinstance(value, Interrupted):  # a signal deja passed on: not the program's bug
             sys.stderr.write(f"deja: {value}" + ("\n" if self._mode == "replay" else
@@ -361,8 +362,8 @@ def _start_continuation(spec: LaunchSpec) -> _ExitWatch:
             abandon_on_divergence=False, name="deja fork")
     else:
         loaded = plan_resume(spec.cassette)
-        context = continuation.scope(lambda: start_resume(loaded), abandon_on_divergence=True,
-                                     name="deja resume")
+        context = continuation.scope(lambda: start_resume(loaded, resend=spec.resend),
+                                     abandon_on_divergence=True, name="deja resume")
     session = context.__enter__()
     # gone once the recorded steps are served and the run goes live
     session.prefix.show_progress(f"{mode}: replaying the recorded steps")

@@ -417,13 +417,20 @@ def _forked(cassette: Path, plan: ForkPlan, started: bool) -> None:
 @click.argument("cassette", type=click.Path(path_type=Path, dir_okay=False))
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @_cwd_option
-def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
+@click.option("--resend", "resend", multiple=True, metavar="TOOL",
+              help="Send (or run) TOOL again if the run stopped inside a call of it that "
+                   "nothing can settle: a destructive MCP tool, or a side effect without "
+                   "settle=. Only once you checked it did not take effect. Repeatable.")
+def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None,
+           resend: tuple[str, ...]) -> None:
     """Continue a crashed run: deja resume CASSETTE [-- CMD ...].
 
     Replays everything recorded (no live call, no side effect repeated), cuts a torn last
     line, settles a side effect that was in flight (the tool's settle= function), then
-    continues live, appending to the same cassette after a `resumed` control line. Exits
-    with the program's status; 2 if the cassette cannot be resumed.
+    continues live, appending to the same cassette after a `resumed` control line. A side
+    effect nothing can settle (a destructive MCP tool call sent with no answer logged, a
+    tool without settle=) stops the run with status needs_attention, unless --resend names
+    it. Exits with the program's status; 2 if the cassette cannot be resumed.
     """
     from recorder.errors import DejaError
     from replayer.resume import plan_resume
@@ -446,7 +453,7 @@ def resume(cassette: Path, command: tuple[str, ...], cwd: Path | None) -> None:
             raise _no_command(cassette, loaded.header, "resume")
         cwd = _where_to_run(cassette, loaded.header, argv, given=bool(command), cwd=cwd)
         code, started = _launch("resume", argv, cassette, cwd, lock=lock,
-                                cassette=str(cassette.resolve()))
+                                cassette=str(cassette.resolve()), resend=list(resend))
     finally:
         lock.release()
     if not started:  # the bootstrap said why; what it cut of the cassette is put back

@@ -223,6 +223,9 @@ class LaunchSpec:
     # matched under ignore and normalise
     tools: tuple[str, ...] = ()
     then_live: bool = False
+    # resume: the tools sent or run again when the run stopped inside one and nothing can
+    # settle it (replayer.continuation.ContinuationSession's resend)
+    resend: tuple[str, ...] = ()
     # the launcher's own
     launcher_pid: int | None = None
     lock_fd: int | None = None
@@ -233,7 +236,7 @@ class LaunchSpec:
         set_ = object.__setattr__  # frozen: the values given are normalised once, here
         set_(self, "mode", LaunchMode(self.mode))
         for name in ("argv", "redact_headers", "redact_body", "redact_patterns",
-                     "redact_query", "patch", "ignore", "normalise", "tools"):
+                     "redact_query", "patch", "ignore", "normalise", "tools", "resend"):
             value = getattr(self, name)
             if isinstance(value, list):
                 set_(self, name, tuple(value))

@@ -33,6 +33,7 @@ from recorder.capture.sources import Interceptor
 from recorder.cassette import CassetteWriter, Fsync, compact
 from recorder.cassette.keys import Keyring, load_keyring, require_signing_key
 from recorder.cassette.schema import (
+    Control,
     EndStatus,
     Kind,
     Totals,
@@ -41,7 +42,7 @@ from recorder.cassette.schema import (
     utc_stamp,
     zero_totals,
 )
-from recorder.errors import RunStopped, SessionError
+from recorder.errors import NeedsAttention, RunStopped, SessionError
 from recorder.harness.guards import BreakerSettings, Budgets, Clock, LoopSettings
 from recorder.harness.run_guard import RunGuard
 from recorder.harness.settings import resolve as resolve_settings
@@ -379,6 +380,9 @@ class RecordSession(session.Session, mcp.McpSeam):
         token = self._enter_tool(tool, name, intent)
         try:
             yield call
+        except NeedsAttention:  # the run stops for a person inside it: the call never ended
+            _within.reset(token)
+            raise
         except Exception as exc:
             _within.reset(token)
             self.log_tool(tool, args, start, t0, error=exc, intent=intent, call=name)
@@ -454,11 +458,18 @@ class RecordSession(session.Session, mcp.McpSeam):
 
     def mcp_answer(self, call: mcp.McpCall) -> mcp.McpReply | None:
         """An MCP request goes to its server: a tool call through the guards first, as any
-        tool call."""
-        if call.tool is not None:
-            self.before_tool(call.spec(), call.arguments)
-        else:
+        tool call, and a destructive one after a ``sending`` control line forced to disk
+        (its tool line follows once answered: a log with the first and not the second
+        ended while the call was in flight, and a resume does not send it again)."""
+        if call.tool is None:
             self._check_writable()
+            return None
+        key = self._lines.args_key(call.arguments)
+        self.before_tool(call.spec(), call.arguments, key)
+        if call.destructive:
+            self.log_control(Control.SENDING, {
+                "tool": call.tool, "fp": digest(["tool", call.tool, key]),
+                "server": mcp.label(mcp.server_record(call.server, self.redaction))})
         return None
 
     def mcp_log(self, call: mcp.McpCall, reply: mcp.McpReply, timing: session.Timing) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from recorder import values as _values
@@ -37,7 +37,7 @@ from recorder.intents import Effect, Intent, Settled
 from recorder.record import RecordSession, current_body
 from replayer.replay import ReplaySession, rebuild_error
 from replayer.tool_policy import RecordedTools, Rule, ToolPolicy, ToolRule
-from replayer.under_way import UnderWay
+from replayer.under_way import UnderWay, mcp_in_flight
 
 log = logging.getLogger("deja.replayer")
 _NOT_COPIED = frozenset({"seq", "sig", "call"})  # of a tool line copied from another run
@@ -84,7 +84,8 @@ class ContinuationSession(RecordSession):
                  on_leave: Callable[[ContinuationSession], None] | None = None,
                  then_replay: Cassette | None = None, sources: Sequence[Source] = (),
                  mode: str = "fork", tool_policy: ToolPolicy | None = None,
-                 recorded_runs: Sequence[Cassette] = (), **kwargs: Any) -> None:
+                 recorded_runs: Sequence[Cassette] = (), resend: Iterable[str] = (),
+                 **kwargs: Any) -> None:
         # The run keeps the guards it was recorded with (its header); counters carry over
         # from the prefix once the guard exists (start).
         recorded = prefix.header
@@ -117,6 +118,10 @@ class ContinuationSession(RecordSession):
         # tool calls under way where the prefix ends, with side effects made inside them
         self._under_way = UnderWay(prefix.observations, prefix.header.get("features") or ())
         self._tool_calls = itertools.count(self._under_way.next_number)
+        # destructive MCP calls sent with no answer logged (seqs, by fingerprint), and the
+        # tools that may be sent or run again when the run stopped inside them (--resend)
+        self._in_flight = mcp_in_flight(prefix.observations)
+        self.resend = frozenset(resend)
 
     consults_log = True
 
@@ -349,6 +354,8 @@ class ContinuationSession(RecordSession):
             else None)
         if found is not None:
             return mcp.reply_of(found[1])
+        if call.tool is not None and call.destructive:
+            self._not_in_flight(call)
         answered = None if call.tool is None else self._policy(
             call.spec(), call.arguments, mcp.tool_result, {"mcp": {
                 "server": mcp.server_record(call.server, self.redaction),
@@ -356,6 +363,28 @@ class ContinuationSession(RecordSession):
         if answered is None:
             return super().mcp_answer(call)
         return mcp.reply_of({**answered[1], "kind": Kind.TOOL.value})
+
+    def _not_in_flight(self, call: mcp.McpCall) -> None:
+        """A destructive MCP tool call about to be sent live that the prefix shows in
+        flight (its ``sending`` line without its tool line: the run stopped before the
+        server's answer was logged) is not sent again, unless the tool is named to be
+        (``resend``): whether it took effect is unknown and no settle function can tell."""
+        assert call.tool is not None
+        fp = digest(["tool", call.tool, self._lines.args_key(call.arguments)])
+        sent = self._in_flight.get(fp)
+        if not sent:
+            return
+        seq = sent.pop(0)
+        if call.tool in self.resend:
+            log.warning("run %s: MCP tool %r (sent at step %s, no answer logged) is sent "
+                        "again, as asked", self.run_id, call.tool, seq)
+            return
+        raise NeedsAttention(
+            f"run {self.run_id}: destructive MCP tool {call.tool!r} was sent to its server "
+            f"at step {seq} and the run stopped before its answer was logged; whether it "
+            "took effect is unknown, so it is not sent again. Check on the server, then "
+            f"resume with --resend {call.tool} to send it again, or fork at a step before "
+            f"{seq}", reason="unsettled_intent", detail={"seq": seq, "tool": call.tool})
 
     def _unfinished(self, tool: session.ToolSpec, args: dict[str, Any],
                     obs: Mapping[str, Any]) -> Decision:
@@ -383,12 +412,17 @@ class ContinuationSession(RecordSession):
         key = f"{self.run_id}:{obs['seq']}"
         intent = Intent(run=self.run_id, seq=obs["seq"], name=tool.name,
                         args=_values.decode(obs.get("args")), key=key)
+        if tool.settle is None and tool.name in self.resend:
+            log.warning("intent seq %s of %s, which has no settle function, is run again "
+                        "with its key, as asked", obs["seq"], tool.name)
+            return Decision.run((obs["seq"], key))
         if tool.settle is None:
             raise NeedsAttention(
                 f"run {self.run_id}: side-effecting tool {tool.name!r} was running when the "
                 f"run stopped (intent seq {obs['seq']}, key {key}) and has no settle "
                 "function, so whether it took effect is unknown. Check by the key, then "
-                "record the outcome or give the tool settle=", reason="unsettled_intent",
+                f"give the tool settle=, or resume with --resend {tool.name} to run it "
+                "again with the same key", reason="unsettled_intent",
                 detail={"seq": obs["seq"], "key": key, "tool": tool.name})
         verdict = tool.settle(intent)
         if not isinstance(verdict, Settled):

@@ -38,7 +38,7 @@ from replayer import continuation
 from replayer import edit as _edit
 from replayer.continuation import ContinuationSession
 from replayer.tool_policy import Rule, ToolPolicy
-from replayer.under_way import with_side_effects
+from replayer.under_way import mcp_in_flight, with_side_effects
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +148,26 @@ def _outside_side_effects(parent: Cassette, at: int) -> None:
                 f"hold its intent and not its outcome. Fork at a step before {obs['seq']}"
                 + (f" or after {done}" if done is not None else ""))
     _outside_calls_with_side_effects(parent, at)
+    _outside_mcp_in_flight(parent, at)
+
+
+def _outside_mcp_in_flight(parent: Cassette, at: int) -> None:
+    """Refuse a fork at a step recorded while a destructive MCP tool call was in flight
+    (its ``sending`` line before the step, its tool line after it or never): the fork's
+    prefix would hold the one and not the other."""
+    before = [o for o in parent.observations if o["seq"] < at]
+    for fp, seqs in mcp_in_flight(before).items():
+        answered = next((o["seq"] for o in parent.observations[at:]
+                         if o["kind"] == Kind.TOOL and o.get("fp") == fp), None)
+        detail = parent.observations[seqs[0]].get("detail")
+        tool = detail.get("tool") if isinstance(detail, Mapping) else None
+        where = f"answered at step {answered}" if answered is not None else \
+            "never answered: the run ended before it was"
+        raise EditError(
+            f"step {at} was recorded while a call of destructive MCP tool {tool!r} was in "
+            f"flight (sent at step {seqs[0]}, {where}); a fork there would hold the call and "
+            f"not its answer. Fork at a step before {seqs[0]}"
+            + (f" or after {answered}" if answered is not None else ""))
 
 
 def _outside_calls_with_side_effects(parent: Cassette, at: int) -> None:

@@ -15,6 +15,7 @@ Every input is checked before anything is written.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -38,22 +39,27 @@ def plan_resume(cassette: str | Path, *, keyring: Keyring | None = None) -> Cass
     if loaded.end is not None and loaded.end.get("status") not in RESUMABLE_ENDS:
         raise NotResumable(f"{loaded.path}: the run already ended with status "
                            f"{loaded.end.get('status')!r}; there is nothing to resume (only a "
-                           "crashed or interrupted run can be resumed)")
+                           "crashed or interrupted run, or one stopped for a person "
+                           "(needs_attention), can be resumed)")
     continuation.signing_key(loaded, ring)
     return loaded
 
 
 def resume(cassette: str | Path, *, keyring: Keyring | None = None,
-           fsync: str = "turn") -> Scope[ContinuationSession]:
-    """Resume a crashed run; see the module docstring."""
+           fsync: str = "turn", resend: Iterable[str] = ()) -> Scope[ContinuationSession]:
+    """Resume a crashed run; see the module docstring. ``resend``: the tools that, when
+    the run stopped inside one and nothing can settle it (a destructive MCP tool; a side
+    effect with no settle function), are sent or run again, with the same key, rather
+    than stop the run for a person: name one only once you know it did not take effect."""
     ring = keyring or load_keyring(create=False)
     loaded = plan_resume(cassette, keyring=ring)
-    return continuation.scope(lambda: start_resume(loaded, keyring=ring, fsync=fsync),
-                              abandon_on_divergence=True, name=f"resume({cassette})")
+    return continuation.scope(
+        lambda: start_resume(loaded, keyring=ring, fsync=fsync, resend=resend),
+        abandon_on_divergence=True, name=f"resume({cassette})")
 
 
 def start_resume(loaded: Cassette, *, keyring: Keyring | None = None,
-                 fsync: str = "turn") -> ContinuationSession:
+                 fsync: str = "turn", resend: Iterable[str] = ()) -> ContinuationSession:
     ring = keyring or load_keyring(create=False)
     torn = loaded.torn_offset
     if torn is not None:
@@ -62,7 +68,7 @@ def start_resume(loaded: Cassette, *, keyring: Keyring | None = None,
     writer = CassetteWriter.reopen(loaded, continuation.signing_key(loaded, ring), fsync)
     served = len(loaded.observations)
     detail: dict[str, Any] = {"replayed": served, "torn_cut_at": torn}
-    if loaded.end is not None:  # an interrupted run: its end line was cut, kept here
+    if loaded.end is not None:  # interrupted or needs_attention: its end line cut, kept here
         detail["after_end"] = {k: v for k, v in loaded.end.items() if k != "seq"}
 
     def on_live(session: ContinuationSession) -> None:
@@ -72,7 +78,7 @@ def start_resume(loaded: Cassette, *, keyring: Keyring | None = None,
     # any other run continues as it was recorded, every tool live
     try:
         return ContinuationSession(loaded, writer, on_live=on_live, fsync=fsync, keyring=ring,
-                                   mode="resume",
+                                   mode="resume", resend=resend,
                                    tool_policy=ToolPolicy.from_header(loaded.header))
     except BaseException:  # bad settings ([tool.deja]): the cassette stays as it was found
         writer.discard()  # what reopen cut, put back

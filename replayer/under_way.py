@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from recorder.cassette.schema import Kind
+from recorder.cassette.schema import Control, Kind
 from recorder.errors import NeedsAttention
 
 
@@ -185,3 +185,20 @@ class UnderWay:
             "then resume a program that makes the same calls, or record the run afresh",
             reason="unsettled_intent",
             detail={"seq": call.made[0][0]["seq"], "tool": name, "call": call.id})
+
+
+def mcp_in_flight(observations: Iterable[Mapping[str, Any]]) -> dict[str, list[int]]:
+    """The destructive MCP tool calls a log shows sent and never answered: the seq of each
+    ``sending`` line, by the call's fingerprint, that no tool line of the same fingerprint
+    followed."""
+    sent: dict[str, list[int]] = {}
+    for obs in observations:
+        kind = obs.get("kind")
+        if kind == Kind.CONTROL and obs.get("event") == Control.SENDING:
+            fp = (obs.get("detail") or {}).get("fp")
+            if isinstance(fp, str):
+                sent.setdefault(fp, []).append(obs["seq"])
+        elif kind == Kind.TOOL and isinstance(obs.get("mcp"), Mapping) \
+                and obs.get("fp") in sent and sent[obs["fp"]]:
+            sent[obs["fp"]].pop(0)
+    return {fp: seqs for fp, seqs in sent.items() if seqs}

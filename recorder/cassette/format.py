@@ -52,5 +52,7 @@ class Fsync(enum.StrEnum):
 
 TURN_SYNC_KINDS = frozenset({Kind.INTENT, Kind.OUTCOME, Kind.CONTROL, Kind.END})
 # End statuses a resume may continue after (the end line is cut first): a run stopped by a
-# signal ends ``interrupted`` with an end line, and is meant to be picked up again.
-RESUMABLE_ENDS = frozenset({EndStatus.INTERRUPTED})
+# signal ends ``interrupted`` with an end line, and is meant to be picked up again; one
+# stopped for a person (``needs_attention``: a side effect's fate unknown) is picked up
+# once the person has checked, with settle=, a fixed program or ``--resend``.
+RESUMABLE_ENDS = frozenset({EndStatus.INTERRUPTED, EndStatus.NEEDS_ATTENTION})

@@ -126,7 +126,8 @@ def test_kinds_keep_the_format_order() -> None:
                      "end")
     assert KINDS == tuple(Kind)
     assert all(type(k) is str for k in KINDS)
-    assert RESUMABLE_ENDS == {EndStatus.INTERRUPTED} == {"interrupted"}
+    assert RESUMABLE_ENDS == {EndStatus.INTERRUPTED, EndStatus.NEEDS_ATTENTION} \
+        == {"interrupted", "needs_attention"}
 
 
 def test_every_line_written_has_a_known_kind_status_and_event(
@@ -167,7 +168,7 @@ def test_a_fork_writes_a_bookkeeping_line_and_nothing_else_is_one(
     fork = load(out)
     marks = [obs for obs in fork.observations if is_bookkeeping(obs)]
     assert [control_event(obs) for obs in marks] == [Control.FORK_EDIT]
-    assert BOOKKEEPING == {"fork_edit", "resumed"}
+    assert BOOKKEEPING == {"fork_edit", "resumed", "sending"}
     assert live_from(fork) == marks[0]["seq"] + 1
     assert not any(is_bookkeeping(obs) for obs in load(retried).observations)
     assert control_event({"kind": "tool", "event": "fork_edit"}) is None

@@ -63,6 +63,13 @@ async def pay(invoice, idempotency_key=None):
     return {"ok": True, "key": idempotency_key}
 
 
+@recorder.tool(side_effect=True)  # no settle function: nothing can tell
+async def charge(card, idempotency_key=None):
+    crash("in charge")
+    write(f"charge {card}", idempotency_key)
+    return {"ok": True, "key": idempotency_key}
+
+
 @recorder.tool(side_effect=True, settle=by_key)
 async def notify(email, idempotency_key=None):
     write(f"email {email}", idempotency_key)
@@ -105,6 +112,8 @@ async def main():
         print(await pay_and_tell("c1"), flush=True)
     elif SHAPE == "two":
         print(await asyncio.gather(checkout("c1"), checkout("c2")), flush=True)
+    elif SHAPE == "charge":
+        print(await charge("4242"), flush=True)
     elif SHAPE == "beside":
         print(await asyncio.gather(checkout("c1"), search("q")), flush=True)
     else:
@@ -222,6 +231,11 @@ def test_a_side_effect_that_might_be_the_one_made_before_stops_the_resume(
     assert _ledger(ledger) == [("pay c1", "record")]  # nothing paid
     end = load(root / "run.jsonl", allow_incomplete=True).end
     assert end is not None and end["status"] == "needs_attention", end
+    # a run stopped for a person resumes: with the program as recorded, it completes
+    fixed = _resume(root, env, recorded)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "the run ended needs_attention; its end line is cut" in fixed.stderr
+    assert _ledger(ledger) == [("pay c1", "record"), ("pay c9", "resume")]
 
 
 def test_a_fork_inside_a_tool_call_that_made_a_side_effect_is_refused(
@@ -248,3 +262,19 @@ def test_a_fork_inside_a_tool_call_that_made_a_side_effect_is_refused(
                  "fork.jsonl", "--", sys.executable, "agent.py", cwd=root,
                  env={**env, "SHAPE": "beside"})
     assert after.returncode == 0, after.stdout + after.stderr
+
+
+def test_a_side_effect_nothing_can_settle_is_run_again_only_when_named(
+        project: tuple[Path, dict[str, str], Path]) -> None:
+    root, env, ledger = project
+    _killed(root, env, "charge", "in charge")
+    stopped = _resume(root, env, "charge")
+    assert stopped.returncode != 0, stopped.stdout
+    assert "has no settle function" in stopped.stderr and "--resend charge" in stopped.stderr
+    assert _ledger(ledger) == []
+    resent = deja("resume", "--resend", "charge", "run.jsonl", "--", sys.executable,
+                  "agent.py", cwd=root, env={**env, "SHAPE": "charge"})
+    assert resent.returncode == 0, resent.stdout + resent.stderr
+    assert _ledger(ledger) == [("charge 4242", "resume"), ("pay c9", "resume")]
+    run = load(root / "run.jsonl")
+    assert ast.literal_eval(resent.stdout.splitlines()[0])["key"] == f"{run.run}:0"
