@@ -107,7 +107,7 @@ def test_the_command_line_records_replays_and_forks(ledger: Ledger, tmp_path: Pa
     ledger.remove()
     replayed = deja("replay", "run.jsonl", cwd=tmp_path)
     assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    assert ": identical" in replayed.stdout and "6/6 served" in replayed.stdout
+    assert ": identical" in replayed.stdout and "7/7 served" in replayed.stdout
     at = str(seq_of(tmp_path / "run.jsonl", "tool", "lookup"))
     served = deja("fork", "run.jsonl", "--at", at, "--set", f"result={EDITED}", "-o",
                   "fork.jsonl", cwd=tmp_path)

@@ -46,9 +46,14 @@ def test_the_exchanges_are_lines_and_replay_without_the_server(
     assert record(path, capsys) == OUTPUT
     assert ledger.rows() == [("A-1", 40.0)]
     lines = steps(path)
-    assert [(o["kind"], o.get("name") or o["mcp"]["method"]) for o in lines] == [
+    assert [(o["kind"], o.get("name") or o.get("event") or o["mcp"]["method"])
+            for o in lines] == [
         ("mcp", "initialize"), ("mcp", "tools/list"), ("mcp", "resources/read"),
-        ("mcp", "prompts/get"), ("tool", "lookup"), ("tool", "refund")]
+        ("mcp", "prompts/get"), ("tool", "lookup"), ("control", "sending"),
+        ("tool", "refund")]
+    # the destructive refund was announced, on disk, before it went to the server
+    assert lines[5]["detail"] == {"tool": "refund", "fp": lines[6]["fp"], "server": "ledger"}
+    lines = [o for o in lines if o["kind"] != "control"]
     assert all(o["mcp"]["server"] == SERVER for o in lines[1:])
     assert lines[0]["result"]["serverInfo"] == {"name": "ledger", "version": "1.4.2"}
     lookup, refund = lines[4], lines[5]
@@ -72,7 +77,7 @@ def test_the_exchanges_are_lines_and_replay_without_the_server(
         load_agent("sdk_agent").main()
     assert capsys.readouterr().out == OUTPUT  # the progress callback too
     assert run.result is not None and run.result.identical, run.result.report()
-    assert run.result.steps_served == 6
+    assert run.result.steps_served == 7  # the sending line among them
     assert ledger.rows() == [("A-1", 40.0)]  # no refund ran again
 
 
@@ -130,7 +135,7 @@ def test_deja_show_lists_the_mcp_steps(ledger: Ledger, tmp_path: Path,
     assert [(r["kind"], r["name"], r["status"]) for r in rows] == [
         ("mcp", "ledger initialize", "ok"), ("mcp", "ledger tools/list", "ok"),
         ("mcp", "ledger resources/read", "ok"), ("mcp", "ledger prompts/get", "ok"),
-        ("tool", "lookup", "ok"), ("tool", "refund", "ok")]
+        ("tool", "lookup", "ok"), ("control", "sending", "ok"), ("tool", "refund", "ok")]
 
 
 def test_an_mcp_field_of_the_wrong_type_is_refused_on_load(
@@ -141,7 +146,7 @@ def test_an_mcp_field_of_the_wrong_type_is_refused_on_load(
     path = tmp_path / "run.jsonl"
     record(path, capsys)
     docs = [json.loads(line) for line in path.read_text().splitlines()]
-    docs[5]["mcp"]["server"] = "ledger-server"
+    docs[5]["mcp"]["server"] = "ledger-server"  # the lookup (docs[0] is the header)
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b"".join(line + b"\n" for line in resign(docs, ATTACKER_KEY)))
     with pytest.raises(CorruptCassette, match=r"seq 4 .*'server' must be an object"):
@@ -149,7 +154,8 @@ def test_an_mcp_field_of_the_wrong_type_is_refused_on_load(
     good = tmp_path / "good.jsonl"  # the same, untouched: loads as it is
     good.write_bytes(b"".join(line + b"\n" for line in resign(
         [json.loads(line) for line in path.read_text().splitlines()], ATTACKER_KEY)))
-    assert [o["kind"] for o in load(good, allow_unverified=True)][-2:] == ["tool", "tool"]
+    assert [o["kind"] for o in load(good, allow_unverified=True)][-3:] == [
+        "tool", "control", "tool"]
 
 
 async def look_up_thrice() -> None:
@@ -169,9 +175,12 @@ def test_the_loop_guard_sees_an_mcp_tool_call(ledger: Ledger, tmp_path: Path) ->
     with pytest.raises(BaseExceptionGroup) as caught, recorder.record(path):
         anyio.run(look_up_thrice)
     assert caught.group_contains(LoopDetected)
-    lines = [o for o in steps(path) if o["kind"] != "mcp"]  # the client lists the tools too
+    lines = [o for o in steps(path) if o["kind"] != "mcp"]
+    # not listed yet, the tool is destructive to the client: its first call is announced
+    # (the client lists the tools after it, and learns it reads only)
     assert [(o["kind"], o.get("name") or o.get("event")) for o in lines] == [
-        ("tool", "lookup"), ("tool", "lookup"), ("control", "loop_detected")]
+        ("control", "sending"), ("tool", "lookup"), ("tool", "lookup"),
+        ("control", "loop_detected")]
     ledger.remove()
     with pytest.raises(BaseExceptionGroup) as again, replayer.replay(path) as run:
         anyio.run(look_up_thrice)
