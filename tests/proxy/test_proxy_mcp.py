@@ -92,9 +92,12 @@ def test_a_node_mcp_client_is_recorded_and_replayed_byte_for_byte_with_the_serve
 
     recorded = load_verified(cassette)
     steps = lines(recorded)
-    assert [(o["kind"], o.get("name") or o["mcp"]["method"]) for o in steps] == [
-        ("mcp", "initialize"), ("mcp", "tools/list"), ("tool", "lookup"), ("tool", "refund"),
-        ("mcp", "resources/read")]
+    assert [(o["kind"], o.get("name") or o.get("event") or o["mcp"]["method"])
+            for o in steps] == [
+        ("mcp", "initialize"), ("mcp", "tools/list"), ("tool", "lookup"),
+        ("control", "sending"), ("tool", "refund"), ("mcp", "resources/read")]
+    assert steps[3]["detail"]["tool"] == "refund"  # on disk before the refund was sent
+    steps = [o for o in steps if o["kind"] != "control"]
     assert {json.dumps(o["mcp"]["server"]) for o in steps} == {json.dumps(
         {"transport": "http", "url": server.url, "name": "ledger", "version": "1.4.2"})}
     lookup, refund = steps[2], steps[3]
@@ -119,7 +122,7 @@ def test_a_node_mcp_client_is_recorded_and_replayed_byte_for_byte_with_the_serve
                                                          "policy"]
     status, log = replaying.stop()
     assert status == 0, log
-    assert "identical" in log and "5/5 served" in log, log
+    assert "identical" in log and "6/6 served" in log, log
     assert "POST /mcp 200" in log and "(replayed)" in log
 
 
@@ -130,7 +133,7 @@ def test_a_server_that_answers_with_json_is_recorded_and_replayed(
     assert "refund: refunded 40.00 EUR on A-1" in said.splitlines()
     assert server.rows() == [("A-1", 40.0)]
     steps = lines(load_verified(cassette))
-    assert [o["kind"] for o in steps] == ["mcp", "mcp", "tool", "tool", "mcp"]
+    assert [o["kind"] for o in steps] == ["mcp", "mcp", "tool", "control", "tool", "mcp"]
     server.stop()
     replaying = proxy("--replay", str(cassette))
     again = tmp_path / "replay.dump"
