@@ -66,7 +66,11 @@ def decode_body(text: str, encoding: str | None) -> bytes:
     return text.encode("utf-8")
 
 
-CODINGS = ("gzip", "x-gzip", "deflate")  # the content codings deja reads and writes
+CODINGS = ("gzip", "x-gzip", "deflate", "br", "zstd")  # the content codings deja reads
+
+
+class CodingError(ValueError):
+    """A body that does not decompress as its ``content-encoding`` says."""
 
 
 def content_coding(headers: Iterable[Sequence[str]]) -> str:
@@ -77,17 +81,44 @@ def content_coding(headers: Iterable[Sequence[str]]) -> str:
 
 def decompress(body: bytes, coding: str) -> bytes:
     """``body`` decompressed as ``coding`` (one of :data:`CODINGS`; deflate also raw, as
-    some servers send it); :class:`zlib.error` when it does not decompress."""
-    if coding == "deflate":
+    some servers send it; zstd every frame); :class:`CodingError` when it does not
+    decompress."""
+    if coding == "br":
+        import brotli
+
         try:
-            return zlib.decompress(body)
-        except zlib.error:
-            return zlib.decompress(body, -zlib.MAX_WBITS)
-    return zlib.decompress(body, 16 + zlib.MAX_WBITS)
+            return bytes(brotli.decompress(body))
+        except brotli.error as exc:
+            raise CodingError(f"not br data: {exc}") from None
+    if coding == "zstd":
+        import zstandard
+
+        try:
+            return zstandard.ZstdDecompressor().decompressobj(read_across_frames=True) \
+                .decompress(body)
+        except zstandard.ZstdError as exc:
+            raise CodingError(f"not zstd data: {exc}") from None
+    try:
+        if coding == "deflate":
+            try:
+                return zlib.decompress(body)
+            except zlib.error:
+                return zlib.decompress(body, -zlib.MAX_WBITS)
+        return zlib.decompress(body, 16 + zlib.MAX_WBITS)
+    except zlib.error as exc:
+        raise CodingError(f"not {coding} data: {exc}") from None
 
 
 def compress(body: bytes, coding: str) -> bytes:
     """``body`` compressed as ``coding`` (one of :data:`CODINGS`), the same every time."""
+    if coding == "br":
+        import brotli
+
+        return bytes(brotli.compress(body))
+    if coding == "zstd":
+        import zstandard
+
+        return zstandard.ZstdCompressor().compress(body)
     if coding == "deflate":
         return zlib.compress(body)
     import gzip
@@ -96,23 +127,23 @@ def compress(body: bytes, coding: str) -> bytes:
 
 
 def content_decoded(body: bytes, headers: Iterable[Sequence[str]]) -> bytes:
-    """A response body as its ``content-encoding`` header says to read it: gzip or deflate
-    decompressed (what the SDK reads, and what usage and stop reason are read from; the
-    body is stored as received); any other body, or one that does not decompress, as it
-    is."""
+    """A response body as its ``content-encoding`` header says to read it: gzip, deflate,
+    br or zstd decompressed (what the SDK reads, and what usage and stop reason are read
+    from; the body is stored as received); any other body, or one that does not
+    decompress, as it is."""
     coding = content_coding(headers)
     if not body or coding not in CODINGS:
         return body
     try:
         return decompress(body, coding)
-    except zlib.error:
+    except CodingError:
         return body
 
 
 def content_encoded(body: bytes, headers: Iterable[Sequence[str]], *,
                     decoded: bool = False) -> bytes:
     """A body a client may have handed over decoded, as the wire had it: compressed again
-    as its ``content-encoding`` header says (gzip or deflate) when it is known to be
+    as its ``content-encoding`` header says (one of :data:`CODINGS`) when it is known to be
     ``decoded`` (a client that decodes handed it over: a decoded body may itself be
     gzip, a ``.gz`` file sent compressed) or does not decompress as that header says;
     any other body as it is. The bytes are not the server's, but they decompress to what
@@ -124,7 +155,7 @@ def content_encoded(body: bytes, headers: Iterable[Sequence[str]], *,
         return compress(body, coding)
     try:
         decompress(body, coding)
-    except zlib.error:
+    except CodingError:
         return compress(body, coding)
     return body
 

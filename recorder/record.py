@@ -21,7 +21,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,9 @@ class RecordSession(session.Session, mcp.McpSeam):
         self._patches: contextlib.ExitStack | None = None
         self._tool_calls = itertools.count()
         self._opened: set[str] = set()  # the tool calls lines were made inside (``within``)
+        # the NeedsAttention this session raised: the run ends so even if the program
+        # catches one, and a tool body it went through is left under way, with no line
+        self._attention: list[NeedsAttention] = []
         self._compactor = compact.Compactor()
         self._lines = StepLines(self.redaction, self.prices)
 
@@ -199,8 +202,9 @@ class RecordSession(session.Session, mcp.McpSeam):
                           duration_s=round(time.perf_counter() - self._t0, 3),
                           observations=self.writer.next_seq)
         stopped = self.guard.stopped if self.guard is not None else None
+        stopped = stopped or (self._attention[0] if self._attention else None)
         if error is None and stopped is not None:
-            error = stopped  # the agent caught the guard's error, but the run is over
+            error = stopped  # the agent caught the harness's error, but the run is over
         if status is None and self.writer.failed is not None:
             status = EndStatus.INTERRUPTED  # stopped by the disk, not by the run: it resumes
             error = error or self.writer.failed
@@ -341,6 +345,16 @@ class RecordSession(session.Session, mcp.McpSeam):
         whose intent, for a side effect, is ``intent`` (seq, key)."""
         return _within.set(call)
 
+    @contextlib.contextmanager
+    def _for_a_person(self) -> Iterator[None]:
+        """Where this session may stop the run for a person: the NeedsAttention raised is
+        kept (:attr:`_attention`)."""
+        try:
+            yield
+        except NeedsAttention as exc:
+            self._attention.append(exc)
+            raise
+
     def _names_calls(self) -> bool:
         """Whether this cassette's tool lines name their calls (the ``tool_calls`` feature:
         a call its lines never name was under way where the log ends)."""
@@ -380,13 +394,11 @@ class RecordSession(session.Session, mcp.McpSeam):
         token = self._enter_tool(tool, name, intent)
         try:
             yield call
-        except NeedsAttention:  # the run stops for a person inside it: the call never ended
-            _within.reset(token)
-            raise
         except Exception as exc:
             _within.reset(token)
-            self.log_tool(tool, args, start, t0, error=exc, intent=intent, call=name)
-            raise
+            if not any(exc is stop for stop in self._attention):  # else it never ended:
+                self.log_tool(tool, args, start, t0, error=exc, intent=intent, call=name)
+            raise  # the run stops for a person inside it
         _within.reset(token)
         self.log_tool(tool, args, start, t0, result=call.result, intent=intent, call=name)
 

@@ -29,7 +29,7 @@ from recorder.capture.exchange import HttpRequest, HttpResponse, Redaction
 from recorder.capture.sources import Action, Decision, Source
 from recorder.cassette import Cassette, CassetteWriter
 from recorder.cassette.keys import Keyring
-from recorder.cassette.schema import Kind, add_step, replayed_totals
+from recorder.cassette.schema import Control, Kind, add_step, replayed_totals
 from recorder.effects import call_site
 from recorder.errors import Divergence, DivergenceInfo, KeyMissing, NeedsAttention, ToolRefused
 from recorder.harness.guards import Budgets
@@ -85,7 +85,7 @@ class ContinuationSession(RecordSession):
                  then_replay: Cassette | None = None, sources: Sequence[Source] = (),
                  mode: str = "fork", tool_policy: ToolPolicy | None = None,
                  recorded_runs: Sequence[Cassette] = (), resend: Iterable[str] = (),
-                 **kwargs: Any) -> None:
+                 under_way_in: Cassette | None = None, **kwargs: Any) -> None:
         # The run keeps the guards it was recorded with (its header); counters carry over
         # from the prefix once the guard exists (start).
         recorded = prefix.header
@@ -115,8 +115,10 @@ class ContinuationSession(RecordSession):
         self._live_bodies: set[str] = set()
         for obs in prefix.observations:
             self._count(obs)
-        # tool calls under way where the prefix ends, with side effects made inside them
-        self._under_way = UnderWay(prefix.observations, prefix.header.get("features") or ())
+        # tool calls under way where the prefix (or the log a replay-then-live serves) ends,
+        # with side effects made inside them
+        logged = under_way_in or prefix
+        self._under_way = UnderWay(logged.observations, logged.header.get("features") or ())
         self._tool_calls = itertools.count(self._under_way.next_number)
         # destructive MCP calls sent with no answer logged (seqs, by fingerprint), and the
         # tools that may be sent or run again when the run stopped inside them (--resend)
@@ -254,11 +256,29 @@ class ContinuationSession(RecordSession):
         """Answer a tool call from the prefix while it lasts (settling the intent it ends
         inside, if any), then from the sources that copy, else run it live. A side effect
         a body run again had made before the run stopped is answered from that first."""
-        if self._under_way:
-            made = self._under_way.take(current_body(), tool.name, digest(
-                ["tool", tool.name, self._lines.args_key(args)]), tool.side_effect)
+        with self._for_a_person():
+            made = self._made(tool.name, args, tool.side_effect)
             if made is not None:
                 return self._made_before(tool, args, *made)
+            return self._decide(tool, args)
+
+    def _made(self, name: str, args: dict[str, Any], side_effect: bool
+              ) -> tuple[Mapping[str, Any], Mapping[str, Any] | None] | None:
+        """What a call made in a body run again stands for, made by the call under way it
+        runs again (:mod:`replayer.under_way`); a body bound by this call says so first
+        (a ``continues`` line: what it makes from here counts as that call's)."""
+        if not self._under_way:
+            return None
+        made = self._under_way.take(current_body(), name, digest(
+            ["tool", name, self._lines.args_key(args)]), side_effect)
+        if made is None:
+            return None
+        line, outcome, bound = made
+        if bound is not None:
+            self.log_control(Control.CONTINUES, {"call": bound})
+        return line, outcome
+
+    def _decide(self, tool: session.ToolSpec, args: dict[str, Any]) -> Decision:
         for source in self._asked():
             early = source.copies and not source.passes  # the guards first, as for HTTP
             if early:
@@ -348,6 +368,14 @@ class ContinuationSession(RecordSession):
         """An MCP request: served from the prefix while it lasts (then by a source that
         copies), else sent to its server, a tool call under the tool policy (a tool its
         server annotated ``destructiveHint: true`` is a side effect)."""
+        with self._for_a_person():
+            if call.tool is not None:
+                made = self._made(call.tool, call.arguments, call.destructive)
+                if made is not None:  # made by the call under way this body runs again
+                    return mcp.reply_of(made[0])
+            return self._mcp_answer(call)
+
+    def _mcp_answer(self, call: mcp.McpCall) -> mcp.McpReply | None:
         found = self._from_sources(
             lambda: RecordSession.mcp_answer(self, call),
             lambda source: source.answer_mcp(call) if isinstance(source, mcp.McpSource)
@@ -458,19 +486,24 @@ class ContinuationSession(RecordSession):
 
     def _enter_tool(self, tool: session.ToolSpec, call: str,
                     intent: tuple[int, str] | None) -> Any:
+        bound = None
         if self._under_way:
             bound = self._under_way.bind(tool.name, call, intent[0] if intent else None,
                                          tool.side_effect)
             if bound is not None and self.mode != "resume":
-                raise NeedsAttention(
+                error = NeedsAttention(
                     f"run {self.run_id}: tool call {bound.id} was under way where this "
                     f"run's recorded steps end, and had made side effects inside it (step "
                     f"{bound.made[0][0]['seq']}); its body is not run again. "
                     "Resume the run, or fork at a step before the call",
                     reason="unsettled_intent", detail={"tool": tool.name, "call": bound.id})
+                self._attention.append(error)
+                raise error
         token = super()._enter_tool(tool, call, intent)
         if self.serving:  # a body run live before the prefix is used up
             self._live_bodies.add(call)
+        if bound is not None and intent is not None:  # a side effect's body, run again
+            self.log_control(Control.CONTINUES, {"call": bound.id})
         return token
 
     def call_tool(self, tool: session.ToolSpec, args: dict[str, Any],

@@ -38,7 +38,7 @@ from replayer import continuation
 from replayer import edit as _edit
 from replayer.continuation import ContinuationSession
 from replayer.tool_policy import Rule, ToolPolicy
-from replayer.under_way import mcp_in_flight, with_side_effects
+from replayer.under_way import CallTree, is_side_effect, mcp_in_flight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,23 +176,23 @@ def _outside_calls_with_side_effects(parent: Cassette, at: int) -> None:
     ``tool_calls``): the fork would run that body live, and the side effect again."""
     if "tool_calls" not in (parent.header.get("features") or ()):
         return
-    closed, calls_in, _ = with_side_effects(parent.observations)
+    tree = CallTree(parent.observations)
     for obs in parent.observations:
         if obs["seq"] >= at:
             break
-        call = obs.get("within") if obs["kind"] == Kind.INTENT else None
-        while isinstance(call, str):  # the calls the side effect was made inside
-            done = closed.get(call)
+        call = tree.root(obs.get("within")) if is_side_effect(obs) else None
+        while call is not None:  # the calls the side effect was made inside
+            done = tree.closed.get(call)
             if done is None or done > at:
                 where = f"its line at step {done}" if done is not None else \
                     "no line: the run ended inside it"
                 raise EditError(
                     f"step {at} was recorded while tool call {call} was under way ({where}), "
                     f"and side-effecting tool {obs.get('name')!r} had been called inside it "
-                    f"(intent at step {obs['seq']}); a fork there would run its body again, "
-                    f"and the side effect with it. Fork at a step before {obs['seq']}"
+                    f"(step {obs['seq']}); a fork there would run its body again, and the "
+                    f"side effect with it. Fork at a step before {obs['seq']}"
                     + (f" or after {done}" if done is not None else ""))
-            call = calls_in.get(call)
+            call = tree.parent.get(call)
 
 
 def _fits_a_line(at: int, detail: Mapping[str, Any], edited: Observation) -> None:

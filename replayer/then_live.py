@@ -172,7 +172,8 @@ def start_then_live(plan: ThenLive, *, policy: ReplayPolicy | None = None,
     try:
         return ContinuationSession(empty, cast(CassetteWriter, writer), sources=[log],
                                    mode="fork", on_leave=left, fsync=fsync, keyring=ring,
-                                   tool_policy=tools, recorded_runs=(parent,))
+                                   tool_policy=tools, recorded_runs=(parent,),
+                                   under_way_in=parent)
     except BaseException:  # settings refused ([tool.deja]): no file left behind
         writer.discard()
         raise

@@ -4,24 +4,29 @@ A tool body's lines are marked ``within`` its call (``name#n``). In a cassette w
 ``tool_calls`` feature the tool's own line, or its outcome, names the call (``call``)
 once the body is done, and a side effect's intent names the call it opens: a call that
 lines are within and that no tool line or outcome names was still running when the run
-stopped.
+stopped. A side effect here is an intent (``side_effect=True``) or a destructive MCP tool
+call.
 
 A resume runs such a body again when the program calls the tool again: a plain tool has
 no intent to settle, and a side effect settled as not done runs its body again. A side
 effect the body had already made must not be made twice. While the body runs again, a
 call it makes is matched to what the call under way had made: a side effect's intent
 (answered from its outcome, or settled as any intent a run stopped inside when it has
-none) or a tool call that had finished with side effects somewhere inside its own body
-(answered from its line, its body not run). Each is matched once, by name and arguments;
-a call of the same tool with other arguments stops the run for a person (it may be the
-same effect, changed), and any other call runs.
+none), a destructive MCP call (answered from its line) or a tool call that had finished
+with side effects somewhere inside its own body (answered from its line, its body not
+run). Each is matched once, by name and arguments; a call of the same tool with other
+arguments, or any side effect while some of what it had made is not met yet, stops the
+run for a person (it may be the same effect, changed), and any other call runs.
 
 Which new body is which call under way: a side effect's by its intent (exact); a plain
 tool's line is written only when its body ends, so a plain tool's body run again is bound
 by the first call it makes that a call under way of the same tool had made (two calls of
-``checkout`` under way, each paying its own cart, tell apart so). A replay-then-live or a
-fork never runs such a body again: its prefix ends where the other run went on, and it
-stops for a person when the body would start.
+``checkout`` under way, each paying its own cart, tell apart so). Once bound, the body
+writes a ``continues`` control line naming the call it runs again: the new body's lines,
+and the line that ends it, then count as that call's, so a resume of the resume (or a
+fork of it) sees one call, with all it made, ended or not. A replay-then-live or a fork
+never runs such a body again: its log ends where the other run went on, and it stops for
+a person when the body would start.
 """
 
 from __future__ import annotations
@@ -55,33 +60,56 @@ def number(call: Any) -> int:
     return int(digits) if digits.isdigit() else -1
 
 
-def closing(obs: Mapping[str, Any]) -> str | None:
-    """The call a line closes: a tool line's or an outcome's ``call``."""
-    return obs.get("call") if obs.get("kind") in (Kind.TOOL, Kind.OUTCOME) else None
+def is_side_effect(obs: Mapping[str, Any]) -> bool:
+    """An intent, or the line of a destructive MCP tool call."""
+    if obs.get("kind") == Kind.INTENT:
+        return True
+    mcp = obs.get("mcp")
+    return obs.get("kind") == Kind.TOOL and isinstance(mcp, Mapping) \
+        and mcp.get("destructive") is True
 
 
-def with_side_effects(observations: Iterable[Mapping[str, Any]]
-                      ) -> tuple[dict[str, int], dict[str, str | None], set[str]]:
-    """Of a log with the ``tool_calls`` feature: where each call closed (its line's seq),
-    the call each call was made inside (None: at the top), and the calls inside which a
-    side effect was made, at any depth."""
-    closed: dict[str, int] = {}
-    parent: dict[str, str | None] = {}
-    inside: list[str] = []
-    for obs in observations:
-        call, within = obs.get("call"), obs.get("within")
-        if isinstance(call, str):
-            parent.setdefault(call, within)
-            if closing(obs) is not None:
-                closed[call] = obs["seq"]
-        if obs.get("kind") == Kind.INTENT and isinstance(within, str):
-            inside.append(within)
-    marked: set[str] = set()
-    for call in inside:
-        while isinstance(call, str) and call not in marked:
-            marked.add(call)
-            call = parent.get(call)
-    return closed, parent, marked
+class CallTree:
+    """The tool calls of a log with the ``tool_calls`` feature: each body run again under
+    the id of the call it continues (:meth:`root`), where each call ended (``closed``, the
+    seq of its line), the call each was made inside (``parent``; None at the top) and the
+    calls inside which a side effect was made, at any depth (``marked``)."""
+
+    def __init__(self, observations: Iterable[Mapping[str, Any]]) -> None:
+        self._alias: dict[str, str] = {}
+        lines = list(observations)
+        for obs in lines:
+            if obs.get("kind") == Kind.CONTROL and obs.get("event") == Control.CONTINUES:
+                detail, within = obs.get("detail") or {}, obs.get("within")
+                if isinstance(within, str) and isinstance(detail.get("call"), str):
+                    self._alias[within] = detail["call"]
+        self.closed: dict[str, int] = {}
+        self.parent: dict[str, str | None] = {}
+        inside: list[str] = []
+        for obs in lines:
+            call, within = self.root(obs.get("call")), self.root(obs.get("within"))
+            if call is not None:
+                self.parent.setdefault(call, within)
+                if obs.get("kind") in (Kind.TOOL, Kind.OUTCOME):
+                    self.closed[call] = obs["seq"]
+            if within is not None and is_side_effect(obs):
+                inside.append(within)
+        self.marked: set[str] = set()
+        for found in inside:
+            current: str | None = found
+            while current is not None and current not in self.marked:
+                self.marked.add(current)
+                current = self.parent.get(current)
+
+    def root(self, call: Any) -> str | None:
+        """The call a body's id stands for: itself, or the call it continues."""
+        if not isinstance(call, str):
+            return None
+        seen = {call}
+        while call in self._alias and self._alias[call] not in seen:
+            call = self._alias[call]
+            seen.add(call)
+        return call
 
 
 class UnderWay:
@@ -103,22 +131,23 @@ class UnderWay:
             self._find(observations)
 
     def _find(self, observations: Sequence[Mapping[str, Any]]) -> None:
-        closed, _, marked = with_side_effects(observations)
+        tree = CallTree(observations)
         outcomes = {o["intent"]: o for o in observations if o.get("kind") == Kind.OUTCOME}
         for obs in observations:
-            within, kind = obs.get("within"), obs.get("kind")
-            if not isinstance(within, str) or within in closed or within not in marked:
+            within, kind = tree.root(obs.get("within")), obs.get("kind")
+            if within is None or within in tree.closed or within not in tree.marked:
                 continue
             if kind == Kind.INTENT:
                 made = (obs, outcomes.get(obs["seq"]))
-            elif kind == Kind.TOOL and obs.get("call") in marked:
+            elif kind == Kind.TOOL and (is_side_effect(obs) or tree.root(obs.get("call"))
+                                        in tree.marked):
                 made = (obs, None)
             else:
                 continue
             self._calls.setdefault(within, _Call(within, within.rpartition("#")[0])) \
                 .made.append(made)
         for obs in observations:
-            call = obs.get("call")
+            call = tree.root(obs.get("call"))
             if obs.get("kind") == Kind.INTENT and call in self._calls:
                 self._opened[obs["seq"]] = call
 
@@ -128,8 +157,8 @@ class UnderWay:
     def bind(self, name: str, body: str, intent: int | None, side_effect: bool) -> _Call | None:
         """The call under way the body ``body`` of tool ``name`` may run again, if any: a
         side effect's, by its ``intent`` seq, is bound to it now; a plain tool's is bound
-        by the first call the body makes that the call under way had made (two calls of
-        the same tool under way tell apart so) and here is the first still unbound."""
+        by the first call the body makes that the call under way had made (:meth:`take`)
+        and here is the first still unbound."""
         with self._lock:
             if intent is not None:
                 id_ = self._opened.pop(intent, None)
@@ -145,10 +174,11 @@ class UnderWay:
             return found
 
     def take(self, body: str | None, name: str, fp: str, side_effect: bool
-             ) -> tuple[Mapping[str, Any], Mapping[str, Any] | None] | None:
+             ) -> tuple[Mapping[str, Any], Mapping[str, Any] | None, str | None] | None:
         """What a call of tool ``name`` whose fingerprint (name and arguments) is ``fp``,
         made in the body ``body`` run again, stands for: an intent and its outcome, or a
-        tool line (None: nothing the call under way had made, or no such body).
+        tool line, and the call under way the body was bound to by this call (None: it was
+        bound before). None: nothing the call under way had made, or no such body.
 
         While what the call under way had made is not all met, a call that is none of it
         is refused (NeedsAttention) when it might be one of them changed: a call of the
@@ -164,10 +194,13 @@ class UnderWay:
                 match = next((i for i, (line, _) in enumerate(call.made)
                               if line.get("name") == name and line.get("fp") == fp), None)
                 if match is not None:
+                    bound = None
                     if found is None:  # a plain tool's body, bound by its first match
                         del self._pending[body]
                         self._bound[body] = self._calls.pop(call.id)
-                    return call.made.pop(match)
+                        bound = call.id
+                    line, outcome = call.made.pop(match)
+                    return line, outcome, bound
             for call in candidates:
                 if call.made and (side_effect or any(line.get("name") == name
                                                      for line, _ in call.made)):

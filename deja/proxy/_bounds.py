@@ -1,7 +1,7 @@
 """How much of an upstream's response the proxy takes, and which work leaves the event loop.
 
 A response is bounded by ``--max-response`` bytes (default 64 MiB), counted two ways as it
-arrives: the bytes received, and, for a gzip or deflate body, the bytes it inflates to
+arrives: the bytes received, and, for a gzip, deflate, br or zstd body, the bytes it inflates to
 (what deja reads to log the call: its usage, its stop reason, the secrets it redacts). A
 2 MB body can inflate to 2 GiB, so the inflated size is counted in steps of
 :data:`STEP` bytes that are dropped once counted (:class:`Inflation`), and counting stops
@@ -26,9 +26,10 @@ import asyncio
 import json
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from recorder.canonical import CODINGS
 from recorder.capture.session import Timing
 from recorder.errors import ResponseTooLarge
 
@@ -44,7 +45,9 @@ OFFLOAD_BYTES = 256 * 1024  # bodies above this are worked on in a thread
 STEP = 1024 * 1024  # inflated bytes produced (and dropped) at a time
 INLINE_INFLATE = 16 * 1024  # compressed bytes inflated on the loop (at most ~16 MiB out)
 
-INFLATED = ("gzip", "x-gzip", "deflate")  # what deja inflates to read (br, zstd: it does not)
+INFLATED = CODINGS  # what deja inflates to read: gzip, deflate, br and zstd
+ZSTD_SLICE = 256  # compressed bytes of a zstd body fed at a time (a zstd decoder has no
+# output bound: 256 bytes of RLE blocks inflate to about 10 MiB at most)
 
 
 def coding_of(headers: Sequence[tuple[str, str]]) -> str:
@@ -58,12 +61,13 @@ def is_stream(headers: Sequence[tuple[str, str]]) -> bool:
 
 
 class Inflation:
-    """The inflated size of a gzip or deflate body, counted as its bytes arrive, up to
-    ``limit``; with ``keep``, the inflated bytes too (for a body known to be within it).
+    """The inflated size of a compressed body (gzip, deflate, br or zstd), counted as its
+    bytes arrive, up to ``limit``; with ``keep``, the inflated bytes too (for a body known
+    to be within it).
 
     It reads a body as :func:`recorder.canonical.content_decoded` does (gzip; deflate as
-    zlib data, else raw deflate; the first gzip member only): a body that is not valid
-    compressed data inflates to nothing more, and is read as it is."""
+    zlib data, else raw deflate; the first gzip member only; every zstd frame): a body
+    that is not valid compressed data inflates to nothing more, and is read as it is."""
 
     def __init__(self, coding: str, limit: int, *, keep: bool = False) -> None:
         self.coding, self.limit, self.keep = coding, limit, keep
@@ -73,7 +77,8 @@ class Inflation:
         self.ended = False  # the compressed data ended
         self.parts: list[bytes] = []
         self._wbits = 16 + zlib.MAX_WBITS if coding != "deflate" else zlib.MAX_WBITS
-        self._inflater = zlib.decompressobj(self._wbits)
+        self._inflater: Any = zlib.decompressobj(self._wbits) if coding in ZLIB else \
+            _Brotli() if coding == "br" else _Zstd()
         self._fed = False
 
     @classmethod
@@ -86,6 +91,14 @@ class Inflation:
     def feed(self, data: bytes) -> bool:
         """Count ``data``'s inflated bytes; True once the body is over the limit."""
         if self.over or self.broken or self.ended or not data:
+            return self.over
+        if self.coding not in ZLIB:
+            try:
+                self._count(self._inflater.pieces(data))
+                self.ended = self._inflater.ended()
+            except self._inflater.error:
+                self.broken = True
+            self._fed = True
             return self.over
         try:
             self._inflate(data)
@@ -102,6 +115,15 @@ class Inflation:
                 self.broken = True
         self._fed = True
         return self.over
+
+    def _count(self, pieces: Iterable[bytes]) -> None:
+        for out in pieces:
+            self.size += len(out)
+            if self.size > self.limit:
+                self.over, self.parts = True, []
+                return
+            if self.keep and out:
+                self.parts.append(out)
 
     def _inflate(self, data: bytes) -> None:
         inflater = self._inflater
@@ -122,8 +144,47 @@ class Inflation:
                 return
 
     def body(self, raw: bytes) -> bytes:
-        """The body as deja reads it (``keep``): inflated when it was whole, valid data."""
-        return b"".join(self.parts) if self.ended and not self.broken else raw
+        """The body as deja reads it (``keep``): inflated when it was whole, valid data
+        (a zstd body: valid data, every frame of it)."""
+        whole = self.ended or (self.coding == "zstd" and self._fed)
+        return b"".join(self.parts) if whole and not self.broken else raw
+
+
+ZLIB = ("gzip", "x-gzip", "deflate")
+
+
+class _Brotli:
+    """A br body inflated :data:`STEP` bytes at a time (brotli's own output bound)."""
+
+    def __init__(self) -> None:
+        import brotli
+
+        self._d, self.error = brotli.Decompressor(), brotli.error
+
+    def pieces(self, data: bytes) -> Iterator[bytes]:
+        yield self._d.process(data, output_buffer_limit=STEP)
+        while not self._d.can_accept_more_data():
+            yield self._d.process(b"", output_buffer_limit=STEP)
+
+    def ended(self) -> bool:
+        return bool(self._d.is_finished())
+
+
+class _Zstd:
+    """A zstd body inflated :data:`ZSTD_SLICE` compressed bytes at a time, every frame."""
+
+    def __init__(self) -> None:
+        import zstandard
+
+        self._d = zstandard.ZstdDecompressor().decompressobj(read_across_frames=True)
+        self.error = zstandard.ZstdError
+
+    def pieces(self, data: bytes) -> Iterator[bytes]:
+        for at in range(0, len(data), ZSTD_SLICE):
+            yield self._d.decompress(data[at:at + ZSTD_SLICE])
+
+    def ended(self) -> bool:
+        return False  # frames may follow: the body is whole when its bytes are
 
 
 def decoded_within(body: bytes, headers: Sequence[tuple[str, str]], limit: int) -> bytes:

@@ -44,12 +44,11 @@ import base64
 import functools
 import json
 import re
-import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from recorder.canonical import CODINGS, compress, content_coding, decompress
+from recorder.canonical import CODINGS, CodingError, compress, content_coding, decompress
 from recorder.capture._secrets import (
     _MARK,
     REDACTED,
@@ -306,14 +305,13 @@ class Redaction:
     def response_body(self, body: bytes, headers: list[tuple[str, str]]
                       ) -> tuple[bytes, list[tuple[str, str]]]:
         """A response body and its headers as stored: secrets out of the body (an SSE
-        stream's assembled deltas included; a gzip or deflate body is redacted decoded
-        and encoded again), ``content-length`` matching what is stored.
+        stream's assembled deltas included; a gzip, deflate, br or zstd body is redacted
+        decoded and encoded again), ``content-length`` matching what is stored.
 
-        A body that does not decompress as its header says, or one said to be br or zstd
-        (which are not read here) that is UTF-8 text, is redacted as it is: a client that
-        decodes a body itself (requests, urllib3, aiohttp) hands over the decoded bytes
-        under the ``content-encoding`` header they came with, and only gzip and deflate
-        are compressed again before they get here (:mod:`recorder.capture.vcr`)."""
+        A body that does not decompress as its header says, or one in a coding deja does
+        not read that is UTF-8 text, is redacted as it is (a client that decodes a body
+        itself, requests, urllib3 or aiohttp, has it compressed again before it gets
+        here: :mod:`recorder.capture.vcr`)."""
         if not body or not (self.rules or self._patterns_re):
             return body, headers
         coding = content_coding(headers)
@@ -321,10 +319,10 @@ class Redaction:
         if coding in CODINGS:
             try:
                 plain = decompress(body, coding)
-            except zlib.error:
+            except CodingError:
                 pass
         elif coding not in ("", "identity") and not _is_text(body):
-            return body, headers  # br, zstd compressed: stored as received
+            return body, headers  # a coding deja cannot read: stored as received
         from recorder import providers
 
         # A stream is read as its text (its events, whatever the framing), redacted there

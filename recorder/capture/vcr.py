@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import contextvars
+import functools
 import http.client
 import importlib
 import io
@@ -60,8 +61,25 @@ class _Call:
 
 _CALL: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("deja_vcr_call",
                                                                     default=None)
-URLLIB3_DECODES = frozenset({"gzip", "x-gzip", "deflate"})
-AIOHTTP_DECODES = frozenset({"gzip", "deflate"})  # not x-gzip, which it hands on as is
+
+
+@functools.cache
+def urllib3_decodes() -> frozenset[str]:
+    """The content codings urllib3 decodes itself (br once brotli is installed, zstd once
+    its zstd module is)."""
+    from urllib3.response import BaseHTTPResponse
+
+    return frozenset(BaseHTTPResponse.CONTENT_DECODERS) | {"gzip", "x-gzip", "deflate"}
+
+
+@functools.cache
+def aiohttp_decodes() -> frozenset[str]:
+    """The content codings aiohttp decodes itself: not x-gzip, which it hands on as is."""
+    from aiohttp import compression_utils
+
+    return frozenset({"gzip", "deflate"}
+                     | ({"br"} if getattr(compression_utils, "HAS_BROTLI", False) else set())
+                     | ({"zstd"} if getattr(compression_utils, "HAS_ZSTD", False) else set()))
 
 
 def _decodes(headers: list[tuple[str, str]]) -> bool:
@@ -361,7 +379,7 @@ def _call_patches(bridge: _VcrBridge) -> Iterator[Any]:
             # itself keeps it.
             del headers["Transfer-Encoding"]
         if _of_urllib3(type(self)):  # vcrpy records urllib3's decoded ``data``
-            call = _Call("urllib3", URLLIB3_DECODES)
+            call = _Call("urllib3", urllib3_decodes())
         else:
             call = _Call("http.client")
         with _noted(bridge, call):
@@ -377,7 +395,7 @@ def _call_patches(bridge: _VcrBridge) -> Iterator[Any]:
         decodes = kwargs.get("auto_decompress")  # the request's, else its session's
         if decodes is None:
             decodes = getattr(self, "_auto_decompress", True)
-        call = _Call("aiohttp", AIOHTTP_DECODES if decodes else frozenset())
+        call = _Call("aiohttp", aiohttp_decodes() if decodes else frozenset())
         if kwargs.get("json") is not None and kwargs.get("data") is None:
             call.json = getattr(self, "_json_serialize", json.dumps)  # what aiohttp sends
         with _noted(bridge, call):

@@ -73,13 +73,15 @@ class Control(enum.StrEnum):
     FORK_EDIT = "fork_edit"  # a fork's edited step: the patch
     RESUMED = "resumed"  # a resumed run goes on from here
     SENDING = "sending"  # a destructive MCP tool call goes to its server; its line follows
+    CONTINUES = "continues"  # the tool body it is within runs again a call under way
 
 
 # Control lines that refused a call: a replay raises them at the same point.
 STOPS = frozenset({Control.BUDGET_EXHAUSTED, Control.CANCELLED, Control.LOOP_DETECTED,
                    Control.CIRCUIT_OPEN})
 # Control lines that only mark how the log was made; they stand for nothing the agent did.
-BOOKKEEPING = frozenset({Control.FORK_EDIT, Control.RESUMED, Control.SENDING})
+BOOKKEEPING = frozenset({Control.FORK_EDIT, Control.RESUMED, Control.SENDING,
+                         Control.CONTINUES})
 
 
 class RunStatus(enum.StrEnum):

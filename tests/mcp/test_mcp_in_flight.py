@@ -107,3 +107,51 @@ def test_a_refund_answered_is_served_by_a_resume(ledger: Ledger, tmp_path: Path)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "refund: refunded 40.00 EUR on A-1" in resumed.stdout
     assert ledger.rows() == [("A-1", 40.0)]
+
+
+IN_A_BODY = """\
+import os, signal
+
+import anyio
+import recorder
+from mcp import ClientSession, StdioServerParameters
+from mcp.client.stdio import stdio_client
+
+
+async def run():
+    params = StdioServerParameters(command="ledger-server",
+                                   env={"LEDGER_DB": os.environ["LEDGER_DB"]})
+    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
+        await session.initialize()
+        await session.list_tools()
+
+        @recorder.tool
+        async def handle(order):
+            paid = await session.call_tool("refund", {"order": order, "amount": 40})
+            if os.environ.get("DIE") == "after refund":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return paid.content[0].text
+
+        print("handled:", await handle("A-1"), flush=True)
+
+
+anyio.run(run)
+"""
+
+
+def test_a_refund_made_inside_a_tool_under_way_is_not_made_again(ledger: Ledger,
+                                                                 tmp_path: Path) -> None:
+    """A plain tool calls the destructive MCP tool and the agent is killed before the tool
+    returns: the resume runs the tool's body again and answers the refund from its line."""
+    (tmp_path / "agent.py").write_text(IN_A_BODY)
+    killed = deja("record", "-o", "run.jsonl", "--", sys.executable, "agent.py",
+                  cwd=tmp_path, DIE="after refund")
+    assert killed.returncode != 0 and "it can be resumed" in killed.stderr, killed.stderr
+    assert ledger.rows() == [("A-1", 40.0)]
+    refund = next(o for o in load(tmp_path / "run.jsonl", allow_incomplete=True).observations
+                  if o.get("name") == "refund")
+    assert refund["within"] == "handle#0" and refund["mcp"]["destructive"] is True
+    resumed = deja("resume", "run.jsonl", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "handled: refunded 40.00 EUR on A-1" in resumed.stdout
+    assert ledger.rows() == [("A-1", 40.0)]  # refunded once

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import brotli
 import pytest
+import zstandard
 from proxy_helpers import ProxyProcess, cassettes
 
 from recorder.cassette import load
@@ -74,6 +76,7 @@ class Upstream:
     def __init__(self) -> None:
         self.seen: list[dict[str, str]] = []
         self.bomb = b""
+        self.bomb_coding = "gzip"
         self.loop = asyncio.new_event_loop()
         self.server: asyncio.base_events.Server | None = None
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -120,8 +123,9 @@ class Upstream:
         case = headers.get("x-case", "")
         if case == "bomb":
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                         b"content-encoding: gzip\r\n"
-                         b"content-length: %d\r\n\r\n" % len(self.bomb))
+                         b"content-encoding: %s\r\n"
+                         b"content-length: %d\r\n\r\n" % (self.bomb_coding.encode(),
+                                                             len(self.bomb)))
             for at in range(0, len(self.bomb), 64 * 1024):
                 writer.write(self.bomb[at:at + 64 * 1024])
                 await writer.drain()
@@ -253,6 +257,33 @@ def test_a_gzip_bomb_is_refused_with_a_named_error_and_bounded_memory(
     assert step["error"]["type"] == "ResponseTooLarge"
     assert step["error"]["has_response"] is False
     assert bombed.stat().st_size < 64 * 1024
+
+
+@pytest.mark.parametrize("coding", ["br", "zstd"])
+def test_a_br_or_zstd_bomb_is_refused_too(proxy: Proxy, upstream: Upstream, tmp_path: Path,
+                                          coding: str) -> None:
+    """br and zstd bodies are read as gzip ones are (their usage, their secrets), so they
+    are bounded the same way: brotli's decoder gives its output a step at a time, zstd's
+    is fed a few bytes at a time."""
+    zeros = bytes(BOMB_MIB * MIB)
+    upstream.bomb = brotli.compress(zeros, quality=1) if coding == "br" else \
+        zstandard.ZstdCompressor(level=1).compress(zeros)
+    del zeros
+    upstream.bomb_coding = coding
+    assert len(upstream.bomb) < MIB
+    p = proxy("--upstream", upstream.url, "--dir", str(tmp_path / "c"), "--max-response",
+              str(32 * MIB))
+    assert call(p.url)[0] == 200
+    before = rss_peak_kib(p.pid)
+    status, _, body = call(p.url, "bomb", headers={"x-deja-run": "bomb"})
+    assert status == 502, body[:300]
+    message = json.loads(body)["error"]["message"]
+    assert "ResponseTooLarge" in message and str(32 * MIB) in message, message
+    assert f"once inflated ({coding})" in message, message
+    grew = rss_peak_kib(p.pid) - before
+    assert grew < 64 * 1024, f"the proxy's peak RSS grew by {grew} KiB"
+    code, log = p.stop()
+    assert code == 0 and "Traceback" not in log, log
 
 
 def read_stream(response: http.client.HTTPResponse, most: int, seconds: float) -> bytes:

@@ -96,6 +96,9 @@ async def checkout(cart):
         paid = await pay(cart + suffix)
     crash(f"after pay {cart}")
     await asyncio.sleep(float(os.environ.get("CHECKOUT_WAIT", "0")))
+    if SHAPE in ("tell", "broad"):
+        await notify(f"{cart}@example.com")
+        crash(f"after notify {cart}")
     return {"cart": cart, "paid": paid}
 
 
@@ -112,6 +115,13 @@ async def main():
         print(await pay_and_tell("c1"), flush=True)
     elif SHAPE == "two":
         print(await asyncio.gather(checkout("c1"), checkout("c2")), flush=True)
+    elif SHAPE == "broad":  # a program that carries on whatever a tool raises
+        for cart in ("c1", "c9"):
+            try:
+                print(await checkout(cart + os.environ.get("SUFFIX", "")), flush=True)
+            except Exception as exc:
+                print("caught", type(exc).__name__, flush=True)
+        return
     elif SHAPE == "charge":
         print(await charge("4242"), flush=True)
     elif SHAPE == "beside":
@@ -278,3 +288,92 @@ def test_a_side_effect_nothing_can_settle_is_run_again_only_when_named(
     assert _ledger(ledger) == [("charge 4242", "resume"), ("pay c9", "resume")]
     run = load(root / "run.jsonl")
     assert ast.literal_eval(resent.stdout.splitlines()[0])["key"] == f"{run.run}:0"
+
+
+def test_a_resume_of_a_resume_makes_each_side_effect_once(
+        project: tuple[Path, dict[str, str], Path]) -> None:
+    """The body run again says which call it continues (a ``continues`` line): killed
+    again after its email, a second resume knows the payment and the email as that
+    call's, and sends neither again; the call, ended, no longer stops a fork."""
+    root, env, ledger = project
+    _killed(root, env, "tell", "after pay c1")
+    again = _resume(root, env, "tell", CRASH="after notify c1")
+    assert again.returncode != 0, again.stdout
+    assert _ledger(ledger) == [("pay c1", "record"), ("email c1@example.com", "resume")]
+    done = _resume(root, env, "tell")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _ledger(ledger) == [("pay c1", "record"), ("email c1@example.com", "resume"),
+                               ("pay c9", "resume"), ("email c9@example.com", "resume")]
+    run = load(root / "run.jsonl")
+    continues = [o for o in run.observations if o.get("event") == "continues"]
+    assert [o["detail"]["call"] for o in continues] == ["checkout#0", "checkout#0"]
+    ended = next(o for o in run.observations if o["kind"] == "tool"
+                 and o["name"] == "checkout" and o["args"] == {"cart": "c1"})
+    forked = deja("fork", "run.jsonl", "--at", str(ended["seq"]), "--set",
+                  'result={"cart": "c1"}', "-o", "fork.jsonl", "--", sys.executable,
+                  "agent.py", cwd=root, env={**env, "SHAPE": "tell"})
+    assert forked.returncode == 0, forked.stdout + forked.stderr
+
+
+def test_a_replay_then_live_never_runs_again_a_body_that_made_a_side_effect(
+        project: tuple[Path, dict[str, str], Path]) -> None:
+    root, env, ledger = project
+    _killed(root, env, "plain", "after pay c1")
+    went = deja("replay", "run.jsonl", "--allow-incomplete", "--then", "live", "--live-tool",
+                "pay", "-o", "live.jsonl", "--", sys.executable, "agent.py", cwd=root,
+                env={**env, "SHAPE": "plain"})
+    assert "tool call checkout#0 was under way where this run's recorded steps end" \
+        in went.stderr, went.stdout + went.stderr
+    assert _ledger(ledger) == [("pay c1", "record")]  # pay, named live, not made again
+    end = load(root / "live.jsonl").end
+    assert end is not None and end["status"] == "needs_attention", end
+
+
+def test_a_program_that_catches_the_stop_still_ends_needing_attention(
+        project: tuple[Path, dict[str, str], Path]) -> None:
+    root, env, ledger = project
+    _killed(root, env, "broad", "after pay c1")
+    stopped = _resume(root, env, "broad", SUFFIX="-changed")
+    assert "caught NeedsAttention" in stopped.stdout, stopped.stdout + stopped.stderr
+    end = load(root / "run.jsonl").end
+    assert end is not None and end["status"] == "needs_attention", end
+    assert _ledger(ledger) == [("pay c1", "record")]
+    # the checkout stopped inside left no line: the next resume runs it again
+    done = _resume(root, env, "broad")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _ledger(ledger) == [("pay c1", "record"), ("email c1@example.com", "resume"),
+                               ("pay c9", "resume"), ("email c9@example.com", "resume")]
+
+
+def test_a_needs_attention_the_program_raises_itself_is_the_tool_s_error(
+        tmp_path: Path) -> None:
+    """Only the stops deja makes leave a tool call under way: a tool that raises
+    ``recorder.NeedsAttention`` itself has its line, with that error, and replays."""
+    import recorder
+    import replayer
+
+    @recorder.tool
+    def approve(amount: int) -> str:
+        if amount > 100:
+            raise recorder.NeedsAttention(f"amount {amount} needs a person")
+        return "ok"
+
+    def agent() -> list[str]:
+        said = []
+        for amount in (50, 500, 60):
+            try:
+                said.append(approve(amount))
+            except recorder.NeedsAttention as exc:
+                said.append(str(exc))
+        return said
+
+    path = tmp_path / "run.jsonl"
+    with recorder.record(path):
+        live = agent()
+    run = load(path)
+    assert [o["kind"] for o in run.observations] == ["tool"] * 3
+    assert run.observations[1]["error"]["type"] == "NeedsAttention"
+    assert run.end is not None and run.end["status"] == "completed"
+    with replayer.replay(path) as replayed:
+        assert agent() == live
+    assert replayed.result is not None and replayed.result.identical
