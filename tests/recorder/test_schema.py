@@ -168,7 +168,7 @@ def test_a_fork_writes_a_bookkeeping_line_and_nothing_else_is_one(
     fork = load(out)
     marks = [obs for obs in fork.observations if is_bookkeeping(obs)]
     assert [control_event(obs) for obs in marks] == [Control.FORK_EDIT]
-    assert BOOKKEEPING == {"fork_edit", "resumed", "sending"}
+    assert BOOKKEEPING == {"fork_edit", "resumed", "sending", "continues"}
     assert live_from(fork) == marks[0]["seq"] + 1
     assert not any(is_bookkeeping(obs) for obs in load(retried).observations)
     assert control_event({"kind": "tool", "event": "fork_edit"}) is None
