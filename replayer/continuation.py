@@ -122,7 +122,7 @@ class ContinuationSession(RecordSession):
         self._tool_calls = itertools.count(self._under_way.next_number)
         # destructive MCP calls sent with no answer logged (seqs, by fingerprint), and the
         # tools that may be sent or run again when the run stopped inside them (--resend)
-        self._in_flight = mcp_in_flight(prefix.observations)
+        self._in_flight = mcp_in_flight(logged.observations)
         self.resend = frozenset(resend)
 
     consults_log = True
