@@ -412,8 +412,8 @@ def tiny(tmp_path: Path, *, crash: bool = True, settle: str = "none",
     return path
 
 
-def resume_tiny(path: Path, settle: str = "none") -> subprocess.CompletedProcess:
-    return deja("resume", str(path), env={**os.environ, "INTENT_SETTLE": settle})
+def resume_tiny(path: Path, settle: str = "none", *more: str) -> subprocess.CompletedProcess:
+    return deja("resume", *more, str(path), env={**os.environ, "INTENT_SETTLE": settle})
 
 
 def load_run(path: Path) -> Cassette:
@@ -485,10 +485,20 @@ def test_an_unsettled_intent_needs_attention(tmp_path: Path, settle: str, why: s
     assert [o["kind"] for o in run.observations] == ["tool", "tool", "tool", "intent",
                                                      "control"]  # charge never ran again
     assert len(resumed_lines(run)) == 1
-    # A run that ended is not resumed a second time.
+    # A run stopped for a person resumes; as it was, it stops the same way again
     again = resume_tiny(path, settle=settle)
-    assert again.returncode == 2
-    assert "already ended with status 'needs_attention'" in again.stderr
+    assert again.returncode == 1, again.stderr
+    assert "the run ended needs_attention; its end line is cut" in again.stderr
+    run = load_run(path)
+    assert run.end is not None and run.end["status"] == "needs_attention"
+    assert [o["kind"] for o in run.observations].count("intent") == 1  # charge never ran
+    if settle == "none":  # once a person has checked: run again with the intent's key
+        resent = resume_tiny(path, settle, "--resend", "charge")
+        assert resent.returncode == 0, resent.stderr
+        run = load_run(path)
+        assert run.end is not None and run.end["status"] == "completed"
+        outcome = next(o for o in run.observations if o["kind"] == "outcome")
+        assert (outcome["intent"], outcome["key"]) == (3, f"{run.run}:3")
 
 
 @pytest.mark.parametrize("settle", ["done", "not_done"])
