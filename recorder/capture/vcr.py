@@ -406,6 +406,38 @@ def _call_patches(bridge: _VcrBridge) -> Iterator[Any]:
     if stubs is not None:  # vcrpy's response reads text as UTF-8, json whatever its type
         yield mock.patch.object(stubs.MockClientResponse, "text", client.ClientResponse.text)
         yield mock.patch.object(stubs.MockClientResponse, "json", client.ClientResponse.json)
+        yield mock.patch.object(stubs, "play_responses", _play_responses)
+
+
+def _play_responses(cassette: Any, vcr_request: Any, kwargs: dict[str, Any]) -> Any:
+    """vcrpy's replayed aiohttp response, following recorded redirects as aiohttp follows
+    them live: each with the method aiohttp sends (vcrpy asks for every one with GET, and a
+    POST redirected by a 307 or 308, or a PUT by a 302, was not found)."""
+    from vcr.request import Request
+    from vcr.stubs import aiohttp_stubs as stubs
+    from yarl import URL
+
+    history: list[Any] = []
+    response = stubs.build_response(vcr_request, cassette.play_response(vcr_request), history)
+    method = vcr_request.method
+    while kwargs.get("allow_redirects", True) and 300 <= response.status <= 399 \
+            and "location" in response.headers:
+        method = redirected_method(response.status, method)
+        target = URL(str(response.url)).join(URL(response.headers["location"]))
+        vcr_request = Request(method, str(target), None,
+                              stubs._serialize_headers(response.request_info.headers))
+        history.append(response)
+        response = stubs.build_response(vcr_request, cassette.play_response(vcr_request),
+                                        history)
+    return response
+
+
+def redirected_method(status: int, method: str) -> str:
+    """The method aiohttp follows a redirect with: GET after a 303 (but for HEAD), and
+    after a 301 or 302 of a POST; the same method otherwise (307, 308)."""
+    if (status == 303 and method != "HEAD") or (status in (301, 302) and method == "POST"):
+        return "GET"
+    return method
 
 
 def _stream(self: Any, amt: int = 65536, decode_content: Any = None) -> Iterator[bytes]:

@@ -18,7 +18,10 @@ Each case calls a real server on 127.0.0.1 live, under ``recorder.record`` and u
   read it as chunks);
 - an aiohttp form (a dict, or a ``FormData`` with a file) is recorded and replays (its
   body, which aiohttp encodes only as it sends it, failed the program's call with a
-  ``TypeError`` while recording).
+  ``TypeError`` while recording);
+- an aiohttp redirect is followed on replay with the method aiohttp follows it with live
+  (vcrpy asked for every redirect with GET: a POST redirected by a 307 or a 308, or a PUT
+  by a 302, diverged).
 """
 
 from __future__ import annotations
@@ -71,14 +74,32 @@ class _Handler(BaseHTTPRequestHandler):
         return body
 
     def do_POST(self) -> None:  # an upload: its size and whether the file is in it
-        body = self._body()
+        if self.path.startswith("/moved/"):  # /moved/307: a redirect of that status
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self.send_response(int(self.path.rpartition("/")[2]))
+            self.send_header("location", "/landed")
+            self.send_header("content-length", "0")
+            self.end_headers()
+            return
+        body = self._body() if self.path != "/landed" else \
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+        if self.path == "/landed":  # the method a redirect was followed with, and its body
+            self._send(json.dumps({"method": self.command, "size": len(body)}).encode(),
+                       ("content-type", "application/json"))
+            return
         if self.path == "/echo":
             self._send(body, ("content-type", "application/octet-stream"))
             return
         self._send(json.dumps({"size": len(body), "has": FILE in body}).encode(),
                    ("content-type", "application/json"))
 
+    def do_PUT(self) -> None:
+        self.do_POST()
+
     def do_GET(self) -> None:
+        if self.path == "/landed":
+            self.do_POST()
+            return
         if self.path == "/xgz":  # aiohttp does not decode x-gzip: it hands it on
             self._send(gzip.compress(b'{"token": "' + SECRET + b'"}'),
                        ("content-encoding", "x-gzip"))
@@ -331,3 +352,16 @@ def test_an_aiohttp_redirect_to_an_error_it_raises_for_is_logged_once(tmp_path: 
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     statuses = [line["response"]["status"] for line in lines if line.get("kind") == "http"]
     assert statuses == [302, 500], lines  # no third, failed line for the first request
+
+
+@pytest.mark.parametrize(("method", "status", "followed"), [
+    ("POST", 307, "POST"), ("POST", 308, "POST"), ("PUT", 302, "PUT"), ("POST", 302, "GET"),
+    ("POST", 303, "GET"), ("PUT", 301, "PUT")])
+def test_an_aiohttp_redirect_is_followed_with_the_method_aiohttp_uses(
+        tmp_path: Path, base: str, method: str, status: int, followed: str) -> None:
+    async def go(s: aiohttp.ClientSession) -> Any:
+        async with s.request(method, f"{base}/moved/{status}", data=b"payload") as response:
+            return [h.status for h in response.history], await response.json()
+    live, recorded, replayed = _three(tmp_path / "run.jsonl", lambda: _aiohttp(go))
+    assert live == recorded == replayed, (live, recorded, replayed)
+    assert live[0] == [status] and live[1]["method"] == followed
