@@ -67,10 +67,18 @@ def decode_body(text: str, encoding: str | None) -> bytes:
 
 
 CODINGS = ("gzip", "x-gzip", "deflate", "br", "zstd")  # the content codings deja reads
+MAX_DECODED = 64 * 1024 * 1024  # bytes a compressed body is read to, at most
+ZSTD_WINDOW = 8 * 1024 * 1024  # the largest zstd window an HTTP body may ask for (RFC 9659)
 
 
 class CodingError(ValueError):
-    """A body that does not decompress as its ``content-encoding`` says."""
+    """A body that does not decompress as its ``content-encoding`` says, or that inflates
+    past the bytes it may be read to (:class:`Inflated`)."""
+
+
+class Inflated(CodingError):
+    """A compressed body that inflates past :data:`MAX_DECODED` bytes (a decompression
+    bomb, or a body too large to read): it is not read."""
 
 
 def content_coding(headers: Iterable[Sequence[str]]) -> str:
@@ -79,34 +87,63 @@ def content_coding(headers: Iterable[Sequence[str]]) -> str:
     return coding.strip().lower()
 
 
-def decompress(body: bytes, coding: str) -> bytes:
+def decompress(body: bytes, coding: str, limit: int = MAX_DECODED) -> bytes:
     """``body`` decompressed as ``coding`` (one of :data:`CODINGS`; deflate also raw, as
-    some servers send it; zstd every frame); :class:`CodingError` when it does not
-    decompress."""
+    some servers send it; zstd every frame), never past ``limit`` bytes:
+    :class:`Inflated` when it would go further, :class:`CodingError` when it does not
+    decompress. A body is untrusted input (a cassette's too): what it inflates to is
+    produced no further than the limit."""
     if coding == "br":
-        import brotli
+        out = _unbrotli(body, limit)
+    elif coding == "zstd":
+        out = _unzstd(body, limit)
+    else:
+        out = _inflate(body, coding, limit)
+    if len(out) > limit:
+        raise Inflated(f"the {coding} body inflates past {limit} bytes; it is not read")
+    return out
 
-        try:
-            return bytes(brotli.decompress(body))
-        except brotli.error as exc:
-            raise CodingError(f"not br data: {exc}") from None
-    if coding == "zstd":
-        import zstandard
 
+def _inflate(body: bytes, coding: str, limit: int) -> bytes:
+    wbits = [zlib.MAX_WBITS, -zlib.MAX_WBITS] if coding == "deflate" \
+        else [16 + zlib.MAX_WBITS]
+    error = "it ends before its data does"
+    for bits in wbits:  # deflate: zlib data, else raw deflate
+        decoder = zlib.decompressobj(bits)
         try:
-            return zstandard.ZstdDecompressor().decompressobj(read_across_frames=True) \
-                .decompress(body)
-        except zstandard.ZstdError as exc:
-            raise CodingError(f"not zstd data: {exc}") from None
+            out = decoder.decompress(body, limit + 1)
+        except zlib.error as exc:
+            error = str(exc)
+            continue
+        if decoder.eof or len(out) > limit:
+            return out
+    raise CodingError(f"not {coding} data: {error}")
+
+
+def _unbrotli(body: bytes, limit: int) -> bytes:
+    import brotli
+
     try:
-        if coding == "deflate":
-            try:
-                return zlib.decompress(body)
-            except zlib.error:
-                return zlib.decompress(body, -zlib.MAX_WBITS)
-        return zlib.decompress(body, 16 + zlib.MAX_WBITS)
-    except zlib.error as exc:
-        raise CodingError(f"not {coding} data: {exc}") from None
+        decoder = brotli.Decompressor()
+        out = bytes(decoder.process(body, output_buffer_limit=limit + 1))
+        if len(out) <= limit and not decoder.can_accept_more_data():
+            out += b"\0"  # output still pending: past the limit
+        return out
+    except brotli.error as exc:
+        raise CodingError(f"not br data: {exc}") from None
+
+
+def _unzstd(body: bytes, limit: int) -> bytes:
+    import io
+
+    import zstandard
+
+    try:
+        reader = zstandard.ZstdDecompressor(max_window_size=ZSTD_WINDOW).stream_reader(
+            io.BytesIO(body), read_across_frames=True)
+        return bytes(reader.read(limit + 1))
+    except zstandard.ZstdError as exc:
+        raise CodingError(f"not zstd data: {exc}") from None
 
 
 def compress(body: bytes, coding: str) -> bytes:

@@ -29,7 +29,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from recorder.canonical import CODINGS
+from recorder.canonical import CODINGS, ZSTD_WINDOW
 from recorder.capture.session import Timing
 from recorder.errors import ResponseTooLarge
 
@@ -176,7 +176,8 @@ class _Zstd:
     def __init__(self) -> None:
         import zstandard
 
-        self._d = zstandard.ZstdDecompressor().decompressobj(read_across_frames=True)
+        self._d = zstandard.ZstdDecompressor(max_window_size=ZSTD_WINDOW).decompressobj(
+            read_across_frames=True)
         self.error = zstandard.ZstdError
 
     def pieces(self, data: bytes) -> Iterator[bytes]:
