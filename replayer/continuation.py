@@ -37,7 +37,7 @@ from recorder.intents import Effect, Intent, Settled
 from recorder.record import RecordSession, current_body
 from replayer.replay import ReplaySession, rebuild_error
 from replayer.tool_policy import RecordedTools, Rule, ToolPolicy, ToolRule
-from replayer.under_way import UnderWay, mcp_in_flight
+from replayer.under_way import UnderWay, call_lines, mcp_in_flight
 
 log = logging.getLogger("deja.replayer")
 _NOT_COPIED = frozenset({"seq", "sig", "call"})  # of a tool line copied from another run
@@ -118,11 +118,12 @@ class ContinuationSession(RecordSession):
         # tool calls under way where the prefix (or the log a replay-then-live serves) ends,
         # with side effects made inside them
         logged = under_way_in or prefix
-        self._under_way = UnderWay(logged.observations, logged.header.get("features") or ())
-        self._tool_calls = itertools.count(self._under_way.next_number)
+        lines, next_number = call_lines(logged.observations)
+        self._under_way = UnderWay(lines, logged.header.get("features") or ())
+        self._tool_calls = itertools.count(next_number)  # a new body's id never repeats one
         # destructive MCP calls sent with no answer logged (seqs, by fingerprint), and the
         # tools that may be sent or run again when the run stopped inside them (--resend)
-        self._in_flight = mcp_in_flight(logged.observations)
+        self._in_flight = mcp_in_flight(lines)
         self.resend = frozenset(resend)
 
     consults_log = True

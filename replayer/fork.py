@@ -38,7 +38,7 @@ from replayer import continuation
 from replayer import edit as _edit
 from replayer.continuation import ContinuationSession
 from replayer.tool_policy import Rule, ToolPolicy
-from replayer.under_way import CallTree, is_side_effect, mcp_in_flight
+from replayer.under_way import CallTree, call_lines, is_side_effect, mcp_in_flight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,10 +155,11 @@ def _outside_mcp_in_flight(parent: Cassette, at: int) -> None:
     """Refuse a fork at a step recorded while a destructive MCP tool call was in flight
     (its ``sending`` line before the step, its tool line after it or never): the fork's
     prefix would hold the one and not the other."""
-    before = [o for o in parent.observations if o["seq"] < at]
-    for fp, seqs in mcp_in_flight(before).items():
-        answered = next((o["seq"] for o in parent.observations[at:]
-                         if o["kind"] == Kind.TOOL and o.get("fp") == fp), None)
+    lines = call_lines(parent.observations)[0]
+    for fp, seqs in mcp_in_flight([o for o in lines if o["seq"] < at]).items():
+        answered = next((o["seq"] for o in lines
+                         if o["seq"] >= at and o["kind"] == Kind.TOOL and o.get("fp") == fp),
+                        None)
         detail = parent.observations[seqs[0]].get("detail")
         tool = detail.get("tool") if isinstance(detail, Mapping) else None
         where = f"answered at step {answered}" if answered is not None else \
@@ -176,8 +177,9 @@ def _outside_calls_with_side_effects(parent: Cassette, at: int) -> None:
     ``tool_calls``): the fork would run that body live, and the side effect again."""
     if "tool_calls" not in (parent.header.get("features") or ()):
         return
-    tree = CallTree(parent.observations)
-    for obs in parent.observations:
+    lines = call_lines(parent.observations)[0]
+    tree = CallTree(lines)
+    for obs in lines:
         if obs["seq"] >= at:
             break
         call = tree.root(obs.get("within")) if is_side_effect(obs) else None

@@ -36,6 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from recorder.cassette.lines import Lines
 from recorder.cassette.schema import Control, Kind
 from recorder.errors import NeedsAttention
 
@@ -67,6 +68,25 @@ def is_side_effect(obs: Mapping[str, Any]) -> bool:
     mcp = obs.get("mcp")
     return obs.get("kind") == Kind.TOOL and isinstance(mcp, Mapping) \
         and mcp.get("destructive") is True
+
+
+_READ = frozenset({Kind.TOOL, Kind.INTENT, Kind.OUTCOME, Kind.CONTROL})
+
+
+def call_lines(observations: Sequence[Mapping[str, Any]]
+               ) -> tuple[list[Mapping[str, Any]], int]:
+    """The lines of a log that say anything of its tool calls (tool, intent, outcome
+    and control lines: of a loaded cassette, no other line is restored, a model line's
+    ``within`` read from its head), and the number past every call id in it."""
+    lines: list[Mapping[str, Any]]
+    if isinstance(observations, Lines):
+        heads = observations.heads
+        lines = [observations[h.seq] for h in heads if h.kind in _READ]
+        top = max((number(h.within) for h in heads), default=-1)
+    else:
+        lines = [o for o in observations if o.get("kind") in _READ]
+        top = max((number(o.get("within")) for o in observations), default=-1)
+    return lines, max([top, *(number(o.get("call")) for o in lines)]) + 1
 
 
 class CallTree:
@@ -113,15 +133,11 @@ class CallTree:
 
 
 class UnderWay:
-    """The calls under way in ``observations`` (none unless ``features`` name
+    """The calls under way in a log (its :func:`call_lines`; none unless ``features`` name
     ``tool_calls``) that had made side effects, and the bodies run again bound to them."""
 
     def __init__(self, observations: Sequence[Mapping[str, Any]],
                  features: Iterable[str]) -> None:
-        self.next_number = 0  # past every call id of the log: a new body's never repeats
-        for obs in observations:
-            self.next_number = max(self.next_number, number(obs.get("within")) + 1,
-                                   number(obs.get("call")) + 1)
         self._calls: dict[str, _Call] = {}
         self._opened: dict[int, str] = {}  # intent seq -> the call under way it opened
         self._bound: dict[str, _Call] = {}  # a body run again -> the call it stands for
