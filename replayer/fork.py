@@ -63,7 +63,7 @@ def side_effects_after(parent: Cassette, at: int) -> list[tuple[int, str]]:
     line; an MCP tool annotated destructive) the recorded run made after step ``at``:
     what the tool policy of a fork at ``at`` keeps from running live unless named."""
     return [(o["seq"], str(o.get("name") or "?")) for o in parent.observations
-            if o["seq"] > at and _side_effect(o)]
+            if o["seq"] > at and is_side_effect(o)]
 
 
 def _side_effect(obs: Mapping[str, Any]) -> bool:

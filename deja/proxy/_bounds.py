@@ -126,16 +126,15 @@ class Inflation:
                 self.parts.append(out)
 
     def _inflate(self, data: bytes) -> None:
+        self._count(self._zlib_pieces(data))
+
+    def _zlib_pieces(self, data: bytes) -> Iterator[bytes]:
+        """``data`` inflated by zlib :data:`STEP` bytes at a time (``ended`` at its end)."""
         inflater = self._inflater
         pending = data
         while True:
             out = inflater.decompress(pending, STEP)
-            self.size += len(out)
-            if self.size > self.limit:
-                self.over, self.parts = True, []
-                return
-            if self.keep and out:
-                self.parts.append(out)
+            yield out
             if inflater.eof:
                 self.ended = True
                 return

@@ -22,10 +22,11 @@ from mcp_helpers import Ledger, ledger_fixture  # noqa: F401
 
 from recorder.cassette import load
 
-AGENT = """\
+CONNECTED = """\
 import os, signal
 
 import anyio
+import recorder
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
@@ -36,6 +37,9 @@ async def run():
     async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
         await session.initialize()
         await session.list_tools()
+"""  # an agent connected to the ledger server
+
+AGENT = CONNECTED + """\
         found = await session.call_tool("lookup", {"order": "A-1"})
         print("lookup:", found.content[0].text, flush=True)
 
@@ -109,21 +113,7 @@ def test_a_refund_answered_is_served_by_a_resume(ledger: Ledger, tmp_path: Path)
     assert ledger.rows() == [("A-1", 40.0)]
 
 
-IN_A_BODY = """\
-import os, signal
-
-import anyio
-import recorder
-from mcp import ClientSession, StdioServerParameters
-from mcp.client.stdio import stdio_client
-
-
-async def run():
-    params = StdioServerParameters(command="ledger-server",
-                                   env={"LEDGER_DB": os.environ["LEDGER_DB"]})
-    async with stdio_client(params) as (read, write), ClientSession(read, write) as session:
-        await session.initialize()
-        await session.list_tools()
+IN_A_BODY = CONNECTED + """\
 
         @recorder.tool
         async def handle(order):
