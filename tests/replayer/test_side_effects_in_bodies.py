@@ -36,6 +36,7 @@ from recorder import Settled
 LEDGER = os.environ["LEDGER"]
 CRASH = os.environ.get("CRASH", "")
 SHAPE = os.environ.get("SHAPE", "plain")
+SEARCHED = asyncio.Event()
 
 
 def by_key(intent):
@@ -83,7 +84,7 @@ async def process(cart):
 
 @recorder.tool
 async def search(q):
-    await asyncio.sleep(0.1)
+    SEARCHED.set()  # its line is written before checkout, waiting on it, goes on
     return {"q": q}
 
 
@@ -95,7 +96,9 @@ async def checkout(cart):
     else:
         paid = await pay(cart + suffix)
     crash(f"after pay {cart}")
-    await asyncio.sleep(float(os.environ.get("CHECKOUT_WAIT", "0")))
+    if SHAPE == "beside" and cart == "c1":  # search's line lands while it is under way
+        await SEARCHED.wait()
+    await asyncio.sleep(0)  # a turn for the calls beside it: two checkouts interleave
     if SHAPE in ("tell", "broad"):
         await notify(f"{cart}@example.com")
         crash(f"after notify {cart}")
@@ -253,7 +256,7 @@ def test_a_fork_inside_a_tool_call_that_made_a_side_effect_is_refused(
     root, env, ledger = project
     # checkout pays, then waits; search's line lands before checkout's own
     done = deja("record", "--no-loop-guard", "-o", "run.jsonl", "--", sys.executable,
-                "agent.py", cwd=root, env={**env, "SHAPE": "beside", "CHECKOUT_WAIT": "1"})
+                "agent.py", cwd=root, env={**env, "SHAPE": "beside"})
     assert done.returncode == 0, done.stderr
     lines = [(o["kind"], o.get("name")) for o in load(root / "run.jsonl").observations]
     assert lines[:4] == [("intent", "pay"), ("outcome", "pay"), ("tool", "search"),
